@@ -1,0 +1,49 @@
+"""ckptmgr: checkpoint PyTorch training without stalling it.
+
+>>> from ckptmgr import CheckpointManager
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("ckptmgr")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.0.0+unknown"
+
+from ._handle import SaveHandle, SaveInfo
+from .errors import (
+    CheckpointCorruptError,
+    CkptError,
+    CkptTimeoutError,
+    ConfigError,
+    FormatVersionError,
+    SaveError,
+    StateMismatchError,
+    StepExistsError,
+    StepNotFoundError,
+    StorageError,
+    UnsupportedValueError,
+)
+from .manager import CheckpointManager
+from .options import WriteOptions
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointManager",
+    "CkptError",
+    "CkptTimeoutError",
+    "ConfigError",
+    "FormatVersionError",
+    "SaveError",
+    "SaveHandle",
+    "SaveInfo",
+    "StateMismatchError",
+    "StepExistsError",
+    "StepNotFoundError",
+    "StorageError",
+    "UnsupportedValueError",
+    "WriteOptions",
+    "__version__",
+]

@@ -1,0 +1,251 @@
+"""State tree <-> tensor leaves + a typed JSON skeleton.
+
+``flatten`` walks a nested training state and splits it into the tensors (stored in
+safetensors files) and a JSON skeleton that records everything else with its exact type:
+int dict keys stay ints, tuples stay tuples, ``nan`` stays ``nan``. Tensors appear in the
+skeleton as ``{"$tensor": name}``. ``unflatten`` rebuilds the tree from the skeleton and a
+name -> tensor mapping.
+
+Skeleton encoding (every tag is a one-key-plus-options JSON object, so plain JSON values
+never collide with tags):
+
+=================  ===============================================================
+Python value       JSON
+=================  ===============================================================
+None/bool/int/str  the JSON value itself
+float              the JSON number; ``{"$float": "nan" | "inf" | "-inf"}``
+list               JSON array
+tuple              ``{"$tuple": [...]}``
+dict               ``{"$dict": {...}}`` (all keys str) or ``{"$dict": [[k, v], ...]}``;
+                   ``"type": "OrderedDict"`` and ``"metadata"`` (module versions) kept
+torch.Tensor       ``{"$tensor": name}``
+numpy array        ``{"$ndarray": name}``; numpy scalar ``{"$npscalar": name}``
+torch.dtype        ``{"$dtype": "float32"}``; torch.device ``{"$device": "cuda:0"}``
+torch.Size         ``{"$size": [2, 3]}``
+Stateful object    ``{"$stateful": "module.Class", "state": <its state_dict()>}``
+anything else      refused, unless pickle is allowed: ``{"$pickle": base64}``
+=================  ===============================================================
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import CheckpointCorruptError, UnsupportedValueError
+
+__all__ = ["Leaf", "decode_plain", "encode_plain", "flatten", "is_stateful", "unflatten"]
+
+JSON = Any  # a JSON-serialisable value
+_RESERVED_NAMES = frozenset({"__metadata__"})
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One tensor found in the state."""
+
+    name: str  # unique key in the safetensors file(s)
+    path: str  # where it was found, as Python syntax: state["model"]["w"]
+    tensor: torch.Tensor
+
+
+def is_stateful(obj: object) -> bool:
+    """True for objects saved through ``state_dict()`` and restored by ``load_state_dict()``."""
+    if isinstance(obj, (torch.Tensor, dict, list, tuple, type)):
+        return False
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    return "state" + "".join(f"[{k!r}]" for k in path)
+
+
+def _tensor_name(path: tuple[Any, ...]) -> str:
+    return "/".join(str(k) for k in path) or "tensor"
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.leaves: list[Leaf] = []
+        self._names: set[str] = set()
+
+    def _add(self, path: tuple[Any, ...], tensor: torch.Tensor) -> str:
+        base = _tensor_name(path)
+        name, n = base, 0
+        while name in self._names or name in _RESERVED_NAMES:
+            n += 1
+            name = f"{base}~{n}"
+        self._names.add(name)
+        self.leaves.append(Leaf(name, _path_str(path), tensor))
+        return name
+
+    def encode(self, value: Any, path: tuple[Any, ...], *, tensors: bool = True) -> JSON:
+        t = type(value)
+        if value is None or t is bool or t is int or t is str:
+            return value
+        if t is float:
+            return value if math.isfinite(value) else {"$float": repr(value)}
+        if t is list:
+            return [self.encode(v, (*path, i), tensors=tensors) for i, v in enumerate(value)]
+        if t is tuple:
+            return {"$tuple": [self.encode(v, (*path, i), tensors=tensors) for i, v in enumerate(value)]}
+        if t is dict or t is OrderedDict:
+            return self._encode_dict(value, path, tensors)
+        if isinstance(value, torch.dtype):
+            return {"$dtype": str(value).removeprefix("torch.")}
+        if isinstance(value, torch.device):
+            return {"$device": str(value)}
+        if t is torch.Size:
+            return {"$size": list(value)}
+        if tensors and isinstance(value, torch.Tensor) and t in (torch.Tensor, torch.nn.Parameter):
+            return {"$tensor": self._add(path, self._check_tensor(value, path))}
+        if tensors and isinstance(value, np.ndarray):
+            return {"$ndarray": self._add(path, self._from_numpy(value, path))}
+        if tensors and isinstance(value, np.generic):
+            return {"$npscalar": self._add(path, self._from_numpy(np.asarray(value), path))}
+        if tensors and is_stateful(value):
+            cls = f"{t.__module__}.{t.__qualname__}"
+            return {"$stateful": cls, "state": self.encode(value.state_dict(), path)}
+        if self.allow_pickle:
+            try:
+                data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                raise UnsupportedValueError(_path_str(path), f"cannot be pickled: {exc}") from exc
+            return {"$pickle": base64.b64encode(data).decode("ascii")}
+        what = f"a {t.__module__}.{t.__qualname__}"
+        if isinstance(value, torch.Tensor):
+            what = f"the tensor subclass {t.__qualname__}"
+        raise UnsupportedValueError(
+            _path_str(path),
+            f"{what} cannot be stored without pickle. Convert it to supported types "
+            "(tensors, numpy arrays, str/int/float/bool/None, lists, tuples, dicts, "
+            "torch.dtype/device/Size, objects with state_dict()/load_state_dict()), "
+            "or pass allow_pickle=True to CheckpointManager if you trust every reader.",
+        )
+
+    def _encode_dict(self, value: dict[Any, Any], path: tuple[Any, ...], tensors: bool) -> JSON:
+        if all(type(k) is str for k in value):
+            body: JSON = {k: self.encode(v, (*path, k), tensors=tensors) for k, v in value.items()}
+        else:
+            body = [
+                [self.encode(k, (*path, k), tensors=False), self.encode(v, (*path, k), tensors=tensors)]
+                for k, v in value.items()
+            ]
+        out: dict[str, JSON] = {"$dict": body}
+        if type(value) is OrderedDict:
+            out["type"] = "OrderedDict"
+            meta = getattr(value, "_metadata", None)
+            if meta is not None:
+                out["metadata"] = self.encode(meta, (*path, "_metadata"), tensors=False)
+        return out
+
+    def _check_tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+        if t.is_sparse or t.layout != torch.strided:
+            raise UnsupportedValueError(
+                _path_str(path), f"tensors of layout {t.layout} are not supported; store t.to_dense()")
+        if t.is_quantized:
+            raise UnsupportedValueError(
+                _path_str(path), "quantized tensors are not supported; store t.dequantize() or t.int_repr()")
+        if t.device.type == "meta":
+            raise UnsupportedValueError(_path_str(path), "a tensor on the meta device has no data to save")
+        return t.detach()
+
+    def _from_numpy(self, a: np.ndarray[Any, Any], path: tuple[Any, ...]) -> torch.Tensor:
+        try:
+            return torch.from_numpy(np.ascontiguousarray(a))
+        except TypeError as exc:
+            raise UnsupportedValueError(_path_str(path), f"numpy dtype {a.dtype} has no torch equivalent") from exc
+
+
+def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[JSON, list[Leaf]]:
+    """Split ``state`` into a JSON skeleton and its tensor leaves.
+
+    Raises:
+        UnsupportedValueError: a value cannot be stored; the message names its path.
+    """
+    f = _Flattener(allow_pickle)
+    skeleton = f.encode(state, ())
+    return skeleton, f.leaves
+
+
+def encode_plain(value: Any, *, what: str = "metadata") -> JSON:
+    """Encode a tensor-free value (user metadata) with the skeleton's typed JSON."""
+    f = _Flattener(allow_pickle=False)
+    try:
+        return f.encode(value, (), tensors=False)
+    except UnsupportedValueError as exc:
+        raise UnsupportedValueError(exc.path.replace("state", what, 1), str(exc).split(": ", 1)[1]) from None
+
+
+def decode_plain(skeleton: JSON) -> Any:
+    """Decode a tensor-free skeleton (user metadata)."""
+    return unflatten(skeleton, {}, allow_pickle=False)
+
+
+def unflatten(skeleton: JSON, tensors: dict[str, torch.Tensor], *, allow_pickle: bool) -> Any:
+    """Rebuild the state tree. Stateful objects come back as their state dicts.
+
+    Raises:
+        CheckpointCorruptError: the skeleton is malformed or names a missing tensor.
+    """
+
+    def dec(node: JSON) -> Any:
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if isinstance(node, list):
+            return [dec(v) for v in node]
+        if not isinstance(node, dict) or not node:
+            raise CheckpointCorruptError(f"malformed state skeleton node: {node!r:.80}")
+        tag = next(iter(node))
+        val = node[tag]
+        if tag == "$dict":
+            items = val.items() if isinstance(val, dict) else ((dec(k), v) for k, v in val)
+            out: dict[Any, Any] = OrderedDict() if node.get("type") == "OrderedDict" else {}
+            for k, v in items:
+                out[k] = dec(v)
+            if "metadata" in node:
+                out._metadata = dec(node["metadata"])  # type: ignore[attr-defined]
+            return out
+        if tag == "$tuple":
+            return tuple(dec(v) for v in val)
+        if tag == "$float":
+            return float(val)
+        if tag in ("$tensor", "$ndarray", "$npscalar"):
+            if val not in tensors:
+                raise CheckpointCorruptError(f"the skeleton names tensor {val!r}, which the checkpoint lacks")
+            t = tensors[val]
+            if tag == "$tensor":
+                return t
+            arr = t.cpu().numpy()
+            return arr[()] if tag == "$npscalar" else arr
+        if tag == "$dtype":
+            dtype = getattr(torch, str(val), None)
+            if not isinstance(dtype, torch.dtype):
+                raise CheckpointCorruptError(f"unknown dtype {val!r} in the state skeleton")
+            return dtype
+        if tag == "$device":
+            return torch.device(val)
+        if tag == "$size":
+            return torch.Size(val)
+        if tag == "$stateful":
+            return dec(node["state"])
+        if tag == "$pickle":
+            if not allow_pickle:
+                raise CheckpointCorruptError(
+                    "this checkpoint holds pickled values; loading them can run arbitrary code. "
+                    "Pass allow_pickle=True to CheckpointManager only if you trust its writer."
+                )
+            return pickle.loads(base64.b64decode(val))
+        raise CheckpointCorruptError(f"unknown skeleton tag {tag!r}")
+
+    return dec(skeleton)

@@ -1,0 +1,256 @@
+"""Tensor leaves -> a safetensors file plan: names, dtypes, shapes, offsets, header bytes.
+
+Rules (docs/FORMAT.md):
+
+* the JSON header is padded with spaces so the data region starts on a 4096-byte boundary;
+* tensors are laid out by descending alignment (the dtype's item size), so each one is
+  naturally aligned in the file and in memory mapped at a page boundary; no gaps;
+* tensors that share storage (tied weights, views) are stored once. When all of them are
+  the same tensor, or one contiguous member covers the others, that member is stored and the
+  rest become *views* of it; otherwise the spanned bytes of the storage are stored as one
+  ``U8`` tensor and every member is a view into it;
+* a state larger than ``max_file_bytes`` is split into several files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._flatten import Leaf
+from .errors import UnsupportedValueError
+
+__all__ = [
+    "DATA_ALIGN",
+    "DTYPE_TO_ST",
+    "ST_TO_DTYPE",
+    "FilePlan",
+    "Plan",
+    "StoredTensor",
+    "ViewEntry",
+    "contiguous_stride",
+    "file_name",
+    "header_bytes",
+    "plan_layout",
+]
+
+DATA_ALIGN = 4096
+DTYPE_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.complex64: "C64",
+}
+ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
+
+
+def file_name(index: int) -> str:
+    """Name of the ``index``-th data file of a checkpoint."""
+    return f"data-{index:05d}.safetensors"
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor written to a file: ``source``'s bytes land at ``[begin, end)`` of the data."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    source: torch.Tensor = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class ViewEntry:
+    """A tensor restored as a view into a stored tensor's bytes (aliasing kept)."""
+
+    name: str
+    base: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    byte_offset: int
+
+
+@dataclass
+class FilePlan:
+    name: str
+    header: bytes
+    tensors: list[StoredTensor]
+
+    @property
+    def data_size(self) -> int:
+        return self.tensors[-1].end if self.tensors else 0
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.data_size
+
+
+@dataclass
+class Plan:
+    files: list[FilePlan]
+    views: list[ViewEntry]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def tensor_index(self) -> dict[str, dict[str, Any]]:
+        """The manifest's tensor index: where each tensor lives, by name."""
+        index: dict[str, dict[str, Any]] = {}
+        for f in self.files:
+            for t in f.tensors:
+                index[t.name] = {"file": f.name, "dtype": t.dtype, "shape": list(t.shape),
+                                 "offsets": [t.begin, t.end]}
+        for v in self.views:
+            index[v.name] = {"view_of": v.base, "dtype": v.dtype, "shape": list(v.shape),
+                             "stride": list(v.stride), "byte_offset": v.byte_offset}
+        return index
+
+
+def header_bytes(tensors: list[StoredTensor], metadata: dict[str, str]) -> bytes:
+    """The 8-byte length + JSON header, space-padded so that data starts at DATA_ALIGN."""
+    obj: dict[str, Any] = {"__metadata__": metadata}
+    for t in tensors:
+        obj[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
+    raw = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    total = -(-(8 + len(raw)) // DATA_ALIGN) * DATA_ALIGN
+    n = total - 8
+    return n.to_bytes(8, "little") + raw + b" " * (n - len(raw))
+
+
+def _st_dtype(leaf: Leaf) -> str:
+    try:
+        return DTYPE_TO_ST[leaf.tensor.dtype]
+    except KeyError:
+        raise UnsupportedValueError(
+            leaf.path, f"dtype {leaf.tensor.dtype} is not supported by the safetensors format; "
+            f"convert it first (supported: {', '.join(str(d) for d in DTYPE_TO_ST)})"
+        ) from None
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    start = int(t.storage_offset()) * t.element_size()
+    extent = 1 + sum((int(s) - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + extent * t.element_size()
+
+
+@dataclass
+class _Entry:  # a tensor to store, before offsets are known
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    align: int
+    source: torch.Tensor
+
+
+def _resolve_aliases(leaves: list[Leaf]) -> tuple[list[_Entry], list[ViewEntry]]:
+    groups: dict[tuple[str, int], list[Leaf]] = defaultdict(list)
+    entries: list[_Entry] = []
+    views: list[ViewEntry] = []
+    for leaf in leaves:
+        _st_dtype(leaf)
+        t = leaf.tensor
+        if t.numel() == 0:
+            entries.append(_Entry(leaf.name, _st_dtype(leaf), tuple(t.shape), 0, t.element_size(), t))
+        else:
+            groups[(str(t.device), t.untyped_storage().data_ptr())].append(leaf)
+
+    for members in groups.values():
+        first = members[0].tensor
+        if len(members) == 1:
+            entries.append(_Entry(members[0].name, _st_dtype(members[0]), tuple(first.shape),
+                                  first.numel() * first.element_size(), first.element_size(), first))
+            continue
+        sig = (first.storage_offset(), tuple(first.shape), first.stride(), first.dtype)
+        if all((m.tensor.storage_offset(), tuple(m.tensor.shape), m.tensor.stride(), m.tensor.dtype) == sig
+               for m in members):
+            # The same tensor reached twice (tied weights): store it once, alias the rest.
+            entries.append(_Entry(members[0].name, _st_dtype(members[0]), tuple(first.shape),
+                                  first.numel() * first.element_size(), first.element_size(), first))
+            for m in members[1:]:
+                views.append(ViewEntry(m.name, members[0].name, _st_dtype(m), tuple(first.shape),
+                                       contiguous_stride(tuple(first.shape)), 0))
+            continue
+        ranges = [_byte_range(m.tensor) for m in members]
+        lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
+        cover = next((m for m, r in zip(members, ranges, strict=True)
+                      if r == (lo, hi) and m.tensor.is_contiguous()), None)
+        if cover is not None:
+            base_name = cover.name
+            ct = cover.tensor
+            entries.append(_Entry(cover.name, _st_dtype(cover), tuple(ct.shape), hi - lo,
+                                  ct.element_size(), ct))
+        else:
+            align = max(m.tensor.element_size() for m in members)
+            nbytes_storage = first.untyped_storage().nbytes()
+            lo = lo // align * align
+            hi = min(-(-hi // align) * align, nbytes_storage)
+            base_name = f"{members[0].name}~storage"
+            span = torch.empty(0, dtype=torch.uint8, device=first.device)
+            span.set_(first.untyped_storage(), lo, (hi - lo,), (1,))
+            entries.append(_Entry(base_name, "U8", (hi - lo,), hi - lo,
+                                  align if (hi - lo) % align == 0 else 1, span))
+        for m, r in zip(members, ranges, strict=True):
+            if cover is not None and m is cover:
+                continue
+            views.append(ViewEntry(m.name, base_name, _st_dtype(m), tuple(m.tensor.shape),
+                                   tuple(m.tensor.stride()), r[0] - lo))
+    return entries, views
+
+
+def plan_layout(leaves: list[Leaf], *, max_file_bytes: int, metadata: dict[str, str]) -> Plan:
+    """Lay the leaves out in one or more safetensors files.
+
+    Raises:
+        UnsupportedValueError: a tensor's dtype has no safetensors equivalent.
+    """
+    entries, views = _resolve_aliases(leaves)
+    # Descending alignment keeps every tensor naturally aligned; ties keep state order.
+    order = sorted(range(len(entries)), key=lambda i: (-entries[i].align, i))
+    files: list[list[_Entry]] = [[]]
+    size = 0
+    for i in order:
+        e = entries[i]
+        if files[-1] and size + e.nbytes > max_file_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(e)
+        size += e.nbytes
+    plans = []
+    for idx, group in enumerate(files):
+        stored, off = [], 0
+        for e in group:
+            stored.append(StoredTensor(e.name, e.dtype, e.shape, off, off + e.nbytes, e.source))
+            off += e.nbytes
+        plans.append(FilePlan(file_name(idx), header_bytes(stored, metadata), stored))
+    return Plan(plans, views)

@@ -1,0 +1,108 @@
+"""Restore into an existing target: check everything first, then copy in place.
+
+``apply_target`` compares the checkpoint tree with the target tree (Stateful objects are
+compared through their current ``state_dict()``), collects *every* difference, and raises
+``StateMismatchError`` before touching anything. Only then does it copy tensors into the
+target's existing tensors and call ``load_state_dict`` on Stateful objects.
+
+An empty dict or list in the target accepts whatever the checkpoint holds there: optimizer
+state is created lazily, so a fresh optimizer's ``state`` is ``{}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._flatten import is_stateful
+from .errors import StateMismatchError
+
+__all__ = ["apply_target"]
+
+
+def _p(path: tuple[Any, ...]) -> str:
+    return "state" + "".join(f"[{k!r}]" for k in path)
+
+
+class _Applier:
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.actions: list[Callable[[], None]] = []
+
+    def walk(self, target: Any, ckpt: Any, path: tuple[Any, ...], apply: bool = True) -> Any:
+        """Check ``ckpt`` against ``target``; queue the copies; return the result node."""
+        if is_stateful(target):
+            # Check against what the object holds now; load_state_dict does the copying.
+            self.walk(target.state_dict(), ckpt, path, apply=False)
+            if apply:
+                self.actions.append(lambda: target.load_state_dict(ckpt))
+            return target
+        if isinstance(target, torch.Tensor):
+            if not isinstance(ckpt, torch.Tensor):
+                self.problems.append(f"{_p(path)}: the target holds a tensor, the checkpoint a {type(ckpt).__name__}")
+            elif ckpt.shape != target.shape or ckpt.dtype != target.dtype:
+                self.problems.append(
+                    f"{_p(path)}: the target is {target.dtype} {list(target.shape)}, "
+                    f"the checkpoint {ckpt.dtype} {list(ckpt.shape)}"
+                )
+            elif apply:
+                self.actions.append(lambda: _copy(target, ckpt))
+            return target
+        if isinstance(target, np.ndarray) and isinstance(ckpt, np.ndarray):
+            if target.shape != ckpt.shape or target.dtype != ckpt.dtype:
+                self.problems.append(f"{_p(path)}: the target is {target.dtype} {list(target.shape)}, "
+                                     f"the checkpoint {ckpt.dtype} {list(ckpt.shape)}")
+            elif apply and target.flags.writeable:
+                self.actions.append(lambda: np.copyto(target, ckpt))
+                return target
+            return ckpt
+        if isinstance(target, dict):
+            if not isinstance(ckpt, dict):
+                self.problems.append(f"{_p(path)}: the target holds a dict, the checkpoint a {type(ckpt).__name__}")
+                return target
+            if not target:
+                return ckpt
+            missing = [k for k in target if k not in ckpt]
+            unexpected = [k for k in ckpt if k not in target]
+            self.problems += [f"{_p((*path, k))}: missing from the checkpoint" for k in missing]
+            self.problems += [f"{_p((*path, k))}: in the checkpoint but not in the target" for k in unexpected]
+            out = type(ckpt)() if isinstance(ckpt, dict) else {}
+            for k, v in ckpt.items():
+                out[k] = self.walk(target[k], v, (*path, k), apply) if k in target else v
+            return out
+        if isinstance(target, (list, tuple)):
+            if not isinstance(ckpt, (list, tuple)):
+                self.problems.append(f"{_p(path)}: the target holds a {type(target).__name__}, "
+                                     f"the checkpoint a {type(ckpt).__name__}")
+                return target
+            if not target:
+                return ckpt
+            if len(target) != len(ckpt):
+                self.problems.append(f"{_p(path)}: the target has {len(target)} items, the checkpoint {len(ckpt)}")
+                return target
+            items = [self.walk(t, c, (*path, i), apply) for i, (t, c) in enumerate(zip(target, ckpt, strict=True))]
+            return type(ckpt)(items) if type(ckpt) in (list, tuple) else items
+        return ckpt  # a plain leaf: the checkpoint's value
+
+
+@torch.no_grad()
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+def apply_target(target: Any, ckpt: Any) -> Any:
+    """Copy the checkpoint tree into ``target``; return the target-shaped result tree.
+
+    Raises:
+        StateMismatchError: listing every difference; nothing has been modified.
+    """
+    a = _Applier()
+    result = a.walk(target, ckpt, ())
+    if a.problems:
+        raise StateMismatchError(a.problems)
+    for act in a.actions:
+        act()
+    return result

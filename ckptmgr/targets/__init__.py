@@ -1,0 +1,46 @@
+"""Storage targets: where checkpoints are written, committed, listed, read and deleted.
+
+``open_target(root, storage_options)`` picks the backend: a local or NFS path (POSIX,
+rename commit) or any other fsspec URL (manifest-last commit).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError, StorageError
+from ._base import StepWriter, Target
+
+__all__ = ["StepWriter", "Target", "open_target"]
+
+
+def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
+                io_threads: int = 8) -> Target:
+    """Resolve ``root`` (a path or fsspec URL) to a storage target.
+
+    Raises:
+        ConfigError: unknown protocol or bad storage options.
+        StorageError: the root exists but cannot be used.
+    """
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    if not isinstance(root, str) or not root:
+        raise ConfigError(f"root must be a non-empty path or URL string, got {root!r}")
+    try:
+        fs, path = fsspec.core.url_to_fs(root, **(storage_options or {}))
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"cannot open checkpoint root {root!r}: {exc}") from exc
+    except TypeError as exc:
+        raise ConfigError(f"bad storage_options for {root!r}: {exc}") from exc
+    except OSError as exc:
+        raise StorageError(f"cannot open checkpoint root {root!r}: {exc}") from exc
+    if isinstance(fs, LocalFileSystem):
+        if storage_options:
+            raise ConfigError(f"storage_options {sorted(storage_options)} have no meaning for the local root {root!r}")
+        from .local import LocalTarget
+
+        return LocalTarget(path, io_threads=io_threads)
+    from .fsspec import FsspecTarget
+
+    return FsspecTarget(fs, path, url=root, io_threads=io_threads)

@@ -1,0 +1,68 @@
+"""The storage target interface.
+
+A :class:`Target` is used by the manager in this order:
+
+1. ``list_steps()`` and ``cleanup()`` at start-up, from the caller's thread;
+2. per save, on the persist thread: ``begin(step)`` returns a :class:`StepWriter`, then
+   ``write_file(...)`` once per data file (the target may fan each write out over its own
+   I/O threads), then ``commit(manifest)``; on any failure ``abort()``. The buffers passed to
+   ``write_file`` belong to the caller and must not be used after it returns;
+3. ``read_manifest``/``file_size``/``read_into`` for restore, from any thread;
+4. ``delete(step)`` from the deleter, never for a step being written or read;
+5. ``close()`` once, after everything else.
+
+``commit`` is the only operation that makes a step visible to ``list_steps``.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = ["StepWriter", "Target"]
+
+
+class StepWriter(Protocol):
+    """Writes the files of one step, then commits or aborts it."""
+
+    def write_file(self, name: str, data: np.ndarray[Any, Any], chunk_size: int) -> tuple[str, ...]:
+        """Write ``data`` (contiguous uint8) as file ``name``; return per-chunk CRC32C hex."""
+
+    def commit(self, manifest: bytes) -> None:
+        """Make the step visible, atomically. Raises StepExistsError if it already is."""
+
+    def abort(self) -> None:
+        """Remove whatever was written. Never raises."""
+
+
+class Target(Protocol):
+    """A checkpoint root on some storage."""
+
+    url: str
+    io_pool: ThreadPoolExecutor  # shared I/O threads; never submit to it from its own tasks
+
+    def list_steps(self) -> list[int]:
+        """Committed steps, ascending, read fresh from the storage (no stale cache)."""
+
+    def cleanup(self) -> list[str]:
+        """Remove our own leftovers of interrupted saves and deletes; return what was removed."""
+
+    def begin(self, step: int) -> StepWriter:
+        """Start writing ``step``."""
+
+    def read_manifest(self, step: int) -> bytes:
+        """The manifest of a committed step. Raises StepNotFoundError."""
+
+    def file_size(self, step: int, name: str) -> int:
+        """Size of a data file of ``step``. Raises FileNotFoundError."""
+
+    def read_into(self, step: int, name: str, offset: int, out: np.ndarray[Any, Any]) -> None:
+        """Fill ``out`` (uint8) with the file's bytes from ``offset``. Raises on short reads."""
+
+    def delete(self, step: int) -> None:
+        """Delete a committed step: the manifest first, then the rest."""
+
+    def close(self) -> None:
+        """Release threads and connections."""

@@ -1,0 +1,136 @@
+"""Any fsspec filesystem: files written in place, ``manifest.json`` written last as the commit.
+
+Object stores have no atomic directory rename, so a step's files go straight to
+``<root>/step_<n>/`` and the step exists only once its manifest does. A step prefix without
+a manifest is an interrupted save (or delete) and is removed at the next start.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .._checksum import chunk_ranges, crc32c_hex
+from .._discovery import parse_step_name, step_name
+from .._manifest import MANIFEST_NAME
+from ..errors import CheckpointCorruptError, StepExistsError, StepNotFoundError, StorageError
+
+__all__ = ["FsspecTarget"]
+
+
+class _FsspecStepWriter:
+    def __init__(self, target: FsspecTarget, step: int) -> None:
+        self.target = target
+        self.step = step
+        self.dir = target._step_dir(step)
+        fs = target.fs
+        if fs.exists(posixpath.join(self.dir, MANIFEST_NAME)):
+            raise StepExistsError(f"step {step} is already committed at {target.url}")
+        if fs.exists(self.dir):  # leftovers of an interrupted save of this step
+            fs.rm(self.dir, recursive=True)
+        fs.makedirs(self.dir, exist_ok=True)
+
+    def write_file(self, name: str, data: np.ndarray[Any, Any], chunk_size: int) -> tuple[str, ...]:
+        crcs = []
+        with self.target.fs.open(posixpath.join(self.dir, name), "wb") as f:
+            for b, e in chunk_ranges(data.size, chunk_size):
+                chunk = data[b:e]
+                f.write(memoryview(chunk))  # type: ignore[arg-type]
+                crcs.append(crc32c_hex(chunk))
+        return tuple(crcs)
+
+    def commit(self, manifest: bytes) -> None:
+        path = posixpath.join(self.dir, MANIFEST_NAME)
+        if self.target.fs.exists(path):
+            raise StepExistsError(f"step {self.step} is already committed at {self.target.url}")
+        self.target.fs.pipe_file(path, manifest)
+
+    def abort(self) -> None:
+        try:
+            self.target.fs.rm(self.dir, recursive=True)
+        except Exception:
+            pass  # garbage without a manifest; removed at the next start
+
+
+class FsspecTarget:
+    """A checkpoint root on any fsspec filesystem (object stores, memory, ...)."""
+
+    def __init__(self, fs: Any, path: str, *, url: str, io_threads: int = 8) -> None:
+        self.fs = fs
+        self.path = path.rstrip("/")
+        self.url = url
+        try:
+            fs.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot use checkpoint root {url!r}: {exc}") from exc
+        self.io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckptmgr-io")
+
+    def _step_dir(self, step: int) -> str:
+        return posixpath.join(self.path, step_name(step))
+
+    def _entries(self) -> dict[int, bool]:
+        """step -> has a manifest, for every step-named entry, listed without caches."""
+        self.fs.invalidate_cache(self.path)
+        try:
+            found = self.fs.find(self.path, maxdepth=2, withdirs=True)
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise StorageError(f"cannot list checkpoint root {self.url!r}: {exc}") from exc
+        out: dict[int, bool] = {}
+        prefix = self.path + "/"
+        for p in found:
+            rel = p.removeprefix(prefix).split("/")
+            step = parse_step_name(rel[0])
+            if step is not None:
+                out[step] = out.get(step, False) or rel[1:] == [MANIFEST_NAME]
+        return out
+
+    def list_steps(self) -> list[int]:
+        return sorted(s for s, committed in self._entries().items() if committed)
+
+    def cleanup(self) -> list[str]:
+        removed = []
+        for step, committed in self._entries().items():
+            if not committed:
+                d = self._step_dir(step)
+                try:
+                    self.fs.rm(d, recursive=True)
+                    removed.append(d)
+                except FileNotFoundError:
+                    pass
+        return removed
+
+    def begin(self, step: int) -> _FsspecStepWriter:
+        return _FsspecStepWriter(self, step)
+
+    def read_manifest(self, step: int) -> bytes:
+        try:
+            data: bytes = self.fs.cat_file(posixpath.join(self._step_dir(step), MANIFEST_NAME))
+        except FileNotFoundError:
+            raise StepNotFoundError(f"step {step} is not committed under {self.url}") from None
+        return data
+
+    def file_size(self, step: int, name: str) -> int:
+        return int(self.fs.size(posixpath.join(self._step_dir(step), name)))
+
+    def read_into(self, step: int, name: str, offset: int, out: np.ndarray[Any, Any]) -> None:
+        path = posixpath.join(self._step_dir(step), name)
+        data = self.fs.cat_file(path, start=offset, end=offset + out.size)
+        if len(data) != out.size:
+            raise CheckpointCorruptError(f"{path} ended early, at byte {offset + len(data)}")
+        out[:] = np.frombuffer(data, dtype=np.uint8)
+
+    def delete(self, step: int) -> None:
+        d = self._step_dir(step)
+        try:
+            self.fs.rm_file(posixpath.join(d, MANIFEST_NAME))
+        except FileNotFoundError:
+            pass
+        self.fs.rm(d, recursive=True)
+
+    def close(self) -> None:
+        self.io_pool.shutdown(wait=True)

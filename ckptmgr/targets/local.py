@@ -1,0 +1,169 @@
+"""Local and NFS target: POSIX files, parallel pwrite, fsync, atomic directory rename.
+
+A save writes ``.step_<n>.tmp-<hex>/`` beside the destination (never the system temp
+directory, so the rename never crosses filesystems), fsyncs every file and the directory,
+writes ``manifest.json`` inside it, and renames the directory to ``step_<n>/``. A crash at
+any moment leaves either the old state or the new step, plus a temporary that the next
+start removes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .._checksum import chunk_ranges, crc32c_hex
+from .._discovery import is_temp_name, parse_step_name, step_name, temp_name
+from .._manifest import MANIFEST_NAME
+from ..errors import CheckpointCorruptError, StepExistsError, StepNotFoundError, StorageError
+
+__all__ = ["LocalTarget"]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, data: np.ndarray[Any, Any], offset: int) -> None:
+    view = memoryview(data)  # type: ignore[arg-type]
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+class _LocalStepWriter:
+    def __init__(self, target: LocalTarget, step: int) -> None:
+        self.target = target
+        self.step = step
+        self.final = os.path.join(target.path, step_name(step))
+        self.tmp = os.path.join(target.path, temp_name(step))
+        if os.path.exists(self.final):
+            raise StepExistsError(f"step {step} is already committed at {self.final}")
+        os.mkdir(self.tmp)
+
+    def write_file(self, name: str, data: np.ndarray[Any, Any], chunk_size: int) -> tuple[str, ...]:
+        path = os.path.join(self.tmp, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            if data.size:
+                os.ftruncate(fd, data.size)
+
+            def task(r: tuple[int, int]) -> str:
+                chunk = data[r[0]:r[1]]
+                _pwrite_all(fd, chunk, r[0])
+                return crc32c_hex(chunk)
+
+            crcs = tuple(self.target.io_pool.map(task, chunk_ranges(data.size, chunk_size)))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return crcs
+
+    def commit(self, manifest: bytes) -> None:
+        path = os.path.join(self.tmp, MANIFEST_NAME)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _pwrite_all(fd, np.frombuffer(manifest, dtype=np.uint8), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(self.tmp)
+        if os.path.exists(self.final):
+            raise StepExistsError(f"step {self.step} is already committed at {self.final}")
+        os.rename(self.tmp, self.final)
+        _fsync_dir(self.target.path)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class LocalTarget:
+    """A checkpoint root on a local or network (NFS) filesystem."""
+
+    def __init__(self, path: str, *, io_threads: int = 8) -> None:
+        self.path = os.path.abspath(path)
+        self.url = self.path
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except FileExistsError:
+            raise StorageError(f"checkpoint root {self.path!r} exists and is not a directory") from None
+        except OSError as exc:
+            raise StorageError(f"cannot create checkpoint root {self.path!r}: {exc.strerror}") from exc
+        if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
+            raise StorageError(f"checkpoint root {self.path!r} is not readable and writable by this process")
+        self.io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckptmgr-io")
+
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.path, step_name(step))
+
+    def list_steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.path)
+        except OSError as exc:
+            raise StorageError(f"cannot list checkpoint root {self.path!r}: {exc.strerror}") from exc
+        steps = []
+        for name in names:
+            step = parse_step_name(name)
+            if step is not None and os.path.isfile(os.path.join(self.path, name, MANIFEST_NAME)):
+                steps.append(step)
+        return sorted(steps)
+
+    def cleanup(self) -> list[str]:
+        removed = []
+        for name in os.listdir(self.path):
+            full = os.path.join(self.path, name)
+            step = parse_step_name(name)
+            stale = is_temp_name(name) or (
+                step is not None and not os.path.exists(os.path.join(full, MANIFEST_NAME))
+            )
+            if stale and os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full, ignore_errors=True)
+                removed.append(full)
+        return removed
+
+    def begin(self, step: int) -> _LocalStepWriter:
+        return _LocalStepWriter(self, step)
+
+    def read_manifest(self, step: int) -> bytes:
+        path = os.path.join(self._step_dir(step), MANIFEST_NAME)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise StepNotFoundError(f"step {step} is not committed under {self.path}") from None
+
+    def file_size(self, step: int, name: str) -> int:
+        return os.stat(os.path.join(self._step_dir(step), name)).st_size
+
+    def read_into(self, step: int, name: str, offset: int, out: np.ndarray[Any, Any]) -> None:
+        path = os.path.join(self._step_dir(step), name)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            view = memoryview(out)  # type: ignore[arg-type]
+            while view:
+                n = os.preadv(fd, [view], offset)
+                if n == 0:
+                    raise CheckpointCorruptError(f"{path} ended early, at byte {offset}")
+                view, offset = view[n:], offset + n
+        finally:
+            os.close(fd)
+
+    def delete(self, step: int) -> None:
+        d = self._step_dir(step)
+        try:
+            os.unlink(os.path.join(d, MANIFEST_NAME))
+        except FileNotFoundError:
+            pass
+        _fsync_dir(d)
+        shutil.rmtree(d)
+
+    def close(self) -> None:
+        self.io_pool.shutdown(wait=True)
