@@ -13,7 +13,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "chunk_ranges", "crc32c_hex"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "chunk_ranges", "crc32c_hex", "crc32c_hex_pieces"]
 
 DEFAULT_CHUNK_SIZE = 16 << 20
 
@@ -21,6 +21,14 @@ DEFAULT_CHUNK_SIZE = 16 << 20
 def crc32c_hex(data: np.ndarray[Any, Any]) -> str:
     """CRC32C of a contiguous uint8 numpy array, as 8 hex digits. Releases the GIL."""
     return f"{google_crc32c.value(data):08x}"
+
+
+def crc32c_hex_pieces(pieces: list[np.ndarray[Any, Any]]) -> str:
+    """CRC32C of the concatenation of several contiguous uint8 arrays."""
+    crc = 0
+    for p in pieces:
+        crc = google_crc32c.extend(crc, p)
+    return f"{crc:08x}"
 
 
 def chunk_ranges(size: int, chunk_size: int) -> list[tuple[int, int]]:

@@ -162,7 +162,7 @@ class _Flattener:
 
     def _from_numpy(self, a: np.ndarray[Any, Any], path: tuple[Any, ...]) -> torch.Tensor:
         try:
-            return torch.from_numpy(np.ascontiguousarray(a))
+            return torch.from_numpy(a if a.flags.c_contiguous else a.copy(order="C"))
         except TypeError as exc:
             raise UnsupportedValueError(_path_str(path), f"numpy dtype {a.dtype} has no torch equivalent") from exc
 

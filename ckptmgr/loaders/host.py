@@ -1,8 +1,11 @@
-"""Host loader: parallel chunked reads into host memory, CRC32C-verified as they land.
+"""Host loader: scatter reads straight into each tensor's own memory, verified as they land.
 
-Each file is read into one host buffer by chunk-sized tasks on the target's I/O threads;
-every task checks its chunk's checksum, so verification runs in parallel with the reads.
-Tensors are views into those buffers (no second copy); aliased tensors come back aliased.
+Every stored tensor gets its own host allocation, and each checksum chunk of a file is read
+by one task on the target's I/O threads with a scatter read (``preadv``) into the pieces of
+the tensors it covers; the task then checks the chunk's CRC32C over those pieces. So the
+bytes are copied once, verification runs in parallel with the reads, and a restored tensor
+owns its storage (it does not pin a whole file image in memory). Aliased tensors come back
+aliased: views are rebuilt on top of their (moved) bases.
 """
 
 from __future__ import annotations
@@ -10,56 +13,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
-from .._checksum import chunk_ranges, crc32c_hex
+from .._checksum import chunk_ranges, crc32c_hex_pieces
 from .._layout import ST_TO_DTYPE
-from .._manifest import FileRecord, Manifest
+from .._manifest import Manifest
 from ..errors import CheckpointCorruptError
 from ..targets import Target
 
-__all__ = ["assemble", "read_file_image", "read_tensors"]
+__all__ = ["read_tensors"]
 
-
-def read_file_image(
-    target: Target, step: int, name: str, rec: FileRecord, *, verify: bool
-) -> torch.Tensor:
-    """Read one data file into a host uint8 tensor, verifying each chunk."""
-    where = f"{target.url}: step {step}, file {name}"
-    try:
-        size = target.file_size(step, name)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"{where} is missing") from None
-    if size != rec.size:
-        raise CheckpointCorruptError(
-            f"{where} has {size} bytes; the manifest says {rec.size} (truncated or overwritten)")
-    image = torch.empty(rec.size, dtype=torch.uint8)
-    arr = image.numpy()
-
-    def task(i: int, b: int, e: int) -> None:
-        target.read_into(step, name, b, arr[b:e])
-        if verify and crc32c_hex(arr[b:e]) != rec.crc32c[i]:
-            raise CheckpointCorruptError(f"{where}: checksum mismatch in bytes [{b}, {e})")
-
-    futures = [target.io_pool.submit(task, i, b, e)
-               for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
-    errors = [f.exception() for f in futures]
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
-    n = int.from_bytes(bytes(arr[:8]), "little") if rec.size >= 8 else -1
-    if n + 8 != rec.header_size:
-        raise CheckpointCorruptError(f"{where}: the safetensors header length does not match the manifest")
-    return image
-
-
-def _typed(raw: torch.Tensor, dtype: torch.dtype, shape: list[int], where: str) -> torch.Tensor:
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    if raw.numel() != math.prod(shape) * itemsize:
-        raise CheckpointCorruptError(f"{where}: {raw.numel()} bytes do not hold a {dtype} tensor of shape {shape}")
-    if raw.numel() and raw.data_ptr() % itemsize:
-        raw = raw.clone()  # foreign files may leave tensors unaligned
-    return raw.view(dtype).view(shape)
+_Region = tuple[int, np.ndarray[Any, Any]]  # (offset in the file, uint8 destination)
 
 
 def _dtype(code: Any, where: str) -> torch.dtype:
@@ -69,52 +34,96 @@ def _dtype(code: Any, where: str) -> torch.dtype:
         raise CheckpointCorruptError(f"{where}: unknown dtype {code!r}") from None
 
 
-def assemble(manifest: Manifest, images: dict[str, torch.Tensor], *, where: str,
-             device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """Build every tensor of the manifest's index from the file images.
+def _as_bytes(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    return t.reshape(-1).view(torch.uint8).numpy()
 
-    Stored tensors are views into the images (or copies on ``device``); views are rebuilt
-    on top of their (moved) bases, so aliasing survives the move.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for name, e in manifest.tensors.items():
-        if "file" not in e:
-            continue
-        rec = manifest.files[e["file"]]
-        b, end = (int(x) for x in e["offsets"])
-        lo, hi = rec.header_size + b, rec.header_size + end
-        if not (0 <= b <= end and hi <= rec.size):
-            raise CheckpointCorruptError(f"{where}: tensor {name!r} lies outside its file")
-        t = _typed(images[e["file"]][lo:hi], _dtype(e["dtype"], where), list(e["shape"]), f"{where}: {name!r}")
-        out[name] = t if device is None or device.type == "cpu" else t.to(device)
+
+def _pieces(regions: list[_Region], b: int, e: int) -> list[np.ndarray[Any, Any]]:
+    """Slices of the regions (sorted, tiling the file) that cover ``[b, e)``."""
+    out = []
+    for off, arr in regions:
+        lo, hi = max(b, off), min(e, off + arr.size)
+        if lo < hi:
+            out.append(arr[lo - off:hi - off])
+    return out
+
+
+def _read_file(target: Target, step: int, manifest: Manifest, fname: str,
+               entries: list[tuple[str, dict[str, Any]]], out: dict[str, torch.Tensor], *, verify: bool) -> None:
+    rec = manifest.files[fname]
+    where = f"{target.url}: step {step}, file {fname}"
+    try:
+        size = target.file_size(step, fname)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{where} is missing") from None
+    if size != rec.size:
+        raise CheckpointCorruptError(f"{where} has {size} bytes; the manifest says {rec.size} (truncated or replaced)")
+    header = np.empty(rec.header_size, dtype=np.uint8)
+    regions: list[_Region] = [(0, header)]
+    pos = rec.header_size
+    for name, e in sorted(entries, key=lambda item: int(item[1]["offsets"][0])):
+        begin, end = (int(x) for x in e["offsets"])
+        dtype, shape = _dtype(e["dtype"], where), [int(s) for s in e["shape"]]
+        if rec.header_size + begin != pos or end - begin != math.prod(shape) * dtype.itemsize:
+            raise CheckpointCorruptError(f"{where}: tensor {name!r} has bad offsets {[begin, end]}")
+        t = torch.empty(shape, dtype=dtype)
+        out[name] = t
+        regions.append((pos, _as_bytes(t)))
+        pos += end - begin
+    if pos != rec.size:
+        raise CheckpointCorruptError(f"{where}: the tensors do not fill the file ({pos} of {rec.size} bytes)")
+
+    def task(i: int, b: int, e: int) -> None:
+        pieces = _pieces(regions, b, e)
+        target.read_into(step, fname, b, pieces)
+        if verify and crc32c_hex_pieces(pieces) != rec.crc32c[i]:
+            raise CheckpointCorruptError(f"{where}: checksum mismatch in bytes [{b}, {e})")
+
+    futures = [target.io_pool.submit(task, i, b, e) for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
+    errors = [f.exception() for f in futures]
+    first = next((x for x in errors if x is not None), None)
+    if first is not None:
+        raise first
+    if int.from_bytes(header[:8].tobytes(), "little") + 8 != rec.header_size:
+        raise CheckpointCorruptError(f"{where}: the safetensors header length does not match the manifest")
+
+
+def _build_views(manifest: Manifest, out: dict[str, torch.Tensor], where: str) -> None:
     views = {name: e for name, e in manifest.tensors.items() if "file" not in e}
-    for name, e in views.items():  # an odd mixed-dtype span may need realigning first
+    for name, e in views.items():
         base = out.get(e["view_of"])
         if base is None:
             raise CheckpointCorruptError(f"{where}: view {name!r} of a tensor that is not stored")
-        itemsize = torch.empty(0, dtype=_dtype(e["dtype"], where)).element_size()
-        if (base.storage_offset() * base.element_size() + int(e["byte_offset"])) % itemsize:
-            out[e["view_of"]] = base.clone()
-    for name, e in views.items():
-        base = out[e["view_of"]]
         dtype = _dtype(e["dtype"], where)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
         shape, stride, offset = list(e["shape"]), list(e["stride"]), int(e["byte_offset"])
         if len(shape) != len(stride) or min(stride, default=0) < 0:
             raise CheckpointCorruptError(f"{where}: view {name!r} has a bad shape or stride")
         extent = 0 if 0 in shape else 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
-        if offset < 0 or offset + extent * itemsize > base.numel() * base.element_size():
+        if offset < 0 or offset + extent * dtype.itemsize > base.numel() * base.element_size():
             raise CheckpointCorruptError(f"{where}: view {name!r} reaches outside its base")
-        byte0 = base.storage_offset() * base.element_size() + offset
+        if offset % dtype.itemsize:
+            raise CheckpointCorruptError(f"{where}: view {name!r} is not aligned to its dtype")
         view = torch.empty(0, dtype=dtype, device=base.device)
-        view.set_(base.untyped_storage(), byte0 // itemsize, shape, stride)
+        view.set_(base.untyped_storage(), offset // dtype.itemsize, shape, stride)
         out[name] = view
-    return out
 
 
 def read_tensors(target: Target, step: int, manifest: Manifest, *, verify: bool = True,
                  device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """Read, verify and assemble every tensor of a committed step."""
-    images = {name: read_file_image(target, step, name, rec, verify=verify)
-              for name, rec in manifest.files.items()}
-    return assemble(manifest, images, where=f"{target.url}: step {step}", device=device)
+    """Read, verify and assemble every tensor of a committed step.
+
+    Raises:
+        CheckpointCorruptError: a file is missing, truncated, or fails its checksums.
+    """
+    where = f"{target.url}: step {step}"
+    by_file: dict[str, list[tuple[str, dict[str, Any]]]] = {name: [] for name in manifest.files}
+    for name, e in manifest.tensors.items():
+        if "file" in e:
+            by_file[e["file"]].append((name, e))
+    out: dict[str, torch.Tensor] = {}
+    for fname, entries in by_file.items():
+        _read_file(target, step, manifest, fname, entries, out, verify=verify)
+    if device is not None and device.type != "cpu":
+        out = {k: v.to(device) for k, v in out.items()}
+    _build_views(manifest, out, where)
+    return out

@@ -58,8 +58,9 @@ class Target(Protocol):
     def file_size(self, step: int, name: str) -> int:
         """Size of a data file of ``step``. Raises FileNotFoundError."""
 
-    def read_into(self, step: int, name: str, offset: int, out: np.ndarray[Any, Any]) -> None:
-        """Fill ``out`` (uint8) with the file's bytes from ``offset``. Raises on short reads."""
+    def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
+        """Fill the uint8 buffers in ``out``, in order, with the file's bytes from ``offset``
+        (a scatter read). Raises CheckpointCorruptError on a short read."""
 
     def delete(self, step: int) -> None:
         """Delete a committed step: the manifest first, then the rest."""

@@ -117,12 +117,16 @@ class FsspecTarget:
     def file_size(self, step: int, name: str) -> int:
         return int(self.fs.size(posixpath.join(self._step_dir(step), name)))
 
-    def read_into(self, step: int, name: str, offset: int, out: np.ndarray[Any, Any]) -> None:
+    def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
         path = posixpath.join(self._step_dir(step), name)
-        data = self.fs.cat_file(path, start=offset, end=offset + out.size)
-        if len(data) != out.size:
-            raise CheckpointCorruptError(f"{path} ended early, at byte {offset + len(data)}")
-        out[:] = np.frombuffer(data, dtype=np.uint8)
+        size = sum(a.size for a in out)
+        data = np.frombuffer(self.fs.cat_file(path, start=offset, end=offset + size), dtype=np.uint8)
+        if data.size != size:
+            raise CheckpointCorruptError(f"{path} ended early, at byte {offset + data.size}")
+        pos = 0
+        for a in out:
+            a[:] = data[pos:pos + a.size]
+            pos += a.size
 
     def delete(self, step: int) -> None:
         d = self._step_dir(step)

@@ -143,16 +143,20 @@ class LocalTarget:
     def file_size(self, step: int, name: str) -> int:
         return os.stat(os.path.join(self._step_dir(step), name)).st_size
 
-    def read_into(self, step: int, name: str, offset: int, out: np.ndarray[Any, Any]) -> None:
+    def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
         path = os.path.join(self._step_dir(step), name)
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            view = memoryview(out)  # type: ignore[arg-type]
-            while view:
-                n = os.preadv(fd, [view], offset)
+            views = [memoryview(a) for a in out if a.size]  # type: ignore[arg-type]
+            while views:
+                n = os.preadv(fd, views, offset)
                 if n == 0:
                     raise CheckpointCorruptError(f"{path} ended early, at byte {offset}")
-                view, offset = view[n:], offset + n
+                offset += n
+                while views and n >= len(views[0]):
+                    n -= len(views.pop(0))
+                if n:
+                    views[0] = views[0][n:]
         finally:
             os.close(fd)
 

@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "ckpt")
+
+
+class TinyTransformer(torch.nn.Module):
+    """A small causal language model: embedding, two encoder layers, tied output head."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        layer = torch.nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.1, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied weights
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(n)
+        return self.head(self.norm(self.encoder(self.embed(tokens), mask=mask, is_causal=True)))
+
+
+class RNGState:
+    """Python, numpy and torch RNG states as a Stateful object."""
+
+    def state_dict(self):
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+    def load_state_dict(self, sd):
+        random.setstate(sd["python"])
+        np.random.set_state(sd["numpy"])
+        torch.set_rng_state(sd["torch"])
+
+
+def make_training(seed: int = 0):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    model = TinyTransformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * math.cos(s / 100))
+    return model, opt, sched
+
+
+def train_steps(model, opt, sched, n: int) -> list[float]:
+    losses = []
+    for _ in range(n):
+        tokens = torch.randint(0, 64, (4, 12))
+        noise = float(np.random.rand()) + random.random()  # exercise every RNG
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), tokens[:, 1:].reshape(-1)) * (1 + 0 * noise)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    """The tensor's values as raw bytes: bit-exact, nan-safe, works for every dtype."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_tree_equal(a, b, path="state"):
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert _bytes(a) == _bytes(b), path
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            assert_tree_equal(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_tree_equal(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    else:
+        assert a == b, path
