@@ -1,0 +1,107 @@
+"""Any fsspec URL works (memory:// here; S3 has its own suite), and background errors surface."""
+
+import threading
+import time
+
+import fsspec
+import pytest
+import torch
+from conftest import assert_tree_equal
+from fsspec.implementations.memory import MemoryFileSystem
+
+from ckptmgr import CheckpointManager, CkptTimeoutError, SaveError
+
+
+class FaultyFS(MemoryFileSystem):
+    """The real in-memory filesystem, with writes that fail or stall on demand."""
+
+    protocol = "faulty"
+    fail_writes = False
+    gate: threading.Event | None = None
+
+    def _open(self, path, mode="rb", **kw):
+        if "w" in mode and not path.endswith("manifest.json"):
+            if FaultyFS.gate is not None:
+                FaultyFS.gate.wait(10)
+            if FaultyFS.fail_writes:
+                raise OSError(28, "No space left on device (injected)")
+        return super()._open(path, mode, **kw)
+
+
+fsspec.register_implementation("faulty", FaultyFS, clobber=True)
+
+
+@pytest.fixture
+def faulty():
+    FaultyFS.store.clear()
+    FaultyFS.pseudo_dirs.clear()
+    FaultyFS.pseudo_dirs.append("")
+    yield FaultyFS
+    FaultyFS.fail_writes = False
+    FaultyFS.gate = None
+
+
+def test_memory_round_trip_and_discovery(faulty):
+    state = {"w": torch.randn(3, 3), "n": (1, {"a": 2.5})}
+    with CheckpointManager("faulty://run1") as mgr:
+        mgr.save(3, state).result()
+        mgr.save(7, state).result()
+        assert mgr.steps() == [3, 7]
+        assert_tree_equal(mgr.restore(), state)
+    # a half-written step (no manifest) is invisible and cleaned at the next start
+    fs = FaultyFS()
+    fs.pipe_file("faulty://run1/step_000000000009/data-00000.safetensors", b"partial")
+    with CheckpointManager("faulty://run1") as mgr:
+        assert mgr.steps() == [3, 7]
+        assert not fs.exists("faulty://run1/step_000000000009")
+
+
+def test_error_surfaces_on_the_handle(faulty):
+    with CheckpointManager("faulty://run2") as mgr:
+        faulty.fail_writes = True
+        h = mgr.save(1, {"x": torch.ones(2)})
+        with pytest.raises(SaveError, match="No space left") as info:
+            h.result(timeout=10)
+        assert isinstance(info.value.__cause__, OSError)
+        assert h.done()
+        faulty.fail_writes = False
+        mgr.save(2, {"x": torch.ones(2)}).result()  # told once: the next save goes ahead
+        assert mgr.steps() == [2]
+
+
+def test_unobserved_error_surfaces_at_next_save_then_wait_then_close(faulty):
+    mgr = CheckpointManager("faulty://run3")
+    faulty.fail_writes = True
+    h = mgr.save(1, {"x": torch.ones(2)})
+    deadline = time.monotonic() + 10
+    while not h.done() and time.monotonic() < deadline:  # finished, but nobody asked
+        time.sleep(0.01)
+    faulty.fail_writes = False
+    with pytest.raises(SaveError, match="step 1"):
+        mgr.save(2, {"x": torch.ones(2)})
+    faulty.fail_writes = True
+    mgr.save(3, {"x": torch.ones(2)})
+    with pytest.raises(SaveError, match="step 3"):
+        mgr.wait(timeout=10)
+    mgr.save(4, {"x": torch.ones(2)})
+    with pytest.raises(SaveError, match="step 4"):
+        mgr.close(timeout=10)
+    faulty.fail_writes = False
+    assert CheckpointManager("faulty://run3").steps() == []
+
+
+def test_wait_and_close_time_out_then_finish(faulty):
+    faulty.gate = threading.Event()
+    mgr = CheckpointManager("faulty://run4")
+    h = mgr.save(1, {"x": torch.ones(2)})
+    with pytest.raises(CkptTimeoutError):
+        h.result(timeout=0.05)
+    with pytest.raises(CkptTimeoutError):
+        mgr.wait(timeout=0.05)
+    with pytest.raises(CkptTimeoutError):
+        mgr.close(timeout=0.05)
+    assert not h.done()
+    faulty.gate.set()
+    mgr.close(timeout=10)
+    assert h.result().step == 1
+    assert CheckpointManager("faulty://run4").steps() == [1]
