@@ -1,8 +1,10 @@
 """The on-disk format: standard safetensors, aligned, JSON only, and every kind of damage detected."""
 
+import itertools
 import json
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +43,7 @@ def test_files_are_standard_safetensors_with_aligned_data(root):
         if k != "__metadata__":
             assert (8 + n + v["data_offsets"][0]) % itemsize[v["dtype"]] == 0, k
     assert offsets[0][0] == 0
-    assert all(a[1] == b[0] for a, b in zip(offsets, offsets[1:], strict=False))  # no gaps
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(offsets))  # no gaps
     assert os.path.getsize(path) == 8 + n + offsets[-1][1]  # no trailing bytes
 
 
@@ -50,9 +52,9 @@ def test_no_pickle_anywhere(root):
         mgr.save(1, {"a": _state(), "t": (1, 2.0, None), "d": {3: "x"}}).result()
     step_dir = os.path.join(root, "step_000000000001")
     assert sorted(os.listdir(step_dir)) == ["data-00000.safetensors", "manifest.json"]
-    json.loads(open(os.path.join(step_dir, "manifest.json"), "rb").read())  # strict JSON
+    json.loads(Path(step_dir, "manifest.json").read_bytes())  # strict JSON
     for name in os.listdir(step_dir):
-        blob = open(os.path.join(step_dir, name), "rb").read()
+        blob = Path(step_dir, name).read_bytes()
         assert b"$pickle" not in blob
         assert b"\x80\x04\x95" not in blob and b"\x80\x05\x95" not in blob  # pickle protocol 4/5 frames
 
@@ -113,9 +115,9 @@ def test_garbage_manifest(two_steps):
 
 def test_manifest_with_bad_fields(two_steps):
     p = os.path.join(two_steps, "step_000000000002", "manifest.json")
-    m = json.load(open(p))
+    m = json.loads(Path(p).read_text())
     m["tensors"]["model/w"]["offsets"] = [0, 12]
-    json.dump(m, open(p, "w"))
+    Path(p).write_text(json.dumps(m))
     _expect_fallback(two_steps, "bad offsets")
 
 
@@ -131,9 +133,9 @@ def test_missing_manifest_hides_the_step(two_steps):
 
 def test_newer_format_is_refused_not_skipped(two_steps):
     p = os.path.join(two_steps, "step_000000000002", "manifest.json")
-    m = json.load(open(p))
+    m = json.loads(Path(p).read_text())
     m["format_version"] = 99
-    json.dump(m, open(p, "w"))
+    Path(p).write_text(json.dumps(m))
     with CheckpointManager(two_steps) as mgr, pytest.raises(FormatVersionError, match="Upgrade ckptmgr"):
         mgr.restore()
 

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import assert_tree_equal
@@ -34,11 +35,11 @@ def test_current_writer_reproduces_golden_v1_bytes(tmp_path):
     with CheckpointManager(str(root)) as mgr:
         mgr.save(42, golden_state(), metadata=GOLDEN_METADATA).result()
     new_dir, old_dir = root / "step_000000000042", os.path.join(GOLDEN, "v1", "step_000000000042")
-    old = json.load(open(os.path.join(old_dir, "manifest.json")))
-    new = json.load(open(new_dir / "manifest.json"))
+    old = json.loads(Path(old_dir, "manifest.json").read_bytes())
+    new = json.loads((new_dir / "manifest.json").read_bytes())
     for key in ("time", "library_version"):
         old.pop(key)
         new.pop(key)
     assert new == old
     for name in old["files"]:
-        assert (new_dir / name).read_bytes() == open(os.path.join(old_dir, name), "rb").read()
+        assert (new_dir / name).read_bytes() == Path(old_dir, name).read_bytes()
