@@ -1,3 +1,7 @@
+import os
+
+import pytest
+
 import ckptmgr
 
 EXPECTED = [
@@ -49,3 +53,8 @@ def test_error_tree_derives_from_builtins():
         obj = getattr(ckptmgr, name)
         if isinstance(obj, type) and issubclass(obj, BaseException):
             assert issubclass(obj, e.CkptError) and issubclass(obj, Exception), name
+
+
+@pytest.mark.skipif(not os.environ.get("CKPTMGR_REQUIRE_INSTALLED"), reason="only checked in CI")
+def test_tests_run_against_the_installed_package():
+    assert "site-packages" in ckptmgr.__file__, ckptmgr.__file__
