@@ -13,9 +13,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "chunk_ranges", "crc32c_hex", "crc32c_hex_pieces"]
-
-DEFAULT_CHUNK_SIZE = 16 << 20
+__all__ = ["chunk_ranges", "crc32c_hex", "crc32c_hex_pieces"]
 
 
 def crc32c_hex(data: np.ndarray[Any, Any]) -> str:

@@ -65,8 +65,8 @@ def is_stateful(obj: object) -> bool:
     )
 
 
-def _path_str(path: tuple[Any, ...]) -> str:
-    return "state" + "".join(f"[{k!r}]" for k in path)
+def _path_str(path: tuple[Any, ...], root: str = "state") -> str:
+    return root + "".join(f"[{k!r}]" for k in path)
 
 
 def _tensor_name(path: tuple[Any, ...]) -> str:
@@ -74,8 +74,9 @@ def _tensor_name(path: tuple[Any, ...]) -> str:
 
 
 class _Flattener:
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(self, allow_pickle: bool, root: str = "state") -> None:
         self.allow_pickle = allow_pickle
+        self.root = root  # how error messages name the top of the tree
         self.leaves: list[Leaf] = []
         self._names: set[str] = set()
 
@@ -86,7 +87,7 @@ class _Flattener:
             n += 1
             name = f"{base}~{n}"
         self._names.add(name)
-        self.leaves.append(Leaf(name, _path_str(path), tensor))
+        self.leaves.append(Leaf(name, _path_str(path, self.root), tensor))
         return name
 
     def encode(self, value: Any, path: tuple[Any, ...], *, tensors: bool = True) -> JSON:
@@ -120,13 +121,13 @@ class _Flattener:
             try:
                 data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:
-                raise UnsupportedValueError(_path_str(path), f"cannot be pickled: {exc}") from exc
+                raise UnsupportedValueError(_path_str(path, self.root), f"cannot be pickled: {exc}") from exc
             return {"$pickle": base64.b64encode(data).decode("ascii")}
         what = f"a {t.__module__}.{t.__qualname__}"
         if isinstance(value, torch.Tensor):
             what = f"the tensor subclass {t.__qualname__}"
         raise UnsupportedValueError(
-            _path_str(path),
+            _path_str(path, self.root),
             f"{what} cannot be stored without pickle. Convert it to supported types "
             "(tensors, numpy arrays, str/int/float/bool/None, lists, tuples, dicts, "
             "torch.dtype/device/Size, objects with state_dict()/load_state_dict()), "
@@ -152,19 +153,20 @@ class _Flattener:
     def _check_tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
         if t.is_sparse or t.layout != torch.strided:
             raise UnsupportedValueError(
-                _path_str(path), f"tensors of layout {t.layout} are not supported; store t.to_dense()")
+                _path_str(path, self.root), f"tensors of layout {t.layout} are not supported; store t.to_dense()")
         if t.is_quantized:
             raise UnsupportedValueError(
-                _path_str(path), "quantized tensors are not supported; store t.dequantize() or t.int_repr()")
+                _path_str(path, self.root), "quantized tensors are not supported; store t.dequantize() or t.int_repr()")
         if t.device.type == "meta":
-            raise UnsupportedValueError(_path_str(path), "a tensor on the meta device has no data to save")
+            raise UnsupportedValueError(_path_str(path, self.root), "a tensor on the meta device has no data to save")
         return t.detach()
 
     def _from_numpy(self, a: np.ndarray[Any, Any], path: tuple[Any, ...]) -> torch.Tensor:
         try:
             return torch.from_numpy(a if a.flags.c_contiguous else a.copy(order="C"))
         except TypeError as exc:
-            raise UnsupportedValueError(_path_str(path), f"numpy dtype {a.dtype} has no torch equivalent") from exc
+            raise UnsupportedValueError(
+                _path_str(path, self.root), f"numpy dtype {a.dtype} has no torch equivalent") from exc
 
 
 def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[JSON, list[Leaf]]:
@@ -180,11 +182,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[JSON, list[Leaf]
 
 def encode_plain(value: Any, *, what: str = "metadata") -> JSON:
     """Encode a tensor-free value (user metadata) with the skeleton's typed JSON."""
-    f = _Flattener(allow_pickle=False)
-    try:
-        return f.encode(value, (), tensors=False)
-    except UnsupportedValueError as exc:
-        raise UnsupportedValueError(exc.path.replace("state", what, 1), str(exc).split(": ", 1)[1]) from None
+    return _Flattener(allow_pickle=False, root=what).encode(value, (), tensors=False)
 
 
 def decode_plain(skeleton: JSON) -> Any:

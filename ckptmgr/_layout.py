@@ -173,30 +173,32 @@ class _Entry:  # a tensor to store, before offsets are known
     source: torch.Tensor
 
 
+def _whole(leaf: Leaf) -> _Entry:
+    """Store the leaf's tensor as it is (a non-contiguous one is compacted by the copy)."""
+    t = leaf.tensor
+    return _Entry(leaf.name, _st_dtype(leaf), tuple(t.shape), t.numel() * t.element_size(), t.element_size(), t)
+
+
 def _resolve_aliases(leaves: list[Leaf]) -> tuple[list[_Entry], list[ViewEntry]]:
     groups: dict[tuple[str, int], list[Leaf]] = defaultdict(list)
     entries: list[_Entry] = []
     views: list[ViewEntry] = []
     for leaf in leaves:
-        _st_dtype(leaf)
         t = leaf.tensor
         if t.numel() == 0:
-            entries.append(_Entry(leaf.name, _st_dtype(leaf), tuple(t.shape), 0, t.element_size(), t))
+            entries.append(_whole(leaf))
         else:
+            _st_dtype(leaf)  # refuse unsupported dtypes before any grouping work
             groups[(str(t.device), t.untyped_storage().data_ptr())].append(leaf)
 
     for members in groups.values():
         first = members[0].tensor
-        if len(members) == 1:
-            entries.append(_Entry(members[0].name, _st_dtype(members[0]), tuple(first.shape),
-                                  first.numel() * first.element_size(), first.element_size(), first))
-            continue
         sig = (first.storage_offset(), tuple(first.shape), first.stride(), first.dtype)
         if all((m.tensor.storage_offset(), tuple(m.tensor.shape), m.tensor.stride(), m.tensor.dtype) == sig
                for m in members):
-            # The same tensor reached twice (tied weights): store it once, alias the rest.
-            entries.append(_Entry(members[0].name, _st_dtype(members[0]), tuple(first.shape),
-                                  first.numel() * first.element_size(), first.element_size(), first))
+            # One tensor, or the same tensor reached several times (tied weights): store it
+            # once, alias the rest.
+            entries.append(_whole(members[0]))
             for m in members[1:]:
                 views.append(ViewEntry(m.name, members[0].name, _st_dtype(m), tuple(first.shape),
                                        contiguous_stride(tuple(first.shape)), 0))
