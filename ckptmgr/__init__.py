@@ -14,12 +14,14 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 from ._handle import SaveHandle, SaveInfo
 from .errors import (
+    CapacityError,
     CheckpointCorruptError,
     CkptError,
     CkptTimeoutError,
     ConfigError,
     FormatVersionError,
     SaveError,
+    SaveSkippedError,
     StateMismatchError,
     StepExistsError,
     StepNotFoundError,
@@ -27,9 +29,10 @@ from .errors import (
     UnsupportedValueError,
 )
 from .manager import CheckpointManager
-from .options import WriteOptions
+from .options import StagingOptions, WriteOptions
 
 __all__ = [
+    "CapacityError",
     "CheckpointCorruptError",
     "CheckpointManager",
     "CkptError",
@@ -39,6 +42,8 @@ __all__ = [
     "SaveError",
     "SaveHandle",
     "SaveInfo",
+    "SaveSkippedError",
+    "StagingOptions",
     "StateMismatchError",
     "StepExistsError",
     "StepNotFoundError",

@@ -1,49 +1,151 @@
-"""Staging: copy the planned tensors into host buffers that hold complete file images.
+"""The stager: copies planned tensors into a slot so that each segment is a file image.
 
-After :func:`stage` returns, each buffer is byte-for-byte the safetensors file to write
-(header + data), and the caller's tensors may be mutated freely.
+GPU tensors are copied by DMA on one dedicated stream per device, ordered after the work
+already queued on the caller's current stream (so the copy sees the finished values of the
+step that produced them). CPU tensors are copied in pieces by a few threads; torch's copy
+releases the GIL, so those threads run in parallel with each other and with the caller.
+
+:meth:`Stager.stage` returns once every copy is *enqueued*; :meth:`StagingJob.wait` returns
+once every copy has *landed*. Only after that may the caller change the state. The job
+keeps the source tensors alive until then, so that freeing them cannot recycle their memory
+while a copy still reads it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any
 
 import torch
 
-from ._layout import ST_TO_DTYPE, FilePlan, Plan
+from . import _cuda
+from ._layout import ST_TO_DTYPE, Plan, StoredTensor
+from .errors import CkptTimeoutError
 
-__all__ = ["StagedFile", "stage", "stage_file"]
+__all__ = ["Stager", "StagingJob"]
 
-
-@dataclass
-class StagedFile:
-    name: str
-    header_size: int
-    image: torch.Tensor  # uint8, CPU, contiguous: the whole file
+_PIECE = 8 << 20  # bytes per CPU copy task
+_Pair = tuple[torch.Tensor, torch.Tensor]  # (destination, source)
 
 
-def _copy_into(image: torch.Tensor, plan: FilePlan) -> None:
-    hs = len(plan.header)
-    image[:hs].copy_(torch.frombuffer(bytearray(plan.header), dtype=torch.uint8))
-    for t in plan.tensors:
-        if t.end == t.begin:
-            continue
-        dst = image[hs + t.begin:hs + t.end]
-        src = t.source
-        if t.dtype == "U8" and src.dtype == torch.uint8:
-            dst.copy_(src.reshape(-1))
-        else:
-            dst.view(ST_TO_DTYPE[t.dtype]).view(t.shape).copy_(src)
+def _dst_view(segment: torch.Tensor, header_size: int, t: StoredTensor) -> torch.Tensor:
+    raw = segment[header_size + t.begin:header_size + t.end]
+    return raw.view(ST_TO_DTYPE[t.dtype]).view(t.shape)
 
 
-def stage_file(plan: FilePlan, image: torch.Tensor | None = None) -> StagedFile:
-    """Copy one file's header and tensors into ``image`` (allocated when None)."""
-    if image is None:
-        image = torch.empty(plan.size, dtype=torch.uint8)
-    _copy_into(image, plan)
-    return StagedFile(plan.name, len(plan.header), image)
+def _cpu_pieces(dst: torch.Tensor, src: torch.Tensor) -> list[_Pair]:
+    """Split a CPU copy into flat byte pieces when both sides are contiguous."""
+    if not src.is_contiguous() or src.numel() * src.element_size() <= _PIECE:
+        return [(dst, src)]
+    d = dst.reshape(-1).view(torch.uint8)
+    s = src.reshape(-1).view(torch.uint8)
+    return [(d[i:i + _PIECE], s[i:i + _PIECE]) for i in range(0, d.numel(), _PIECE)]
 
 
-def stage(plan: Plan) -> list[StagedFile]:
-    """Copy every file of the plan into fresh host buffers."""
-    return [stage_file(f) for f in plan.files]
+def _copy_all(pairs: list[_Pair]) -> None:
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
+class StagingJob:
+    """The copies of one save: enqueued, and waitable until they have landed."""
+
+    def __init__(self, cuda_done: _cuda.CopyDone | None, futures: list[Future[None]], keepalive: Any) -> None:
+        self._cuda_done = cuda_done
+        self._futures = futures
+        self._keepalive: Any = keepalive
+        self.finished_at: float | None = None if (cuda_done or futures) else time.perf_counter()
+
+    def done(self) -> bool:
+        """True when every copy has landed (or failed)."""
+        return self.finished_at is not None or (
+            all(f.done() for f in self._futures) and (self._cuda_done is None or self._cuda_done.query()))
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every copy has landed.
+
+        Raises:
+            CkptTimeoutError: copies still running after ``timeout`` seconds.
+            Exception: the error of a failed copy.
+        """
+        if self.finished_at is not None:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        _, pending = wait_futures(self._futures, timeout)
+        if pending:
+            raise CkptTimeoutError(f"the staging copies did not finish within {timeout} s")
+        for f in self._futures:
+            f.result()
+        if self._cuda_done is not None:
+            if deadline is None:
+                self._cuda_done.synchronize()
+            else:
+                while not self._cuda_done.query():
+                    if time.monotonic() > deadline:
+                        raise CkptTimeoutError(f"the device-to-host copies did not finish within {timeout} s")
+                    time.sleep(0.0005)
+        self.finished_at = time.perf_counter()
+        self._keepalive = None  # the sources may be freed now
+
+
+class Stager:
+    """Copies plans into slots. Create and call it from the training (main) thread."""
+
+    def __init__(self, copy_threads: int) -> None:
+        self._pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="ckptmgr-copy")
+        self._threads = copy_threads
+        self._streams: dict[torch.device, Any] = {}
+
+    def _stream(self, device: torch.device) -> Any:
+        # Made on first use from the caller's thread; see _cuda.staging_stream.
+        if device not in self._streams:
+            self._streams[device] = _cuda.staging_stream(device)
+        return self._streams[device]
+
+    def stage(self, plan: Plan, segments: list[torch.Tensor]) -> StagingJob:
+        """Enqueue every copy of ``plan`` into ``segments`` (one per file)."""
+        gpu: dict[torch.device, list[_Pair]] = defaultdict(list)
+        cpu: list[_Pair] = []
+        for f, seg in zip(plan.files, segments, strict=True):
+            hs = len(f.header)
+            seg[:hs].copy_(torch.frombuffer(bytearray(f.header), dtype=torch.uint8))
+            for t in f.tensors:
+                if t.end == t.begin:
+                    continue
+                pair = (_dst_view(seg, hs, t), t.source)
+                if t.source.device.type == "cpu":
+                    cpu.extend(_cpu_pieces(*pair))
+                else:
+                    gpu[t.source.device].append(pair)
+        done = None
+        if gpu:
+            streams = []
+            for device, pairs in gpu.items():
+                stream = self._stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    for dst, src in pairs:
+                        dst.copy_(src, non_blocking=True)
+                streams.append(stream)
+            done = _cuda.CopyDone(streams)
+        futures = []
+        if cpu:
+            total = sum(d.numel() * d.element_size() for d, _ in cpu)
+            per_task = max(_PIECE, -(-total // self._threads))
+            batch: list[_Pair] = []
+            size = 0
+            for pair in cpu:
+                batch.append(pair)
+                size += pair[0].numel() * pair[0].element_size()
+                if size >= per_task:
+                    futures.append(self._pool.submit(_copy_all, batch))
+                    batch, size = [], 0
+            if batch:
+                futures.append(self._pool.submit(_copy_all, batch))
+        return StagingJob(done, futures, keepalive=plan)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -13,18 +13,22 @@ would already catch, so ``except FileNotFoundError`` keeps working::
     ├── FormatVersionError(ValueError)           written by a newer, unknown format
     ├── StorageError(OSError)                    the target cannot be reached or written
     ├── SaveError(RuntimeError)                  a save failed; ``__cause__`` says why
+    │   └── SaveSkippedError                     the save was skipped: every slot was busy
+    ├── CapacityError(MemoryError)               the state does not fit the host-memory cap
     └── CkptTimeoutError(TimeoutError)           a wait ran past its timeout
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CapacityError",
     "CheckpointCorruptError",
     "CkptError",
     "CkptTimeoutError",
     "ConfigError",
     "FormatVersionError",
     "SaveError",
+    "SaveSkippedError",
     "StateMismatchError",
     "StepExistsError",
     "StepNotFoundError",
@@ -94,3 +98,17 @@ class SaveError(CkptError, RuntimeError):
 
 class CkptTimeoutError(CkptError, TimeoutError):
     """A wait ran past its timeout. The operation itself may still complete."""
+
+
+class SaveSkippedError(SaveError):
+    """The save was skipped because every staging slot was busy (``on_busy="skip"``).
+
+    Raised only by ``SaveHandle.result()`` of that save; a skip is never reported elsewhere.
+    """
+
+
+class CapacityError(CkptError, MemoryError):
+    """The state needs more host memory for staging than ``StagingOptions.max_host_bytes``.
+
+    Raised by ``save()`` before anything is copied.
+    """

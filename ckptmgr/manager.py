@@ -6,11 +6,15 @@ restore: discover -> manifest -> read + verify -> assemble -> unflatten -> apply
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import sys
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -20,9 +24,12 @@ from . import __version__
 from ._flatten import decode_plain, encode_plain, flatten, unflatten
 from ._handle import SaveHandle, SaveInfo
 from ._layout import plan_layout
-from ._manifest import FORMAT_VERSION, FileRecord, Manifest
+from ._local_tier import LocalTier, TierBusyError
+from ._manifest import FORMAT_VERSION, Manifest
+from ._persist import PersistJob, persist
 from ._restore import apply_target
-from ._staging import StagedFile, stage
+from ._slots import Slot, SlotPool
+from ._staging import Stager, StagingJob
 from .errors import (
     CheckpointCorruptError,
     CkptTimeoutError,
@@ -31,12 +38,50 @@ from .errors import (
     StepNotFoundError,
 )
 from .loaders import read_tensors
-from .options import WriteOptions
-from .targets import open_target
+from .options import StagingOptions, WriteOptions
+from .targets import Target, open_target
 
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger("ckptmgr")
+
+_live_managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    """At interpreter exit, finish the pending saves of managers nobody closed.
+
+    Registered with ``threading``'s exit hooks, which run before the thread pools shut
+    down, so the pending writes can still use them. Failures are logged, never swallowed.
+    """
+    for mgr in list(_live_managers):
+        try:
+            mgr.close()
+        except Exception as exc:
+            log.error("at exit, %r: %s", mgr, exc)
+            print(f"ckptmgr: at exit, {mgr!r}: {exc}", file=sys.stderr)
+
+
+getattr(threading, "_register_atexit", atexit.register)(_close_at_exit)
+
+
+def open_local_tier(opts: StagingOptions, root: str, io_pool: ThreadPoolExecutor) -> LocalTier | None:
+    """The local tier for ``root``, or None when it is off or cannot be used here."""
+    if opts.local_tier is False:
+        return None
+    usable = sys.platform.startswith("linux") and os.path.isdir(opts.local_dir)
+    if not usable:
+        if opts.local_tier:
+            raise ConfigError(f"StagingOptions(local_tier=True) needs Linux and an existing local_dir; "
+                              f"{opts.local_dir!r} is not a directory here")
+        return None
+    try:
+        return LocalTier(opts.local_dir, root, io_pool)
+    except TierBusyError as exc:
+        log.warning("not using the local tier: %s (another manager has the same root open)", exc)
+    except OSError as exc:
+        log.warning("not using the local tier in %s: %s", opts.local_dir, exc)
+    return None
 
 
 class CheckpointManager:
@@ -72,6 +117,7 @@ class CheckpointManager:
         retention: Any = None,
         storage_options: dict[str, Any] | None = None,
         write_options: WriteOptions | None = None,
+        staging: StagingOptions | None = None,
         allow_pickle: bool = False,
     ) -> None:
         if retention is not None:
@@ -80,9 +126,14 @@ class CheckpointManager:
             write_options = WriteOptions()
         elif not isinstance(write_options, WriteOptions):
             raise ConfigError(f"write_options must be a WriteOptions, got {type(write_options).__name__}")
+        if staging is None:
+            staging = StagingOptions()
+        elif not isinstance(staging, StagingOptions):
+            raise ConfigError(f"staging must be a StagingOptions, got {type(staging).__name__}")
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"storage_options must be a dict, got {type(storage_options).__name__}")
         self._opts = write_options
+        self._staging_opts = staging
         self._allow_pickle = bool(allow_pickle)
         self._target = open_target(str(root) if hasattr(root, "__fspath__") else root,
                                    storage_options, io_threads=write_options.io_threads)
@@ -90,31 +141,98 @@ class CheckpointManager:
         removed = self._target.cleanup()
         if removed:
             log.info("removed %d leftovers of interrupted saves under %s", len(removed), self.root)
+        self._tier = open_local_tier(staging, self.root, self._target.io_pool)
+        self._pool = SlotPool(staging.slots, tier=self._tier, max_host_bytes=staging.max_host_bytes)
+        self._stager = Stager(staging.copy_threads)
         self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-persist")
         self._lock = threading.Lock()
         self._pending: dict[int, SaveHandle] = {}
         self._handles: list[SaveHandle] = []  # finished handles whose errors nobody saw yet
+        self._counts = {"saves": 0, "skips": 0, "busy_waits": 0}
+        self._busy_wait_s = 0.0
         self._closed = False
+        self._threads: list[threading.Thread] = []
+        durable = self._target.list_steps()
+        if durable:
+            self._pool.note_durable(durable[-1])
+        if self._tier is not None:
+            self._adopt_local_tier(set(durable))
+        _live_managers.add(self)
+
+    def _adopt_local_tier(self, durable: set[int]) -> None:
+        """Take over the slots an earlier process left committed in the local tier; write the
+        ones that never reached the durable target."""
+        assert self._tier is not None
+        for index, m in sorted(self._tier.scan(len(self._pool.slots)).items()):
+            sizes = [m.files[n].size for n in sorted(m.files)]
+            slot = self._pool.adopt(index, m.step, sizes, durable=m.step in durable)
+            if m.step in durable:
+                continue
+            log.warning("step %d exists only in the local tier %s (the last run stopped before writing it); "
+                        "writing it to %s now", m.step, self._tier.path, self.root)
+            slot.busy = True
+            job = PersistJob(m, sorted(m.files), [m.files[n].header_size for n in sorted(m.files)], slot,
+                             StagingJob(None, [], None), time.perf_counter(), 0.0, 0.0, local_commit=False)
+            self._submit(job)
+
+    def _submit(self, job: PersistJob) -> SaveHandle:
+        step = job.manifest.step
+        future = self._persist_pool.submit(persist, job, target=self._target, tier=self._tier,
+                                           pool=self._pool, chunk_size=self._opts.chunk_size)
+        handle = SaveHandle(step, future, job.staging)
+        with self._lock:
+            self._pending[step] = handle
+            self._handles.append(handle)
+        future.add_done_callback(lambda f: self._finished(step, job.slot, f))
+        return handle
+
+    def stats(self) -> dict[str, float]:
+        """Counters since the manager was created.
+
+        Keys: ``saves`` (started), ``skips`` (dropped because every slot was busy),
+        ``busy_waits`` and ``busy_wait_s`` (saves that waited for a slot, and for how long),
+        ``slot_allocations`` and ``slot_registrations`` (host buffers created and pinned;
+        they stop growing after the first save of a state of fixed size).
+        """
+        with self._lock:
+            out: dict[str, float] = dict(self._counts)
+            out["busy_wait_s"] = self._busy_wait_s
+        out["slot_allocations"] = self._pool.allocations
+        out["slot_registrations"] = self._pool.registrations
+        return out
 
     # ---------------------------------------------------------------- save
 
-    def save(self, step: int, state: Any, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
+    def save(self, step: int, state: Any, *, metadata: dict[str, Any] | None = None,
+             block: bool = True) -> SaveHandle:
         """Checkpoint ``state`` as ``step``.
 
-        Returns once the state has been copied: from then on the caller may change it. The
-        write and the commit continue in the background; the returned handle reports them.
+        The state is copied into a reusable host slot (device-to-host DMA for GPU tensors);
+        the write and the commit continue in the background, and the returned handle reports
+        them.
 
         Args:
             step: a non-negative int, not committed before.
             state: a nested structure of dicts, lists, tuples, tensors, numpy arrays,
                 scalars, strings and objects with ``state_dict()``/``load_state_dict()``.
             metadata: user data stored in the manifest (JSON-like values).
+            block: True (the default) returns once the copy has landed: the state may be
+                changed right away. False returns as soon as the copies are enqueued, so
+                they overlap the caller's next work; the caller must then call
+                ``handle.wait_staged()`` before changing the state (e.g. before
+                ``optimizer.step()``).
+
+        Returns:
+            The save's handle. With ``StagingOptions(on_busy="skip")`` and every slot busy,
+            a handle with ``skipped=True``.
 
         Raises:
             ConfigError: ``step`` is not a non-negative int.
             StepExistsError: ``step`` is committed or being saved.
             UnsupportedValueError: a value in ``state`` or ``metadata`` cannot be stored;
                 nothing has been written.
+            CapacityError: the state does not fit ``StagingOptions.max_host_bytes``.
+            CkptTimeoutError: no slot became free within ``StagingOptions.busy_timeout``.
             SaveError: an earlier save failed and nobody has been told yet.
         """
         self._check_open()
@@ -122,11 +240,13 @@ class CheckpointManager:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         if metadata is not None and not isinstance(metadata, dict):
             raise ConfigError(f"metadata must be a dict, got {type(metadata).__name__}")
+        if not isinstance(block, bool):
+            raise ConfigError(f"block must be a bool, got {block!r}")
         self._raise_unobserved()
         with self._lock:
             if step in self._pending:
                 raise StepExistsError(f"step {step} is already being saved")
-        if step in self._target.list_steps():
+        if step in self._committed_steps():
             raise StepExistsError(
                 f"step {step} is already committed under {self.root}; committed checkpoints are never overwritten")
         t0 = time.perf_counter()
@@ -134,37 +254,60 @@ class CheckpointManager:
         meta_json = encode_plain(metadata or {}, what="metadata")
         plan = plan_layout(leaves, max_file_bytes=self._opts.max_file_bytes,
                            metadata={"format": "pt", "ckptmgr_format_version": str(FORMAT_VERSION)})
-        staged = stage(plan)
-        t_staged = time.perf_counter()
+        sizes = [f.size for f in plan.files]
+        self._pool.check_capacity(sizes)
+        opts = self._staging_opts
+        t_wait = time.perf_counter()
+        slot = self._pool.acquire(wait=opts.on_busy == "wait", timeout=opts.busy_timeout)
+        waited = time.perf_counter() - t_wait
+        with self._lock:
+            self._counts["saves"] += 1
+            if slot is None:
+                self._counts["skips"] += 1
+            elif waited > 1e-3:
+                self._counts["busy_waits"] += 1
+                self._busy_wait_s += waited
+        if slot is None:
+            log.warning("skipped step %d: all %d staging slot(s) are busy writing earlier steps", step, opts.slots)
+            return SaveHandle._skip(step, f"all {opts.slots} staging slot(s) were busy (on_busy='skip')")
+        if waited > 1e-3:
+            log.info("step %d waited %.3f s for a free staging slot", step, waited)
+        try:
+            self._pool.fit(slot, sizes)
+            job = self._stager.stage(plan, slot.segments)
+            if block:
+                job.wait()
+        except BaseException:
+            self._pool.release(slot, step=None, durable=False)
+            raise
         manifest = Manifest(step=step, state=skeleton, tensors=plan.tensor_index(), files={},
                             metadata=meta_json, library_version=__version__)
-        future = self._persist_pool.submit(self._persist, manifest, staged, t0, t_staged)
-        handle = SaveHandle(step, future)
-        with self._lock:
-            self._pending[step] = handle
-            self._handles.append(handle)
-        future.add_done_callback(lambda _: self._finished(step))
-        return handle
+        return self._submit(PersistJob(manifest, [f.name for f in plan.files], [len(f.header) for f in plan.files],
+                                       slot, job, t0, time.perf_counter() - t0, waited, local_commit=True))
 
-    def _persist(self, manifest: Manifest, staged: list[StagedFile], t0: float, t_staged: float) -> SaveInfo:
-        writer = self._target.begin(manifest.step)
-        try:
-            for f in staged:
-                crcs = writer.write_file(f.name, f.image.numpy(), self._opts.chunk_size)
-                manifest.files[f.name] = FileRecord(f.image.numel(), self._opts.chunk_size, crcs, f.header_size)
-            writer.commit(manifest.to_bytes())
-        except BaseException:
-            writer.abort()
-            raise
-        t_end = time.perf_counter()
-        info = SaveInfo(step=manifest.step, url=self.root, bytes=manifest.total_bytes,
-                        files=len(staged), staging_s=t_staged - t0, persist_s=t_end - t_staged,
-                        total_s=t_end - t0)
-        log.info("committed step %d: %.1f MB, staged in %.3f s, durable after %.3f s (%.2f GB/s)",
-                 info.step, info.bytes / 1e6, info.staging_s, info.total_s, info.throughput_gbps)
-        return info
+    def prepare(self, state: Any) -> None:
+        """Create and pin the staging slots for ``state`` now, in the background, so that the
+        first ``save()`` does not pay for it. Nothing is copied.
 
-    def _finished(self, step: int) -> None:
+        Raises:
+            UnsupportedValueError: a value in ``state`` cannot be stored.
+            CapacityError: the state does not fit ``StagingOptions.max_host_bytes``.
+        """
+        self._check_open()
+        _, leaves = flatten(state, allow_pickle=self._allow_pickle)
+        plan = plan_layout(leaves, max_file_bytes=self._opts.max_file_bytes,
+                           metadata={"format": "pt", "ckptmgr_format_version": str(FORMAT_VERSION)})
+        sizes = [f.size for f in plan.files]
+        self._pool.check_capacity(sizes)
+        thread = threading.Thread(target=self._pool.prepare, args=(sizes,), name="ckptmgr-prepare")
+        thread.start()
+        self._threads.append(thread)
+
+    def _finished(self, step: int, slot: Slot, future: Future[SaveInfo]) -> None:
+        if future.exception() is None:
+            self._pool.release(slot, step=step, durable=True)
+        else:
+            self._pool.release(slot, step=step, durable=False, failed=True)
         with self._lock:
             self._pending.pop(step, None)
 
@@ -204,18 +347,24 @@ class CheckpointManager:
     # ------------------------------------------------------------- discover
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending, as the storage shows them now."""
+        """Committed steps, ascending, as the storage shows them now: the durable target's
+        and, when there is one, the local tier's."""
         self._check_open()
-        return self._target.list_steps()
+        return sorted(self._committed_steps())
+
+    def _committed_steps(self) -> set[int]:
+        local = set(self._tier.steps()) if self._tier is not None else set()
+        return set(self._target.list_steps()) | local
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none."""
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def _manifest(self, step: int) -> Manifest:
-        where = f"{self.root}: step {step}"
-        m = Manifest.from_bytes(self._target.read_manifest(step), where=where)
+    def _manifest(self, step: int, source: Target | LocalTier | None = None) -> Manifest:
+        source = source or self._source_of(step)
+        where = f"{source.url}: step {step}"
+        m = Manifest.from_bytes(source.read_manifest(step), where=where)
         if m.step != step:
             raise CheckpointCorruptError(f"{where}: the manifest is for step {m.step}")
         return m
@@ -267,7 +416,7 @@ class CheckpointManager:
         if step is not None:
             return self._restore_step(self._resolve_step(step), target, dev)
         self._check_open()
-        candidates = self._target.list_steps()
+        candidates = self.steps()
         if not candidates:
             raise StepNotFoundError(f"no committed checkpoint under {self.root}")
         for s in reversed(candidates):
@@ -278,9 +427,26 @@ class CheckpointManager:
                 log.warning("restore: skipping step %d: %s", s, exc)
         raise StepNotFoundError(f"no checkpoint under {self.root} verifies (tried steps {candidates})")
 
+    def _source_of(self, step: int) -> Target | LocalTier:
+        if self._tier is not None and step in self._tier.steps():
+            return self._tier
+        return self._target
+
     def _restore_step(self, step: int, target: Any, device: torch.device | None) -> Any:
-        manifest = self._manifest(step)
-        tensors = read_tensors(self._target, step, manifest, device=None if target is not None else device)
+        with self._pool.reading(step) as slot:
+            if slot is not None and self._tier is not None:
+                try:
+                    return self._restore_from(self._tier, step, target, device)
+                except CheckpointCorruptError as exc:
+                    if step not in self._target.list_steps():
+                        raise
+                    log.warning("restore: the local tier copy of step %d does not verify (%s); reading %s",
+                                step, exc, self.root)
+        return self._restore_from(self._target, step, target, device)
+
+    def _restore_from(self, source: Target | LocalTier, step: int, target: Any, device: torch.device | None) -> Any:
+        manifest = self._manifest(step, source)
+        tensors = read_tensors(source, step, manifest, device=None if target is not None else device)
         tree = unflatten(manifest.state, tensors, allow_pickle=self._allow_pickle)
         return tree if target is None else apply_target(target, tree)
 
@@ -291,7 +457,11 @@ class CheckpointManager:
             raise ConfigError(f"the CheckpointManager for {self.root} is closed")
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait for pending saves (up to ``timeout`` s), then release threads.
+        """Wait for pending saves (up to ``timeout`` s), then release slots and threads.
+
+        Staging slots whose step is durable are freed. A local-tier step that never reached
+        the durable target (its write failed) is kept in the local tier; the next manager on
+        this root restores from it if it is newer and writes it out.
 
         Raises:
             SaveError: a save failed and nobody has been told yet.
@@ -305,15 +475,36 @@ class CheckpointManager:
             with self._lock:
                 done = not self._pending
             if done:
-                self._closed = True
-                self._persist_pool.shutdown(wait=True)
-                self._target.close()
+                self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        _live_managers.discard(self)
+        for t in self._threads:
+            t.join()
+        self._persist_pool.shutdown(wait=True)
+        self._stager.close()
+        kept = self._pool.close()
+        if self._tier is not None:
+            if kept:
+                log.warning("steps %s were never written to %s; they stay in the local tier %s for the next start",
+                            kept, self.root, self._tier.path)
+            self._tier.close(remove=not kept)
+        self._target.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # The with-block is failing already: finish what can be finished, and report a save
+        # failure in the log rather than replace the exception in flight.
+        try:
+            self.close()
+        except Exception as close_exc:
+            log.error("while handling %s: %s", getattr(exc_type, "__name__", exc_type), close_exc)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r})"

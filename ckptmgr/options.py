@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["WriteOptions"]
+__all__ = ["StagingOptions", "WriteOptions"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,3 +34,58 @@ class WriteOptions:
                 raise ConfigError(f"WriteOptions.{name} must be a positive int, got {value!r}")
         if self.chunk_size % 4096:
             raise ConfigError(f"WriteOptions.chunk_size must be a multiple of 4096, got {self.chunk_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagingOptions:
+    """How the state is copied off the training tensors, and how much host memory that takes.
+
+    Each save copies the state into a *slot*: a host buffer that holds one complete
+    checkpoint image. Slots are made at the first save (or by
+    :meth:`CheckpointManager.prepare`) and reused; they are never allocated or pinned per save.
+
+    Attributes:
+        slots: how many checkpoints may be staged or in flight at once. 1 keeps host memory
+            at one checkpoint; 2 lets a save stage while the previous one is still writing.
+        on_busy: what ``save()`` does when every slot is still in use: ``"wait"`` for one to
+            free up, or ``"skip"`` this save (it is logged and counted).
+        busy_timeout: seconds ``save()`` waits for a free slot before raising
+            :class:`~ckptmgr.CkptTimeoutError` (None: no limit).
+        max_host_bytes: cap on host memory for all slots together; a state that would need
+            more is refused before anything is copied. None: no cap.
+        local_tier: keep each staged checkpoint as a complete, committed checkpoint in
+            ``local_dir`` (a tmpfs such as /dev/shm), so a same-node restart restores from
+            RAM. None (the default) uses it when ``local_dir`` exists and has room.
+        local_dir: where local-tier slots live.
+        copy_threads: threads for host-to-host copies of CPU tensors.
+
+    Example:
+        >>> StagingOptions(slots=2, on_busy="skip").slots
+        2
+    """
+
+    slots: int = 1
+    on_busy: str = "wait"
+    busy_timeout: float | None = None
+    max_host_bytes: int | None = None
+    local_tier: bool | None = None
+    local_dir: str = "/dev/shm"
+    copy_threads: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("slots", "copy_threads"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ConfigError(f"StagingOptions.{name} must be a positive int, got {value!r}")
+        if self.on_busy not in ("wait", "skip"):
+            raise ConfigError(f"StagingOptions.on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
+        if self.busy_timeout is not None and (not isinstance(self.busy_timeout, (int, float))
+                                              or self.busy_timeout < 0):
+            raise ConfigError(f"StagingOptions.busy_timeout must be None or >= 0, got {self.busy_timeout!r}")
+        if self.max_host_bytes is not None and (type(self.max_host_bytes) is not int or self.max_host_bytes <= 0):
+            raise ConfigError(f"StagingOptions.max_host_bytes must be None or a positive int, "
+                              f"got {self.max_host_bytes!r}")
+        if self.local_tier not in (None, True, False):
+            raise ConfigError(f"StagingOptions.local_tier must be None, True or False, got {self.local_tier!r}")
+        if not isinstance(self.local_dir, str) or not self.local_dir:
+            raise ConfigError(f"StagingOptions.local_dir must be a non-empty str, got {self.local_dir!r}")

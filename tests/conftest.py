@@ -92,3 +92,19 @@ def assert_tree_equal(a, b, path="state"):
         assert math.isnan(b), path
     else:
         assert a == b, path
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_local_tiers():
+    """Every test that closes its managers leaves nothing in /dev/shm; tests that kill
+    writers on purpose get their leftovers removed here."""
+    import os
+    import shutil
+
+    shm = "/dev/shm"
+    before = set(os.listdir(shm)) if os.path.isdir(shm) else set()
+    yield
+    if os.path.isdir(shm):
+        for name in set(os.listdir(shm)) - before:
+            if name.startswith(f"ckptmgr-{os.getuid()}-"):
+                shutil.rmtree(os.path.join(shm, name), ignore_errors=True)

@@ -13,6 +13,7 @@ from conftest import assert_tree_equal
 from crash_writer import crash_state
 
 from ckptmgr import CheckpointManager
+from ckptmgr._discovery import step_name
 
 WRITER = os.path.join(os.path.dirname(__file__), "crash_writer.py")
 
@@ -29,6 +30,8 @@ def _run_trials(root: str, trials: int, seed: int) -> None:
         out, _ = proc.communicate(timeout=30)
         reported = [int(x) for x in out.split()]
         with CheckpointManager(root) as mgr:  # the restart
+            # a step that reached only the local tier is being written out now; let it land
+            mgr.wait(timeout=60)
             leftovers = [n for n in os.listdir(root) if n.startswith(".step_")]
             assert leftovers == [], f"trial {trial}: leftovers not cleaned: {leftovers}"
             steps = mgr.steps()
@@ -40,6 +43,8 @@ def _run_trials(root: str, trials: int, seed: int) -> None:
                 continue
             assert_tree_equal(mgr.restore(), crash_state(latest))
             assert steps == list(range(steps[0], latest + 1))
+            # and the newest step is on the durable root now, whichever tier it survived in
+            assert os.path.isfile(os.path.join(root, step_name(latest), "manifest.json")), (trial, latest)
         next_step = latest + 1
 
 

@@ -5,6 +5,7 @@ import pytest
 import ckptmgr
 
 EXPECTED = [
+    "CapacityError",
     "CheckpointCorruptError",
     "CheckpointManager",
     "CkptError",
@@ -14,6 +15,8 @@ EXPECTED = [
     "SaveError",
     "SaveHandle",
     "SaveInfo",
+    "SaveSkippedError",
+    "StagingOptions",
     "StateMismatchError",
     "StepExistsError",
     "StepNotFoundError",

@@ -9,7 +9,7 @@ import torch
 from conftest import assert_tree_equal
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ckptmgr import CheckpointManager, CkptTimeoutError, SaveError
+from ckptmgr import CheckpointManager, CkptTimeoutError, SaveError, StagingOptions
 
 
 class FaultyFS(MemoryFileSystem):
@@ -69,8 +69,9 @@ def test_error_surfaces_on_the_handle(faulty):
         assert mgr.steps() == [2]
 
 
-def test_unobserved_error_surfaces_at_next_save_then_wait_then_close(faulty):
-    mgr = CheckpointManager("faulty://run3")
+@pytest.mark.parametrize("local_tier", [False, True])
+def test_unobserved_error_surfaces_at_next_save_then_wait_then_close(faulty, local_tier):
+    mgr = CheckpointManager("faulty://run3", staging=StagingOptions(local_tier=local_tier))
     faulty.fail_writes = True
     h = mgr.save(1, {"x": torch.ones(2)})
     deadline = time.monotonic() + 10
@@ -87,7 +88,15 @@ def test_unobserved_error_surfaces_at_next_save_then_wait_then_close(faulty):
     with pytest.raises(SaveError, match="step 4"):
         mgr.close(timeout=10)
     faulty.fail_writes = False
-    assert CheckpointManager("faulty://run3").steps() == []
+    with CheckpointManager("faulty://run3", staging=StagingOptions(local_tier=local_tier)) as again:
+        again.wait(timeout=10)
+        if local_tier:
+            # step 4 never reached the target but its slot stayed committed in the local
+            # tier; the next manager on this root restores from it and writes it out
+            assert again.steps() == [4]
+            assert FaultyFS().exists("faulty://run3/step_000000000004/manifest.json")
+        else:
+            assert again.steps() == []
 
 
 def test_wait_and_close_time_out_then_finish(faulty):

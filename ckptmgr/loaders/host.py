@@ -11,7 +11,8 @@ aliased: views are rebuilt on top of their (moved) bases.
 from __future__ import annotations
 
 import math
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -20,9 +21,19 @@ from .._checksum import chunk_ranges, crc32c_hex_pieces
 from .._layout import ST_TO_DTYPE
 from .._manifest import Manifest
 from ..errors import CheckpointCorruptError
-from ..targets import Target
 
-__all__ = ["read_tensors"]
+
+class Source(Protocol):
+    """What the loader reads from: a durable target or the local tier."""
+
+    url: str
+    io_pool: ThreadPoolExecutor
+
+    def file_size(self, step: int, name: str) -> int: ...
+
+    def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None: ...
+
+__all__ = ["Source", "read_tensors"]
 
 _Region = tuple[int, np.ndarray[Any, Any]]  # (offset in the file, uint8 destination)
 
@@ -48,7 +59,7 @@ def _pieces(regions: list[_Region], b: int, e: int) -> list[np.ndarray[Any, Any]
     return out
 
 
-def _read_file(target: Target, step: int, manifest: Manifest, fname: str,
+def _read_file(target: Source, step: int, manifest: Manifest, fname: str,
                entries: list[tuple[str, dict[str, Any]]], out: dict[str, torch.Tensor], *, verify: bool) -> None:
     rec = manifest.files[fname]
     where = f"{target.url}: step {step}, file {fname}"
@@ -108,7 +119,7 @@ def _build_views(manifest: Manifest, out: dict[str, torch.Tensor], where: str) -
         out[name] = view
 
 
-def read_tensors(target: Target, step: int, manifest: Manifest, *, verify: bool = True,
+def read_tensors(target: Source, step: int, manifest: Manifest, *, verify: bool = True,
                  device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """Read, verify and assemble every tensor of a committed step.
 

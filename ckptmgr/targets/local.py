@@ -21,10 +21,10 @@ from .._discovery import is_temp_name, parse_step_name, step_name, temp_name
 from .._manifest import MANIFEST_NAME
 from ..errors import CheckpointCorruptError, StepExistsError, StepNotFoundError, StorageError
 
-__all__ = ["LocalTarget"]
+__all__ = ["LocalTarget", "fsync_dir", "preadv_into"]
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -37,6 +37,24 @@ def _pwrite_all(fd: int, data: np.ndarray[Any, Any], offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def preadv_into(path: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
+    """Fill the uint8 arrays in ``out``, in order, with ``path``'s bytes from ``offset``."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        views = [memoryview(a) for a in out if a.size]  # type: ignore[arg-type]
+        while views:
+            n = os.preadv(fd, views, offset)
+            if n == 0:
+                raise CheckpointCorruptError(f"{path} ended early, at byte {offset}")
+            offset += n
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if n:
+                views[0] = views[0][n:]
+    finally:
+        os.close(fd)
 
 
 class _LocalStepWriter:
@@ -75,11 +93,11 @@ class _LocalStepWriter:
             os.fsync(fd)
         finally:
             os.close(fd)
-        _fsync_dir(self.tmp)
+        fsync_dir(self.tmp)
         if os.path.exists(self.final):
             raise StepExistsError(f"step {self.step} is already committed at {self.final}")
         os.rename(self.tmp, self.final)
-        _fsync_dir(self.target.path)
+        fsync_dir(self.target.path)
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -144,21 +162,7 @@ class LocalTarget:
         return os.stat(os.path.join(self._step_dir(step), name)).st_size
 
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
-        path = os.path.join(self._step_dir(step), name)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            views = [memoryview(a) for a in out if a.size]  # type: ignore[arg-type]
-            while views:
-                n = os.preadv(fd, views, offset)
-                if n == 0:
-                    raise CheckpointCorruptError(f"{path} ended early, at byte {offset}")
-                offset += n
-                while views and n >= len(views[0]):
-                    n -= len(views.pop(0))
-                if n:
-                    views[0] = views[0][n:]
-        finally:
-            os.close(fd)
+        preadv_into(os.path.join(self._step_dir(step), name), offset, out)
 
     def delete(self, step: int) -> None:
         d = self._step_dir(step)
@@ -166,7 +170,7 @@ class LocalTarget:
             os.unlink(os.path.join(d, MANIFEST_NAME))
         except FileNotFoundError:
             pass
-        _fsync_dir(d)
+        fsync_dir(d)
         shutil.rmtree(d)
 
     def close(self) -> None:

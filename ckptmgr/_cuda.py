@@ -1,0 +1,76 @@
+"""The only module that touches CUDA: availability, pinning, streams and events.
+
+Everything else in ckptmgr calls these functions, so a machine without CUDA never imports
+CUDA-only code paths, and tests can count registrations by replacing them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CopyDone",
+    "available",
+    "host_register",
+    "host_unregister",
+    "pinned_empty",
+    "staging_stream",
+]
+
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def available() -> bool:
+    """True when CUDA can be used in this process."""
+    return torch.cuda.is_available()
+
+
+def _check(rc: Any, what: str) -> None:
+    code = int(rc)
+    if code != 0:
+        raise RuntimeError(f"{what} failed with CUDA error {code}")
+
+
+def host_register(ptr: int, nbytes: int) -> None:
+    """Pin ``nbytes`` of existing host memory at ``ptr`` (a MAP_SHARED mapping or malloc'd
+    memory; never a private file mapping, which would silently double memory)."""
+    _check(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE), "cudaHostRegister")
+
+
+def host_unregister(ptr: int) -> None:
+    """Unpin memory registered by :func:`host_register`, at the exact pointer registered."""
+    _check(torch.cuda.cudart().cudaHostUnregister(ptr), "cudaHostUnregister")
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """A fresh uint8 tensor in page-locked host memory."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def staging_stream(device: torch.device) -> Any:
+    """A dedicated stream for device-to-host copies on ``device``.
+
+    Created from the caller's (main) thread: streams are per device, and creating them from
+    a worker thread would bind them to whatever device that thread has current.
+    """
+    return torch.cuda.Stream(device=device)
+
+
+class CopyDone:
+    """Marks the end of the copies enqueued on some streams; waitable from any thread."""
+
+    def __init__(self, streams: list[Any]) -> None:
+        self._events = []
+        for s in streams:
+            ev = torch.cuda.Event()
+            ev.record(s)
+            self._events.append(ev)
+
+    def query(self) -> bool:
+        return all(ev.query() for ev in self._events)
+
+    def synchronize(self) -> None:
+        for ev in self._events:
+            ev.synchronize()

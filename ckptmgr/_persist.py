@@ -1,0 +1,91 @@
+"""Persist: what the background thread does with a staged slot.
+
+1. wait until the staging copies have landed;
+2. local commit (tmpfs slots): checksum the images in parallel and write the slot's
+   manifest, so the local tier lists the step;
+3. write every image to the durable target (the target fans the writes out over its I/O
+   threads and checksums each chunk as it goes) and commit it there; the checksums must
+   equal those of step 2, so a slot changed during the write cannot commit silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._checksum import chunk_ranges, crc32c_hex
+from ._handle import SaveInfo
+from ._local_tier import LocalTier
+from ._manifest import FileRecord, Manifest
+from ._slots import Slot, SlotPool
+from ._staging import StagingJob
+from .errors import SaveError
+from .targets import Target
+
+__all__ = ["PersistJob", "persist"]
+
+log = logging.getLogger("ckptmgr")
+
+
+@dataclass
+class PersistJob:
+    manifest: Manifest  # ``files`` is filled in here, unless the slot was adopted
+    names: list[str]
+    header_sizes: list[int]
+    slot: Slot
+    staging: StagingJob
+    t0: float  # perf_counter() at save()
+    blocked_s: float
+    busy_wait_s: float
+    local_commit: bool  # False for a slot adopted from an earlier process (already listed)
+
+
+def _checksums(target: Target, arrays: list[np.ndarray[Any, Any]], chunk_size: int) -> list[tuple[str, ...]]:
+    tasks = [(i, b, e) for i, a in enumerate(arrays) for b, e in chunk_ranges(a.size, chunk_size)]
+    crcs = list(target.io_pool.map(lambda t: crc32c_hex(arrays[t[0]][t[1]:t[2]]), tasks))
+    out: list[list[str]] = [[] for _ in arrays]
+    for (i, _, _), c in zip(tasks, crcs, strict=True):
+        out[i].append(c)
+    return [tuple(c) for c in out]
+
+
+def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, pool: SlotPool,
+            chunk_size: int) -> SaveInfo:
+    """Run on the persist thread: local commit, durable write, durable commit."""
+    m = job.manifest
+    job.staging.wait()
+    t_staged = job.staging.finished_at or time.perf_counter()
+    arrays = [seg.numpy() for seg in job.slot.segments]
+    local_s = None
+    if job.local_commit and tier is not None and job.slot.kind == "tmpfs":
+        for name, hs, arr, crcs in zip(job.names, job.header_sizes, arrays,
+                                       _checksums(target, arrays, chunk_size), strict=True):
+            m.files[name] = FileRecord(arr.size, chunk_size, crcs, hs)
+        tier.commit(job.slot.index, m.step, m.to_bytes())
+        pool.mark_committed(job.slot, m.step)
+        local_s = time.perf_counter() - job.t0
+    known = dict(m.files)
+    writer = target.begin(m.step)
+    try:
+        for name, hs, arr in zip(job.names, job.header_sizes, arrays, strict=True):
+            rec = known.get(name)
+            crcs = writer.write_file(name, arr, rec.chunk_size if rec else chunk_size)
+            if rec is not None and crcs != rec.crc32c:
+                raise SaveError(f"step {m.step}: {name} changed in the staging slot while it was written")
+            m.files[name] = FileRecord(arr.size, rec.chunk_size if rec else chunk_size, crcs, hs)
+        writer.commit(m.to_bytes())
+    except BaseException:
+        writer.abort()
+        raise
+    t_end = time.perf_counter()
+    info = SaveInfo(step=m.step, url=target.url, bytes=m.total_bytes, files=len(arrays),
+                    staging_s=t_staged - job.t0, persist_s=t_end - t_staged, total_s=t_end - job.t0,
+                    blocked_s=job.blocked_s, busy_wait_s=job.busy_wait_s, local_s=local_s)
+    log.info("committed step %d: %.1f MB, safe to mutate after %.3f s (caller blocked %.3f s), durable after "
+             "%.3f s (%.2f GB/s)", info.step, info.bytes / 1e6, info.staging_s, info.blocked_s, info.total_s,
+             info.throughput_gbps)
+    return info
