@@ -1,0 +1,376 @@
+"""What a save costs the training loop: ckptmgr against its peers, on one GPU state.
+
+    python benchmarks/bench_staging.py --gib 4 --gib 16 --disk-dir /path/on/disk
+
+For each state size (fp32/bf16 tensors on the GPU, ~150 of them) and each target (/dev/shm
+and disk), every tool saves the same state three times, in one process:
+
+* ``blocked_s``: how long the save call held the caller;
+* ``safe_s``: time until the state may be changed (the copy is off the tensors);
+* ``durable_s``: time until the checkpoint is written (fsync'd) on the target;
+* ``extra_gpu_mib``: peak GPU memory the save added.
+
+Peers: torch.save, safetensors.save_file, Lightning's AsyncCheckpointIO,
+torch.distributed.checkpoint.async_save with a pinned DefaultStager, and ckptmgr with
+``block=True`` and ``block=False`` (+ ``wait_staged``). The ceilings measured in the same run:
+pinned device-to-host bandwidth, and parallel write bandwidth of the disk. Prints tables and
+writes JSON (default benchmarks/out/staging.json). Numbers are not pass/fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ckptmgr import CheckpointManager, StagingOptions
+
+Result = dict[str, Any]
+
+
+def make_state(gib: float, device: str, n_tensors: int = 150) -> dict[str, torch.Tensor]:
+    """fp32 and bf16 tensors of mixed sizes adding up to ``gib`` GiB, on ``device``."""
+    total = int(gib * (1 << 30))
+    weights = [1 + (i % 7) for i in range(n_tensors)]
+    state = {}
+    for i, w in enumerate(weights):
+        dtype = torch.bfloat16 if i % 3 == 0 else torch.float32
+        n = total * w // sum(weights) // torch.empty(0, dtype=dtype).element_size()
+        state[f"layers.{i}.weight"] = torch.randn(n, device=device).to(dtype)
+    return state
+
+
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def fsync_tree(path: str) -> None:
+    paths = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+class GpuPeak:
+    """Peak GPU memory allocated above the level at entry."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.extra = 0
+
+    def __enter__(self) -> GpuPeak:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.extra = torch.cuda.max_memory_allocated() - self.base
+
+
+# ------------------------------------------------------------------ ceilings
+
+def d2h_ceiling(state: dict[str, torch.Tensor], device: str) -> float:
+    """GB/s of copying every tensor into one preallocated pinned buffer (best of 3)."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    buf = torch.empty(nbytes(state), dtype=torch.uint8, pin_memory=True)
+    best = float("inf")
+    for _ in range(3):
+        sync(device)
+        t = time.perf_counter()
+        pos = 0
+        for v in state.values():
+            n = v.numel() * v.element_size()
+            buf[pos:pos + n].view(v.dtype).copy_(v.reshape(-1), non_blocking=True)
+            pos += n
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    del buf
+    return nbytes(state) / best / 1e9
+
+
+def write_ceiling(directory: str, size: int, files: int = 8) -> dict[str, float]:
+    """GB/s of writing ``size`` bytes from memory to ``directory``: ``files`` files in
+    parallel (each thread its own file), with fsync."""
+    os.makedirs(directory, exist_ok=True)
+    chunk = 16 << 20
+    buf = memoryview(bytearray(os.urandom(1 << 20)) * 16)
+    per = size // files // chunk * chunk
+    out = {}
+    for name, direct in (("buffered", False), ("o_direct", True)):
+        paths = [os.path.join(directory, f"ceiling-{i}") for i in range(files)]
+        import mmap
+
+        aligned = mmap.mmap(-1, chunk)
+        aligned.write(bytes(buf[:chunk]))
+
+        def write(p: str, direct: bool = direct, aligned: mmap.mmap = aligned) -> None:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+            fd = os.open(p, flags, 0o644)
+            try:
+                for off in range(0, per, chunk):
+                    os.pwrite(fd, aligned if direct else buf, off)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        os.sync()
+        t = time.perf_counter()
+        try:
+            threads = [threading.Thread(target=write, args=(p,)) for p in paths]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            out[name] = per * files / (time.perf_counter() - t) / 1e9
+        except OSError:
+            out[name] = float("nan")
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)
+    return out
+
+
+# --------------------------------------------------------------------- peers
+
+def run_torch_save(state: dict[str, torch.Tensor], work: str, i: int, device: str) -> Result:
+    p = os.path.join(work, f"s{i}.pt")
+    with GpuPeak(device) as peak:
+        t = time.perf_counter()
+        torch.save(state, p)
+        blocked = time.perf_counter() - t
+        fsync_tree(p)
+        durable = time.perf_counter() - t
+    return {"blocked_s": blocked, "safe_s": blocked, "durable_s": durable, "extra_gpu_mib": peak.extra / 2**20}
+
+
+def run_safetensors(state: dict[str, torch.Tensor], work: str, i: int, device: str) -> Result:
+    from safetensors.torch import save_file
+
+    p = os.path.join(work, f"s{i}.safetensors")
+    with GpuPeak(device) as peak:
+        t = time.perf_counter()
+        save_file(state, p)
+        blocked = time.perf_counter() - t
+        fsync_tree(p)
+        durable = time.perf_counter() - t
+    return {"blocked_s": blocked, "safe_s": blocked, "durable_s": durable, "extra_gpu_mib": peak.extra / 2**20}
+
+
+class LightningAsync:
+    def __init__(self) -> None:
+        try:
+            from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+        except ImportError:
+            from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO  # type: ignore[no-redef]
+        self.io = AsyncCheckpointIO(TorchCheckpointIO())
+
+    def __call__(self, state: dict[str, torch.Tensor], work: str, i: int, device: str) -> Result:
+        p = os.path.join(work, f"s{i}.ckpt")
+        with GpuPeak(device) as peak:
+            t = time.perf_counter()
+            self.io.save_checkpoint(state, p)
+            blocked = time.perf_counter() - t
+            self.io.teardown()  # waits for the background write
+            fsync_tree(p)
+            durable = time.perf_counter() - t
+        return {"blocked_s": blocked, "safe_s": blocked, "durable_s": durable, "extra_gpu_mib": peak.extra / 2**20}
+
+
+class DcpAsync:
+    """torch.distributed.checkpoint.async_save with one pinned DefaultStager, reused; when
+    reuse fails, the error is recorded and a fresh stager is made for the next save."""
+
+    def __init__(self, device: str) -> None:
+        self.pinned = device.startswith("cuda")
+        self.stager = self._new()
+        self.errors: list[str] = []
+
+    def _new(self) -> Any:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        return DefaultStager(StagingOptions(use_pinned_memory=self.pinned, use_shared_memory=False,
+                                            use_async_staging=True, use_non_blocking_copy=self.pinned))
+
+    def __call__(self, state: dict[str, torch.Tensor], work: str, i: int, device: str) -> Result:
+        import torch.distributed.checkpoint as dcp
+
+        p = os.path.join(work, f"s{i}.dcp")
+        res: Result = {}
+        for attempt in range(2):
+            try:
+                with GpuPeak(device) as peak:
+                    t = time.perf_counter()
+                    resp = dcp.async_save(state, checkpoint_id=p, async_stager=self.stager)
+                    blocked = time.perf_counter() - t
+                    resp.staging_completion.result()
+                    safe = time.perf_counter() - t
+                    resp.upload_completion.result()
+                    fsync_tree(p)
+                    durable = time.perf_counter() - t
+                res = {"blocked_s": blocked, "safe_s": safe, "durable_s": durable,
+                       "extra_gpu_mib": peak.extra / 2**20, "fresh_stager": attempt > 0}
+                break
+            except Exception as exc:
+                self.errors.append(f"save {i}: {type(exc).__name__}: {exc}")
+                shutil.rmtree(p, ignore_errors=True)
+                self.stager = self._new()
+        return res
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+class Ckptmgr:
+    def __init__(self, work: str, block: bool, local_tier: bool) -> None:
+        self.mgr = CheckpointManager(os.path.join(work, "root"), staging=StagingOptions(local_tier=local_tier))
+        self.block = block
+
+    def __call__(self, state: dict[str, torch.Tensor], work: str, i: int, device: str) -> Result:
+        with GpuPeak(device) as peak:
+            t = time.perf_counter()
+            h = self.mgr.save(i, state, block=self.block)
+            blocked = time.perf_counter() - t
+            h.wait_staged()
+            safe = time.perf_counter() - t
+            info = h.result()
+            durable = time.perf_counter() - t
+        return {"blocked_s": blocked, "safe_s": safe, "durable_s": durable, "extra_gpu_mib": peak.extra / 2**20,
+                "local_s": info.local_s, "slot_allocations": self.mgr.stats()["slot_allocations"],
+                "slot_registrations": self.mgr.stats()["slot_registrations"]}
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+def bench(state: dict[str, torch.Tensor], target_dir: str, device: str, saves: int, tools: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    makers: dict[str, Callable[[str], Any]] = {
+        "torch.save": lambda w: run_torch_save,
+        "safetensors.save_file": lambda w: run_safetensors,
+        "Lightning AsyncCheckpointIO": lambda w: LightningAsync(),
+        "DCP async_save (pinned stager)": lambda w: DcpAsync(device),
+        "ckptmgr block": lambda w: Ckptmgr(w, True, local_tier=True),
+        "ckptmgr overlap": lambda w: Ckptmgr(w, False, local_tier=True),
+    }
+    for name in tools:
+        work = os.path.join(target_dir, "work")
+        shutil.rmtree(work, ignore_errors=True)
+        os.makedirs(work)
+        runs = []
+        tool = makers[name](work)
+        try:
+            for i in range(1, saves + 1):
+                os.sync()
+                r = tool(state, work, i, device)
+                runs.append(r)
+                for entry in os.listdir(work):  # keep the target from filling up
+                    if entry != "root":
+                        p = os.path.join(work, entry)
+                        shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+                root = os.path.join(work, "root")
+                if os.path.isdir(root):
+                    for entry in os.listdir(root):
+                        shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        finally:
+            if hasattr(tool, "close"):
+                tool.close()
+        out[name] = {"runs": runs, "errors": getattr(tool, "errors", [])}
+        shutil.rmtree(work, ignore_errors=True)
+        print(f"  {name}: " + ", ".join(f"{r.get('safe_s', float('nan')):.3f}/{r.get('durable_s', float('nan')):.3f}"
+                                         for r in runs), flush=True)
+    return out
+
+
+def table(title: str, size: int, res: dict[str, Any], ceiling_gbps: float) -> str:
+    lines = [f"### {title}", "",
+             "| tool | save | blocked s | safe-to-mutate s | durable s | durable GB/s | extra GPU MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in res.items():
+        runs = r["runs"]
+        for label, sel in (("first", runs[:1]), ("later (median)", runs[1:])):
+            sel = [x for x in sel if x]
+            if not sel:
+                continue
+            keys = ("blocked_s", "safe_s", "durable_s", "extra_gpu_mib")
+            med = {k: statistics.median(x[k] for x in sel) for k in keys}
+            lines.append(f"| {name} | {label} | {med['blocked_s']:.3f} | {med['safe_s']:.3f} | "
+                         f"{med['durable_s']:.3f} | {size / med['durable_s'] / 1e9:.2f} | {med['extra_gpu_mib']:.0f} |")
+        for e in r["errors"]:
+            lines.append(f"| {name} | error | {e[:120]} | | | | |")
+    lines.append("")
+    lines.append(f"Goal for safe-to-mutate: 1.15 x bytes / pinned D2H = {1.15 * size / ceiling_gbps / 1e9:.3f} s"
+                 if ceiling_gbps == ceiling_gbps else "")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, action="append", help="state size (repeatable); default 4 and 16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shm-dir", default="/dev/shm/ckptmgr-bench")
+    ap.add_argument("--disk-dir", default=os.path.join(os.path.dirname(__file__), "out", "disk"))
+    ap.add_argument("--saves", type=int, default=3)
+    ap.add_argument("--big-tools", default="ckptmgr block,ckptmgr overlap,DCP async_save (pinned stager),torch.save",
+                    help="tools for sizes over 8 GiB")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "staging.json"))
+    args = ap.parse_args()
+    sizes = args.gib or [4.0, 16.0]
+    all_tools = ["ckptmgr block", "ckptmgr overlap", "torch.save", "safetensors.save_file",
+                 "Lightning AsyncCheckpointIO", "DCP async_save (pinned stager)"]
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
+        "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count(),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                 cwd=os.path.dirname(__file__) or ".").stdout.strip(),
+        "sizes": {},
+    }
+    text = []
+    for gib in sizes:
+        state = make_state(gib, args.device)
+        size = nbytes(state)
+        d2h = d2h_ceiling(state, args.device)
+        disk = write_ceiling(args.disk_dir, min(size, 8 << 30))
+        entry: dict[str, Any] = {"bytes": size, "tensors": len(state), "d2h_pinned_gbps": d2h,
+                                 "disk_write_ceiling_gbps": disk, "targets": {}}
+        print(f"{gib} GiB: {len(state)} tensors, pinned D2H {d2h:.1f} GB/s, disk write {disk}", flush=True)
+        tools = all_tools if gib <= 8 else [t for t in all_tools if t in args.big_tools.split(",")]
+        for tname, tdir in (("/dev/shm", args.shm_dir), ("disk", args.disk_dir)):
+            print(f" target {tname}", flush=True)
+            use = tools if tname == "disk" or gib <= 8 else [t for t in tools if t.startswith("ckptmgr")]
+            entry["targets"][tname] = bench(state, tdir, args.device, args.saves if gib <= 8 else 2, use)
+            text.append(table(f"{gib:g} GiB ({len(state)} tensors) to {tname}", size, entry["targets"][tname], d2h))
+        report["sizes"][f"{gib:g}"] = entry
+        del state
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    shutil.rmtree(args.shm_dir, ignore_errors=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print("\n\n".join(text))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

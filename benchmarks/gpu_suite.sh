@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU machine's run: CUDA tests, then the staging and training benchmarks.
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|staging4|staging16|training]...
+# Packages the GPU image lacks are installed from .whl/ when present.
+set -uo pipefail
+out="${1:?output directory}"; shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/machine.txt"
+df -h / /dev/shm | tee -a "$out/machine.txt"
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests staging4 training)
+for part in "${parts[@]}"; do
+  case "$part" in
+    tests) python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py 2>&1 | tee "$out/tests.txt" ;;
+    staging4) python3 benchmarks/bench_staging.py --gib 4 --out "$out/staging4.json" 2>&1 | tee "$out/staging4.txt" ;;
+    staging16) python3 benchmarks/bench_staging.py --gib 16 --out "$out/staging16.json" 2>&1 | tee "$out/staging16.txt" ;;
+    training) python3 benchmarks/bench_training.py --out "$out/training.json" 2>&1 | tee "$out/training.txt" ;;
+  esac
+done
