@@ -93,7 +93,7 @@ def d2h_ceiling(state: dict[str, torch.Tensor], device: str) -> float:
     """GB/s of copying every tensor into one preallocated pinned buffer (best of 3)."""
     if not device.startswith("cuda"):
         return float("nan")
-    buf = torch.empty(nbytes(state), dtype=torch.uint8, pin_memory=True)
+    buf = torch.empty(nbytes(state) + 4096 * len(state), dtype=torch.uint8, pin_memory=True)
     best = float("inf")
     for _ in range(3):
         sync(device)
@@ -102,7 +102,7 @@ def d2h_ceiling(state: dict[str, torch.Tensor], device: str) -> float:
         for v in state.values():
             n = v.numel() * v.element_size()
             buf[pos:pos + n].view(v.dtype).copy_(v.reshape(-1), non_blocking=True)
-            pos += n
+            pos += -(-n // 4096) * 4096
         sync(device)
         best = min(best, time.perf_counter() - t)
     del buf
