@@ -9,11 +9,13 @@ Rules (docs/FORMAT.md):
   the same tensor, or one contiguous member covers the others, that member is stored and the
   rest become *views* of it; otherwise the spanned bytes of the storage are stored as one
   ``U8`` tensor and every member is a view into it;
-* a state larger than ``max_file_bytes`` is split into several files.
+* a large state is split into several files of similar size (tensors are never split), so
+  that the files can be written and read in parallel.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from .errors import UnsupportedValueError
 __all__ = [
     "DATA_ALIGN",
     "DTYPE_TO_ST",
+    "MIN_SHARD_BYTES",
     "ST_TO_DTYPE",
     "FilePlan",
     "Plan",
@@ -39,6 +42,7 @@ __all__ = [
 ]
 
 DATA_ALIGN = 4096
+MIN_SHARD_BYTES = 64 << 20  # smallest file worth a thread of its own
 DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -230,28 +234,48 @@ def _resolve_aliases(leaves: list[Leaf]) -> tuple[list[_Entry], list[ViewEntry]]
     return entries, views
 
 
-def plan_layout(leaves: list[Leaf], *, max_file_bytes: int, metadata: dict[str, str]) -> Plan:
+def _assign(entries: list[_Entry], max_file_bytes: int, files_hint: int) -> list[list[int]]:
+    """Group entry indices into files: as many as ``files_hint`` (each of at least
+    MIN_SHARD_BYTES) so that files can be written in parallel, and enough that none
+    exceeds ``max_file_bytes`` where the tensors allow."""
+    total = sum(e.nbytes for e in entries)
+    n = max(-(-total // max_file_bytes), min(files_hint, total // MIN_SHARD_BYTES), 1)
+    n = min(n, max(len(entries), 1))
+    if n == 1:
+        return [list(range(len(entries)))]
+    # Largest first, each into the lightest file: balanced files, deterministic.
+    heap = [(0, i) for i in range(n)]
+    groups: list[list[int]] = [[] for _ in range(n)]
+    for i in sorted(range(len(entries)), key=lambda i: (-entries[i].nbytes, i)):
+        load, f = heapq.heappop(heap)
+        groups[f].append(i)
+        heapq.heappush(heap, (load + entries[i].nbytes, f))
+    return [g for g in groups if g]
+
+
+def plan_layout(leaves: list[Leaf], *, max_file_bytes: int, metadata: dict[str, str],
+                files_hint: int = 1) -> Plan:
     """Lay the leaves out in one or more safetensors files.
+
+    Args:
+        leaves: the tensors to store.
+        max_file_bytes: a file grows past this only when a single tensor is larger.
+        metadata: the safetensors ``__metadata__`` of every file.
+        files_hint: split a large state into up to this many files of similar size, so
+            that they can be written in parallel (the kernel serializes buffered writes to
+            one file). States under ``2 * MIN_SHARD_BYTES`` stay in one file.
 
     Raises:
         UnsupportedValueError: a tensor's dtype has no safetensors equivalent.
     """
     entries, views = _resolve_aliases(leaves)
-    # Descending alignment keeps every tensor naturally aligned; ties keep state order.
-    order = sorted(range(len(entries)), key=lambda i: (-entries[i].align, i))
-    files: list[list[_Entry]] = [[]]
-    size = 0
-    for i in order:
-        e = entries[i]
-        if files[-1] and size + e.nbytes > max_file_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(e)
-        size += e.nbytes
     plans = []
-    for idx, group in enumerate(files):
+    for idx, group in enumerate(_assign(entries, max_file_bytes, files_hint)):
+        # Descending alignment keeps every tensor naturally aligned; ties keep state order.
+        group = sorted(group, key=lambda i: (-entries[i].align, i))
         stored, off = [], 0
-        for e in group:
+        for i in group:
+            e = entries[i]
             stored.append(StoredTensor(e.name, e.dtype, e.shape, off, off + e.nbytes, e.source))
             off += e.nbytes
         plans.append(FilePlan(file_name(idx), header_bytes(stored, metadata), stored))

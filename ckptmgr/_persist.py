@@ -71,12 +71,13 @@ def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, pool: Sl
     known = dict(m.files)
     writer = target.begin(m.step)
     try:
-        for name, hs, arr in zip(job.names, job.header_sizes, arrays, strict=True):
+        chunk = next(iter(known.values())).chunk_size if known else chunk_size
+        written = writer.write_files(list(zip(job.names, arrays, strict=True)), chunk)
+        for name, hs, arr, crcs in zip(job.names, job.header_sizes, arrays, written, strict=True):
             rec = known.get(name)
-            crcs = writer.write_file(name, arr, rec.chunk_size if rec else chunk_size)
             if rec is not None and crcs != rec.crc32c:
                 raise SaveError(f"step {m.step}: {name} changed in the staging slot while it was written")
-            m.files[name] = FileRecord(arr.size, rec.chunk_size if rec else chunk_size, crcs, hs)
+            m.files[name] = FileRecord(arr.size, chunk, crcs, hs)
         writer.commit(m.to_bytes())
     except BaseException:
         writer.abort()

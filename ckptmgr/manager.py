@@ -136,7 +136,8 @@ class CheckpointManager:
         self._staging_opts = staging
         self._allow_pickle = bool(allow_pickle)
         self._target = open_target(str(root) if hasattr(root, "__fspath__") else root,
-                                   storage_options, io_threads=write_options.io_threads)
+                                   storage_options, io_threads=write_options.io_threads,
+                                   direct_io=write_options.direct_io)
         self.root = self._target.url
         removed = self._target.cleanup()
         if removed:
@@ -253,7 +254,8 @@ class CheckpointManager:
         skeleton, leaves = flatten(state, allow_pickle=self._allow_pickle)
         meta_json = encode_plain(metadata or {}, what="metadata")
         plan = plan_layout(leaves, max_file_bytes=self._opts.max_file_bytes,
-                           metadata={"format": "pt", "ckptmgr_format_version": str(FORMAT_VERSION)})
+                           metadata={"format": "pt", "ckptmgr_format_version": str(FORMAT_VERSION)},
+                           files_hint=self._opts.io_threads)
         sizes = [f.size for f in plan.files]
         self._pool.check_capacity(sizes)
         opts = self._staging_opts
@@ -296,7 +298,8 @@ class CheckpointManager:
         self._check_open()
         _, leaves = flatten(state, allow_pickle=self._allow_pickle)
         plan = plan_layout(leaves, max_file_bytes=self._opts.max_file_bytes,
-                           metadata={"format": "pt", "ckptmgr_format_version": str(FORMAT_VERSION)})
+                           metadata={"format": "pt", "ckptmgr_format_version": str(FORMAT_VERSION)},
+                           files_hint=self._opts.io_threads)
         sizes = [f.size for f in plan.files]
         self._pool.check_capacity(sizes)
         thread = threading.Thread(target=self._pool.prepare, args=(sizes,), name="ckptmgr-prepare")

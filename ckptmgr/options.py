@@ -16,7 +16,11 @@ class WriteOptions:
     Attributes:
         max_file_bytes: a state larger than this is split into several safetensors files.
         chunk_size: bytes per checksum chunk and per parallel write or read task.
-        io_threads: threads that write and read chunks in parallel.
+        io_threads: threads that write and read in parallel; a large state is also split
+            into up to this many files (of at least 64 MiB each) so that they can be
+            written in parallel.
+        direct_io: write the bulk of each large local file with O_DIRECT (bypassing the page
+            cache) when the filesystem allows it; ignored elsewhere.
 
     Example:
         >>> WriteOptions(io_threads=16).io_threads
@@ -26,8 +30,11 @@ class WriteOptions:
     max_file_bytes: int = 4 << 30
     chunk_size: int = 16 << 20
     io_threads: int = 8
+    direct_io: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.direct_io, bool):
+            raise ConfigError(f"WriteOptions.direct_io must be a bool, got {self.direct_io!r}")
         for name in ("max_file_bytes", "chunk_size", "io_threads"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:

@@ -15,7 +15,7 @@ __all__ = ["StepWriter", "Target", "open_target"]
 
 
 def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
-                io_threads: int = 8) -> Target:
+                io_threads: int = 8, direct_io: bool = True) -> Target:
     """Resolve ``root`` (a path or fsspec URL) to a storage target.
 
     Raises:
@@ -40,7 +40,7 @@ def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
             raise ConfigError(f"storage_options {sorted(storage_options)} have no meaning for the local root {root!r}")
         from .local import LocalTarget
 
-        return LocalTarget(path, io_threads=io_threads)
+        return LocalTarget(path, io_threads=io_threads, direct_io=direct_io)
     from .fsspec import FsspecTarget
 
     return FsspecTarget(fs, path, url=root, io_threads=io_threads)

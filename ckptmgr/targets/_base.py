@@ -4,9 +4,9 @@ A :class:`Target` is used by the manager in this order:
 
 1. ``list_steps()`` and ``cleanup()`` at start-up, from the caller's thread;
 2. per save, on the persist thread: ``begin(step)`` returns a :class:`StepWriter`, then
-   ``write_file(...)`` once per data file (the target may fan each write out over its own
+   ``write_files(...)`` once with every data file (the target writes them in parallel on its
    I/O threads), then ``commit(manifest)``; on any failure ``abort()``. The buffers passed to
-   ``write_file`` belong to the caller and must not be used after it returns;
+   ``write_files`` belong to the caller and must not be used after it returns;
 3. ``read_manifest``/``file_size``/``read_into`` for restore, from any thread;
 4. ``delete(step)`` from the deleter, never for a step being written or read;
 5. ``close()`` once, after everything else.
@@ -27,8 +27,8 @@ __all__ = ["StepWriter", "Target"]
 class StepWriter(Protocol):
     """Writes the files of one step, then commits or aborts it."""
 
-    def write_file(self, name: str, data: np.ndarray[Any, Any], chunk_size: int) -> tuple[str, ...]:
-        """Write ``data`` (contiguous uint8) as file ``name``; return per-chunk CRC32C hex."""
+    def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int) -> list[tuple[str, ...]]:
+        """Write each ``(name, data)`` (contiguous uint8); return each file's per-chunk CRC32C hex."""
 
     def commit(self, manifest: bytes) -> None:
         """Make the step visible, atomically. Raises StepExistsError if it already is."""
