@@ -54,6 +54,12 @@ class LocalTier:
     """The tmpfs directory holding the slots of one checkpoint root."""
 
     def __init__(self, local_dir: str, root_url: str, io_pool: ThreadPoolExecutor) -> None:
+        """Open (creating if needed) and lock the tier of ``root_url`` in ``local_dir``.
+
+        Raises:
+            TierBusyError: another process holds it.
+            OSError: it cannot be created.
+        """
         self.path = tier_dir(local_dir, root_url)
         self.url = f"local tier {self.path}"
         self.io_pool = io_pool
@@ -68,6 +74,8 @@ class LocalTier:
             f.write(root_url + "\n")
         self._mu = threading.Lock()
         self._steps: dict[int, int] = {}  # committed step -> slot index
+        self.commit_pool = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-local")
+        self.crc_pool = ThreadPoolExecutor(4, thread_name_prefix="ckptmgr-local-crc")
 
     def free_bytes(self) -> int:
         st = os.statvfs(self.path)
@@ -153,6 +161,8 @@ class LocalTier:
 
     def close(self, *, remove: bool) -> None:
         """Give up ownership; with ``remove``, delete the tier directory if no slot is left."""
+        self.commit_pool.shutdown(wait=True)
+        self.crc_pool.shutdown(wait=True)
         if remove:
             for name in ("root", "lock"):
                 with contextlib.suppress(FileNotFoundError):

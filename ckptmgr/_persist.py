@@ -1,17 +1,21 @@
 """Persist: what the background thread does with a staged slot.
 
 1. wait until the staging copies have landed;
-2. local commit (tmpfs slots): checksum the images in parallel and write the slot's
-   manifest, so the local tier lists the step;
-3. write every image to the durable target (the target fans the writes out over its I/O
-   threads and checksums each chunk as it goes) and commit it there; the checksums must
-   equal those of step 2, so a slot changed during the write cannot commit silently.
+2. at the same time: the local commit (tmpfs slots: checksum the images on the tier's
+   threads and write the slot's manifest, so the local tier lists the step), and the
+   durable write (the target writes the files in parallel on its I/O threads and checksums
+   each chunk as it goes);
+3. commit on the target. The checksums of both must agree, so a slot changed during the
+   write cannot commit silently.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,35 +48,46 @@ class PersistJob:
     local_commit: bool  # False for a slot adopted from an earlier process (already listed)
 
 
-def _checksums(target: Target, arrays: list[np.ndarray[Any, Any]], chunk_size: int) -> list[tuple[str, ...]]:
+def _checksums(io_pool: ThreadPoolExecutor, arrays: list[np.ndarray[Any, Any]],
+               chunk_size: int) -> list[tuple[str, ...]]:
     tasks = [(i, b, e) for i, a in enumerate(arrays) for b, e in chunk_ranges(a.size, chunk_size)]
-    crcs = list(target.io_pool.map(lambda t: crc32c_hex(arrays[t[0]][t[1]:t[2]]), tasks))
+    crcs = list(io_pool.map(lambda t: crc32c_hex(arrays[t[0]][t[1]:t[2]]), tasks))
     out: list[list[str]] = [[] for _ in arrays]
     for (i, _, _), c in zip(tasks, crcs, strict=True):
         out[i].append(c)
     return [tuple(c) for c in out]
 
 
+def _local_commit(job: PersistJob, tier: LocalTier, pool: SlotPool, arrays: list[np.ndarray[Any, Any]],
+                  chunk_size: int) -> tuple[dict[str, FileRecord], float]:
+    files = {name: FileRecord(arr.size, chunk_size, crcs, hs)
+             for name, hs, arr, crcs in zip(job.names, job.header_sizes, arrays,
+                                            _checksums(tier.crc_pool, arrays, chunk_size), strict=True)}
+    tier.commit(job.slot.index, job.manifest.step, dataclasses.replace(job.manifest, files=files).to_bytes())
+    pool.mark_committed(job.slot, job.manifest.step)
+    return files, time.perf_counter() - job.t0
+
+
 def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, pool: SlotPool,
             chunk_size: int) -> SaveInfo:
-    """Run on the persist thread: local commit, durable write, durable commit."""
+    """Run on the persist thread: local commit and durable write side by side, then the
+    durable commit."""
     m = job.manifest
     job.staging.wait()
     t_staged = job.staging.finished_at or time.perf_counter()
     arrays = [seg.numpy() for seg in job.slot.segments]
-    local_s = None
+    local: Future[tuple[dict[str, FileRecord], float]] | None = None
     if job.local_commit and tier is not None and job.slot.kind == "tmpfs":
-        for name, hs, arr, crcs in zip(job.names, job.header_sizes, arrays,
-                                       _checksums(target, arrays, chunk_size), strict=True):
-            m.files[name] = FileRecord(arr.size, chunk_size, crcs, hs)
-        tier.commit(job.slot.index, m.step, m.to_bytes())
-        pool.mark_committed(job.slot, m.step)
-        local_s = time.perf_counter() - job.t0
-    known = dict(m.files)
+        # The local tier checksums the slot on its own threads while the target writes it.
+        local = tier.commit_pool.submit(_local_commit, job, tier, pool, arrays, chunk_size)
     writer = target.begin(m.step)
     try:
-        chunk = next(iter(known.values())).chunk_size if known else chunk_size
+        chunk = next(iter(m.files.values())).chunk_size if m.files else chunk_size
         written = writer.write_files(list(zip(job.names, arrays, strict=True)), chunk)
+        known = dict(m.files)
+        local_s = None
+        if local is not None:
+            known, local_s = local.result()
         for name, hs, arr, crcs in zip(job.names, job.header_sizes, arrays, written, strict=True):
             rec = known.get(name)
             if rec is not None and crcs != rec.crc32c:
@@ -81,6 +96,8 @@ def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, pool: Sl
         writer.commit(m.to_bytes())
     except BaseException:
         writer.abort()
+        if local is not None:
+            concurrent.futures.wait([local])
         raise
     t_end = time.perf_counter()
     info = SaveInfo(step=m.step, url=target.url, bytes=m.total_bytes, files=len(arrays),
