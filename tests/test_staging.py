@@ -1,0 +1,314 @@
+"""Staging slots and the save pipeline on CPU: training-safe copies, overlap, backpressure,
+slot reuse without new allocations, the host-memory cap and the local tier."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from conftest import assert_tree_equal, make_training, train_steps
+from test_fsspec_target import FaultyFS, faulty  # noqa: F401  (fixture)
+
+import ckptmgr._cuda as cuda_shim
+from ckptmgr import (
+    CapacityError,
+    CheckpointManager,
+    CkptTimeoutError,
+    ConfigError,
+    SaveError,
+    SaveSkippedError,
+    StagingOptions,
+)
+from ckptmgr._local_tier import tier_dir
+
+
+def big_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(3_000_000, generator=g),  # 12 MB: copied in several pieces
+        "h": torch.randn(1000, generator=g).bfloat16(),
+        "i": torch.arange(10),
+        "t": torch.randn(40, 30, generator=g).t(),  # non-contiguous
+        "n": 7,
+    }
+
+
+def clone(tree):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in tree.items()}
+
+
+def mutate(tree) -> None:
+    for v in tree.values():
+        if isinstance(v, torch.Tensor):
+            v.add_(1)
+
+
+@pytest.mark.parametrize("local_tier", [False, True])
+@pytest.mark.parametrize("block", [True, False])
+def test_mutating_right_after_staging_leaves_the_checkpoint_alone(root, local_tier, block):
+    state = big_state()
+    with CheckpointManager(root, staging=StagingOptions(local_tier=local_tier)) as mgr:
+        for step in range(3):
+            expected = clone(state)
+            h = mgr.save(step, state, block=block)
+            h.wait_staged()  # instant after a blocking save
+            assert h.staged()
+            mutate(state)  # every tensor changes right away
+            h.result(timeout=30)
+            assert_tree_equal(mgr.restore(step), expected)
+
+
+def _flat(model, opt) -> dict:
+    out = {f"m.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, s in enumerate(opt.state.values()):
+        out.update({f"o.{i}.{k}": v.clone() for k, v in s.items()})
+    return out
+
+
+def test_training_with_overlapped_saves_restores_exactly(root):
+    model, opt, sched = make_training()
+    with CheckpointManager(root) as mgr:
+        for step in range(1, 4):
+            train_steps(model, opt, sched, 2)
+            expected = _flat(model, opt)
+            h = mgr.save(step, {"model": model, "optim": opt, "sched": sched}, block=False)
+            h.wait_staged()
+            train_steps(model, opt, sched, 1)  # changes every parameter and moment
+        mgr.wait()
+        model2, opt2, sched2 = make_training(seed=1)
+        train_steps(model2, opt2, sched2, 1)
+        mgr.restore(3, target={"model": model2, "optim": opt2, "sched": sched2})
+    assert_tree_equal(_flat(model2, opt2), expected)
+
+
+def test_backpressure_wait_then_skip(root, faulty):  # noqa: F811
+    faulty.gate = threading.Event()
+    mgr = CheckpointManager("faulty://bp", staging=StagingOptions(slots=1, local_tier=False))
+    h1 = mgr.save(1, big_state())
+    threading.Timer(0.3, faulty.gate.set).start()
+    t = time.perf_counter()
+    h2 = mgr.save(2, big_state())  # waits for step 1's slot
+    assert time.perf_counter() - t >= 0.2
+    assert h1.done()
+    h2.result(timeout=30)
+    stats = mgr.stats()
+    assert stats["busy_waits"] == 1 and stats["busy_wait_s"] >= 0.2 and stats["skips"] == 0
+    assert h2.result().busy_wait_s >= 0.2
+    mgr.close()
+
+    faulty.gate = threading.Event()
+    mgr = CheckpointManager("faulty://bp", staging=StagingOptions(slots=1, on_busy="skip", local_tier=False))
+    h3 = mgr.save(3, big_state())
+    h4 = mgr.save(4, big_state())
+    assert h4.skipped and h4.done() and "skipped" in repr(h4)
+    with pytest.raises(SaveSkippedError, match="step 4 was not saved"):
+        h4.result()
+    faulty.gate.set()
+    h3.result(timeout=30)
+    mgr.save(5, big_state()).result(timeout=30)  # a free slot again: not skipped
+    assert mgr.stats()["skips"] == 1
+    mgr.close()  # a skip is not an error: close does not raise
+    assert CheckpointManager("faulty://bp").steps() == [1, 2, 3, 5]
+
+
+def test_busy_timeout(faulty):  # noqa: F811
+    faulty.gate = threading.Event()
+    mgr = CheckpointManager("faulty://bt", staging=StagingOptions(busy_timeout=0.1, local_tier=False))
+    mgr.save(1, big_state())
+    with pytest.raises(CkptTimeoutError, match="no staging slot"):
+        mgr.save(2, big_state())
+    faulty.gate.set()
+    mgr.close(timeout=30)
+
+
+def test_two_slots_overlap_staging_with_a_pending_write(faulty):  # noqa: F811
+    faulty.gate = threading.Event()
+    with CheckpointManager("faulty://two", staging=StagingOptions(slots=2, local_tier=False)) as mgr:
+        mgr.save(1, big_state())
+        t = time.perf_counter()
+        h2 = mgr.save(2, big_state())  # the second slot: no wait
+        assert time.perf_counter() - t < 5 and mgr.stats()["busy_waits"] == 0
+        faulty.gate.set()
+        h2.result(timeout=30)
+
+
+def test_error_with_block_false_surfaces_on_the_handle_then_at_close(faulty):  # noqa: F811
+    faulty.fail_writes = True
+    mgr = CheckpointManager("faulty://err", staging=StagingOptions(local_tier=False))
+    h = mgr.save(1, big_state(), block=False)
+    h.wait_staged()  # the copy itself is fine
+    with pytest.raises(SaveError, match="No space left"):
+        h.result(timeout=30)
+    mgr.save(2, big_state(), block=False)
+    with pytest.raises(SaveError, match="step 2"):
+        mgr.close(timeout=30)
+
+
+class CountingCuda:
+    """Stands in for CUDA's pinning calls on a machine without CUDA, counting them."""
+
+    def __init__(self, monkeypatch):
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+        self.pinned = 0
+        monkeypatch.setattr(cuda_shim, "available", lambda: True)
+        monkeypatch.setattr(cuda_shim, "host_register", self.register)
+        monkeypatch.setattr(cuda_shim, "host_unregister", self.unregister)
+        monkeypatch.setattr(cuda_shim, "pinned_empty", self.pinned_empty)
+
+    def register(self, ptr, n):
+        assert ptr not in self.registered, "registered twice"
+        self.registered[ptr] = n
+
+    def unregister(self, ptr):
+        assert ptr in self.registered, "unregistering a pointer never registered"
+        self.unregistered.append(ptr)
+
+    def pinned_empty(self, n):
+        self.pinned += 1
+        return torch.empty(n, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("local_tier", [True, False])
+def test_slots_are_made_once_and_reused(root, monkeypatch, local_tier):
+    fake = CountingCuda(monkeypatch)
+    model, opt, sched = make_training()
+    train_steps(model, opt, sched, 1)  # the optimizer state exists from here on
+    state = {"model": model, "optim": opt, "sched": sched}
+    with CheckpointManager(root, staging=StagingOptions(slots=2, local_tier=local_tier)) as mgr:
+        h1 = mgr.save(1, state)
+        first = mgr.stats()
+        mgr.save(2, state).result()  # step 1 may still be writing: the second slot
+        h1.result()
+        second = mgr.stats()
+        assert second["slot_allocations"] in (first["slot_allocations"], 2 * first["slot_allocations"])
+        for step in range(3, 9):
+            train_steps(model, opt, sched, 1)
+            mgr.save(step, state, block=step % 2 == 0)
+        mgr.wait()
+        last = mgr.stats()
+        assert last["slot_allocations"] == second["slot_allocations"]
+        assert last["slot_registrations"] == second["slot_registrations"]
+        if local_tier:  # tmpfs files pinned in place
+            assert len(fake.registered) == last["slot_registrations"] > 0 and fake.pinned == 0
+        else:  # pinned memory, allocated pinned
+            assert fake.pinned == last["slot_allocations"] <= 2 and not fake.registered
+    # every registration is undone, at the exact pointer, when the manager closes
+    assert sorted(fake.unregistered) == sorted(fake.registered)
+
+
+def test_slots_grow_with_the_state(root):
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": torch.zeros(1000)}).result()
+        n = mgr.stats()["slot_allocations"]
+        mgr.save(2, {"w": torch.zeros(1000)}).result()
+        assert mgr.stats()["slot_allocations"] == n
+        mgr.save(3, {"w": torch.zeros(5000)}).result()  # grew: a new buffer
+        assert mgr.stats()["slot_allocations"] == n + 1
+        assert mgr.restore(3)["w"].shape == (5000,)
+
+
+def test_prepare_makes_the_slots_ahead_of_the_first_save(root):
+    state = big_state()
+    with CheckpointManager(root, staging=StagingOptions(slots=2)) as mgr:
+        mgr.prepare(state)
+        deadline = time.monotonic() + 30
+        while mgr.stats()["slot_allocations"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        made = mgr.stats()["slot_allocations"]
+        assert made >= 2
+        mgr.save(1, state).result()
+        mgr.save(2, state).result()
+        assert mgr.stats()["slot_allocations"] == made
+
+
+def test_host_memory_cap_refuses_before_any_copy(root):
+    state = big_state()
+    with CheckpointManager(root, staging=StagingOptions(slots=2, max_host_bytes=20 << 20)) as mgr:
+        with pytest.raises(CapacityError, match="max_host_bytes") as info:
+            mgr.save(1, state)
+        assert isinstance(info.value, MemoryError)
+        assert mgr.stats()["slot_allocations"] == 0 and mgr.steps() == []
+        mgr.save(2, {"small": torch.ones(10)}).result()  # a state that fits still saves
+        with pytest.raises(CapacityError):
+            mgr.prepare(state)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"slots": 0}, "slots"),
+    ({"on_busy": "drop"}, "on_busy"),
+    ({"busy_timeout": -1}, "busy_timeout"),
+    ({"max_host_bytes": 0}, "max_host_bytes"),
+    ({"local_tier": "yes"}, "local_tier"),
+    ({"local_dir": ""}, "local_dir"),
+    ({"copy_threads": 0}, "copy_threads"),
+])
+def test_bad_staging_options(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        StagingOptions(**kwargs)
+
+
+def test_bad_staging_arguments(root, tmp_path):
+    with pytest.raises(ConfigError, match="staging must be a StagingOptions"):
+        CheckpointManager(root, staging={"slots": 2})
+    with pytest.raises(ConfigError, match="not a directory"):
+        CheckpointManager(root, staging=StagingOptions(local_tier=True, local_dir=str(tmp_path / "none")))
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(ConfigError, match="block must be a bool"):
+            mgr.save(1, {"x": torch.ones(1)}, block=None)
+        assert mgr.steps() == []
+
+
+def test_local_tier_lists_and_restores_and_is_released_at_close(root, tmp_path):
+    local = str(tmp_path / "shm")
+    os.makedirs(local)
+    opts = StagingOptions(local_dir=local)
+    state = big_state()
+    with CheckpointManager(root, staging=opts) as mgr:
+        info = mgr.save(5, state).result()
+        assert info.local_s is not None and info.local_s <= info.total_s
+        tier = tier_dir(local, mgr.root)
+        assert os.path.isfile(os.path.join(tier, "slot-00", "manifest.json"))
+        # the tier copy is what restore reads first: remove the durable files, it still works
+        for name in os.listdir(os.path.join(root, "step_000000000005")):
+            if name.endswith(".safetensors"):
+                os.unlink(os.path.join(root, "step_000000000005", name))
+        assert_tree_equal(mgr.restore(), state)
+    assert not os.path.exists(tier)  # a clean close frees the slots
+
+
+def test_a_second_manager_on_the_same_root_does_without_the_tier(root, tmp_path, caplog):
+    local = str(tmp_path / "shm")
+    os.makedirs(local)
+    opts = StagingOptions(local_dir=local)
+    with CheckpointManager(root, staging=opts) as a, CheckpointManager(root, staging=opts) as b:
+        assert "another manager" in caplog.text
+        a.save(1, {"x": torch.ones(3)}).result()
+        b.save(2, {"x": torch.ones(3)}).result()
+        assert b.steps() == [1, 2]
+
+
+def test_exception_in_the_training_loop_still_finishes_pending_saves(faulty):  # noqa: F811
+    faulty.gate = threading.Event()
+    threading.Timer(0.2, faulty.gate.set).start()
+    def training_loop():
+        with CheckpointManager("faulty://exc", staging=StagingOptions(local_tier=False)) as mgr:
+            mgr.save(1, big_state(), block=False)
+            raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        training_loop()
+    assert CheckpointManager("faulty://exc").steps() == [1]
+
+
+def test_save_failure_in_a_failing_with_block_is_logged_not_raised(faulty, caplog):  # noqa: F811
+    faulty.fail_writes = True
+    def training_loop():
+        with CheckpointManager("faulty://exc2", staging=StagingOptions(local_tier=False)) as mgr:
+            mgr.save(1, big_state())
+            raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        training_loop()
+    assert "save of step 1 failed" in caplog.text
