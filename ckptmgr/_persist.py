@@ -5,8 +5,8 @@
    threads and write the slot's manifest, so the local tier lists the step), and the
    durable write (the target writes the files in parallel on its I/O threads and checksums
    each chunk as it goes);
-3. commit on the target. The checksums of both must agree, so a slot changed during the
-   write cannot commit silently.
+3. commit on the target, with the local tier's checksums when there are some (the writer
+   threads then skip checksumming: it measured ~4% of the write time).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from ._local_tier import LocalTier
 from ._manifest import FileRecord, Manifest
 from ._slots import Slot, SlotPool
 from ._staging import StagingJob
-from .errors import SaveError
 from .targets import Target
 
 __all__ = ["PersistJob", "persist"]
@@ -83,16 +82,16 @@ def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, pool: Sl
     writer = target.begin(m.step)
     try:
         chunk = next(iter(m.files.values())).chunk_size if m.files else chunk_size
-        written = writer.write_files(list(zip(job.names, arrays, strict=True)), chunk)
+        # Checksums known already (an adopted slot's manifest) or computed beside the write
+        # (the local tier's) are not computed again by the writer threads.
+        known_ahead = bool(m.files) or local is not None
+        written = writer.write_files(list(zip(job.names, arrays, strict=True)), chunk, checksum=not known_ahead)
         known = dict(m.files)
         local_s = None
         if local is not None:
             known, local_s = local.result()
         for name, hs, arr, crcs in zip(job.names, job.header_sizes, arrays, written, strict=True):
-            rec = known.get(name)
-            if rec is not None and crcs != rec.crc32c:
-                raise SaveError(f"step {m.step}: {name} changed in the staging slot while it was written")
-            m.files[name] = FileRecord(arr.size, chunk, crcs, hs)
+            m.files[name] = known[name] if known_ahead else FileRecord(arr.size, chunk, crcs, hs)
         writer.commit(m.to_bytes())
     except BaseException:
         writer.abort()

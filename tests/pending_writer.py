@@ -27,13 +27,13 @@ def main() -> None:
     root, local_dir, mode = sys.argv[1:4]
     real = local._LocalStepWriter._write_file
 
-    def patched(self, name, data, chunk_size):  # fault injection into the real local writer
+    def patched(self, *args):  # fault injection into the real local writer
         if mode == "hang":
             time.sleep(3600)
         if mode == "fail":
             raise OSError(5, "Input/output error (injected)")
         time.sleep(0.5)
-        return real(self, name, data, chunk_size)
+        return real(self, *args)
 
     local._LocalStepWriter._write_file = patched
     mgr = CheckpointManager(root, staging=StagingOptions(local_dir=local_dir))

@@ -27,8 +27,10 @@ __all__ = ["StepWriter", "Target"]
 class StepWriter(Protocol):
     """Writes the files of one step, then commits or aborts it."""
 
-    def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int) -> list[tuple[str, ...]]:
-        """Write each ``(name, data)`` (contiguous uint8); return each file's per-chunk CRC32C hex."""
+    def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int, *,
+                    checksum: bool = True) -> list[tuple[str, ...]]:
+        """Write each ``(name, data)`` (contiguous uint8); return each file's per-chunk CRC32C hex
+        (empty tuples with ``checksum=False``, when the caller has them already)."""
 
     def commit(self, manifest: bytes) -> None:
         """Make the step visible, atomically. Raises StepExistsError if it already is."""

@@ -33,16 +33,19 @@ class _FsspecStepWriter:
             fs.rm(self.dir, recursive=True)
         fs.makedirs(self.dir, exist_ok=True)
 
-    def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int) -> list[tuple[str, ...]]:
-        return list(self.target.io_pool.map(lambda f: self._write_file(f[0], f[1], chunk_size), files))
+    def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int, *,
+                    checksum: bool = True) -> list[tuple[str, ...]]:
+        return list(self.target.io_pool.map(lambda f: self._write_file(f[0], f[1], chunk_size, checksum), files))
 
-    def _write_file(self, name: str, data: np.ndarray[Any, Any], chunk_size: int) -> tuple[str, ...]:
+    def _write_file(self, name: str, data: np.ndarray[Any, Any], chunk_size: int,
+                    checksum: bool = True) -> tuple[str, ...]:
         crcs = []
         with self.target.fs.open(posixpath.join(self.dir, name), "wb") as f:
             for b, e in chunk_ranges(data.size, chunk_size):
                 chunk = data[b:e]
                 f.write(memoryview(chunk))  # type: ignore[arg-type]
-                crcs.append(crc32c_hex(chunk))
+                if checksum:
+                    crcs.append(crc32c_hex(chunk))
         return tuple(crcs)
 
     def commit(self, manifest: bytes) -> None:

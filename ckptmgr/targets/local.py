@@ -70,12 +70,14 @@ class _LocalStepWriter:
             raise StepExistsError(f"step {step} is already committed at {self.final}")
         os.mkdir(self.tmp)
 
-    def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int) -> list[tuple[str, ...]]:
+    def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int, *,
+                    checksum: bool = True) -> list[tuple[str, ...]]:
         # One thread per file: the kernel serializes buffered writes to one file, so files in
         # parallel is what scales (the layout makes several files of a large state).
-        return list(self.target.io_pool.map(lambda f: self._write_file(f[0], f[1], chunk_size), files))
+        return list(self.target.io_pool.map(lambda f: self._write_file(f[0], f[1], chunk_size, checksum), files))
 
-    def _write_file(self, name: str, data: np.ndarray[Any, Any], chunk_size: int) -> tuple[str, ...]:
+    def _write_file(self, name: str, data: np.ndarray[Any, Any], chunk_size: int,
+                    checksum: bool = True) -> tuple[str, ...]:
         path = os.path.join(self.tmp, name)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         dfd, direct_end = -1, 0
@@ -94,7 +96,8 @@ class _LocalStepWriter:
                     _pwrite_all(dfd, data[b:split], b)
                 if e > split:
                     _pwrite_all(fd, data[split:e], split)
-                crcs.append(crc32c_hex(chunk))
+                if checksum:
+                    crcs.append(crc32c_hex(chunk))
             os.fsync(fd)
         finally:
             if dfd >= 0:
