@@ -30,8 +30,19 @@ from .errors import (
 )
 from .manager import CheckpointManager
 from .options import StagingOptions, WriteOptions
+from .retention import (
+    AnyOf,
+    KeepAll,
+    KeepBest,
+    KeepEvery,
+    KeepEverySeconds,
+    KeepLatest,
+    RetentionPolicy,
+    StepInfo,
+)
 
 __all__ = [
+    "AnyOf",
     "CapacityError",
     "CheckpointCorruptError",
     "CheckpointManager",
@@ -39,6 +50,12 @@ __all__ = [
     "CkptTimeoutError",
     "ConfigError",
     "FormatVersionError",
+    "KeepAll",
+    "KeepBest",
+    "KeepEvery",
+    "KeepEverySeconds",
+    "KeepLatest",
+    "RetentionPolicy",
     "SaveError",
     "SaveHandle",
     "SaveInfo",
@@ -46,6 +63,7 @@ __all__ = [
     "StagingOptions",
     "StateMismatchError",
     "StepExistsError",
+    "StepInfo",
     "StepNotFoundError",
     "StorageError",
     "UnsupportedValueError",

@@ -12,7 +12,9 @@ import re
 import secrets
 
 __all__ = [
+    "PROTECT_NAME",
     "STEP_DIGITS",
+    "is_our_file",
     "is_temp_name",
     "parse_step_name",
     "step_name",
@@ -20,6 +22,8 @@ __all__ = [
 ]
 
 STEP_DIGITS = 12
+PROTECT_NAME = "protected"  # marker file: the step is kept whatever the retention policy says
+_OUR_FILE_RE = re.compile(r"manifest\.json|data-\d{5,}\.safetensors|protected")
 _STEP_RE = re.compile(rf"step_(\d{{{STEP_DIGITS},}})")
 _TEMP_RE = re.compile(rf"\.step_(\d{{{STEP_DIGITS},}})\.tmp-[0-9a-f]{{8,32}}")
 
@@ -46,3 +50,8 @@ def temp_name(step: int) -> str:
 def is_temp_name(name: str) -> bool:
     """True for temporary directories that a save of ours created."""
     return _TEMP_RE.fullmatch(name) is not None
+
+
+def is_our_file(name: str) -> bool:
+    """True for the names ckptmgr writes inside a step directory."""
+    return _OUR_FILE_RE.fullmatch(name) is not None

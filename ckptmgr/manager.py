@@ -15,12 +15,12 @@ import time
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 
 from . import __version__
+from ._deleter import Deleter, StepGuard
 from ._flatten import decode_plain, encode_plain, flatten, unflatten
 from ._handle import SaveHandle, SaveInfo
 from ._layout import plan_layout
@@ -39,6 +39,7 @@ from .errors import (
 )
 from .loaders import read_tensors
 from .options import StagingOptions, WriteOptions
+from .retention import KeepAll, RetentionPolicy
 from .targets import Target, open_target
 
 __all__ = ["CheckpointManager"]
@@ -92,7 +93,10 @@ class CheckpointManager:
 
     Args:
         root: a local or NFS path, or any fsspec URL (``s3://bucket/prefix``, ...).
-        retention: which committed steps to keep. None keeps everything.
+        retention: which committed steps to keep (a :class:`~ckptmgr.RetentionPolicy`, e.g.
+            ``AnyOf(KeepLatest(3), KeepEvery(1000))``). None keeps everything. Applied in the
+            background after each commit; the newest step, protected steps and steps being
+            restored are never deleted.
         storage_options: passed to fsspec for URL roots (credentials, endpoints, ...).
         write_options: file layout and I/O parallelism.
         allow_pickle: store values of other types with pickle, and load them back. Loading
@@ -114,14 +118,16 @@ class CheckpointManager:
         self,
         root: str | Any,
         *,
-        retention: Any = None,
+        retention: RetentionPolicy | None = None,
         storage_options: dict[str, Any] | None = None,
         write_options: WriteOptions | None = None,
         staging: StagingOptions | None = None,
         allow_pickle: bool = False,
     ) -> None:
-        if retention is not None:
-            raise ConfigError("retention policies are not supported by this version; pass retention=None")
+        if retention is None:
+            retention = KeepAll()
+        elif not isinstance(retention, RetentionPolicy):
+            raise ConfigError(f"retention must be a RetentionPolicy such as KeepLatest(3), got {retention!r}")
         if write_options is None:
             write_options = WriteOptions()
         elif not isinstance(write_options, WriteOptions):
@@ -142,11 +148,15 @@ class CheckpointManager:
         removed = self._target.cleanup()
         if removed:
             log.info("removed %d leftovers of interrupted saves under %s", len(removed), self.root)
+        self._guard = StepGuard()
+        self._deleter = Deleter(self._target, retention, self._guard)
+        self._protect_pending: set[int] = set()
         self._tier = open_local_tier(staging, self.root, self._target.io_pool)
         self._pool = SlotPool(staging.slots, tier=self._tier, max_host_bytes=staging.max_host_bytes)
         self._stager = Stager(staging.copy_threads)
         self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-persist")
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when a save leaves _pending
         self._pending: dict[int, SaveHandle] = {}
         self._handles: list[SaveHandle] = []  # finished handles whose errors nobody saw yet
         self._counts = {"saves": 0, "skips": 0, "busy_waits": 0}
@@ -193,11 +203,13 @@ class CheckpointManager:
         Keys: ``saves`` (started), ``skips`` (dropped because every slot was busy),
         ``busy_waits`` and ``busy_wait_s`` (saves that waited for a slot, and for how long),
         ``slot_allocations`` and ``slot_registrations`` (host buffers created and pinned;
-        they stop growing after the first save of a state of fixed size).
+        they stop growing after the first save of a state of fixed size), ``deleted``
+        (steps removed by the retention policy).
         """
         with self._lock:
             out: dict[str, float] = dict(self._counts)
             out["busy_wait_s"] = self._busy_wait_s
+        out["deleted"] = len(self._deleter.deleted)
         out["slot_allocations"] = self._pool.allocations
         out["slot_registrations"] = self._pool.registrations
         return out
@@ -307,14 +319,72 @@ class CheckpointManager:
         self._threads.append(thread)
 
     def _finished(self, step: int, slot: Slot, future: Future[SaveInfo]) -> None:
-        if future.exception() is None:
-            self._pool.release(slot, step=step, durable=True)
-        else:
-            self._pool.release(slot, step=step, durable=False, failed=True)
+        ok = future.exception() is None
+        self._pool.release(slot, step=step, durable=ok, failed=not ok)
         with self._lock:
+            protect = step in self._protect_pending
+            self._protect_pending.discard(step)
+        if ok and protect:
+            try:
+                self._target.set_protected(step, True)
+            except Exception as exc:  # reported like a deletion failure, before any deletion
+                log.error("could not protect step %d: %s", step, exc)
+        if ok:
+            self._deleter.schedule()
+        with self._idle:
             self._pending.pop(step, None)
+            self._idle.notify_all()
+
+    def protect(self, step: int) -> None:
+        """Keep ``step`` whatever the retention policy says, until :meth:`unprotect`.
+
+        Recorded durably beside the checkpoint (a ``protected`` marker in its directory), so
+        it holds for every later manager on this root. A step still being saved is protected
+        as soon as it commits.
+
+        Raises:
+            StepNotFoundError: ``step`` is neither committed on the root nor being saved.
+        """
+        self._check_open()
+        self._check_step(step)
+        with self._lock:
+            if step in self._pending:
+                self._protect_pending.add(step)
+                return
+        self._target.set_protected(step, True)
+
+    def unprotect(self, step: int) -> None:
+        """Let the retention policy decide about ``step`` again (from the next commit on).
+
+        Raises:
+            StepNotFoundError: ``step`` is neither committed on the root nor being saved.
+        """
+        self._check_open()
+        self._check_step(step)
+        with self._lock:
+            if step in self._pending:
+                self._protect_pending.discard(step)
+                return
+        self._target.set_protected(step, False)
+
+    def is_protected(self, step: int) -> bool:
+        """Whether ``step`` is protected from retention."""
+        self._check_open()
+        self._check_step(step)
+        with self._lock:
+            if step in self._protect_pending:
+                return True
+        return self._target.is_protected(step)
+
+    @staticmethod
+    def _check_step(step: object) -> None:
+        if type(step) is not int or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
 
     def _raise_unobserved(self) -> None:
+        deletion_error = self._deleter.take_error()
+        if deletion_error is not None:
+            raise deletion_error
         err = None
         with self._lock:
             keep = []
@@ -328,23 +398,22 @@ class CheckpointManager:
             raise err
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save has committed.
+        """Block until every pending save has committed and the deletions the retention
+        policy decided after them are done.
 
         Raises:
             SaveError: a save failed and nobody has been told yet.
-            CkptTimeoutError: saves still pending after ``timeout`` seconds.
+            StorageError: a retention deletion failed and nobody has been told yet.
+            CkptTimeoutError: still pending after ``timeout`` seconds.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            pending = list(self._pending.values())
-        for h in pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                h._future.result(left)
-            except FutureTimeout:
-                raise CkptTimeoutError(f"save of step {h.step} not finished after {timeout} s") from None
-            except BaseException:
-                pass  # reported below, once
+        with self._idle:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CkptTimeoutError(f"saves of steps {sorted(self._pending)} not finished after {timeout} s")
+                self._idle.wait(left)
+        self._deleter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._raise_unobserved()
 
     # ------------------------------------------------------------- discover
@@ -445,7 +514,10 @@ class CheckpointManager:
                         raise
                     log.warning("restore: the local tier copy of step %d does not verify (%s); reading %s",
                                 step, exc, self.root)
-        return self._restore_from(self._target, step, target, device)
+        with self._guard.reading(step) as ok:
+            if not ok:
+                raise StepNotFoundError(f"step {step} under {self.root} is being deleted by the retention policy")
+            return self._restore_from(self._target, step, target, device)
 
     def _restore_from(self, source: Target | LocalTier, step: int, target: Any, device: torch.device | None) -> Any:
         manifest = self._manifest(step, source)
@@ -482,6 +554,7 @@ class CheckpointManager:
 
     def _release(self) -> None:
         self._closed = True
+        self._deleter.close()
         _live_managers.discard(self)
         for t in self._threads:
             t.join()

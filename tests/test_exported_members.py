@@ -5,6 +5,7 @@ import pytest
 import ckptmgr
 
 EXPECTED = [
+    "AnyOf",
     "CapacityError",
     "CheckpointCorruptError",
     "CheckpointManager",
@@ -12,6 +13,12 @@ EXPECTED = [
     "CkptTimeoutError",
     "ConfigError",
     "FormatVersionError",
+    "KeepAll",
+    "KeepBest",
+    "KeepEvery",
+    "KeepEverySeconds",
+    "KeepLatest",
+    "RetentionPolicy",
     "SaveError",
     "SaveHandle",
     "SaveInfo",
@@ -19,6 +26,7 @@ EXPECTED = [
     "StagingOptions",
     "StateMismatchError",
     "StepExistsError",
+    "StepInfo",
     "StepNotFoundError",
     "StorageError",
     "UnsupportedValueError",

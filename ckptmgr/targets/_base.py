@@ -8,7 +8,8 @@ A :class:`Target` is used by the manager in this order:
    I/O threads), then ``commit(manifest)``; on any failure ``abort()``. The buffers passed to
    ``write_files`` belong to the caller and must not be used after it returns;
 3. ``read_manifest``/``file_size``/``read_into`` for restore, from any thread;
-4. ``delete(step)`` from the deleter, never for a step being written or read;
+4. ``delete(step)``, ``set_protected``/``is_protected`` from the deleter's thread or the
+   caller's, never for a step being written or read;
 5. ``close()`` once, after everything else.
 
 ``commit`` is the only operation that makes a step visible to ``list_steps``.
@@ -65,7 +66,15 @@ class Target(Protocol):
         (a scatter read). Raises CheckpointCorruptError on a short read."""
 
     def delete(self, step: int) -> None:
-        """Delete a committed step: the manifest first, then the rest."""
+        """Delete a committed step: the manifest first, then the other files ckptmgr wrote;
+        anything else in the step's directory stays (and the directory with it)."""
+
+    def set_protected(self, step: int, protected: bool) -> None:
+        """Record durably, beside the step, that retention must keep it (or no longer).
+        Raises StepNotFoundError when the step is not committed."""
+
+    def is_protected(self, step: int) -> bool:
+        """Whether ``step`` carries the protection marker."""
 
     def close(self) -> None:
         """Release threads and connections."""

@@ -7,6 +7,8 @@ a manifest is an interrupted save (or delete) and is removed at the next start.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -14,11 +16,13 @@ from typing import Any
 import numpy as np
 
 from .._checksum import chunk_ranges, crc32c_hex
-from .._discovery import parse_step_name, step_name
+from .._discovery import PROTECT_NAME, is_our_file, parse_step_name, step_name
 from .._manifest import MANIFEST_NAME
 from ..errors import CheckpointCorruptError, StepExistsError, StepNotFoundError, StorageError
 
 __all__ = ["FsspecTarget"]
+
+log = logging.getLogger("ckptmgr")
 
 
 class _FsspecStepWriter:
@@ -101,13 +105,10 @@ class FsspecTarget:
     def cleanup(self) -> list[str]:
         removed = []
         for step, committed in self._entries().items():
-            if not committed:
+            if not committed:  # an interrupted save or delete of ours
                 d = self._step_dir(step)
-                try:
-                    self.fs.rm(d, recursive=True)
+                if self._remove_ours(d):
                     removed.append(d)
-                except FileNotFoundError:
-                    pass
         return removed
 
     def begin(self, step: int) -> _FsspecStepWriter:
@@ -136,11 +137,41 @@ class FsspecTarget:
 
     def delete(self, step: int) -> None:
         d = self._step_dir(step)
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(posixpath.join(d, MANIFEST_NAME))  # first: from here on the step is gone
+        self._remove_ours(d)
+
+    def _remove_ours(self, d: str) -> bool:
+        """Remove our objects under step prefix ``d``; True when nothing else is left."""
         try:
-            self.fs.rm_file(posixpath.join(d, MANIFEST_NAME))
+            names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(d, detail=False)]
         except FileNotFoundError:
-            pass
-        self.fs.rm(d, recursive=True)
+            return True
+        ours = [posixpath.join(d, n) for n in names if is_our_file(n)]
+        if ours:
+            self.fs.rm(ours)
+        others = [n for n in names if not is_our_file(n)]
+        if others:
+            log.warning("left %s in place: it holds objects ckptmgr did not write (%s)", d, sorted(others))
+            return False
+        with contextlib.suppress(FileNotFoundError, OSError):
+            self.fs.rmdir(d)
+        return True
+
+    def set_protected(self, step: int, protected: bool) -> None:
+        d = self._step_dir(step)
+        if not self.fs.exists(posixpath.join(d, MANIFEST_NAME)):
+            raise StepNotFoundError(f"step {step} is not committed under {self.url}")
+        marker = posixpath.join(d, PROTECT_NAME)
+        if protected:
+            self.fs.pipe_file(marker, b"")
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(marker)
+
+    def is_protected(self, step: int) -> bool:
+        self.fs.invalidate_cache(self._step_dir(step))
+        return bool(self.fs.exists(posixpath.join(self._step_dir(step), PROTECT_NAME)))
 
     def close(self) -> None:
         self.io_pool.shutdown(wait=True)

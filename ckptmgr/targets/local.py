@@ -9,6 +9,8 @@ start removes.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -17,11 +19,13 @@ from typing import Any
 import numpy as np
 
 from .._checksum import chunk_ranges, crc32c_hex
-from .._discovery import is_temp_name, parse_step_name, step_name, temp_name
+from .._discovery import PROTECT_NAME, is_our_file, is_temp_name, parse_step_name, step_name, temp_name
 from .._manifest import MANIFEST_NAME
 from ..errors import CheckpointCorruptError, StepExistsError, StepNotFoundError, StorageError
 
 __all__ = ["LocalTarget", "fsync_dir", "preadv_into"]
+
+log = logging.getLogger("ckptmgr")
 
 _DIRECT_ALIGN = 4096
 _DIRECT_MIN = 16 << 20  # smaller files gain nothing from O_DIRECT
@@ -159,14 +163,28 @@ class LocalTarget:
         removed = []
         for name in os.listdir(self.path):
             full = os.path.join(self.path, name)
-            step = parse_step_name(name)
-            stale = is_temp_name(name) or (
-                step is not None and not os.path.exists(os.path.join(full, MANIFEST_NAME))
-            )
-            if stale and os.path.isdir(full) and not os.path.islink(full):
+            if not os.path.isdir(full) or os.path.islink(full):
+                continue
+            if is_temp_name(name):  # a save in progress when the last run stopped: all ours
                 shutil.rmtree(full, ignore_errors=True)
                 removed.append(full)
+            elif (parse_step_name(name) is not None and not os.path.exists(os.path.join(full, MANIFEST_NAME))
+                  and self._remove_ours(full)):  # a delete interrupted after its manifest went
+                removed.append(full)
         return removed
+
+    def _remove_ours(self, d: str) -> bool:
+        """Remove our files from step directory ``d``, then ``d`` if nothing else is left."""
+        for name in os.listdir(d):
+            if is_our_file(name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(d, name))
+        try:
+            os.rmdir(d)
+        except OSError:
+            log.warning("left %s in place: it holds files ckptmgr did not write (%s)", d, sorted(os.listdir(d)))
+            return False
+        return True
 
     def begin(self, step: int) -> _LocalStepWriter:
         return _LocalStepWriter(self, step)
@@ -187,12 +205,28 @@ class LocalTarget:
 
     def delete(self, step: int) -> None:
         d = self._step_dir(step)
-        try:
-            os.unlink(os.path.join(d, MANIFEST_NAME))
-        except FileNotFoundError:
-            pass
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(d, MANIFEST_NAME))  # first: from here on the step is gone
         fsync_dir(d)
-        shutil.rmtree(d)
+        self._remove_ours(d)
+        fsync_dir(self.path)
+
+    def set_protected(self, step: int, protected: bool) -> None:
+        d = self._step_dir(step)
+        if not os.path.isfile(os.path.join(d, MANIFEST_NAME)):
+            raise StepNotFoundError(f"step {step} is not committed under {self.path}")
+        marker = os.path.join(d, PROTECT_NAME)
+        if protected:
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            os.fsync(fd)
+            os.close(fd)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(marker)
+        fsync_dir(d)
+
+    def is_protected(self, step: int) -> bool:
+        return os.path.exists(os.path.join(self._step_dir(step), PROTECT_NAME))
 
     def close(self) -> None:
         self.io_pool.shutdown(wait=True)

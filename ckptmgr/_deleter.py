@@ -1,0 +1,165 @@
+"""The deleter: applies a retention policy in the background, after each commit.
+
+Each run lists the committed steps, asks the policy for a keep-mask, and deletes the rest,
+except, whatever the policy says:
+
+* the newest committed step;
+* a step carrying the protection marker (``mgr.protect(step)``);
+* a step being restored (see :class:`StepGuard`); a restore never starts on a step being
+  deleted.
+
+Steps being written are not committed yet, so they are never listed. A target deletes the
+commit record first and only files it wrote, so a crash mid-delete leaves garbage that the
+next start removes, never a step that looks complete. A failed deletion is kept and raised
+once, at the manager's next ``save()``, ``wait()`` or ``close()``, like a failed save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+from ._flatten import decode_plain
+from ._manifest import Manifest
+from .errors import CkptError, CkptTimeoutError, StorageError
+from .retention import KeepAll, RetentionPolicy, StepInfo
+from .targets import Target
+
+__all__ = ["Deleter", "StepGuard"]
+
+log = logging.getLogger("ckptmgr")
+
+
+class StepGuard:
+    """Steps being restored and steps being deleted never overlap."""
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self._reading: Counter[int] = Counter()
+        self._deleting: set[int] = set()
+
+    @contextlib.contextmanager
+    def reading(self, step: int) -> Iterator[bool]:
+        """Yields False when ``step`` is being deleted (then do not read it)."""
+        with self._mu:
+            ok = step not in self._deleting
+            if ok:
+                self._reading[step] += 1
+        try:
+            yield ok
+        finally:
+            if ok:
+                with self._mu:
+                    self._reading[step] -= 1
+
+    @contextlib.contextmanager
+    def deleting(self, step: int) -> Iterator[bool]:
+        """Yields False when ``step`` is being read (then do not delete it)."""
+        with self._mu:
+            ok = self._reading[step] == 0
+            if ok:
+                self._deleting.add(step)
+        try:
+            yield ok
+        finally:
+            if ok:
+                with self._mu:
+                    self._deleting.discard(step)
+
+
+class Deleter:
+    """Runs the policy on one background thread; runs requested while one is queued merge."""
+
+    def __init__(self, target: Target, policy: RetentionPolicy, guard: StepGuard) -> None:
+        self.target = target
+        self.policy = policy
+        self.guard = guard
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-delete")
+        self._mu = threading.Lock()
+        self._queued: Future[None] | None = None
+        self._futures: list[Future[None]] = []
+        self._errors: list[CkptError] = []
+        self._infos: dict[int, StepInfo] = {}  # committed steps never change: cache what we read
+        self.deleted: list[int] = []
+
+    def schedule(self) -> None:
+        """Apply the policy soon (after the commit that just happened)."""
+        if isinstance(self.policy, KeepAll):
+            return
+        with self._mu:
+            if self._queued is not None and not self._queued.running() and not self._queued.done():
+                return  # a run that has not started yet will see this commit too
+            fut = self._pool.submit(self._run)
+            self._queued = fut
+            self._futures = [f for f in self._futures if not f.done()] + [fut]
+
+    def _info(self, step: int) -> StepInfo | None:
+        if step not in self._infos:
+            try:
+                m = Manifest.from_bytes(self.target.read_manifest(step), where=f"{self.target.url}: step {step}")
+            except CkptError as exc:  # unreadable: not ours to judge; keep it
+                log.warning("retention: keeping step %d, its manifest cannot be read: %s", step, exc)
+                return None
+            meta = decode_plain(m.metadata) if m.metadata is not None else {}
+            self._infos[step] = StepInfo(step, m.time, meta if isinstance(meta, dict) else {})
+        return self._infos[step]
+
+    def _run(self) -> None:
+        try:
+            steps = self.target.list_steps()
+            infos = [i for i in (self._info(s) for s in steps) if i is not None]
+            if not steps or not infos:
+                return
+            mask = self.policy.keep(infos)
+            if len(mask) != len(infos):
+                raise ValueError(f"{self.policy!r} returned {len(mask)} decisions for {len(infos)} steps")
+            newest = steps[-1]
+            for info, keep in zip(infos, mask, strict=True):
+                if keep or info.step == newest or self.target.is_protected(info.step):
+                    continue
+                with self.guard.deleting(info.step) as ok:
+                    if not ok:
+                        log.info("retention: step %d is being restored; deleting it later", info.step)
+                        continue
+                    self.target.delete(info.step)
+                self._infos.pop(info.step, None)
+                self.deleted.append(info.step)
+                log.info("retention: deleted step %d under %s", info.step, self.target.url)
+        except Exception as exc:
+            err = StorageError(f"retention under {self.target.url} failed: {type(exc).__name__}: {exc}")
+            err.__cause__ = exc
+            with self._mu:
+                self._errors.append(err)
+            log.error("%s", err)
+
+    def take_error(self) -> CkptError | None:
+        """The oldest deletion failure nobody was told of yet."""
+        with self._mu:
+            return self._errors.pop(0) if self._errors else None
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for every run decided so far.
+
+        Raises:
+            CkptTimeoutError: runs still going after ``timeout`` seconds.
+        """
+        with self._mu:
+            pending = list(self._futures)
+        _, not_done = wait_futures(pending, timeout)
+        if not_done:
+            raise CkptTimeoutError(f"retention still deleting after {timeout} s")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __repr__(self) -> str:
+        return f"Deleter({self.policy!r})"
+
+    def stats(self) -> dict[str, Any]:
+        return {"deleted": len(self.deleted)}
