@@ -29,7 +29,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .manager import CheckpointManager
-from .options import StagingOptions, WriteOptions
+from .options import S3Options, StagingOptions, WriteOptions
 from .retention import (
     AnyOf,
     KeepAll,
@@ -56,6 +56,7 @@ __all__ = [
     "KeepEverySeconds",
     "KeepLatest",
     "RetentionPolicy",
+    "S3Options",
     "SaveError",
     "SaveHandle",
     "SaveInfo",

@@ -38,7 +38,7 @@ from .errors import (
     StepNotFoundError,
 )
 from .loaders import read_tensors
-from .options import StagingOptions, WriteOptions
+from .options import S3Options, StagingOptions, WriteOptions
 from .retention import KeepAll, RetentionPolicy
 from .targets import Target, open_target
 
@@ -99,6 +99,8 @@ class CheckpointManager:
             restored are never deleted.
         storage_options: passed to fsspec for URL roots (credentials, endpoints, ...).
         write_options: file layout and I/O parallelism.
+        staging: staging slots, backpressure and the local tier.
+        s3_options: multipart upload and retries, for ``s3://`` roots.
         allow_pickle: store values of other types with pickle, and load them back. Loading
             pickle runs code from the checkpoint: only enable it for checkpoints you trust.
 
@@ -122,6 +124,7 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         write_options: WriteOptions | None = None,
         staging: StagingOptions | None = None,
+        s3_options: S3Options | None = None,
         allow_pickle: bool = False,
     ) -> None:
         if retention is None:
@@ -136,6 +139,8 @@ class CheckpointManager:
             staging = StagingOptions()
         elif not isinstance(staging, StagingOptions):
             raise ConfigError(f"staging must be a StagingOptions, got {type(staging).__name__}")
+        if s3_options is not None and not isinstance(s3_options, S3Options):
+            raise ConfigError(f"s3_options must be an S3Options, got {type(s3_options).__name__}")
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"storage_options must be a dict, got {type(storage_options).__name__}")
         self._opts = write_options
@@ -143,7 +148,7 @@ class CheckpointManager:
         self._allow_pickle = bool(allow_pickle)
         self._target = open_target(str(root) if hasattr(root, "__fspath__") else root,
                                    storage_options, io_threads=write_options.io_threads,
-                                   direct_io=write_options.direct_io)
+                                   direct_io=write_options.direct_io, s3_options=s3_options)
         self.root = self._target.url
         removed = self._target.cleanup()
         if removed:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["StagingOptions", "WriteOptions"]
+__all__ = ["S3Options", "StagingOptions", "WriteOptions"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,3 +96,42 @@ class StagingOptions:
             raise ConfigError(f"StagingOptions.local_tier must be None, True or False, got {self.local_tier!r}")
         if not isinstance(self.local_dir, str) or not self.local_dir:
             raise ConfigError(f"StagingOptions.local_dir must be a non-empty str, got {self.local_dir!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3Options:
+    """How checkpoints are uploaded to and read from S3 (roots ``s3://bucket/prefix``).
+
+    Attributes:
+        part_size: bytes per multipart part (grown when a file would need over 10,000
+            parts). S3 needs at least 5 MiB, except for the last part.
+        concurrency: parts in flight at once, over all files of a step; botocore's
+            connection pool is sized to match.
+        max_attempts: tries per request before it fails the save (1: no retries).
+        retry_deadline_s: no retry starts once this many seconds have passed since the
+            first try of a request.
+        base_delay_s: first backoff delay; it doubles per retry, up to ``max_delay_s``, and
+            each delay is drawn uniformly below that bound (full jitter).
+        max_delay_s: longest backoff delay.
+
+    Example:
+        >>> S3Options(part_size=64 << 20, concurrency=32).concurrency
+        32
+    """
+
+    part_size: int = 32 << 20
+    concurrency: int = 16
+    max_attempts: int = 8
+    retry_deadline_s: float = 120.0
+    base_delay_s: float = 0.1
+    max_delay_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("part_size", "concurrency", "max_attempts"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ConfigError(f"S3Options.{name} must be a positive int, got {value!r}")
+        for name in ("retry_deadline_s", "base_delay_s", "max_delay_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"S3Options.{name} must be a number >= 0, got {value!r}")

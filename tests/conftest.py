@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import numpy as np
@@ -108,3 +109,28 @@ def _no_leaked_local_tiers():
         for name in set(os.listdir(shm)) - before:
             if name.startswith(f"ckptmgr-{os.getuid()}-"):
                 shutil.rmtree(os.path.join(shm, name), ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on 127.0.0.1, for the whole session."""
+    pytest.importorskip("s3fs")
+    from s3_proxy import start_moto
+
+    server, endpoint = start_moto()
+    yield endpoint
+    server.stop()
+
+
+_bucket_counter = iter(range(10**9))
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    """A fresh bucket; returns (bucket name, storage_options)."""
+    import s3fs
+
+    name = f"ckpt-{os.getpid()}-{next(_bucket_counter)}"
+    opts = {"endpoint_url": s3_endpoint, "key": "testing", "secret": "testing"}
+    s3fs.S3FileSystem(**opts).mkdir(name)
+    return name, opts

@@ -19,6 +19,7 @@ EXPECTED = [
     "KeepEverySeconds",
     "KeepLatest",
     "RetentionPolicy",
+    "S3Options",
     "SaveError",
     "SaveHandle",
     "SaveInfo",

@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError, StorageError
+from ..options import S3Options
 from ._base import StepWriter, Target
 
 __all__ = ["StepWriter", "Target", "open_target"]
 
 
 def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
-                io_threads: int = 8, direct_io: bool = True) -> Target:
+                io_threads: int = 8, direct_io: bool = True, s3_options: S3Options | None = None) -> Target:
     """Resolve ``root`` (a path or fsspec URL) to a storage target.
 
     Raises:
@@ -27,6 +28,17 @@ def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
 
     if not isinstance(root, str) or not root:
         raise ConfigError(f"root must be a non-empty path or URL string, got {root!r}")
+    is_s3 = root.startswith(("s3://", "s3a://"))
+    if s3_options is not None and not is_s3:
+        raise ConfigError(f"s3_options were given for {root!r}, which is not an s3:// root")
+    if is_s3:
+        try:
+            import s3fs  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"{root!r} needs s3fs: pip install 'ckptmgr[s3]'") from None
+        from .s3 import s3_storage_options
+
+        storage_options = s3_storage_options(storage_options, s3_options or S3Options())
     try:
         fs, path = fsspec.core.url_to_fs(root, **(storage_options or {}))
     except (ValueError, ImportError) as exc:
@@ -41,6 +53,11 @@ def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
         from .local import LocalTarget
 
         return LocalTarget(path, io_threads=io_threads, direct_io=direct_io)
+    if is_s3:
+        from .s3 import S3Target, check_bucket_name
+
+        check_bucket_name(path, root)
+        return S3Target(fs, path, url=root, io_threads=io_threads, opts=s3_options or S3Options())
     from .fsspec import FsspecTarget
 
     return FsspecTarget(fs, path, url=root, io_threads=io_threads)

@@ -34,7 +34,7 @@ class _FsspecStepWriter:
         if fs.exists(posixpath.join(self.dir, MANIFEST_NAME)):
             raise StepExistsError(f"step {step} is already committed at {target.url}")
         if fs.exists(self.dir):  # leftovers of an interrupted save of this step
-            fs.rm(self.dir, recursive=True)
+            target._remove_ours(self.dir)
         fs.makedirs(self.dir, exist_ok=True)
 
     def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int, *,
@@ -60,7 +60,7 @@ class _FsspecStepWriter:
 
     def abort(self) -> None:
         try:
-            self.target.fs.rm(self.dir, recursive=True)
+            self.target._remove_ours(self.dir)
         except Exception:
             pass  # garbage without a manifest; removed at the next start
 
