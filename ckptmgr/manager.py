@@ -161,7 +161,8 @@ class CheckpointManager:
         self._stager = Stager(staging.copy_threads)
         self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-persist")
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # notified when a save leaves _pending
+        self._idle = threading.Condition(self._lock)  # notified when a save has settled
+        self._unsettled = 0  # saves submitted whose commit, protection and retention run are not done
         self._pending: dict[int, SaveHandle] = {}
         self._handles: list[SaveHandle] = []  # finished handles whose errors nobody saw yet
         self._counts = {"saves": 0, "skips": 0, "busy_waits": 0}
@@ -199,6 +200,7 @@ class CheckpointManager:
         with self._lock:
             self._pending[step] = handle
             self._handles.append(handle)
+            self._unsettled += 1
         future.add_done_callback(lambda f: self._finished(step, job.slot, f))
         return handle
 
@@ -326,18 +328,18 @@ class CheckpointManager:
     def _finished(self, step: int, slot: Slot, future: Future[SaveInfo]) -> None:
         ok = future.exception() is None
         self._pool.release(slot, step=step, durable=ok, failed=not ok)
-        with self._lock:
-            protect = step in self._protect_pending
+        with self._lock:  # protect() either sees the step pending or finds it committed
+            if ok and step in self._protect_pending:
+                try:
+                    self._target.set_protected(step, True)
+                except Exception as exc:
+                    log.error("could not protect step %d: %s", step, exc)
             self._protect_pending.discard(step)
-        if ok and protect:
-            try:
-                self._target.set_protected(step, True)
-            except Exception as exc:  # reported like a deletion failure, before any deletion
-                log.error("could not protect step %d: %s", step, exc)
+            self._pending.pop(step, None)
         if ok:
             self._deleter.schedule()
         with self._idle:
-            self._pending.pop(step, None)
+            self._unsettled -= 1
             self._idle.notify_all()
 
     def protect(self, step: int) -> None:
@@ -413,7 +415,7 @@ class CheckpointManager:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
-            while self._pending:
+            while self._unsettled:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise CkptTimeoutError(f"saves of steps {sorted(self._pending)} not finished after {timeout} s")
@@ -553,7 +555,7 @@ class CheckpointManager:
             self.wait(timeout)
         finally:
             with self._lock:
-                done = not self._pending
+                done = not self._unsettled
             if done:
                 self._release()
 
