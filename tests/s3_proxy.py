@@ -36,13 +36,15 @@ def start_moto() -> tuple[Any, str]:
 
 
 class FaultyProxy:
-    """Forwards HTTP requests to ``upstream``; each request may first wait ``latency_s``,
-    then fail with probability ``fail_rate`` when its method and path match ``match``."""
+    """Forwards HTTP requests to ``upstream``; each request first waits ``latency_s`` plus
+    up to ``jitter_s`` (uniform), then fails with probability ``fail_rate`` when its method
+    and path match ``match``."""
 
-    def __init__(self, upstream: str, *, latency_s: float = 0.0, fail_rate: float = 0.0,
+    def __init__(self, upstream: str, *, latency_s: float = 0.0, jitter_s: float = 0.0, fail_rate: float = 0.0,
                  match: str = ".*", seed: int = 0) -> None:
         self.upstream = upstream.removeprefix("http://")
         self.latency_s = latency_s
+        self.jitter_s = jitter_s
         self.fail_rate = fail_rate
         self.match = match
         self.rng = random.Random(seed)
@@ -77,8 +79,10 @@ class FaultyProxy:
 
             def _forward(self) -> None:
                 body = self._body()
-                if proxy.latency_s:
-                    time.sleep(proxy.latency_s)
+                if proxy.latency_s or proxy.jitter_s:
+                    with proxy.mu:
+                        extra = proxy.rng.uniform(0, proxy.jitter_s)
+                    time.sleep(proxy.latency_s + extra)
                 with proxy.mu:
                     proxy.requests += 1
                     fault = (re.search(proxy.match, f"{self.command} {self.path}") is not None

@@ -37,6 +37,7 @@ def state_of(step: int) -> dict:
 
 class RetentionMachine(RuleBasedStateMachine):
     url: str  # set by subclasses' setup
+    storage_options: dict | None = None
 
     def setup_root(self) -> None:
         raise NotImplementedError
@@ -45,7 +46,7 @@ class RetentionMachine(RuleBasedStateMachine):
     def start(self, policy):
         self.setup_root()
         self.policy = policy
-        self.fs, self.path = fsspec.core.url_to_fs(self.url)
+        self.fs, self.path = fsspec.core.url_to_fs(self.url, **(self.storage_options or {}))
         self.fs.makedirs(self.path, exist_ok=True)
         self.foreign = [f"{self.path}/README.txt", f"{self.path}/step_7/user.bin"]
         for f in self.foreign:
@@ -57,7 +58,8 @@ class RetentionMachine(RuleBasedStateMachine):
         self.mgr = self.open()
 
     def open(self) -> CheckpointManager:
-        return CheckpointManager(self.url, retention=self.policy, staging=StagingOptions(local_tier=False))
+        return CheckpointManager(self.url, retention=self.policy, staging=StagingOptions(local_tier=False),
+                                 storage_options=self.storage_options)
 
     def model_delete(self) -> None:
         steps = sorted(self.alive)
@@ -89,6 +91,7 @@ class RetentionMachine(RuleBasedStateMachine):
         d = self.leftover_dir(step)
         self.fs.makedirs(d, exist_ok=True)
         self.fs.pipe_file(f"{d}/data-00000.safetensors", b"partial")
+        self.fs.invalidate_cache()
         self.restart()
 
     @rule(data=st.data())
@@ -100,6 +103,7 @@ class RetentionMachine(RuleBasedStateMachine):
             return
         step = data.draw(st.sampled_from(victims))
         self.fs.rm_file(f"{self.path}/{step_name(step)}/manifest.json")
+        self.fs.invalidate_cache()
         del self.alive[step]
         self.restart()
 
@@ -175,9 +179,41 @@ class FsspecRetention(RetentionMachine):
         return f"{self.path}/{step_name(step)}"  # object stores write in place, manifest last
 
 
+_moto: list = []
+
+
+class S3Retention(RetentionMachine):
+    """The same machine on S3: moto's server on 127.0.0.1, one fresh bucket per example."""
+
+    def setup_root(self):
+        import s3fs
+        from s3_proxy import start_moto
+
+        if not _moto:
+            _moto.append(start_moto())
+        endpoint = _moto[0][1]
+        self.storage_options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+        bucket = f"ret-{os.getpid()}-{len(_moto)}"
+        _moto.append(bucket)
+        s3fs.S3FileSystem(**self.storage_options).mkdir(bucket)
+        self.url = f"s3://{bucket}/run"
+
+    def leftover_dir(self, step):
+        return f"{self.path}/{step_name(step)}"
+
+
 _settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestLocalRetention = LocalRetention.TestCase
 TestLocalRetention.settings = _settings
 TestFsspecRetention = FsspecRetention.TestCase
 TestFsspecRetention.settings = _settings
+
+s3fs_available = True
+try:
+    import s3fs  # noqa: F401
+except ImportError:  # pragma: no cover
+    s3fs_available = False
+if s3fs_available:
+    TestS3Retention = S3Retention.TestCase
+    TestS3Retention.settings = settings(_settings, max_examples=15)

@@ -2,11 +2,11 @@
 
 What it adds to the generic fsspec target:
 
-* each data file is uploaded by multipart, its parts cut from the staged buffer (a file-like
-  view, never a copy of the whole file) and sent by a pool of ``S3Options.concurrency``
-  threads, a sliding window over the parts of every file of the step; the part size grows
-  so that no file needs more than 10,000 parts; botocore's connection pool is sized to the
-  concurrency;
+* each data file is uploaded by multipart, its parts cut from the staged buffer (each part
+  is copied to bytes only in the thread that sends it, never the whole file) and sent by a
+  pool of ``S3Options.concurrency`` threads, a sliding window over the parts of every file of
+  the step; the part size grows so that no file needs more than 10,000 parts; botocore's
+  connection pool is sized to the concurrency;
 * every request is retried with exponential backoff and full jitter on throttling
   (SlowDown, 503, 429), other 5xx, timeouts and dropped connections, bounded in attempts and
   in time; s3fs's and botocore's own retries are turned off (unless the caller set them), so
@@ -100,37 +100,6 @@ def _status(exc: BaseException) -> int:
     return 0
 
 
-class _PartReader(io.RawIOBase):
-    """A seekable, read-only file over a slice of the staged buffer: no copy of the part."""
-
-    def __init__(self, data: np.ndarray[Any, Any]) -> None:
-        self._mv = memoryview(data).cast("B")  # type: ignore[arg-type]
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: len(self._mv)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), len(self._mv) - self._pos))
-        b[:n] = self._mv[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def __len__(self) -> int:
-        return len(self._mv)
-
-
 class _Retrying:
     """The s3fs filesystem with every method call going through the target's retry policy,
     so the generic fsspec code paths (listing, existence checks, deletes) retry too."""
@@ -174,7 +143,7 @@ class _S3StepWriter(_FsspecStepWriter):
             part = t.part_size(data.size)
             if data.size <= part:
                 def put(key: str = key, data: np.ndarray[Any, Any] = data) -> None:
-                    t.call("put_object", Key=key, Body=_PartReader(data))
+                    t.call("put_object", Key=key, Body=data.tobytes())
                 tasks.append(put)
                 continue
             upload_id = t.call("create_multipart_upload", Key=key)["UploadId"]
@@ -185,7 +154,10 @@ class _S3StepWriter(_FsspecStepWriter):
             for i, b in enumerate(range(0, data.size, part)):
                 def send(key: str = key, uid: str = upload_id, n: int = i + 1,
                          piece: np.ndarray[Any, Any] = data[b:b + part], etags: list[dict[str, Any]] = etags) -> None:
-                    r = t.call("upload_part", Key=key, UploadId=uid, PartNumber=n, Body=_PartReader(piece))
+                    # One part at a time is copied to bytes, in the sending thread: a file-like body
+                    # made aiohttp read it in 64 KiB hops through an executor (measured 1.6x
+                    # slower than bytes); host memory in flight stays concurrency x part_size.
+                    r = t.call("upload_part", Key=key, UploadId=uid, PartNumber=n, Body=piece.tobytes())
                     etags.append({"PartNumber": n, "ETag": r["ETag"]})
                 tasks.append(send)
         futures = [t.upload_pool.submit(task) for task in tasks]  # the sliding window
