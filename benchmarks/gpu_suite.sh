@@ -22,5 +22,6 @@ for part in "${parts[@]}"; do
     staging4) python3 benchmarks/bench_staging.py --gib 4 --out "$out/staging4.json" 2>&1 | tee "$out/staging4.txt" ;;
     staging16) python3 benchmarks/bench_staging.py --gib 16 --out "$out/staging16.json" 2>&1 | tee "$out/staging16.txt" ;;
     training) python3 benchmarks/bench_training.py --out "$out/training.json" 2>&1 | tee "$out/training.txt" ;;
+    restore4) (cd benchmarks && python3 bench_restore.py --gib 4 --out "$out/restore4.json") 2>&1 | tee "$out/restore4.txt" ;;
   esac
 done

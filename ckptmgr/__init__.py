@@ -28,6 +28,7 @@ from .errors import (
     StorageError,
     UnsupportedValueError,
 )
+from .loaders import load_file
 from .manager import CheckpointManager
 from .options import S3Options, StagingOptions, WriteOptions
 from .retention import (
@@ -70,4 +71,5 @@ __all__ = [
     "UnsupportedValueError",
     "WriteOptions",
     "__version__",
+    "load_file",
 ]

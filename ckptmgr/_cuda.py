@@ -20,6 +20,7 @@ __all__ = [
 ]
 
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the memory is a read-only mapping
 
 
 def available() -> bool:
@@ -33,10 +34,12 @@ def _check(rc: Any, what: str) -> None:
         raise RuntimeError(f"{what} failed with CUDA error {code}")
 
 
-def host_register(ptr: int, nbytes: int) -> None:
+def host_register(ptr: int, nbytes: int, *, read_only: bool = False) -> None:
     """Pin ``nbytes`` of existing host memory at ``ptr`` (a MAP_SHARED mapping or malloc'd
-    memory; never a private file mapping, which would silently double memory)."""
-    _check(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE), "cudaHostRegister")
+    memory; never a private file mapping, which would silently double memory). A read-only
+    mapping needs ``read_only=True``."""
+    flags = _REGISTER_PORTABLE | (_REGISTER_READ_ONLY if read_only else 0)
+    _check(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, flags), "cudaHostRegister")
 
 
 def host_unregister(ptr: int) -> None:

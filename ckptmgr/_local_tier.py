@@ -190,5 +190,9 @@ class LocalTier:
     def file_size(self, step: int, name: str) -> int:
         return os.stat(self.file_path(self._slot_of(step), name)).st_size
 
+    def path_of(self, step: int, name: str) -> str:
+        """Where data file ``name`` of committed ``step`` lies (for the in-place loader)."""
+        return self.file_path(self._slot_of(step), name)
+
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
         preadv_into(self.file_path(self._slot_of(step), name), offset, out)

@@ -37,7 +37,7 @@ from .errors import (
     StepExistsError,
     StepNotFoundError,
 )
-from .loaders import read_tensors
+from .loaders import read_tensors, read_tensors_inplace
 from .options import S3Options, StagingOptions, WriteOptions
 from .retention import KeepAll, RetentionPolicy
 from .targets import Target, open_target
@@ -528,7 +528,12 @@ class CheckpointManager:
 
     def _restore_from(self, source: Target | LocalTier, step: int, target: Any, device: torch.device | None) -> Any:
         manifest = self._manifest(step, source)
-        tensors = read_tensors(source, step, manifest, device=None if target is not None else device)
+        if isinstance(source, LocalTier) and target is None and device is not None and device.type == "cuda":
+            # The tier's files are in tmpfs: pinned where they lie, one copy to the GPU per file.
+            paths = {name: source.path_of(step, name) for name in manifest.files}
+            tensors = read_tensors_inplace(paths, manifest, device, source.io_pool, f"{source.url}: step {step}")
+        else:
+            tensors = read_tensors(source, step, manifest, device=None if target is not None else device)
         tree = unflatten(manifest.state, tensors, allow_pickle=self._allow_pickle)
         return tree if target is None else apply_target(target, tree)
 

@@ -84,3 +84,28 @@ def test_restore_onto_gpu_target(root):
         out = mgr.restore(target=target)
     assert out["w"] is target["w"] and out["w"].is_cuda
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["t"], state["t"])
+
+
+def test_load_file_onto_the_gpu(tmp_path):
+    from safetensors.torch import save_file
+
+    import ckptmgr
+
+    state = {"a": torch.randn(1000, 3), "b": torch.randn(7).bfloat16(), "c": torch.arange(5)}
+    path = str(tmp_path / "m.safetensors")
+    save_file(state, path)
+    got = ckptmgr.load_file(path, device="cuda")
+    for k, v in state.items():
+        assert got[k].is_cuda and torch.equal(got[k].cpu(), v)
+
+
+def test_restore_to_gpu_from_the_local_tier_in_place(root):
+    state = gpu_state(3)
+    state["view"] = state["w"][5:9]
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, state).result()
+        assert mgr._tier is not None and 1 in mgr._tier.steps()
+        got = mgr.restore(device="cuda")
+    for k in ("w", "h", "t", "view"):
+        assert got[k].is_cuda and torch.equal(got[k], state[k]), k
+    assert got["view"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()

@@ -33,6 +33,7 @@ EXPECTED = [
     "UnsupportedValueError",
     "WriteOptions",
     "__version__",
+    "load_file",
 ]
 
 

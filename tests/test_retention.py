@@ -198,8 +198,8 @@ def test_a_step_being_restored_is_not_deleted(root, monkeypatch):
 
     with CheckpointManager(root, retention=KeepLatest(1), staging=StagingOptions(local_tier=False)) as mgr:
         mgr.save(1, small(1)).result()
+        mgr.protect(1)  # before step 2 commits, or retention may already have dropped it
         mgr.save(2, small(2)).result()
-        mgr.protect(1)
         mgr.wait()
         entered, release = threading.Event(), threading.Event()
         real = manager_mod.read_tensors

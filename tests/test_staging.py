@@ -157,7 +157,7 @@ class CountingCuda:
         monkeypatch.setattr(cuda_shim, "host_unregister", self.unregister)
         monkeypatch.setattr(cuda_shim, "pinned_empty", self.pinned_empty)
 
-    def register(self, ptr, n):
+    def register(self, ptr, n, read_only=False):
         assert ptr not in self.registered, "registered twice"
         self.registered[ptr] = n
 

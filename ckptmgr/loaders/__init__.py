@@ -3,5 +3,6 @@
 from __future__ import annotations
 
 from .host import read_tensors
+from .mapped import load_file, read_tensors_inplace
 
-__all__ = ["read_tensors"]
+__all__ = ["load_file", "read_tensors", "read_tensors_inplace"]

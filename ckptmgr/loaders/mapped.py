@@ -1,0 +1,209 @@
+"""In-place loader: a safetensors file mapped where it lies, pinned there, copied to the GPU
+in one go.
+
+A file in /dev/shm (the local tier, or any tmpfs) is already laid out for the GPU. It is
+mapped read-only and MAP_SHARED (never a private mapping, which would double host memory),
+pinned in place with cudaHostRegister on the exact mapped range (with the read-only flag),
+and its whole data region is copied to the device in one transfer, into one allocation per
+file of which the tensors are views. Host memory grows by nothing but the mapping of pages
+that already exist. The range is unregistered before the mapping is dropped.
+
+Without CUDA, or for ``device="cpu"``, the data region is copied once into memory the
+result owns (a read-only mapping must never leak out as a writable tensor).
+
+Reads any safetensors file, ours or anyone's: the header is validated (offsets inside the
+file, sizes matching shapes and dtypes) before anything is copied.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import _cuda
+from .._checksum import chunk_ranges, crc32c_hex
+from .._layout import ST_TO_DTYPE
+from .._manifest import Manifest
+from ..errors import CheckpointCorruptError
+from .host import _build_views
+
+__all__ = ["MappedFile", "load_file", "open_mapped", "read_tensors_inplace"]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # offset in the data region
+    end: int
+
+
+class MappedFile:
+    """A safetensors file mapped read-only; ``data`` is a uint8 view of its data region."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size < 8:
+                raise CheckpointCorruptError(f"{path}: {size} bytes is too short for a safetensors file")
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():  # read-only by design; nothing writes through it
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.size = size
+        self.entries, self.data_start, self.metadata = _parse(self.bytes, size, path)
+        self.data = self.bytes[self.data_start:]
+        self._registered: int | None = None
+
+    def pin(self) -> None:
+        """Pin the mapped range in place (read-only registration), once."""
+        if self._registered is None and _cuda.available():
+            ptr = self.bytes.data_ptr()
+            _cuda.host_register(ptr, self.size, read_only=True)
+            self._registered = ptr
+
+    def unpin(self) -> None:
+        if self._registered is not None:
+            _cuda.host_unregister(self._registered)
+            self._registered = None
+
+    def close(self) -> None:
+        """Unpin, then let the mapping go (it closes once no view of it is left)."""
+        self.unpin()
+        del self.bytes, self.data
+
+
+def _parse(buf: torch.Tensor, size: int, path: str) -> tuple[list[_Entry], int, dict[str, Any]]:
+    n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
+    if n <= 0 or 8 + n > size:
+        raise CheckpointCorruptError(f"{path}: header length {n} does not fit a {size}-byte file")
+    try:
+        header = json.loads(buf[8:8 + n].numpy().tobytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointCorruptError(f"{path}: the safetensors header is not valid JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointCorruptError(f"{path}: the safetensors header is not a JSON object")
+    data_len = size - 8 - n
+    entries = []
+    meta = header.pop("__metadata__", None) or {}
+    for name, e in header.items():
+        try:
+            dtype = ST_TO_DTYPE[e["dtype"]]
+            shape = tuple(int(s) for s in e["shape"])
+            begin, end = (int(x) for x in e["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"{path}: tensor {name!r} has a bad header entry ({exc!r})") from None
+        if not 0 <= begin <= end <= data_len or end - begin != math.prod(shape) * dtype.itemsize:
+            raise CheckpointCorruptError(f"{path}: tensor {name!r} has bad offsets {[begin, end]} for "
+                                         f"{e['dtype']}{list(shape)} in a data region of {data_len} bytes")
+        entries.append(_Entry(name, dtype, shape, begin, end))
+    return entries, 8 + n, meta if isinstance(meta, dict) else {}
+
+
+def open_mapped(path: str) -> MappedFile:
+    """Map ``path`` and validate its header.
+
+    Raises:
+        CheckpointCorruptError: not a valid safetensors file.
+        FileNotFoundError: no such file.
+    """
+    return MappedFile(path)
+
+
+def _views(region: torch.Tensor, entries: list[_Entry]) -> dict[str, torch.Tensor]:
+    """Tensors as views of ``region`` (the file's data region, wherever it now lives)."""
+    out = {}
+    for e in entries:
+        raw = region[e.begin:e.end]
+        if e.begin % e.dtype.itemsize:  # a foreign file with an unaligned tensor: own copy
+            raw = raw.clone()
+        out[e.name] = raw.view(e.dtype).view(e.shape)
+    return out
+
+
+def to_device(mf: MappedFile, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of ``mf`` on ``device``: one allocation and one copy per file."""
+    if device.type == "cpu":
+        return _views(mf.data.clone(), mf.entries)
+    mf.pin()
+    try:
+        region = torch.empty(mf.data.numel(), dtype=torch.uint8, device=device)
+        region.copy_(mf.data, non_blocking=True)
+        torch.cuda.current_stream(device).synchronize()
+    finally:
+        mf.unpin()
+    return _views(region, mf.entries)
+
+
+def load_file(path: str | os.PathLike[str], device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Load every tensor of a safetensors file (written by ckptmgr or by anyone).
+
+    On a CUDA device the file is mapped, pinned where it lies and copied to the GPU in one
+    transfer: from /dev/shm that runs at the host-to-device link's speed, with no second
+    copy in host memory. Without CUDA or for the CPU the data is copied once.
+
+    Args:
+        path: the ``.safetensors`` file.
+        device: where the tensors go (default: CPU).
+
+    Returns:
+        Tensor name -> tensor, in the file's order.
+
+    Raises:
+        CheckpointCorruptError: the file is not a valid safetensors file.
+
+    Example:
+        >>> tensors = ckptmgr.load_file("/dev/shm/model.safetensors", device="cuda")  # doctest: +SKIP
+    """
+    mf = open_mapped(os.fspath(path))
+    try:
+        return to_device(mf, torch.device(device) if device is not None else torch.device("cpu"))
+    finally:
+        mf.close()
+
+
+def read_tensors_inplace(paths: dict[str, str], manifest: Manifest, device: torch.device, io_pool: Any,
+                         where: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a committed step whose files are ``paths`` (file name -> path), on
+    ``device``, through the in-place path; each file's checksums are verified on ``io_pool``
+    while its copy runs, and a mismatch fails before anything is returned.
+
+    Raises:
+        CheckpointCorruptError: a file does not match the manifest.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for fname, rec in manifest.files.items():
+        mf = open_mapped(paths[fname])
+        try:
+            if mf.size != rec.size:
+                raise CheckpointCorruptError(f"{where}: {fname} has {mf.size} bytes; the manifest says {rec.size}")
+            index = {n: e for n, e in manifest.tensors.items() if e.get("file") == fname}
+            got = {e.name: (e.dtype, list(e.shape), [e.begin, e.end]) for e in mf.entries}
+            want = {n: (ST_TO_DTYPE.get(e["dtype"]), list(e["shape"]), list(e["offsets"])) for n, e in index.items()}
+            if got != want:
+                raise CheckpointCorruptError(f"{where}: the header of {fname} does not match the manifest")
+            whole = mf.bytes.numpy()
+            checks = [io_pool.submit(crc32c_hex, whole[b:e]) for b, e in chunk_ranges(rec.size, rec.chunk_size)]
+            tensors = to_device(mf, device)
+            bad = [i for i, (f, c) in enumerate(zip(checks, rec.crc32c, strict=True)) if f.result() != c]
+            if bad:
+                b = bad[0] * rec.chunk_size
+                raise CheckpointCorruptError(
+                    f"{where}: {fname}: checksum mismatch in bytes [{b}, {min(b + rec.chunk_size, rec.size)})")
+            out.update(tensors)
+        finally:
+            mf.close()
+    _build_views(manifest, out, where)
+    return out

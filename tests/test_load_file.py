@@ -1,0 +1,103 @@
+"""ckptmgr.load_file and the in-place loader, on CPU: any safetensors file, header checks,
+checksums verified beside the copy, read-only pinning of the mapping (pinning faked here; the
+GPU machine runs it for real in test_cuda.py)."""
+
+import os
+
+import pytest
+import torch
+from conftest import assert_tree_equal
+from safetensors.torch import load_file as st_load_file
+from safetensors.torch import save_file as st_save_file
+
+import ckptmgr
+import ckptmgr._cuda as cuda_shim
+from ckptmgr import CheckpointCorruptError, CheckpointManager, StagingOptions
+from ckptmgr._local_tier import LocalTier
+from ckptmgr.loaders.mapped import open_mapped, read_tensors_inplace
+
+
+def sample():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "f32": torch.randn(33, 7, generator=g),
+        "bf16": torch.randn(5, generator=g).bfloat16(),
+        "i8": torch.randint(-5, 5, (9,), dtype=torch.int8, generator=g),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 3),
+    }
+
+
+def test_load_file_reads_files_written_by_safetensors(tmp_path):
+    path = str(tmp_path / "m.safetensors")
+    st_save_file(sample(), path)
+    got = ckptmgr.load_file(path)
+    want = st_load_file(path)
+    assert list(got) == list(want) or sorted(got) == sorted(want)
+    assert_tree_equal(dict(sorted(got.items())), dict(sorted(want.items())))
+    got["f32"].add_(1)  # an owned, writable copy: the file is untouched
+    assert_tree_equal(st_load_file(path)["f32"], sample()["f32"])
+
+
+def test_load_file_reads_ckptmgr_files(root):
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, sample()).result()
+    d = os.path.join(root, "step_000000000001")
+    got = ckptmgr.load_file(os.path.join(d, "data-00000.safetensors"))
+    assert_tree_equal(dict(sorted(got.items())), dict(sorted(sample().items())))
+
+
+@pytest.mark.parametrize(("mutate", "match"), [
+    (lambda b: b"\xff" * 8 + b[8:], "header length"),
+    (lambda b: b[:8] + b"[" + b[9:], "not valid JSON"),
+    (lambda b: b[:-8], "bad offsets"),
+    (lambda b: b[:4], "too short"),
+])
+def test_bad_files_are_refused_with_the_reason(tmp_path, mutate, match):
+    path = str(tmp_path / "m.safetensors")
+    st_save_file({"x": torch.arange(16, dtype=torch.float32)}, path)
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(mutate(data))
+    with pytest.raises(CheckpointCorruptError, match=match):
+        ckptmgr.load_file(path)
+
+
+def test_in_place_read_of_a_local_tier_step_verifies_checksums(root, tmp_path):
+    local = str(tmp_path / "shm")
+    os.makedirs(local)
+    state = {"w": torch.randn(300_000), "tied": None}
+    state["tied"] = state["w"][10:20]  # a view: rebuilt on top of its base
+    with CheckpointManager(root, staging=StagingOptions(local_dir=local)) as mgr:
+        mgr.save(1, state).result()
+        tier: LocalTier = mgr._tier
+        manifest = mgr._manifest(1, tier)
+        paths = {n: tier.path_of(1, n) for n in manifest.files}
+        got = read_tensors_inplace(paths, manifest, torch.device("cpu"), tier.io_pool, "tier")
+        assert any(torch.equal(v, state["w"]) for v in got.values())
+        # one flipped byte in the data fails the read, naming the chunk
+        path = next(iter(paths.values()))
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) - 5)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            read_tensors_inplace(paths, manifest, torch.device("cpu"), tier.io_pool, "tier")
+
+
+def test_the_mapping_is_pinned_read_only_and_unpinned_at_the_same_pointer(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cuda_shim, "available", lambda: True)
+    monkeypatch.setattr(cuda_shim, "host_register",
+                        lambda p, n, read_only=False: calls.append(("reg", p, n, read_only)))
+    monkeypatch.setattr(cuda_shim, "host_unregister", lambda p: calls.append(("unreg", p)))
+    path = str(tmp_path / "m.safetensors")
+    st_save_file(sample(), path)
+    mf = open_mapped(path)
+    mf.pin()
+    mf.pin()  # once
+    mf.close()
+    assert calls == [("reg", calls[0][1], os.path.getsize(path), True), ("unreg", calls[0][1])]
