@@ -68,7 +68,7 @@ def test_bad_files_are_refused_with_the_reason(tmp_path, mutate, match):
 def test_in_place_read_of_a_local_tier_step_verifies_checksums(root, tmp_path):
     local = str(tmp_path / "shm")
     os.makedirs(local)
-    state = {"w": torch.randn(300_000), "tied": None}
+    state = {"first": torch.randn(1000), "w": torch.randn(300_000), "tied": None}  # w sits after "first"
     state["tied"] = state["w"][10:20]  # a view: rebuilt on top of its base
     with CheckpointManager(root, staging=StagingOptions(local_dir=local)) as mgr:
         mgr.save(1, state).result()
@@ -77,6 +77,10 @@ def test_in_place_read_of_a_local_tier_step_verifies_checksums(root, tmp_path):
         paths = {n: tier.path_of(1, n) for n in manifest.files}
         got = read_tensors_inplace(paths, manifest, torch.device("cpu"), tier.io_pool, "tier")
         assert any(torch.equal(v, state["w"]) for v in got.values())
+        view = next(n for n, e in manifest.tensors.items() if "view_of" in e)
+        assert torch.equal(got[view], state["w"][10:20])  # rebuilt on its base, inside the file's buffer
+        base = got[manifest.tensors[view]["view_of"]]
+        assert got[view].untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
         # one flipped byte in the data fails the read, naming the chunk
         path = next(iter(paths.values()))
         with open(path, "r+b") as f:

@@ -112,10 +112,11 @@ def _build_views(manifest: Manifest, out: dict[str, torch.Tensor], where: str) -
         extent = 0 if 0 in shape else 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
         if offset < 0 or offset + extent * dtype.itemsize > base.numel() * base.element_size():
             raise CheckpointCorruptError(f"{where}: view {name!r} reaches outside its base")
-        if offset % dtype.itemsize:
+        start = base.storage_offset() * base.element_size() + offset  # the base may itself sit inside a buffer
+        if start % dtype.itemsize:
             raise CheckpointCorruptError(f"{where}: view {name!r} is not aligned to its dtype")
         view = torch.empty(0, dtype=dtype, device=base.device)
-        view.set_(base.untyped_storage(), offset // dtype.itemsize, shape, stride)
+        view.set_(base.untyped_storage(), start // dtype.itemsize, shape, stride)
         out[name] = view
 
 
