@@ -89,6 +89,8 @@ def main() -> None:
 
     tools: dict[str, Callable[[], Any]] = {
         "ckptmgr restore(device='cuda') [in place, verified]": lambda: mgr.restore(1, device="cuda"),
+        "ckptmgr restore(device='cuda', loader='ring') [verified]": lambda: mgr.restore(1, device="cuda",
+                                                                                          loader="ring"),
         "ckptmgr.load_file(cuda) [in place]": lambda: [ckptmgr.load_file(f, device="cuda") for f in files],
         "safetensors.load_file(cuda)": lambda: [st_load(f, device="cuda") for f in files],
         "torch.load(map_location=cuda)": lambda: torch.load(torch_path, map_location="cuda", weights_only=True),

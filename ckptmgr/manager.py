@@ -37,7 +37,7 @@ from .errors import (
     StepExistsError,
     StepNotFoundError,
 )
-from .loaders import read_tensors, read_tensors_inplace
+from .loaders import PinnedRing, read_tensors, read_tensors_inplace, read_tensors_ring
 from .options import S3Options, StagingOptions, WriteOptions
 from .retention import KeepAll, RetentionPolicy
 from .targets import Target, open_target
@@ -159,6 +159,8 @@ class CheckpointManager:
         self._tier = open_local_tier(staging, self.root, self._target.io_pool)
         self._pool = SlotPool(staging.slots, tier=self._tier, max_host_bytes=staging.max_host_bytes)
         self._stager = Stager(staging.copy_threads)
+        # restore to a GPU from storage: io_threads chunks in flight, allocated at first use
+        self._ring = PinnedRing(write_options.io_threads, max(write_options.chunk_size, 16 << 20))
         self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-persist")
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when a save has settled
@@ -472,7 +474,7 @@ class CheckpointManager:
     # -------------------------------------------------------------- restore
 
     def restore(self, step: int | None = None, *, target: Any = None,
-                device: str | torch.device | None = None) -> Any:
+                device: str | torch.device | None = None, loader: str = "auto") -> Any:
         """Load a committed checkpoint.
 
         Args:
@@ -482,6 +484,12 @@ class CheckpointManager:
                 in place and its Stateful objects get ``load_state_dict``; the result mirrors
                 ``target`` with the checkpoint's plain values.
             device: where new tensors go when there is no target (default: CPU).
+            loader: how files reach ``device``. ``"auto"`` picks: for a GPU, the in-place
+                loader for local-tier steps (files in /dev/shm pinned where they lie) and the
+                pinned ring otherwise (parallel reads into a small reused pinned buffer,
+                copies to the GPU overlapped with the reads); for the CPU, scatter reads
+                into each tensor's own memory (``"host"``). ``"inplace"``, ``"ring"`` and
+                ``"host"`` force one. Every loader verifies every checksum first.
 
         Returns:
             The restored state.
@@ -492,15 +500,19 @@ class CheckpointManager:
             StateMismatchError: ``target`` does not match; it has not been modified.
         """
         dev = torch.device(device) if device is not None else None
+        if loader not in ("auto", "inplace", "ring", "host"):
+            raise ConfigError(f"loader must be 'auto', 'inplace', 'ring' or 'host', got {loader!r}")
+        if loader in ("inplace", "ring") and (dev is None or target is not None):
+            raise ConfigError(f"loader={loader!r} loads onto a device: pass device= and no target")
         if step is not None:
-            return self._restore_step(self._resolve_step(step), target, dev)
+            return self._restore_step(self._resolve_step(step), target, dev, loader)
         self._check_open()
         candidates = self.steps()
         if not candidates:
             raise StepNotFoundError(f"no committed checkpoint under {self.root}")
         for s in reversed(candidates):
             try:
-                return self._restore_step(s, target, dev)
+                return self._restore_step(s, target, dev, loader)
             except (CheckpointCorruptError, StepNotFoundError) as exc:
                 warnings.warn(f"skipping step {s}: {exc}", RuntimeWarning, stacklevel=2)
                 log.warning("restore: skipping step %d: %s", s, exc)
@@ -511,11 +523,11 @@ class CheckpointManager:
             return self._tier
         return self._target
 
-    def _restore_step(self, step: int, target: Any, device: torch.device | None) -> Any:
+    def _restore_step(self, step: int, target: Any, device: torch.device | None, loader: str) -> Any:
         with self._pool.reading(step) as slot:
             if slot is not None and self._tier is not None:
                 try:
-                    return self._restore_from(self._tier, step, target, device)
+                    return self._restore_from(self._tier, step, target, device, loader)
                 except CheckpointCorruptError as exc:
                     if step not in self._target.list_steps():
                         raise
@@ -524,16 +536,32 @@ class CheckpointManager:
         with self._guard.reading(step) as ok:
             if not ok:
                 raise StepNotFoundError(f"step {step} under {self.root} is being deleted by the retention policy")
-            return self._restore_from(self._target, step, target, device)
+            return self._restore_from(self._target, step, target, device, loader)
 
-    def _restore_from(self, source: Target | LocalTier, step: int, target: Any, device: torch.device | None) -> Any:
+    def _load(self, source: Target | LocalTier, step: int, manifest: Manifest, target: Any,
+              device: torch.device | None, loader: str) -> dict[str, torch.Tensor]:
+        on_device = target is None and device is not None and device.type != "cpu"
+        if loader == "auto":
+            loader = "host"
+            if on_device:
+                loader = "inplace" if isinstance(source, LocalTier) else "ring"
+        where = f"{source.url}: step {step}"
+        if loader == "inplace":
+            path_of = getattr(source, "path_of", None)
+            if path_of is None:
+                raise ConfigError(f"loader='inplace' needs files on a local filesystem; {source.url} is not")
+            assert device is not None
+            paths = {name: path_of(step, name) for name in manifest.files}
+            return read_tensors_inplace(paths, manifest, device, source.io_pool, where)
+        if loader == "ring" and all(r.chunk_size <= self._ring.slot_bytes for r in manifest.files.values()):
+            assert device is not None
+            return read_tensors_ring(source, step, manifest, device, self._ring)
+        return read_tensors(source, step, manifest, device=None if target is not None else device)
+
+    def _restore_from(self, source: Target | LocalTier, step: int, target: Any, device: torch.device | None,
+                      loader: str = "auto") -> Any:
         manifest = self._manifest(step, source)
-        if isinstance(source, LocalTier) and target is None and device is not None and device.type == "cuda":
-            # The tier's files are in tmpfs: pinned where they lie, one copy to the GPU per file.
-            paths = {name: source.path_of(step, name) for name in manifest.files}
-            tensors = read_tensors_inplace(paths, manifest, device, source.io_pool, f"{source.url}: step {step}")
-        else:
-            tensors = read_tensors(source, step, manifest, device=None if target is not None else device)
+        tensors = self._load(source, step, manifest, target, device, loader)
         tree = unflatten(manifest.state, tensors, allow_pickle=self._allow_pickle)
         return tree if target is None else apply_target(target, tree)
 

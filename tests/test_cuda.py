@@ -109,3 +109,14 @@ def test_restore_to_gpu_from_the_local_tier_in_place(root):
     for k in ("w", "h", "t", "view"):
         assert got[k].is_cuda and torch.equal(got[k], state[k]), k
     assert got["view"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("loader", ["ring", "inplace", "auto"])
+def test_restore_to_gpu_from_disk_with_each_loader(root, loader):
+    state = gpu_state(4)
+    state["view"] = state["w"][3:6]
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
+        mgr.save(1, state).result()
+        got = mgr.restore(device="cuda", loader=loader)
+    for k in ("w", "h", "t", "view"):
+        assert got[k].is_cuda and torch.equal(got[k], state[k]), k

@@ -9,6 +9,7 @@ import torch
 from conftest import assert_tree_equal
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file as st_save_file
+from test_fsspec_target import faulty  # noqa: F401  (fixture)
 
 import ckptmgr
 import ckptmgr._cuda as cuda_shim
@@ -105,3 +106,41 @@ def test_the_mapping_is_pinned_read_only_and_unpinned_at_the_same_pointer(tmp_pa
     mf.pin()  # once
     mf.close()
     assert calls == [("reg", calls[0][1], os.path.getsize(path), True), ("unreg", calls[0][1])]
+
+
+@pytest.mark.parametrize("loader", ["ring", "inplace", "host"])
+def test_every_loader_restores_bit_exact_and_verifies(root, loader):
+    state = {"a": torch.randn(50_000), "b": torch.randn(300).bfloat16(), "n": 3}
+    state["v"] = state["a"][100:110]
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False),
+                           write_options=ckptmgr.WriteOptions(chunk_size=4096, io_threads=3)) as mgr:
+        mgr.save(1, state).result()
+        mgr.save(2, state).result()
+        assert_tree_equal(mgr.restore(2, device="cpu", loader=loader), state)
+        path = os.path.join(root, "step_000000000002", "data-00000.safetensors")
+        with open(path, "r+b") as f:
+            f.seek(-3, 2)
+            f.write(b"\x00\x01\x02")
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            mgr.restore(2, device="cpu", loader=loader)
+        with pytest.warns(RuntimeWarning, match="skipping step 2"):
+            assert_tree_equal(mgr.restore(device="cpu", loader=loader), state)  # falls back to step 1
+
+
+def test_the_ring_reads_object_stores_and_inplace_refuses_them(faulty):  # noqa: F811
+    state = {"a": torch.randn(20_000)}
+    with CheckpointManager("faulty://ring", staging=StagingOptions(local_tier=False),
+                           write_options=ckptmgr.WriteOptions(chunk_size=4096)) as mgr:
+        mgr.save(1, state).result()
+        assert_tree_equal(mgr.restore(device="cpu", loader="ring"), state)
+        with pytest.raises(ckptmgr.ConfigError, match="local filesystem"):
+            mgr.restore(device="cpu", loader="inplace")
+
+
+def test_bad_loader_arguments(root):
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"a": torch.ones(3)}).result()
+        with pytest.raises(ckptmgr.ConfigError, match="loader must be"):
+            mgr.restore(loader="fast")
+        with pytest.raises(ckptmgr.ConfigError, match="pass device="):
+            mgr.restore(loader="ring")

@@ -203,6 +203,10 @@ class LocalTarget:
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
         preadv_into(os.path.join(self._step_dir(step), name), offset, out)
 
+    def path_of(self, step: int, name: str) -> str:
+        """Where data file ``name`` of committed ``step`` lies (for the in-place loader)."""
+        return os.path.join(self._step_dir(step), name)
+
     def delete(self, step: int) -> None:
         d = self._step_dir(step)
         with contextlib.suppress(FileNotFoundError):
