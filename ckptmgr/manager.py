@@ -484,12 +484,13 @@ class CheckpointManager:
                 in place and its Stateful objects get ``load_state_dict``; the result mirrors
                 ``target`` with the checkpoint's plain values.
             device: where new tensors go when there is no target (default: CPU).
-            loader: how files reach ``device``. ``"auto"`` picks: for a GPU, the in-place
-                loader for local-tier steps (files in /dev/shm pinned where they lie) and the
-                pinned ring otherwise (parallel reads into a small reused pinned buffer,
-                copies to the GPU overlapped with the reads); for the CPU, scatter reads
-                into each tensor's own memory (``"host"``). ``"inplace"``, ``"ring"`` and
-                ``"host"`` force one. Every loader verifies every checksum first.
+            loader: how files reach ``device``. ``"auto"`` picks, for a GPU, the pinned ring
+                (parallel reads into a small reused pinned buffer, copies to the GPU
+                overlapped with the reads), and for the CPU scatter reads into each tensor's
+                own memory (``"host"``). ``"inplace"`` maps local files and pins them where
+                they lie (no host copy at all; registering the mapping costs more than the
+                ring's copy for a one-shot restore). Every loader verifies every checksum
+                before the state is returned.
 
         Returns:
             The restored state.
@@ -542,9 +543,9 @@ class CheckpointManager:
               device: torch.device | None, loader: str) -> dict[str, torch.Tensor]:
         on_device = target is None and device is not None and device.type != "cpu"
         if loader == "auto":
-            loader = "host"
-            if on_device:
-                loader = "inplace" if isinstance(source, LocalTier) else "ring"
+            # Measured on an H200 from /dev/shm, 4 GiB: the ring 0.19 s, in place 0.28 s (most of
+            # it registering the mapping), so the ring serves one-shot restores from any source.
+            loader = "ring" if on_device else "host"
         where = f"{source.url}: step {step}"
         if loader == "inplace":
             path_of = getattr(source, "path_of", None)

@@ -105,7 +105,7 @@ def test_restore_to_gpu_from_the_local_tier_in_place(root):
     with CheckpointManager(root) as mgr:
         mgr.save(1, state).result()
         assert mgr._tier is not None and 1 in mgr._tier.steps()
-        got = mgr.restore(device="cuda")
+        got = mgr.restore(device="cuda", loader="inplace")
     for k in ("w", "h", "t", "view"):
         assert got[k].is_cuda and torch.equal(got[k], state[k]), k
     assert got["view"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()
