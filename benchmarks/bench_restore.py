@@ -63,6 +63,7 @@ def measure(fn: Callable[[], Any]) -> tuple[float, float, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=4.0)
+    ap.add_argument("--tensors", type=int, default=150)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default="/dev/shm/ckptmgr-bench-restore")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "restore.json"))
@@ -71,7 +72,7 @@ def main() -> None:
 
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
-    state = make_state(args.gib, "cuda")
+    state = make_state(args.gib, "cuda", n_tensors=args.tensors)
     size = nbytes(state)
     mgr = CheckpointManager(os.path.join(args.dir, "root"))
     mgr.save(1, state).result()

@@ -23,5 +23,7 @@ for part in "${parts[@]}"; do
     staging16) python3 benchmarks/bench_staging.py --gib 16 --out "$out/staging16.json" 2>&1 | tee "$out/staging16.txt" ;;
     training) python3 benchmarks/bench_training.py --out "$out/training.json" 2>&1 | tee "$out/training.txt" ;;
     restore4) (cd benchmarks && python3 bench_restore.py --gib 4 --out "$out/restore4.json") 2>&1 | tee "$out/restore4.txt" ;;
+    restore16) (cd benchmarks && python3 bench_restore.py --gib 16 --repeat 2 --out "$out/restore16.json") 2>&1 | tee "$out/restore16.txt" ;;
+    restore10k) (cd benchmarks && python3 bench_restore.py --gib 1 --tensors 10000 --out "$out/restore10k.json") 2>&1 | tee "$out/restore10k.txt" ;;
   esac
 done

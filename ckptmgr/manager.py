@@ -160,7 +160,7 @@ class CheckpointManager:
         self._pool = SlotPool(staging.slots, tier=self._tier, max_host_bytes=staging.max_host_bytes)
         self._stager = Stager(staging.copy_threads)
         # restore to a GPU from storage: io_threads chunks in flight, allocated at first use
-        self._ring = PinnedRing(write_options.io_threads, max(write_options.chunk_size, 16 << 20))
+        self._ring = PinnedRing(min(16, os.cpu_count() or 1), max(write_options.chunk_size, 16 << 20))
         self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-persist")
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when a save has settled
@@ -601,6 +601,7 @@ class CheckpointManager:
             t.join()
         self._persist_pool.shutdown(wait=True)
         self._stager.close()
+        self._ring.close()
         kept = self._pool.close()
         if self._tier is not None:
             if kept:

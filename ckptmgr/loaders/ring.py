@@ -2,7 +2,7 @@
 the GPU as soon as it lands, its checksum verified beside the copy.
 
 For files on disk, NFS or object stores, where mapping in place would fault every page in one
-thread. Each checksum chunk of a file is read by one task on the source's I/O threads into a
+thread. Each checksum chunk of a file is read by one task into a
 ring buffer (pinned memory, allocated once per manager and reused); the caller's thread
 enqueues the chunk's host-to-device copy on a side stream in file order, so reads and copies
 overlap. A ring buffer is reused only once its copy has finished. Host memory stays at the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -30,13 +30,29 @@ __all__ = ["PinnedRing", "read_tensors_ring"]
 
 
 class PinnedRing:
-    """``slots`` host buffers of ``slot_bytes`` each: pinned with CUDA, plain without."""
+    """``threads + 2`` host buffers of ``slot_bytes`` each (pinned with CUDA, plain without)
+    and ``threads`` reader threads, made at first use and reused by every restore."""
 
-    def __init__(self, slots: int, slot_bytes: int) -> None:
+    def __init__(self, threads: int, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
-        self.slots = slots
+        self.slots = threads + 2  # every reader busy while two chunks wait for their copies
+        self.threads = threads
         self._buffers: list[torch.Tensor] = []
+        self._pool: ThreadPoolExecutor | None = None
         self._mu = threading.Lock()
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        with self._mu:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ckptmgr-restore")
+            return self._pool
+
+    def close(self) -> None:
+        with self._mu:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._buffers = []
 
     @property
     def nbytes(self) -> int:
@@ -106,7 +122,7 @@ def _read_file(source: Source, step: int, fname: str, rec: FileRecord, device: t
             slot = free.popleft()
             if slot in done_events:
                 done_events.pop(slot).synchronize()  # its previous copy has left the buffer
-            pending.append((i, slot, b, e, source.io_pool.submit(read, slot, b, e)))
+            pending.append((i, slot, b, e, ring.pool.submit(read, slot, b, e)))
         while pending:
             land(*pending.popleft())
     finally:
