@@ -2,13 +2,14 @@
 
     python benchmarks/bench_restore.py --gib 4
 
-ckptmgr saves a state (fp32/bf16, ~150 tensors) with the local tier on, so its files lie in
-/dev/shm. Then, in one process, each tool loads the same bytes onto the GPU: ckptmgr's
-``restore(device="cuda")`` (in place from the tier, checksums verified beside the copy),
-``ckptmgr.load_file`` on the tier's file, ``safetensors.torch.load_file(device="cuda")`` on
-the same file, and ``torch.load(map_location="cuda")`` of a ``torch.save`` copy in /dev/shm.
-Reports time to GPU (synchronized) and the peak growth of private host memory (RssAnon,
-sampled every 2 ms); the mapping of tmpfs pages that already exist is not extra memory.
+ckptmgr saves a state (fp32/bf16, ``--tensors`` tensors) with the local tier on, so its
+files lie in /dev/shm. Then, in one process, each tool loads the same bytes onto the GPU:
+ckptmgr's ``restore(device="cuda")`` (the pinned ring, checksums verified beside the copy),
+``restore(..., loader="inplace")`` (pinned where they lie, verified), ``ckptmgr.load_file``
+on the tier's files, ``safetensors.torch.load_file(device="cuda")`` on the same files, and
+``torch.load(map_location="cuda")`` of a ``torch.save`` copy in /dev/shm. Reports time to GPU
+(synchronized) and the peak growth of private host memory (RssAnon, sampled every 2 ms); the
+mapping of tmpfs pages that already exist is not extra memory.
 Prints a table and writes JSON (default benchmarks/out/restore.json).
 """
 
@@ -89,9 +90,9 @@ def main() -> None:
     from safetensors.torch import load_file as st_load
 
     tools: dict[str, Callable[[], Any]] = {
-        "ckptmgr restore(device='cuda') [in place, verified]": lambda: mgr.restore(1, device="cuda"),
-        "ckptmgr restore(device='cuda', loader='ring') [verified]": lambda: mgr.restore(1, device="cuda",
-                                                                                          loader="ring"),
+        "ckptmgr restore(device='cuda') [pinned ring, verified]": lambda: mgr.restore(1, device="cuda"),
+        "ckptmgr restore(device='cuda', loader='inplace') [verified]": lambda: mgr.restore(1, device="cuda",
+                                                                                             loader="inplace"),
         "ckptmgr.load_file(cuda) [in place]": lambda: [ckptmgr.load_file(f, device="cuda") for f in files],
         "safetensors.load_file(cuda)": lambda: [st_load(f, device="cuda") for f in files],
         "torch.load(map_location=cuda)": lambda: torch.load(torch_path, map_location="cuda", weights_only=True),
