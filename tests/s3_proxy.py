@@ -99,7 +99,8 @@ class FaultyProxy:
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
-                    self.wfile.write(payload)
+                    if self.command != "HEAD":  # a HEAD answer has no body on the wire
+                        self.wfile.write(payload)
                     return
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
                 headers = {k: v for k, v in self.headers.items()
