@@ -23,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,10 +34,13 @@ from typing import Any
 import numpy as np
 
 from ._manifest import MANIFEST_NAME, Manifest
-from .errors import CheckpointCorruptError, StepNotFoundError
+from .errors import CheckpointCorruptError, ConfigError, StepNotFoundError
+from .options import StagingOptions
 from .targets.local import preadv_into
 
-__all__ = ["LocalTier", "TierBusyError", "tier_dir"]
+__all__ = ["LocalTier", "TierBusyError", "open_local_tier", "tier_dir"]
+
+log = logging.getLogger("ckptmgr")
 
 _TMP_MANIFEST = ".manifest.json.tmp"
 
@@ -196,3 +201,26 @@ class LocalTier:
 
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
         preadv_into(self.file_path(self._slot_of(step), name), offset, out)
+
+
+def open_local_tier(opts: StagingOptions, root: str, io_pool: ThreadPoolExecutor) -> LocalTier | None:
+    """The local tier for ``root``, or None when it is off or cannot be used here.
+
+    Raises:
+        ConfigError: ``local_tier=True`` where there is no usable ``local_dir``.
+    """
+    if opts.local_tier is False:
+        return None
+    usable = sys.platform.startswith("linux") and os.path.isdir(opts.local_dir)
+    if not usable:
+        if opts.local_tier:
+            raise ConfigError(f"StagingOptions(local_tier=True) needs Linux and an existing local_dir; "
+                              f"{opts.local_dir!r} is not a directory here")
+        return None
+    try:
+        return LocalTier(opts.local_dir, root, io_pool)
+    except TierBusyError as exc:
+        log.warning("not using the local tier: %s (another manager has the same root open)", exc)
+    except OSError as exc:
+        log.warning("not using the local tier in %s: %s", opts.local_dir, exc)
+    return None

@@ -29,7 +29,7 @@ from ._slots import Slot, SlotPool
 from ._staging import StagingJob
 from .targets import Target
 
-__all__ = ["PersistJob", "persist"]
+__all__ = ["PersistJob", "adopt_local_tier", "persist"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -106,3 +106,21 @@ def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, pool: Sl
              "%.3f s (%.2f GB/s)", info.step, info.bytes / 1e6, info.staging_s, info.blocked_s, info.total_s,
              info.throughput_gbps)
     return info
+
+
+def adopt_local_tier(tier: LocalTier, pool: SlotPool, durable: set[int], root: str) -> list[PersistJob]:
+    """Take over the slots an earlier process left committed in ``tier``; return the jobs
+    that write out the steps that never reached the durable target (their slots stay busy
+    until then)."""
+    jobs = []
+    for index, m in sorted(tier.scan(len(pool.slots)).items()):
+        names = sorted(m.files)
+        slot = pool.adopt(index, m.step, [m.files[n].size for n in names], durable=m.step in durable)
+        if m.step in durable:
+            continue
+        log.warning("step %d exists only in the local tier %s (the last run stopped before writing it); "
+                    "writing it to %s now", m.step, tier.path, root)
+        slot.busy = True
+        jobs.append(PersistJob(m, names, [m.files[n].header_size for n in names], slot,
+                               StagingJob(None, [], None), time.perf_counter(), 0.0, 0.0, local_commit=False))
+    return jobs

@@ -79,6 +79,7 @@ class SlotPool:
         self.slots = [Slot(i) for i in range(count)]
         self.allocations = 0
         self.registrations = 0
+        self.counts: dict[str, float] = {"saves": 0, "skips": 0, "busy_waits": 0, "busy_wait_s": 0.0}
         self.newest_durable: int | None = None
         self._cond = threading.Condition()
 
@@ -110,24 +111,32 @@ class SlotPool:
                 return min(cands, key=lambda s: (s.step if s.step is not None else -1, s.index))
         return None
 
-    def acquire(self, *, wait: bool, timeout: float | None) -> Slot | None:
-        """A slot for a new save, marked busy, or None when none is free and not ``wait``.
+    def acquire(self, *, wait: bool, timeout: float | None) -> tuple[Slot | None, float]:
+        """A slot for a new save, marked busy (None when none is free and not ``wait``), and
+        the seconds spent waiting for it. Counted in ``counts``.
 
         Raises:
             CkptTimeoutError: none became free within ``timeout`` seconds.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = None if timeout is None else t0 + timeout
         with self._cond:
+            self.counts["saves"] += 1
             while True:
                 slot = self._pick()
                 if slot is not None:
                     break
                 if not wait:
-                    return None
+                    self.counts["skips"] += 1
+                    return None, time.monotonic() - t0
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise CkptTimeoutError(f"no staging slot became free within {timeout} s")
                 self._cond.wait(left)
+            waited = time.monotonic() - t0
+            if waited > 1e-3:
+                self.counts["busy_waits"] += 1
+                self.counts["busy_wait_s"] += waited
             if slot.failed and slot.step is not None:
                 log.warning("reusing staging slot %d: it held step %d, whose durable write failed and which "
                             "exists only in the local tier", slot.index, slot.step)
@@ -135,7 +144,7 @@ class SlotPool:
             old, slot.step, slot.committed, slot.durable, slot.failed = slot.step, None, False, False, False
         if self.tier is not None and old is not None:
             self.tier.invalidate(slot.index)
-        return slot
+        return slot, waited
 
     def release(self, slot: Slot, *, step: int | None, durable: bool, failed: bool = False) -> None:
         """Return ``slot`` to the pool, recording what it now holds."""

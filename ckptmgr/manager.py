@@ -6,38 +6,35 @@ restore: discover -> manifest -> read + verify -> assemble -> unflatten -> apply
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import sys
 import threading
 import time
-import warnings
-import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from . import __version__
+from . import _lifecycle as lifecycle
 from ._deleter import Deleter, StepGuard
-from ._flatten import decode_plain, encode_plain, flatten, unflatten
+from ._flatten import decode_plain, encode_plain, flatten
 from ._handle import SaveHandle, SaveInfo
-from ._layout import plan_layout
-from ._local_tier import LocalTier, TierBusyError
+from ._layout import Plan, plan_layout
+from ._local_tier import LocalTier, open_local_tier
 from ._manifest import FORMAT_VERSION, Manifest
-from ._persist import PersistJob, persist
-from ._restore import apply_target
+from ._persist import PersistJob, adopt_local_tier, persist
+from ._restorer import LOADERS, Restorer
 from ._slots import Slot, SlotPool
-from ._staging import Stager, StagingJob
+from ._staging import Stager
 from .errors import (
-    CheckpointCorruptError,
     CkptTimeoutError,
     ConfigError,
     StepExistsError,
     StepNotFoundError,
 )
-from .loaders import PinnedRing, read_tensors, read_tensors_inplace, read_tensors_ring
+from .loaders import PinnedRing
 from .options import S3Options, StagingOptions, WriteOptions
 from .retention import KeepAll, RetentionPolicy
 from .targets import Target, open_target
@@ -46,43 +43,13 @@ __all__ = ["CheckpointManager"]
 
 log = logging.getLogger("ckptmgr")
 
-_live_managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
-
-
-def _close_at_exit() -> None:
-    """At interpreter exit, finish the pending saves of managers nobody closed.
-
-    Registered with ``threading``'s exit hooks, which run before the thread pools shut
-    down, so the pending writes can still use them. Failures are logged, never swallowed.
-    """
-    for mgr in list(_live_managers):
-        try:
-            mgr.close()
-        except Exception as exc:
-            log.error("at exit, %r: %s", mgr, exc)
-            print(f"ckptmgr: at exit, {mgr!r}: {exc}", file=sys.stderr)
-
-
-getattr(threading, "_register_atexit", atexit.register)(_close_at_exit)
-
-
-def open_local_tier(opts: StagingOptions, root: str, io_pool: ThreadPoolExecutor) -> LocalTier | None:
-    """The local tier for ``root``, or None when it is off or cannot be used here."""
-    if opts.local_tier is False:
-        return None
-    usable = sys.platform.startswith("linux") and os.path.isdir(opts.local_dir)
-    if not usable:
-        if opts.local_tier:
-            raise ConfigError(f"StagingOptions(local_tier=True) needs Linux and an existing local_dir; "
-                              f"{opts.local_dir!r} is not a directory here")
-        return None
-    try:
-        return LocalTier(opts.local_dir, root, io_pool)
-    except TierBusyError as exc:
-        log.warning("not using the local tier: %s (another manager has the same root open)", exc)
-    except OSError as exc:
-        log.warning("not using the local tier in %s: %s", opts.local_dir, exc)
-    return None
+def _option(value: Any, kind: type, name: str, default: Callable[[], Any] | None) -> Any:
+    """``value``, or ``default()`` when it is None; ConfigError when it is of another type."""
+    if value is None:
+        return default() if default is not None else None
+    if not isinstance(value, kind):
+        raise ConfigError(f"{name} must be of type {kind.__name__}, got {type(value).__name__}: {value!r}")
+    return value
 
 
 class CheckpointManager:
@@ -127,22 +94,11 @@ class CheckpointManager:
         s3_options: S3Options | None = None,
         allow_pickle: bool = False,
     ) -> None:
-        if retention is None:
-            retention = KeepAll()
-        elif not isinstance(retention, RetentionPolicy):
-            raise ConfigError(f"retention must be a RetentionPolicy such as KeepLatest(3), got {retention!r}")
-        if write_options is None:
-            write_options = WriteOptions()
-        elif not isinstance(write_options, WriteOptions):
-            raise ConfigError(f"write_options must be a WriteOptions, got {type(write_options).__name__}")
-        if staging is None:
-            staging = StagingOptions()
-        elif not isinstance(staging, StagingOptions):
-            raise ConfigError(f"staging must be a StagingOptions, got {type(staging).__name__}")
-        if s3_options is not None and not isinstance(s3_options, S3Options):
-            raise ConfigError(f"s3_options must be an S3Options, got {type(s3_options).__name__}")
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise ConfigError(f"storage_options must be a dict, got {type(storage_options).__name__}")
+        retention = _option(retention, RetentionPolicy, "retention", KeepAll)
+        write_options = _option(write_options, WriteOptions, "write_options", WriteOptions)
+        staging = _option(staging, StagingOptions, "staging", StagingOptions)
+        s3_options = _option(s3_options, S3Options, "s3_options", None)
+        storage_options = _option(storage_options, dict, "storage_options", None)
         self._opts = write_options
         self._staging_opts = staging
         self._allow_pickle = bool(allow_pickle)
@@ -159,40 +115,24 @@ class CheckpointManager:
         self._tier = open_local_tier(staging, self.root, self._target.io_pool)
         self._pool = SlotPool(staging.slots, tier=self._tier, max_host_bytes=staging.max_host_bytes)
         self._stager = Stager(staging.copy_threads)
-        # restore to a GPU from storage: io_threads chunks in flight, allocated at first use
+        # restore onto a GPU: reader threads and a few pinned buffers, made at first use
         self._ring = PinnedRing(min(16, os.cpu_count() or 1), max(write_options.chunk_size, 16 << 20))
+        self._restorer = Restorer(self._target, self._tier, self._pool, self._guard, self._ring, self._allow_pickle)
         self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-persist")
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when a save has settled
         self._unsettled = 0  # saves submitted whose commit, protection and retention run are not done
         self._pending: dict[int, SaveHandle] = {}
         self._handles: list[SaveHandle] = []  # finished handles whose errors nobody saw yet
-        self._counts = {"saves": 0, "skips": 0, "busy_waits": 0}
-        self._busy_wait_s = 0.0
         self._closed = False
         self._threads: list[threading.Thread] = []
         durable = self._target.list_steps()
         if durable:
             self._pool.note_durable(durable[-1])
-        if self._tier is not None:
-            self._adopt_local_tier(set(durable))
-        _live_managers.add(self)
-
-    def _adopt_local_tier(self, durable: set[int]) -> None:
-        """Take over the slots an earlier process left committed in the local tier; write the
-        ones that never reached the durable target."""
-        assert self._tier is not None
-        for index, m in sorted(self._tier.scan(len(self._pool.slots)).items()):
-            sizes = [m.files[n].size for n in sorted(m.files)]
-            slot = self._pool.adopt(index, m.step, sizes, durable=m.step in durable)
-            if m.step in durable:
-                continue
-            log.warning("step %d exists only in the local tier %s (the last run stopped before writing it); "
-                        "writing it to %s now", m.step, self._tier.path, self.root)
-            slot.busy = True
-            job = PersistJob(m, sorted(m.files), [m.files[n].header_size for n in sorted(m.files)], slot,
-                             StagingJob(None, [], None), time.perf_counter(), 0.0, 0.0, local_commit=False)
-            self._submit(job)
+        if self._tier is not None:  # slots an earlier process left committed: adopt, write out the newer
+            for job in adopt_local_tier(self._tier, self._pool, set(durable), self.root):
+                self._submit(job)
+        lifecycle.close_at_exit(self)
 
     def _submit(self, job: PersistJob) -> SaveHandle:
         step = job.manifest.step
@@ -215,9 +155,7 @@ class CheckpointManager:
         they stop growing after the first save of a state of fixed size), ``deleted``
         (steps removed by the retention policy).
         """
-        with self._lock:
-            out: dict[str, float] = dict(self._counts)
-            out["busy_wait_s"] = self._busy_wait_s
+        out: dict[str, float] = dict(self._pool.counts)
         out["deleted"] = len(self._deleter.deleted)
         out["slot_allocations"] = self._pool.allocations
         out["slot_registrations"] = self._pool.registrations
@@ -272,24 +210,10 @@ class CheckpointManager:
             raise StepExistsError(
                 f"step {step} is already committed under {self.root}; committed checkpoints are never overwritten")
         t0 = time.perf_counter()
-        skeleton, leaves = flatten(state, allow_pickle=self._allow_pickle)
         meta_json = encode_plain(metadata or {}, what="metadata")
-        plan = plan_layout(leaves, max_file_bytes=self._opts.max_file_bytes,
-                           metadata={"format": "pt", "ckptmgr_format_version": str(FORMAT_VERSION)},
-                           files_hint=self._opts.io_threads)
-        sizes = [f.size for f in plan.files]
-        self._pool.check_capacity(sizes)
+        skeleton, plan, sizes = self._plan(state)
         opts = self._staging_opts
-        t_wait = time.perf_counter()
-        slot = self._pool.acquire(wait=opts.on_busy == "wait", timeout=opts.busy_timeout)
-        waited = time.perf_counter() - t_wait
-        with self._lock:
-            self._counts["saves"] += 1
-            if slot is None:
-                self._counts["skips"] += 1
-            elif waited > 1e-3:
-                self._counts["busy_waits"] += 1
-                self._busy_wait_s += waited
+        slot, waited = self._pool.acquire(wait=opts.on_busy == "wait", timeout=opts.busy_timeout)
         if slot is None:
             log.warning("skipped step %d: all %d staging slot(s) are busy writing earlier steps", step, opts.slots)
             return SaveHandle._skip(step, f"all {opts.slots} staging slot(s) were busy (on_busy='skip')")
@@ -308,6 +232,14 @@ class CheckpointManager:
         return self._submit(PersistJob(manifest, [f.name for f in plan.files], [len(f.header) for f in plan.files],
                                        slot, job, t0, time.perf_counter() - t0, waited, local_commit=True))
 
+    def _plan(self, state: Any) -> tuple[Any, Plan, list[int]]:
+        skeleton, leaves = flatten(state, allow_pickle=self._allow_pickle)
+        plan = plan_layout(leaves, max_file_bytes=self._opts.max_file_bytes, files_hint=self._opts.io_threads,
+                           metadata={"format": "pt", "ckptmgr_format_version": str(FORMAT_VERSION)})
+        sizes = [f.size for f in plan.files]
+        self._pool.check_capacity(sizes)
+        return skeleton, plan, sizes
+
     def prepare(self, state: Any) -> None:
         """Create and pin the staging slots for ``state`` now, in the background, so that the
         first ``save()`` does not pay for it. Nothing is copied.
@@ -317,12 +249,7 @@ class CheckpointManager:
             CapacityError: the state does not fit ``StagingOptions.max_host_bytes``.
         """
         self._check_open()
-        _, leaves = flatten(state, allow_pickle=self._allow_pickle)
-        plan = plan_layout(leaves, max_file_bytes=self._opts.max_file_bytes,
-                           metadata={"format": "pt", "ckptmgr_format_version": str(FORMAT_VERSION)},
-                           files_hint=self._opts.io_threads)
-        sizes = [f.size for f in plan.files]
-        self._pool.check_capacity(sizes)
+        _, _, sizes = self._plan(state)
         thread = threading.Thread(target=self._pool.prepare, args=(sizes,), name="ckptmgr-prepare")
         thread.start()
         self._threads.append(thread)
@@ -443,12 +370,7 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def _manifest(self, step: int, source: Target | LocalTier | None = None) -> Manifest:
-        source = source or self._source_of(step)
-        where = f"{source.url}: step {step}"
-        m = Manifest.from_bytes(source.read_manifest(step), where=where)
-        if m.step != step:
-            raise CheckpointCorruptError(f"{where}: the manifest is for step {m.step}")
-        return m
+        return self._restorer.manifest(step, source)
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """The user metadata saved with ``step`` (default: the newest committed step).
@@ -501,70 +423,14 @@ class CheckpointManager:
             StateMismatchError: ``target`` does not match; it has not been modified.
         """
         dev = torch.device(device) if device is not None else None
-        if loader not in ("auto", "inplace", "ring", "host"):
+        if loader not in LOADERS:
             raise ConfigError(f"loader must be 'auto', 'inplace', 'ring' or 'host', got {loader!r}")
         if loader in ("inplace", "ring") and (dev is None or target is not None):
             raise ConfigError(f"loader={loader!r} loads onto a device: pass device= and no target")
         if step is not None:
-            return self._restore_step(self._resolve_step(step), target, dev, loader)
+            return self._restorer.restore_step(self._resolve_step(step), target, dev, loader)
         self._check_open()
-        candidates = self.steps()
-        if not candidates:
-            raise StepNotFoundError(f"no committed checkpoint under {self.root}")
-        for s in reversed(candidates):
-            try:
-                return self._restore_step(s, target, dev, loader)
-            except (CheckpointCorruptError, StepNotFoundError) as exc:
-                warnings.warn(f"skipping step {s}: {exc}", RuntimeWarning, stacklevel=2)
-                log.warning("restore: skipping step %d: %s", s, exc)
-        raise StepNotFoundError(f"no checkpoint under {self.root} verifies (tried steps {candidates})")
-
-    def _source_of(self, step: int) -> Target | LocalTier:
-        if self._tier is not None and step in self._tier.steps():
-            return self._tier
-        return self._target
-
-    def _restore_step(self, step: int, target: Any, device: torch.device | None, loader: str) -> Any:
-        with self._pool.reading(step) as slot:
-            if slot is not None and self._tier is not None:
-                try:
-                    return self._restore_from(self._tier, step, target, device, loader)
-                except CheckpointCorruptError as exc:
-                    if step not in self._target.list_steps():
-                        raise
-                    log.warning("restore: the local tier copy of step %d does not verify (%s); reading %s",
-                                step, exc, self.root)
-        with self._guard.reading(step) as ok:
-            if not ok:
-                raise StepNotFoundError(f"step {step} under {self.root} is being deleted by the retention policy")
-            return self._restore_from(self._target, step, target, device, loader)
-
-    def _load(self, source: Target | LocalTier, step: int, manifest: Manifest, target: Any,
-              device: torch.device | None, loader: str) -> dict[str, torch.Tensor]:
-        on_device = target is None and device is not None and device.type != "cpu"
-        if loader == "auto":
-            # Measured on an H200 from /dev/shm, 4 GiB: the ring 0.19 s, in place 0.28 s (most of
-            # it registering the mapping), so the ring serves one-shot restores from any source.
-            loader = "ring" if on_device else "host"
-        where = f"{source.url}: step {step}"
-        if loader == "inplace":
-            path_of = getattr(source, "path_of", None)
-            if path_of is None:
-                raise ConfigError(f"loader='inplace' needs files on a local filesystem; {source.url} is not")
-            assert device is not None
-            paths = {name: path_of(step, name) for name in manifest.files}
-            return read_tensors_inplace(paths, manifest, device, source.io_pool, where)
-        if loader == "ring" and all(r.chunk_size <= self._ring.slot_bytes for r in manifest.files.values()):
-            assert device is not None
-            return read_tensors_ring(source, step, manifest, device, self._ring)
-        return read_tensors(source, step, manifest, device=None if target is not None else device)
-
-    def _restore_from(self, source: Target | LocalTier, step: int, target: Any, device: torch.device | None,
-                      loader: str = "auto") -> Any:
-        manifest = self._manifest(step, source)
-        tensors = self._load(source, step, manifest, target, device, loader)
-        tree = unflatten(manifest.state, tensors, allow_pickle=self._allow_pickle)
-        return tree if target is None else apply_target(target, tree)
+        return self._restorer.restore_newest(self.steps(), target, dev, loader)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -596,7 +462,7 @@ class CheckpointManager:
     def _release(self) -> None:
         self._closed = True
         self._deleter.close()
-        _live_managers.discard(self)
+        lifecycle.forget(self)
         for t in self._threads:
             t.join()
         self._persist_pool.shutdown(wait=True)

@@ -106,7 +106,7 @@ def test_invalid_arguments_raise_at_construction(make, match):
 
 
 def test_manager_refuses_a_non_policy(root):
-    with pytest.raises(ConfigError, match="retention must be a RetentionPolicy"):
+    with pytest.raises(ConfigError, match="retention must be of type RetentionPolicy"):
         CheckpointManager(root, retention=3)
 
 
@@ -194,7 +194,7 @@ def test_retention_leaves_foreign_files_and_neighbouring_roots_alone(tmp_path):
 
 
 def test_a_step_being_restored_is_not_deleted(root, monkeypatch):
-    import ckptmgr.manager as manager_mod
+    import ckptmgr._restorer as manager_mod
 
     with CheckpointManager(root, retention=KeepLatest(1), staging=StagingOptions(local_tier=False)) as mgr:
         mgr.save(1, small(1)).result()

@@ -209,5 +209,5 @@ def test_s3_options_are_checked(s3_bucket, tmp_path):
         S3Options(part_size=0)
     with pytest.raises(ConfigError, match="not an s3:// root"):
         CheckpointManager(str(tmp_path / "x"), s3_options=S3Options())
-    with pytest.raises(ConfigError, match="s3_options must be an S3Options"):
+    with pytest.raises(ConfigError, match="s3_options must be of type S3Options"):
         CheckpointManager(f"s3://{s3_bucket[0]}/x", storage_options=s3_bucket[1], s3_options={"part_size": 1})

@@ -250,7 +250,7 @@ def test_bad_staging_options(kwargs, match):
 
 
 def test_bad_staging_arguments(root, tmp_path):
-    with pytest.raises(ConfigError, match="staging must be a StagingOptions"):
+    with pytest.raises(ConfigError, match="staging must be of type StagingOptions"):
         CheckpointManager(root, staging={"slots": 2})
     with pytest.raises(ConfigError, match="not a directory"):
         CheckpointManager(root, staging=StagingOptions(local_tier=True, local_dir=str(tmp_path / "none")))
