@@ -1,22 +1,20 @@
 """Pinned-ring loader: parallel reads into a small reusable pinned ring, each chunk copied to
 the GPU as soon as it lands, its checksum verified beside the copy.
 
-For files on disk, NFS or object stores, and for one-shot restores from /dev/shm (where
-pinning a mapping in place costs more than these copies). Each checksum chunk of a file is
-read by one of the ring's reader threads (one per core, up to 16: copying out of the page
-cache and checksumming both scale with threads) into a ring buffer (pinned memory, allocated
-once per manager and reused). The caller's thread enqueues each chunk's host-to-device copy
-on a side stream as soon as its read finishes, in whatever order reads finish, so reads and
-copies overlap. A ring buffer is reused only once its copy has finished. Host memory stays at
-the ring's size whatever the checkpoint's. Each file lands in one device allocation, of
-which its tensors are views.
+For files on disk, NFS or object stores, where mapping in place would fault every page in one
+thread. Each checksum chunk of a file is read by one task into a
+ring buffer (pinned memory, allocated once per manager and reused); the caller's thread
+enqueues the chunk's host-to-device copy on a side stream in file order, so reads and copies
+overlap. A ring buffer is reused only once its copy has finished. Host memory stays at the
+ring's size whatever the checkpoint's. Each file lands in one device allocation, of which
+its tensors are views.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -96,7 +94,7 @@ def _read_file(source: Source, step: int, fname: str, rec: FileRecord, device: t
     bufs = ring.buffers()
     free: deque[int] = deque(range(len(bufs)))
     done_events: dict[int, Any] = {}
-    pending: dict[Future[str], tuple[int, int, int, int]] = {}
+    pending: deque[tuple[int, int, int, int, Future[str]]] = deque()
 
     def read(slot: int, b: int, e: int) -> str:
         arr = bufs[slot][:e - b].numpy()
@@ -117,28 +115,22 @@ def _read_file(source: Source, step: int, fname: str, rec: FileRecord, device: t
                 dst.copy_(src)
         free.append(slot)
 
-    def land_some(block_all: bool) -> None:
-        # Chunks land in the order their reads finish, not file order: no chunk waits
-        # behind a slow read of an earlier one.
-        done, _ = wait(list(pending), return_when=ALL_COMPLETED if block_all else FIRST_COMPLETED)
-        for fut in done:
-            i, slot, b, e = pending.pop(fut)
-            land(i, slot, b, e, fut)
-
     try:
         for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size)):
-            while not free:
-                land_some(block_all=False)
+            while not free:  # the oldest read lands before its buffer is reused
+                land(*pending.popleft())
             slot = free.popleft()
             if slot in done_events:
                 done_events.pop(slot).synchronize()  # its previous copy has left the buffer
-            pending[ring.pool.submit(read, slot, b, e)] = (i, slot, b, e)
+            pending.append((i, slot, b, e, ring.pool.submit(read, slot, b, e)))
         while pending:
-            land_some(block_all=True)
+            land(*pending.popleft())
     finally:
-        for fut in pending:
+        for *_, fut in pending:
             fut.cancel()
-        wait([f for f in pending if not f.cancelled()])  # reads finish before their buffers are reused
+        for *_, fut in pending:
+            if not fut.cancelled():
+                fut.exception()  # reads finish before their buffers can be reused
         if stream is not None:
             stream.synchronize()
     return region
