@@ -1,0 +1,91 @@
+"""The plain-loop callback: a run SIGKILLed at random moments and resumed ends bitwise
+identical to one never interrupted; SIGTERM saves the current step and stops cleanly."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckptmgr import CheckpointManager, ConfigError
+from ckptmgr.integrations.callbacks import CheckpointCallback
+
+TRAINER = os.path.join(os.path.dirname(__file__), "callback_trainer.py")
+TOTAL = 30
+
+
+def start(root, out):
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen([sys.executable, TRAINER, root, out, str(TOTAL)], stdout=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def run_to_end(root, out):
+    proc = start(root, out)
+    lines, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and lines.split()[-1] == "done", lines
+    return lines
+
+
+def test_killed_and_resumed_run_ends_identical(tmp_path):
+    run_to_end(str(tmp_path / "ref"), str(tmp_path / "ref.pt"))
+    root, rng = str(tmp_path / "run"), random.Random(5)
+    for _ in range(3):
+        proc = start(root, str(tmp_path / "run.pt"))
+        assert proc.stdout.readline().startswith("resumed")
+        for _ in range(rng.randint(2, 8)):  # let it train a few steps, then kill it mid-run
+            proc.stdout.readline()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    lines = run_to_end(root, str(tmp_path / "run.pt"))
+    assert int(lines.split()[1]) > 0  # it resumed, not restarted
+    ref, got = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "run.pt")
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+
+
+def test_sigterm_saves_the_current_step_and_stops(tmp_path):
+    root = str(tmp_path / "run")
+    proc = start(root, str(tmp_path / "run.pt"))
+    assert proc.stdout.readline().strip() == "resumed 0"
+    for _ in range(4):
+        proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    stopped = int(out.split("stopped")[1].split()[0])
+    with CheckpointManager(root) as mgr:
+        assert mgr.latest_step() == stopped
+    lines = run_to_end(root, str(tmp_path / "run.pt"))
+    assert lines.split()[:2] == ["resumed", str(stopped + 1)]
+
+
+def test_bad_arguments(root):
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(ConfigError, match="needs every_n_steps"):
+            CheckpointCallback(mgr, {})
+        with pytest.raises(ConfigError, match="every_n_steps"):
+            CheckpointCallback(mgr, {}, every_n_steps=0)
+        with pytest.raises(ConfigError, match="every_n_seconds"):
+            CheckpointCallback(mgr, {}, every_n_seconds=-1)
+    with pytest.raises(ConfigError, match="manager must be"):
+        CheckpointCallback("root", {}, every_n_steps=1)
+
+
+def test_every_n_seconds_and_resume_on_a_fresh_root(root):
+    state = {"w": torch.zeros(3)}
+    with CheckpointManager(root) as mgr:
+        ckpt = CheckpointCallback(mgr, state, every_n_seconds=1e-9, block=True)
+        assert ckpt.resume() == 0
+        for step in range(3):
+            state["w"] += 1
+            ckpt.before_optimizer_step(step)
+            assert not ckpt.after_step(step)
+        ckpt.close()
+        assert mgr.steps() == [0, 1, 2]
+        state["w"].zero_()
+        assert ckpt.resume() == 3 and torch.equal(state["w"], torch.full((3,), 3.0))
