@@ -18,9 +18,8 @@ TOTAL = 30
 
 
 def start(root, out):
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen([sys.executable, TRAINER, root, out, str(TOTAL)], stdout=subprocess.PIPE, text=True,
-                            env=env)
+    # the trainer's own directory (tests/) is on its path first: conftest imports from there
+    return subprocess.Popen([sys.executable, TRAINER, root, out, str(TOTAL)], stdout=subprocess.PIPE, text=True)
 
 
 def run_to_end(root, out):
