@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_save_restore import fsync_tree
 
 from ckptmgr import CheckpointManager, StagingOptions
 
@@ -57,14 +58,6 @@ def nbytes(state: dict[str, torch.Tensor]) -> int:
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def fsync_tree(path: str) -> None:
-    paths = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
 
 
 class GpuPeak:

@@ -23,7 +23,6 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any
 
 from ._flatten import decode_plain
 from ._manifest import Manifest
@@ -138,6 +137,12 @@ class Deleter:
                 self._errors.append(err)
             log.error("%s", err)
 
+    def report(self, err: CkptError) -> None:
+        """Keep ``err`` to be raised, once, like a deletion failure."""
+        with self._mu:
+            self._errors.append(err)
+        log.error("%s", err)
+
     def take_error(self) -> CkptError | None:
         """The oldest deletion failure nobody was told of yet."""
         with self._mu:
@@ -160,6 +165,3 @@ class Deleter:
 
     def __repr__(self) -> str:
         return f"Deleter({self.policy!r})"
-
-    def stats(self) -> dict[str, Any]:
-        return {"deleted": len(self.deleted)}

@@ -152,17 +152,15 @@ class LocalTier:
         with self._mu:
             return dict(self._steps)
 
-    def remove_slot(self, index: int, keep: set[str] | None = None) -> None:
-        """Delete the slot's files (except ``keep``); its manifest first."""
+    def remove_slot(self, index: int) -> None:
+        """Delete the slot's files, its manifest first, then its directory."""
         self.invalidate(index)
         d = self.slot_dir(index)
         for name in os.listdir(d):
-            if keep is None or name not in keep:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(d, name))
-        if keep is None:
-            with contextlib.suppress(OSError):
-                os.rmdir(d)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(d, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
 
     def close(self, *, remove: bool) -> None:
         """Give up ownership; with ``remove``, delete the tier directory if no slot is left."""

@@ -33,6 +33,7 @@ from .errors import (
     ConfigError,
     StepExistsError,
     StepNotFoundError,
+    StorageError,
 )
 from .loaders import PinnedRing
 from .options import S3Options, StagingOptions, WriteOptions
@@ -196,8 +197,7 @@ class CheckpointManager:
             SaveError: an earlier save failed and nobody has been told yet.
         """
         self._check_open()
-        if type(step) is not int or step < 0:
-            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        self._check_step(step)
         if metadata is not None and not isinstance(metadata, dict):
             raise ConfigError(f"metadata must be a dict, got {type(metadata).__name__}")
         if not isinstance(block, bool):
@@ -257,15 +257,17 @@ class CheckpointManager:
     def _finished(self, step: int, slot: Slot, future: Future[SaveInfo]) -> None:
         ok = future.exception() is None
         self._pool.release(slot, step=step, durable=ok, failed=not ok)
+        protected = True
         with self._lock:  # protect() either sees the step pending or finds it committed
             if ok and step in self._protect_pending:
                 try:
                     self._target.set_protected(step, True)
-                except Exception as exc:
-                    log.error("could not protect step %d: %s", step, exc)
+                except Exception as exc:  # told at the next save/wait/close, like a deletion failure
+                    protected = False
+                    self._deleter.report(StorageError(f"could not protect step {step} under {self.root}: {exc}"))
             self._protect_pending.discard(step)
             self._pending.pop(step, None)
-        if ok:
+        if ok and protected:  # a step meant to be protected is not exposed to this retention run
             self._deleter.schedule()
         with self._idle:
             self._unsettled -= 1

@@ -40,7 +40,9 @@ class RetentionMachine(RuleBasedStateMachine):
     storage_options: dict | None = None
 
     def setup_root(self) -> None:
-        raise NotImplementedError
+        """Set ``self.url`` (and ``storage_options``) to a fresh root. Each backend's subclass
+        provides it; this base machine is never run itself (only the subclasses' TestCase)."""
+        raise NotImplementedError("a RetentionMachine subclass names the root")
 
     @initialize(policy=policies)
     def start(self, policy):
@@ -150,7 +152,9 @@ class RetentionMachine(RuleBasedStateMachine):
         self.cleanup_root()
 
     def leftover_dir(self, step: int) -> str:
-        raise NotImplementedError
+        """Where an interrupted save of ``step`` leaves its files on this backend (a temporary
+        directory locally, the step's own prefix on object stores). Provided per subclass."""
+        raise NotImplementedError("a RetentionMachine subclass says where saves leave leftovers")
 
     def cleanup_root(self) -> None:
         pass

@@ -312,3 +312,43 @@ def test_save_failure_in_a_failing_with_block_is_logged_not_raised(faulty, caplo
     with pytest.raises(KeyError, match="boom"):
         training_loop()
     assert "save of step 1 failed" in caplog.text
+
+
+def test_a_full_local_tier_falls_back_to_host_memory(root, tmp_path, monkeypatch, caplog):
+    from ckptmgr._local_tier import LocalTier
+
+    local = str(tmp_path / "shm")
+    os.makedirs(local)
+    monkeypatch.setattr(LocalTier, "free_bytes", lambda self: 0)  # no room left in the tmpfs
+    state = big_state()
+    with CheckpointManager(root, staging=StagingOptions(local_dir=local)) as mgr:
+        info = mgr.save(1, state).result()
+        assert "cannot live in" in caplog.text and info.local_s is None  # not in the tier
+        assert mgr._pool.slots[0].kind in ("memory", "pinned")
+        assert_tree_equal(mgr.restore(1), state)
+
+
+def test_a_protection_that_cannot_be_written_is_reported(root, monkeypatch):
+    from ckptmgr import KeepLatest, StorageError
+    from ckptmgr.targets.local import LocalTarget
+
+    with CheckpointManager(root, retention=KeepLatest(1), staging=StagingOptions(local_tier=False)) as mgr:
+        gate = threading.Event()
+        real = LocalTarget.begin
+
+        def slow_begin(self, step):
+            gate.wait(10)
+            return real(self, step)
+
+        monkeypatch.setattr(LocalTarget, "begin", slow_begin)
+        mgr.save(1, big_state())
+        mgr.protect(1)  # still being saved: applied when it commits
+
+        def refuse(self, step, protected):
+            raise PermissionError(13, "Permission denied (injected)")
+
+        monkeypatch.setattr(LocalTarget, "set_protected", refuse)
+        gate.set()
+        with pytest.raises(StorageError, match="could not protect step 1"):
+            mgr.wait(timeout=30)
+        assert mgr.steps() == [1]

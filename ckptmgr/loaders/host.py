@@ -33,7 +33,7 @@ class Source(Protocol):
 
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None: ...
 
-__all__ = ["Source", "read_tensors"]
+__all__ = ["Source", "check_file_size", "read_tensors"]
 
 _Region = tuple[int, np.ndarray[Any, Any]]  # (offset in the file, uint8 destination)
 
@@ -59,16 +59,22 @@ def _pieces(regions: list[_Region], b: int, e: int) -> list[np.ndarray[Any, Any]
     return out
 
 
+def check_file_size(source: Source, step: int, fname: str, size: int) -> None:
+    """Raise CheckpointCorruptError unless data file ``fname`` of ``step`` exists with ``size`` bytes."""
+    where = f"{source.url}: step {step}, file {fname}"
+    try:
+        found = source.file_size(step, fname)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{where} is missing") from None
+    if found != size:
+        raise CheckpointCorruptError(f"{where} has {found} bytes; the manifest says {size} (truncated or replaced)")
+
+
 def _read_file(target: Source, step: int, manifest: Manifest, fname: str,
                entries: list[tuple[str, dict[str, Any]]], out: dict[str, torch.Tensor], *, verify: bool) -> None:
     rec = manifest.files[fname]
     where = f"{target.url}: step {step}, file {fname}"
-    try:
-        size = target.file_size(step, fname)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"{where} is missing") from None
-    if size != rec.size:
-        raise CheckpointCorruptError(f"{where} has {size} bytes; the manifest says {rec.size} (truncated or replaced)")
+    check_file_size(target, step, fname, rec.size)
     header = np.empty(rec.header_size, dtype=np.uint8)
     regions: list[_Region] = [(0, header)]
     pos = rec.header_size

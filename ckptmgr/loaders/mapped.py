@@ -63,7 +63,7 @@ class MappedFile:
             warnings.simplefilter("ignore", UserWarning)
             self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.size = size
-        self.entries, self.data_start, self.metadata = _parse(self.bytes, size, path)
+        self.entries, self.data_start = _parse(self.bytes, size, path)
         self.data = self.bytes[self.data_start:]
         self._registered: int | None = None
 
@@ -85,7 +85,7 @@ class MappedFile:
         del self.bytes, self.data
 
 
-def _parse(buf: torch.Tensor, size: int, path: str) -> tuple[list[_Entry], int, dict[str, Any]]:
+def _parse(buf: torch.Tensor, size: int, path: str) -> tuple[list[_Entry], int]:
     n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
     if n <= 0 or 8 + n > size:
         raise CheckpointCorruptError(f"{path}: header length {n} does not fit a {size}-byte file")
@@ -97,7 +97,7 @@ def _parse(buf: torch.Tensor, size: int, path: str) -> tuple[list[_Entry], int, 
         raise CheckpointCorruptError(f"{path}: the safetensors header is not a JSON object")
     data_len = size - 8 - n
     entries = []
-    meta = header.pop("__metadata__", None) or {}
+    header.pop("__metadata__", None)
     for name, e in header.items():
         try:
             dtype = ST_TO_DTYPE[e["dtype"]]
@@ -109,7 +109,7 @@ def _parse(buf: torch.Tensor, size: int, path: str) -> tuple[list[_Entry], int, 
             raise CheckpointCorruptError(f"{path}: tensor {name!r} has bad offsets {[begin, end]} for "
                                          f"{e['dtype']}{list(shape)} in a data region of {data_len} bytes")
         entries.append(_Entry(name, dtype, shape, begin, end))
-    return entries, 8 + n, meta if isinstance(meta, dict) else {}
+    return entries, 8 + n
 
 
 def open_mapped(path: str) -> MappedFile:

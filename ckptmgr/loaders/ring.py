@@ -24,7 +24,7 @@ from .._checksum import chunk_ranges, crc32c_hex
 from .._layout import ST_TO_DTYPE
 from .._manifest import FileRecord, Manifest
 from ..errors import CheckpointCorruptError
-from .host import Source, _build_views
+from .host import Source, _build_views, check_file_size
 
 __all__ = ["PinnedRing", "read_tensors_ring"]
 
@@ -54,10 +54,6 @@ class PinnedRing:
                 self._pool.shutdown(wait=True)
             self._buffers = []
 
-    @property
-    def nbytes(self) -> int:
-        return len(self._buffers) * self.slot_bytes
-
     def buffers(self) -> list[torch.Tensor]:
         with self._mu:
             if not self._buffers:
@@ -83,12 +79,7 @@ def _file_entries(manifest: Manifest, fname: str, where: str) -> list[tuple[str,
 def _read_file(source: Source, step: int, fname: str, rec: FileRecord, device: torch.device, stream: Any,
                ring: PinnedRing, where: str) -> torch.Tensor:
     """The data region of one file, on ``device``, read through the ring and verified."""
-    try:
-        size = source.file_size(step, fname)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"{where}: {fname} is missing") from None
-    if size != rec.size:
-        raise CheckpointCorruptError(f"{where}: {fname} has {size} bytes; the manifest says {rec.size}")
+    check_file_size(source, step, fname, rec.size)
     hs = rec.header_size
     region = torch.empty(rec.size - hs, dtype=torch.uint8, device=device)
     bufs = ring.buffers()

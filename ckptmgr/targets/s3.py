@@ -20,7 +20,6 @@ What it adds to the generic fsspec target:
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import math
 import posixpath
@@ -234,13 +233,9 @@ class S3Target(FsspecTarget):
         raise AssertionError("unreachable")
 
     def call(self, method: str, **kw: Any) -> Any:
-        def attempt() -> Any:
-            body = kw.get("Body")
-            if isinstance(body, io.IOBase):
-                body.seek(0)  # a retry sends the whole part again
-            return self.raw_fs.call_s3(method, Bucket=self.bucket, **kw)
-
-        return self.retry(attempt, f"{method} {kw.get('Key', '')}")
+        """One S3 request under the retry policy. Bodies are bytes, so a retry resends them whole."""
+        return self.retry(lambda: self.raw_fs.call_s3(method, Bucket=self.bucket, **kw),
+                          f"{method} {kw.get('Key', '')}")
 
     def _list(self, prefix: str) -> list[str]:
         keys: list[str] = []
