@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._flatten import is_stateful
+from ._flatten import decode_plain, is_stateful
 from .errors import StateMismatchError
 
-__all__ = ["apply_target"]
+__all__ = ["apply_target", "check_target", "target_tensors"]
 
 
 def _p(path: tuple[Any, ...]) -> str:
@@ -90,7 +90,58 @@ class _Applier:
 
 @torch.no_grad()
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src)
+    if src is not dst:  # a loader may have landed the bytes in ``dst`` already
+        dst.copy_(src)
+
+
+def check_target(target: Any, ckpt: Any) -> None:
+    """Raise StateMismatchError, listing every difference, unless ``ckpt`` fits ``target``.
+
+    ``ckpt`` may hold placeholder tensors (only their shapes and dtypes are compared), so
+    this runs before a single byte is read.
+    """
+    a = _Applier()
+    a.walk(target, ckpt, (), apply=False)
+    if a.problems:
+        raise StateMismatchError(a.problems)
+
+
+def target_tensors(target: Any, skeleton: Any) -> dict[str, torch.Tensor]:
+    """Stored tensor name -> the target's tensor at the same place in the tree, for every
+    place where the target holds a tensor (through ``state_dict()`` for Stateful objects,
+    whose tensors share storage with the object's own)."""
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(t: Any, node: Any) -> None:
+        if isinstance(node, list):
+            if isinstance(t, (list, tuple)) and len(t) == len(node):
+                for a, b in zip(t, node, strict=True):
+                    walk(a, b)
+            return
+        if not isinstance(node, dict) or not node:
+            return
+        tag = next(iter(node))
+        val = node[tag]
+        if tag == "$tensor":
+            if isinstance(t, torch.Tensor):
+                out[val] = t
+        elif tag == "$stateful":
+            if is_stateful(t):
+                walk(t.state_dict(), node["state"])
+        elif tag == "$tuple":
+            walk(t, val)
+        elif tag == "$dict" and isinstance(t, dict):
+            for k, v in (val.items() if isinstance(val, dict) else val):
+                try:
+                    key = k if isinstance(val, dict) else decode_plain(k)
+                    found = key in t
+                except Exception:  # a key this target cannot hold: nothing lands there directly
+                    continue
+                if found:
+                    walk(t[key], v)
+
+    walk(target, skeleton)
+    return out
 
 
 def apply_target(target: Any, ckpt: Any) -> Any:

@@ -406,11 +406,16 @@ class CheckpointManager:
                 any newer one that does not.
             target: a state of the same shape as the one saved. Its tensors are overwritten
                 in place and its Stateful objects get ``load_state_dict``; the result mirrors
-                ``target`` with the checkpoint's plain values.
-            device: where new tensors go when there is no target (default: CPU).
-            loader: how files reach ``device``. ``"auto"`` picks, for a GPU, the pinned ring
+                ``target`` with the checkpoint's plain values. Every difference is reported
+                before anything is read. On a GPU, each stored tensor lands straight in the
+                target tensor at its place (no second copy on the device); should a checksum
+                then fail, those tensors hold a mix until an older step is restored over them.
+            device: where tensors go that have no target tensor to land in (default: CPU, or
+                the GPU that ``target``'s tensors are on).
+            loader: how files reach a GPU. ``"auto"`` copies straight from this process's
+                pinned staging slot when it holds the step, else uses the pinned ring
                 (parallel reads into a small reused pinned buffer, copies to the GPU
-                overlapped with the reads), and for the CPU scatter reads into each tensor's
+                overlapped with the reads); on the CPU it scatter-reads into each tensor's
                 own memory (``"host"``). ``"inplace"`` maps local files and pins them where
                 they lie (no host copy at all; registering the mapping costs more than the
                 ring's copy for a one-shot restore). Every loader verifies every checksum
@@ -427,8 +432,8 @@ class CheckpointManager:
         dev = torch.device(device) if device is not None else None
         if loader not in LOADERS:
             raise ConfigError(f"loader must be 'auto', 'inplace', 'ring' or 'host', got {loader!r}")
-        if loader in ("inplace", "ring") and (dev is None or target is not None):
-            raise ConfigError(f"loader={loader!r} loads onto a device: pass device= and no target")
+        if loader in ("inplace", "ring") and dev is None and target is None:
+            raise ConfigError(f"loader={loader!r} loads onto a device: pass device= or a target")
         if step is not None:
             return self._restorer.restore_step(self._resolve_step(step), target, dev, loader)
         self._check_open()

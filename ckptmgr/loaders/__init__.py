@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .host import read_tensors
 from .mapped import load_file, read_tensors_inplace
-from .ring import PinnedRing, read_tensors_ring
+from .ring import PinnedRing, read_tensors_pinned, read_tensors_ring
 
-__all__ = ["PinnedRing", "load_file", "read_tensors", "read_tensors_inplace", "read_tensors_ring"]
+__all__ = ["PinnedRing", "load_file", "read_tensors", "read_tensors_inplace", "read_tensors_pinned",
+           "read_tensors_ring"]

@@ -21,6 +21,7 @@ from .._checksum import chunk_ranges, crc32c_hex_pieces
 from .._layout import ST_TO_DTYPE
 from .._manifest import Manifest
 from ..errors import CheckpointCorruptError
+from .landing import Entry, usable_dest
 
 
 class Source(Protocol):
@@ -35,6 +36,7 @@ class Source(Protocol):
 
 __all__ = ["Source", "check_file_size", "read_tensors"]
 
+_CPU = torch.device("cpu")
 _Region = tuple[int, np.ndarray[Any, Any]]  # (offset in the file, uint8 destination)
 
 
@@ -71,7 +73,8 @@ def check_file_size(source: Source, step: int, fname: str, size: int) -> None:
 
 
 def _read_file(target: Source, step: int, manifest: Manifest, fname: str,
-               entries: list[tuple[str, dict[str, Any]]], out: dict[str, torch.Tensor], *, verify: bool) -> None:
+               entries: list[tuple[str, dict[str, Any]]], out: dict[str, torch.Tensor], *, verify: bool,
+               dests: dict[str, torch.Tensor] | None) -> None:
     rec = manifest.files[fname]
     where = f"{target.url}: step {step}, file {fname}"
     check_file_size(target, step, fname, rec.size)
@@ -83,7 +86,9 @@ def _read_file(target: Source, step: int, manifest: Manifest, fname: str,
         dtype, shape = _dtype(e["dtype"], where), [int(s) for s in e["shape"]]
         if rec.header_size + begin != pos or end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointCorruptError(f"{where}: tensor {name!r} has bad offsets {[begin, end]}")
-        t = torch.empty(shape, dtype=dtype)
+        want = Entry(name, dtype, tuple(shape), begin, end)
+        t = dests[name] if dests is not None and usable_dest(dests.get(name), want, _CPU) else (
+            torch.empty(shape, dtype=dtype))
         out[name] = t
         regions.append((pos, _as_bytes(t)))
         pos += end - begin
@@ -127,8 +132,10 @@ def _build_views(manifest: Manifest, out: dict[str, torch.Tensor], where: str) -
 
 
 def read_tensors(target: Source, step: int, manifest: Manifest, *, verify: bool = True,
-                 device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """Read, verify and assemble every tensor of a committed step.
+                 device: torch.device | None = None, dests: dict[str, torch.Tensor] | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Read, verify and assemble every tensor of a committed step; a tensor of ``dests`` in
+    host memory with the stored dtype and shape is read into directly.
 
     Raises:
         CheckpointCorruptError: a file is missing, truncated, or fails its checksums.
@@ -140,7 +147,7 @@ def read_tensors(target: Source, step: int, manifest: Manifest, *, verify: bool 
             by_file[e["file"]].append((name, e))
     out: dict[str, torch.Tensor] = {}
     for fname, entries in by_file.items():
-        _read_file(target, step, manifest, fname, entries, out, verify=verify)
+        _read_file(target, step, manifest, fname, entries, out, verify=verify, dests=dests)
     if device is not None and device.type != "cpu":
         out = {k: v.to(device) for k, v in out.items()}
     _build_views(manifest, out, where)

@@ -22,7 +22,6 @@ import math
 import mmap
 import os
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,17 +32,9 @@ from .._layout import ST_TO_DTYPE
 from .._manifest import Manifest
 from ..errors import CheckpointCorruptError
 from .host import _build_views
+from .landing import Entry, plan_landing
 
-__all__ = ["MappedFile", "load_file", "open_mapped", "read_tensors_inplace"]
-
-
-@dataclass(frozen=True)
-class _Entry:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int  # offset in the data region
-    end: int
+__all__ = ["MappedFile", "check_header", "load_file", "open_mapped", "read_tensors_inplace"]
 
 
 class MappedFile:
@@ -85,7 +76,7 @@ class MappedFile:
         del self.bytes, self.data
 
 
-def _parse(buf: torch.Tensor, size: int, path: str) -> tuple[list[_Entry], int]:
+def _parse(buf: torch.Tensor, size: int, path: str) -> tuple[list[Entry], int]:
     n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
     if n <= 0 or 8 + n > size:
         raise CheckpointCorruptError(f"{path}: header length {n} does not fit a {size}-byte file")
@@ -108,7 +99,7 @@ def _parse(buf: torch.Tensor, size: int, path: str) -> tuple[list[_Entry], int]:
         if not 0 <= begin <= end <= data_len or end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointCorruptError(f"{path}: tensor {name!r} has bad offsets {[begin, end]} for "
                                          f"{e['dtype']}{list(shape)} in a data region of {data_len} bytes")
-        entries.append(_Entry(name, dtype, shape, begin, end))
+        entries.append(Entry(name, dtype, shape, begin, end))
     return entries, 8 + n
 
 
@@ -122,29 +113,21 @@ def open_mapped(path: str) -> MappedFile:
     return MappedFile(path)
 
 
-def _views(region: torch.Tensor, entries: list[_Entry]) -> dict[str, torch.Tensor]:
-    """Tensors as views of ``region`` (the file's data region, wherever it now lives)."""
-    out = {}
-    for e in entries:
-        raw = region[e.begin:e.end]
-        if e.begin % e.dtype.itemsize:  # a foreign file with an unaligned tensor: own copy
-            raw = raw.clone()
-        out[e.name] = raw.view(e.dtype).view(e.shape)
-    return out
-
-
-def to_device(mf: MappedFile, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of ``mf`` on ``device``: one allocation and one copy per file."""
-    if device.type == "cpu":
-        return _views(mf.data.clone(), mf.entries)
+def to_device(mf: MappedFile, device: torch.device,
+              dests: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of ``mf`` on ``device`` (or in the matching tensors of ``dests``): one
+    fresh allocation per file at most, the copies straight from the pinned mapping."""
+    landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, device, dests)
+    if device.type != "cuda":
+        landing.land(0, mf.bytes)
+        return landing.tensors()
     mf.pin()
     try:
-        region = torch.empty(mf.data.numel(), dtype=torch.uint8, device=device)
-        region.copy_(mf.data, non_blocking=True)
+        landing.land(0, mf.bytes)
         torch.cuda.current_stream(device).synchronize()
     finally:
         mf.unpin()
-    return _views(region, mf.entries)
+    return landing.tensors()
 
 
 def load_file(path: str | os.PathLike[str], device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
@@ -174,11 +157,24 @@ def load_file(path: str | os.PathLike[str], device: str | torch.device | None = 
         mf.close()
 
 
+def check_header(mf: MappedFile, manifest: Manifest, fname: str, size: int, where: str) -> None:
+    """Raise CheckpointCorruptError unless ``mf`` has ``size`` bytes and its header lists the
+    tensors the manifest puts in ``fname``, at the same offsets."""
+    if mf.size != size:
+        raise CheckpointCorruptError(f"{where}: {fname} has {mf.size} bytes; the manifest says {size}")
+    index = {n: e for n, e in manifest.tensors.items() if e.get("file") == fname}
+    got = {e.name: (e.dtype, list(e.shape), [e.begin, e.end]) for e in mf.entries}
+    want = {n: (ST_TO_DTYPE.get(e["dtype"]), list(e["shape"]), list(e["offsets"])) for n, e in index.items()}
+    if got != want:
+        raise CheckpointCorruptError(f"{where}: the header of {fname} does not match the manifest")
+
+
 def read_tensors_inplace(paths: dict[str, str], manifest: Manifest, device: torch.device, io_pool: Any,
-                         where: str) -> dict[str, torch.Tensor]:
+                         where: str, dests: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a committed step whose files are ``paths`` (file name -> path), on
-    ``device``, through the in-place path; each file's checksums are verified on ``io_pool``
-    while its copy runs, and a mismatch fails before anything is returned.
+    ``device`` (or in the matching tensors of ``dests``), through the in-place path; each
+    file's checksums are verified on ``io_pool`` while its copy runs, and a mismatch fails
+    before anything is returned.
 
     Raises:
         CheckpointCorruptError: a file does not match the manifest.
@@ -187,16 +183,10 @@ def read_tensors_inplace(paths: dict[str, str], manifest: Manifest, device: torc
     for fname, rec in manifest.files.items():
         mf = open_mapped(paths[fname])
         try:
-            if mf.size != rec.size:
-                raise CheckpointCorruptError(f"{where}: {fname} has {mf.size} bytes; the manifest says {rec.size}")
-            index = {n: e for n, e in manifest.tensors.items() if e.get("file") == fname}
-            got = {e.name: (e.dtype, list(e.shape), [e.begin, e.end]) for e in mf.entries}
-            want = {n: (ST_TO_DTYPE.get(e["dtype"]), list(e["shape"]), list(e["offsets"])) for n, e in index.items()}
-            if got != want:
-                raise CheckpointCorruptError(f"{where}: the header of {fname} does not match the manifest")
+            check_header(mf, manifest, fname, rec.size, where)
             whole = mf.bytes.numpy()
             checks = [io_pool.submit(crc32c_hex, whole[b:e]) for b, e in chunk_ranges(rec.size, rec.chunk_size)]
-            tensors = to_device(mf, device)
+            tensors = to_device(mf, device, dests)
             bad = [i for i, (f, c) in enumerate(zip(checks, rec.crc32c, strict=True)) if f.result() != c]
             if bad:
                 b = bad[0] * rec.chunk_size

@@ -2,18 +2,23 @@
 the GPU as soon as it lands, its checksum verified beside the copy.
 
 For files on disk, NFS or object stores, where mapping in place would fault every page in one
-thread. Each checksum chunk of a file is read by one task into a
-ring buffer (pinned memory, allocated once per manager and reused); the caller's thread
-enqueues the chunk's host-to-device copy on a side stream in file order, so reads and copies
-overlap. A ring buffer is reused only once its copy has finished. Host memory stays at the
-ring's size whatever the checkpoint's. Each file lands in one device allocation, of which
-its tensors are views.
+thread. Each checksum chunk of a file is read by one task into a ring buffer (pinned memory,
+allocated once per manager and reused) and its CRC32C computed there; the caller's thread
+enqueues the chunk's host-to-device copies on a side stream in file order, so reads and
+copies overlap. A ring buffer is reused only once its copy has finished. Host memory stays
+at the ring's size whatever the checkpoint's. Where the bytes land is a
+:mod:`~ckptmgr.loaders.landing` plan: one fresh device allocation per file, or the target's
+own tensors.
+
+The same machinery serves a step whose images are already pinned in this process (the
+staging slot): the chunks are then verified where they lie and copied straight from there.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -25,8 +30,9 @@ from .._layout import ST_TO_DTYPE
 from .._manifest import FileRecord, Manifest
 from ..errors import CheckpointCorruptError
 from .host import Source, _build_views, check_file_size
+from .landing import Entry, Landing, plan_landing
 
-__all__ = ["PinnedRing", "read_tensors_ring"]
+__all__ = ["PinnedRing", "file_entries", "read_tensors_pinned", "read_tensors_ring"]
 
 
 class PinnedRing:
@@ -63,7 +69,8 @@ class PinnedRing:
             return self._buffers
 
 
-def _file_entries(manifest: Manifest, fname: str, where: str) -> list[tuple[str, torch.dtype, list[int], int, int]]:
+def file_entries(manifest: Manifest, fname: str, where: str) -> list[Entry]:
+    """The stored tensors of data file ``fname`` as the manifest describes them."""
     out = []
     for name, e in manifest.tensors.items():
         if e.get("file") != fname:
@@ -72,48 +79,43 @@ def _file_entries(manifest: Manifest, fname: str, where: str) -> list[tuple[str,
         if dtype is None:
             raise CheckpointCorruptError(f"{where}: tensor {name!r} has unknown dtype {e['dtype']!r}")
         b, en = (int(x) for x in e["offsets"])
-        out.append((name, dtype, [int(s) for s in e["shape"]], b, en))
+        out.append(Entry(name, dtype, tuple(int(s) for s in e["shape"]), b, en))
     return out
 
 
-def _read_file(source: Source, step: int, fname: str, rec: FileRecord, device: torch.device, stream: Any,
-               ring: PinnedRing, where: str) -> torch.Tensor:
-    """The data region of one file, on ``device``, read through the ring and verified."""
-    check_file_size(source, step, fname, rec.size)
-    hs = rec.header_size
-    region = torch.empty(rec.size - hs, dtype=torch.uint8, device=device)
-    bufs = ring.buffers()
-    free: deque[int] = deque(range(len(bufs)))
+# fetch(buffer index, begin, end) -> (the bytes [begin, end) of the file in host memory, their CRC32C)
+Fetch = Callable[[int, int, int], tuple[torch.Tensor, str]]
+
+
+def _land_file(fetch: Fetch, fname: str, rec: FileRecord, landing: Landing, stream: Any, ring: PinnedRing,
+               where: str) -> None:
+    """Fetch every checksum chunk of one file on the ring's threads (at most ``ring.slots`` in
+    flight), verify it, and land it in file order on ``stream``."""
     done_events: dict[int, Any] = {}
-    pending: deque[tuple[int, int, int, int, Future[str]]] = deque()
+    free: deque[int] = deque(range(ring.slots))
+    pending: deque[tuple[int, int, int, Future[tuple[torch.Tensor, str]]]] = deque()
 
-    def read(slot: int, b: int, e: int) -> str:
-        arr = bufs[slot][:e - b].numpy()
-        source.read_into(step, fname, b, [arr])
-        return crc32c_hex(arr)
-
-    def land(i: int, slot: int, b: int, e: int, fut: Future[str]) -> None:
-        if fut.result() != rec.crc32c[i]:
-            raise CheckpointCorruptError(f"{where}: {fname}: checksum mismatch in bytes [{b}, {e})")
-        lo = max(b, hs)
-        if e > lo:
-            dst, src = region[lo - hs:e - hs], bufs[slot][lo - b:e - b]
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    dst.copy_(src, non_blocking=True)
-                done_events[slot] = _cuda.CopyDone([stream])
-            else:
-                dst.copy_(src)
+    def land(i: int, slot: int, b: int, fut: Future[tuple[torch.Tensor, str]]) -> None:
+        src, crc = fut.result()
+        if crc != rec.crc32c[i]:
+            raise CheckpointCorruptError(
+                f"{where}: {fname}: checksum mismatch in bytes [{b}, {b + src.numel()})")
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                landing.land(b, src)
+            done_events[slot] = _cuda.CopyDone([stream])
+        else:
+            landing.land(b, src)
         free.append(slot)
 
     try:
         for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size)):
-            while not free:  # the oldest read lands before its buffer is reused
+            while not free:  # the oldest fetch lands before its buffer is reused
                 land(*pending.popleft())
             slot = free.popleft()
             if slot in done_events:
                 done_events.pop(slot).synchronize()  # its previous copy has left the buffer
-            pending.append((i, slot, b, e, ring.pool.submit(read, slot, b, e)))
+            pending.append((i, slot, b, ring.pool.submit(fetch, slot, b, e)))
         while pending:
             land(*pending.popleft())
     finally:
@@ -121,28 +123,71 @@ def _read_file(source: Source, step: int, fname: str, rec: FileRecord, device: t
             fut.cancel()
         for *_, fut in pending:
             if not fut.cancelled():
-                fut.exception()  # reads finish before their buffers can be reused
+                fut.exception()  # fetches finish before their buffers can be reused
         if stream is not None:
             stream.synchronize()
-    return region
+
+
+def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where: str,
+              dests: dict[str, torch.Tensor] | None, fetch_for: Callable[[str, FileRecord], Fetch]
+              ) -> dict[str, torch.Tensor]:
+    stream = _cuda.staging_stream(device) if device.type == "cuda" else None
+    out: dict[str, torch.Tensor] = {}
+    for fname, rec in manifest.files.items():
+        fetch = fetch_for(fname, rec)  # checks the file before anything is allocated
+        landing = plan_landing(file_entries(manifest, fname, where), rec.header_size, rec.size - rec.header_size,
+                               device, dests)
+        _land_file(fetch, fname, rec, landing, stream, ring, where)
+        out.update(landing.tensors())
+    _build_views(manifest, out, where)
+    return out
 
 
 def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: torch.device,
-                      ring: PinnedRing) -> dict[str, torch.Tensor]:
-    """Every tensor of committed ``step`` on ``device``, read through ``ring``.
+                      ring: PinnedRing, dests: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of committed ``step`` on ``device`` (or in the matching tensors of
+    ``dests``), read through ``ring``.
 
     Raises:
         CheckpointCorruptError: a file is missing, has the wrong size, or fails a checksum.
     """
     where = f"{source.url}: step {step}"
-    stream = _cuda.staging_stream(device) if device.type == "cuda" else None
-    out: dict[str, torch.Tensor] = {}
-    for fname, rec in manifest.files.items():
+    bufs = ring.buffers()
+
+    def fetch_for(fname: str, rec: FileRecord) -> Fetch:
         if rec.chunk_size > ring.slot_bytes:
             raise CheckpointCorruptError(f"{where}: {fname} has chunks of {rec.chunk_size} bytes, "
                                          f"more than the ring's {ring.slot_bytes}")
-        region = _read_file(source, step, fname, rec, device, stream, ring, where)
-        for name, dtype, shape, b, e in _file_entries(manifest, fname, where):
-            out[name] = region[b:e].view(dtype).view(shape)
-    _build_views(manifest, out, where)
-    return out
+        check_file_size(source, step, fname, rec.size)
+
+        def fetch(slot: int, b: int, e: int) -> tuple[torch.Tensor, str]:
+            buf = bufs[slot][:e - b]
+            arr = buf.numpy()
+            source.read_into(step, fname, b, [arr])
+            return buf, crc32c_hex(arr)
+        return fetch
+
+    return _read_all(manifest, device, ring, where, dests, fetch_for)
+
+
+def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, device: torch.device,
+                        ring: PinnedRing, where: str, dests: dict[str, torch.Tensor] | None = None
+                        ) -> dict[str, torch.Tensor]:
+    """Every tensor of a step whose file images are already in pinned host memory (the
+    staging slot of this process): copied straight from there, each chunk verified on the
+    ring's threads just before its copy.
+
+    Raises:
+        CheckpointCorruptError: an image does not match the manifest.
+    """
+    def fetch_for(fname: str, rec: FileRecord) -> Fetch:
+        image = images.get(fname)
+        if image is None or image.numel() != rec.size:
+            raise CheckpointCorruptError(f"{where}: the staged image of {fname} does not match the manifest")
+
+        def fetch(slot: int, b: int, e: int) -> tuple[torch.Tensor, str]:
+            src = image[b:e]
+            return src, crc32c_hex(src.numpy())
+        return fetch
+
+    return _read_all(manifest, device, ring, where, dests, fetch_for)

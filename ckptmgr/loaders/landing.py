@@ -1,0 +1,122 @@
+"""Where each byte of a file's data region lands: fresh memory, or a target's own tensors.
+
+A *landing plan* for one file is a list of spans: byte ranges of the file, each with the
+uint8 destination it is copied into. Without a target, one span covers the whole data
+region and lands in one fresh allocation of which the tensors are views (one allocation per
+file). With ``restore(target=...)``, a tensor whose target tensor lives on the device with
+the same dtype and shape and is contiguous lands straight in the target's memory: no
+second copy of it is ever allocated. The tensors left over (a fresh optimizer has no state
+tensors yet) are packed into one allocation per file, each run of neighbours in one span.
+
+Loaders feed chunks of the file (in file order) to :meth:`Landing.land`, which copies the
+parts that overlap each span; on a GPU the copies are asynchronous on the loader's stream.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["Entry", "Landing", "plan_landing"]
+
+_PACK_ALIGN = 64  # each packed run starts on a boundary any dtype accepts
+
+
+class Entry(NamedTuple):
+    """One stored tensor of a file: offsets are relative to the data region."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class Landing:
+    """Spans of one file (absolute file offsets, sorted) and the tensors they produce."""
+
+    def __init__(self, spans: list[tuple[int, int, torch.Tensor]],
+                 outputs: list[tuple[Entry, torch.Tensor, bool]]) -> None:
+        self.spans = spans
+        self._outputs = outputs  # (entry, raw bytes or the target tensor, is the target)
+        self._ends = [e for _, e, _ in spans]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The file's tensors, in file order; call once every byte has landed."""
+        return {e.name: t if direct else _view(t, e) for e, t, direct in self._outputs}
+
+    def land(self, begin: int, src: torch.Tensor) -> None:
+        """Copy ``src`` (the file's bytes from ``begin``) into every span it overlaps."""
+        end = begin + src.numel()
+        i = bisect.bisect_right(self._ends, begin)
+        while i < len(self.spans) and self.spans[i][0] < end:
+            sb, se, dst = self.spans[i]
+            lo, hi = max(begin, sb), min(end, se)
+            if hi > lo:
+                dst[lo - sb:hi - sb].copy_(src[lo - begin:hi - begin], non_blocking=True)
+            i += 1
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def usable_dest(t: torch.Tensor | None, entry: Entry, device: torch.device | None) -> bool:
+    """True when ``t`` can take ``entry``'s bytes directly."""
+    return (t is not None and t.dtype == entry.dtype and tuple(t.shape) == entry.shape and t.is_contiguous()
+            and t.numel() > 0 and (device is None or t.device == device))
+
+
+def plan_landing(entries: list[Entry], data_start: int, data_len: int, device: torch.device,
+                 dests: dict[str, torch.Tensor] | None = None) -> Landing:
+    """The landing plan of one file whose data region is ``[data_start, data_start + data_len)``.
+
+    ``dests`` maps tensor names to target tensors; those that fit (:func:`usable_dest`) take
+    their bytes directly and come back as themselves. The rest land in fresh memory on
+    ``device``: the whole data region in one allocation when nothing lands in a target.
+    """
+    entries = sorted(entries, key=lambda e: e.begin)
+    direct = {e.name: dests[e.name] for e in entries
+              if dests is not None and usable_dest(dests.get(e.name), e, device)}
+    if not direct:
+        region = torch.empty(data_len, dtype=torch.uint8, device=device)
+        return Landing([(data_start, data_start + data_len, region)] if data_len else [],
+                       [(e, region[e.begin:e.end], False) for e in entries])
+    # runs of neighbouring tensors that need fresh memory, packed into one allocation
+    runs: list[list[Entry]] = []
+    for e in entries:
+        if e.name in direct:
+            continue
+        if runs and runs[-1][-1].end == e.begin:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    offsets, total = [], 0
+    for run in runs:
+        # the same alignment in the pack as in the file, so every view is as aligned as the file's
+        total = -(-total // _PACK_ALIGN) * _PACK_ALIGN + run[0].begin % _PACK_ALIGN
+        offsets.append(total)
+        total += run[-1].end - run[0].begin
+    pack = torch.empty(total, dtype=torch.uint8, device=device)
+    spans: list[tuple[int, int, torch.Tensor]] = []
+    raw: dict[str, torch.Tensor] = {}
+    for run, off in zip(runs, offsets, strict=True):
+        rb, re = run[0].begin, run[-1].end
+        if re > rb:
+            spans.append((data_start + rb, data_start + re, pack[off:off + re - rb]))
+        for e in run:
+            raw[e.name] = pack[off + e.begin - rb:off + e.end - rb]
+    for e in entries:
+        if e.name in direct:
+            spans.append((data_start + e.begin, data_start + e.end, _as_bytes(direct[e.name])))
+    spans.sort(key=lambda s: s[0])
+    return Landing(spans, [(e, direct[e.name], True) if e.name in direct else (e, raw[e.name], False)
+                           for e in entries])
+
+
+def _view(raw: torch.Tensor, e: Entry) -> torch.Tensor:
+    if raw.data_ptr() % e.dtype.itemsize:  # a foreign file with an unaligned tensor: own copy
+        raw = raw.clone()
+    return raw.view(e.dtype).view(e.shape)

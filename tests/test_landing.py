@@ -1,0 +1,195 @@
+"""Landing plans: bytes go straight into a restore target's own tensors, leftovers are
+packed, chunks of any size land right; the staging slot of this process is read where it
+lies. On CPU here; test_cuda.py runs the same paths onto a GPU."""
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_tree_equal
+
+import ckptmgr
+import ckptmgr._cuda as cuda_shim
+import ckptmgr._restorer as restorer_mod
+from ckptmgr import CheckpointCorruptError, CheckpointManager, StagingOptions, StateMismatchError, WriteOptions
+from ckptmgr.loaders import read_tensors_pinned
+from ckptmgr.loaders.landing import Entry, plan_landing
+
+CPU = torch.device("cpu")
+
+
+def _entries(tensors):
+    out, pos = [], 0
+    for name, t in tensors.items():
+        pos = -(-pos // t.element_size()) * t.element_size()
+        out.append(Entry(name, t.dtype, tuple(t.shape), pos, pos + t.numel() * t.element_size()))
+        pos = out[-1].end
+    return out, pos
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_any_chunking_lands_every_byte_in_its_place(seed):
+    rnd = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(12):
+        dtype = rnd.choice([torch.float32, torch.bfloat16, torch.int8, torch.float64])
+        tensors[f"t{i}"] = (torch.randn(rnd.randint(0, 300), generator=g) * 50).to(dtype)
+    entries, data_len = _entries(tensors)
+    header = 24
+    image = torch.zeros(header + data_len, dtype=torch.uint8)
+    for e in entries:
+        image[header + e.begin:header + e.end] = tensors[e.name].view(torch.uint8)
+    # every other tensor has a target to land in; one target has the wrong shape and is skipped
+    dests = {n: torch.full_like(t, 0) for i, (n, t) in enumerate(tensors.items()) if i % 2 == 0}
+    dests["t2"] = torch.zeros(3, dtype=tensors["t2"].dtype)
+    landing = plan_landing(entries, header, data_len, CPU, dests)
+    pos = 0
+    while pos < image.numel():
+        n = rnd.randint(1, 700)
+        landing.land(pos, image[pos:pos + n])
+        pos += n
+    got = landing.tensors()
+    assert list(got) == list(tensors)
+    for n, t in tensors.items():
+        assert torch.equal(got[n], t), n
+        if n in dests and n != "t2" and t.numel():
+            assert got[n] is dests[n]
+    assert got["t2"] is not dests["t2"] and not torch.equal(dests["t2"], torch.ones(3, dtype=dests["t2"].dtype))
+
+
+def test_leftovers_are_packed_with_the_file_alignment():
+    tensors = {"a": torch.arange(3, dtype=torch.int8), "b": torch.arange(5, dtype=torch.float64),
+               "c": torch.arange(7, dtype=torch.float32)}
+    entries, data_len = _entries(tensors)
+    landing = plan_landing(entries, 8, data_len, CPU, {"a": torch.zeros(3, dtype=torch.int8)})
+    image = torch.zeros(8 + data_len, dtype=torch.uint8)
+    for e in entries:
+        image[8 + e.begin:8 + e.end] = tensors[e.name].view(torch.uint8)
+    landing.land(0, image)
+    got = landing.tensors()
+    # b and c are neighbours: one span, one allocation; each view keeps its dtype's alignment
+    assert len(landing.spans) == 2
+    assert got["b"].data_ptr() % 8 == 0 and got["c"].data_ptr() % 4 == 0
+    assert got["b"].untyped_storage().data_ptr() == got["c"].untyped_storage().data_ptr()
+    assert_tree_equal(got, tensors)
+
+
+def _model_state(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 16)).pow(2).mean().backward()
+    opt.step()
+    return {"model": model, "optim": opt, "extra": {"ema": torch.randn(64), "arr": np.arange(6.0)}, "step": seed}
+
+
+@pytest.mark.parametrize("loader", ["ring", "inplace", "host"])
+def test_restore_into_a_target_writes_its_own_tensors(root, loader, monkeypatch):
+    import ckptmgr._restore as restore_mod
+
+    copies = []  # second copies from a loaded tensor into the target
+    real_copy = restore_mod._copy
+    monkeypatch.setattr(restore_mod, "_copy", lambda d, s: (copies.append(d) if s is not d else None,
+                                                           real_copy(d, s)))
+    saved = _model_state(1)
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False),
+                           write_options=WriteOptions(chunk_size=4096)) as mgr:
+        mgr.save(7, saved).result()
+        target = _model_state(2)
+        fresh_opt = torch.optim.AdamW(target["model"].parameters(), lr=1e-2)  # no state tensors yet
+        target["optim"] = fresh_opt
+        ptrs = [p.data_ptr() for p in target["model"].parameters()] + [target["extra"]["ema"].data_ptr()]
+        out = mgr.restore(target=target, loader=loader)
+    assert [p.data_ptr() for p in target["model"].parameters()] + [target["extra"]["ema"].data_ptr()] == ptrs
+    assert_tree_equal(target["model"].state_dict(), saved["model"].state_dict())
+    assert_tree_equal(fresh_opt.state_dict(), saved["optim"].state_dict())
+    assert out["extra"]["ema"] is target["extra"]["ema"] and torch.equal(out["extra"]["ema"], saved["extra"]["ema"])
+    assert out["step"] == 1 and np.array_equal(out["extra"]["arr"], np.arange(6.0))
+    assert copies == []  # every loader lands straight in the target's tensors
+
+
+@pytest.mark.parametrize("loader", ["ring", "inplace"])
+def test_a_mismatched_target_is_refused_before_any_byte_lands(root, loader):
+    saved = {"a": torch.randn(1000), "b": torch.randn(10), "n": np.zeros(3)}
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
+        mgr.save(1, saved).result()
+        target = {"a": torch.zeros(1000), "b": torch.zeros(11), "n": np.zeros(4)}
+        with pytest.raises(StateMismatchError) as info:
+            mgr.restore(target=target, loader=loader)
+    assert "state['b']" in str(info.value) and "state['n']" in str(info.value)
+    assert not target["a"].any()  # a fits, but nothing was written while b and n do not
+
+
+def test_a_corrupt_newest_step_falls_back_and_the_target_ends_at_the_older_step(root):
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False),
+                           write_options=WriteOptions(chunk_size=4096)) as mgr:
+        one, two = {"w": torch.randn(10_000)}, {"w": torch.randn(10_000)}
+        mgr.save(1, one).result()
+        mgr.save(2, two).result()
+        path = os.path.join(root, "step_000000000002", "data-00000.safetensors")
+        with open(path, "r+b") as f:
+            f.seek(-7, 2)
+            f.write(b"\x00" * 7)
+        target = {"w": torch.zeros(10_000)}
+        with pytest.warns(RuntimeWarning, match="skipping step 2"):
+            mgr.restore(target=target, loader="ring")
+    assert torch.equal(target["w"], one["w"])
+
+
+def test_pinned_images_are_read_where_they_lie_and_verified(root, tmp_path):
+    local = str(tmp_path / "shm")
+    os.makedirs(local)
+    state = {"w": torch.randn(50_000), "b": torch.randn(7).bfloat16()}
+    state["v"] = state["w"][4:9]
+    with CheckpointManager(root, staging=StagingOptions(local_dir=local),
+                           write_options=WriteOptions(chunk_size=8192)) as mgr:
+        mgr.save(1, state).result()
+        tier = mgr._tier
+        manifest = mgr._manifest(1, tier)
+        images = {n: torch.from_file(tier.path_of(1, n), shared=True, size=rec.size, dtype=torch.uint8)
+                  for n, rec in manifest.files.items()}
+        got = read_tensors_pinned(images, manifest, CPU, mgr._ring, "tier")
+        assert_tree_equal({k: got[k] for k in ("w", "b", "v")}, {k: state[k] for k in ("w", "b", "v")})
+        target = {"w": torch.zeros(50_000)}
+        got = read_tensors_pinned(images, manifest, CPU, mgr._ring, "tier", dests=target)
+        assert got["w"] is target["w"] and torch.equal(target["w"], state["w"])
+        name = next(iter(images))
+        images[name][-3] ^= 0xFF
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            read_tensors_pinned(images, manifest, CPU, mgr._ring, "tier")
+        images[name][-3] ^= 0xFF
+        with pytest.raises(CheckpointCorruptError, match="staged image"):
+            read_tensors_pinned({name: images[name][:-1]}, manifest, CPU, mgr._ring, "tier")
+
+
+def test_restores_in_the_saving_process_read_its_pinned_slot(root, tmp_path, monkeypatch):
+    """With CUDA (faked here: registration only), the slot files are pinned once at the first
+    save; restoring that step reads them where they lie instead of from the files."""
+    monkeypatch.setattr(cuda_shim, "available", lambda: True)
+    monkeypatch.setattr(cuda_shim, "host_register", lambda p, n, read_only=False: None)
+    monkeypatch.setattr(cuda_shim, "host_unregister", lambda p: None)
+    used = []
+    real = restorer_mod.read_tensors_pinned
+    monkeypatch.setattr(restorer_mod, "read_tensors_pinned", lambda *a, **k: used.append(1) or real(*a, **k))
+    local = str(tmp_path / "shm")
+    os.makedirs(local)
+    state = {"w": torch.randn(20_000)}
+    with CheckpointManager(root, staging=StagingOptions(local_dir=local)) as mgr:
+        mgr.save(1, state).result()
+        got = mgr.restore(device="cpu", loader="inplace")
+        assert used == [1] and torch.equal(got["w"], state["w"])
+        target = {"w": torch.zeros(20_000)}
+        mgr.restore(target=target, loader="inplace")
+        assert used == [1, 1] and torch.equal(target["w"], state["w"])
+
+
+def test_load_file_still_reads_foreign_unaligned_tensors(tmp_path):
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "m.safetensors")
+    save_file({"a": torch.arange(3, dtype=torch.int8), "b": torch.arange(5, dtype=torch.float32)}, path)
+    got = ckptmgr.load_file(path)
+    assert torch.equal(got["b"], torch.arange(5, dtype=torch.float32))
