@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|staging4|staging16|training]...
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|staging4|staging16|training|restore4|restore16|restore10k|parts4|cold4]...
 # Packages the GPU image lacks are installed from .whl/ when present.
 set -uo pipefail
 out="${1:?output directory}"; shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+export KVIKIO_NTHREADS="${KVIKIO_NTHREADS:-16}"  # kvikio reads with one thread unless told
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -24,6 +25,9 @@ for part in "${parts[@]}"; do
     training) python3 benchmarks/bench_training.py --out "$out/training.json" 2>&1 | tee "$out/training.txt" ;;
     restore4) (cd benchmarks && python3 bench_restore.py --gib 4 --out "$out/restore4.json") 2>&1 | tee "$out/restore4.txt" ;;
     restore16) (cd benchmarks && python3 bench_restore.py --gib 16 --repeat 2 --out "$out/restore16.json") 2>&1 | tee "$out/restore16.txt" ;;
+    parts4) python3 benchmarks/bench_restore_parts.py --gib 4 --out "$out/parts4.json" 2>&1 | tee "$out/parts4.txt" ;;
+    cold4) (cd benchmarks && python3 bench_restore.py --gib 4 --cold --dir /var/tmp/ckptmgr-bench-cold --repeat 2 \
+              --out "$out/cold4.json") 2>&1 | tee "$out/cold4.txt" ;;
     restore10k) (cd benchmarks && python3 bench_restore.py --gib 1 --tensors 10000 --out "$out/restore10k.json") 2>&1 | tee "$out/restore10k.txt" ;;
   esac
 done

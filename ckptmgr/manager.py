@@ -20,6 +20,7 @@ from . import __version__
 from . import _lifecycle as lifecycle
 from ._deleter import Deleter, StepGuard
 from ._flatten import decode_plain, encode_plain, flatten
+from ._gds import enable_writer
 from ._handle import SaveHandle, SaveInfo
 from ._layout import Plan, plan_layout
 from ._local_tier import LocalTier, open_local_tier
@@ -28,13 +29,7 @@ from ._persist import PersistJob, adopt_local_tier, persist
 from ._restorer import LOADERS, Restorer
 from ._slots import Slot, SlotPool
 from ._staging import Stager
-from .errors import (
-    CkptTimeoutError,
-    ConfigError,
-    StepExistsError,
-    StepNotFoundError,
-    StorageError,
-)
+from .errors import CkptTimeoutError, ConfigError, StepExistsError, StepNotFoundError, StorageError
 from .loaders import PinnedRing
 from .options import S3Options, StagingOptions, WriteOptions
 from .retention import KeepAll, RetentionPolicy
@@ -107,6 +102,8 @@ class CheckpointManager:
                                    storage_options, io_threads=write_options.io_threads,
                                    direct_io=write_options.direct_io, s3_options=s3_options)
         self.root = self._target.url
+        if write_options.gds:
+            enable_writer(self._target, self.root)
         removed = self._target.cleanup()
         if removed:
             log.info("removed %d leftovers of interrupted saves under %s", len(removed), self.root)
@@ -412,14 +409,16 @@ class CheckpointManager:
                 then fail, those tensors hold a mix until an older step is restored over them.
             device: where tensors go that have no target tensor to land in (default: CPU, or
                 the GPU that ``target``'s tensors are on).
-            loader: how files reach a GPU. ``"auto"`` copies straight from this process's
-                pinned staging slot when it holds the step, else uses the pinned ring
-                (parallel reads into a small reused pinned buffer, copies to the GPU
-                overlapped with the reads); on the CPU it scatter-reads into each tensor's
-                own memory (``"host"``). ``"inplace"`` maps local files and pins them where
-                they lie (no host copy at all; registering the mapping costs more than the
-                ring's copy for a one-shot restore). Every loader verifies every checksum
-                before the state is returned.
+            loader: how files reach a GPU. ``"auto"``: from this process's pinned staging
+                slot when it holds the step, else ``"gds"`` for disk files where the machine
+                has real GPUDirect Storage, else ``"ring"`` (parallel reads into a small
+                reused pinned buffer, copies to the GPU overlapped with them); ``"host"`` on
+                the CPU (scatter reads into each tensor's own memory). ``"inplace"`` pins
+                local files where they lie (registering costs more than the ring's copy for a
+                one-shot restore). ``"gds"``: kvikio reads into GPU memory (``pip install
+                'ckptmgr[gds]'``; where it cannot do I/O, a warning and the ring). Every
+                checksum is verified before the state is returned, except with ``"gds"``,
+                whose data never passes through host memory (sizes and headers are checked).
 
         Returns:
             The restored state.
@@ -431,8 +430,8 @@ class CheckpointManager:
         """
         dev = torch.device(device) if device is not None else None
         if loader not in LOADERS:
-            raise ConfigError(f"loader must be 'auto', 'inplace', 'ring' or 'host', got {loader!r}")
-        if loader in ("inplace", "ring") and dev is None and target is None:
+            raise ConfigError(f"loader must be one of {', '.join(map(repr, LOADERS))}, got {loader!r}")
+        if loader in ("inplace", "ring", "gds") and dev is None and target is None:
             raise ConfigError(f"loader={loader!r} loads onto a device: pass device= or a target")
         if step is not None:
             return self._restorer.restore_step(self._resolve_step(step), target, dev, loader)

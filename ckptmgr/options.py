@@ -21,6 +21,9 @@ class WriteOptions:
             written in parallel.
         direct_io: write the bulk of each large local file with O_DIRECT (bypassing the page
             cache) when the filesystem allows it; ignored elsewhere.
+        gds: write local files through cuFile (kvikio, ``pip install 'ckptmgr[gds]'``). Needs
+            a local or NFS root. Where kvikio cannot do I/O (no driver, or cuFile forced on a
+            machine without GDS) the manager warns once and writes with POSIX I/O.
 
     Example:
         >>> WriteOptions(io_threads=16).io_threads
@@ -31,10 +34,12 @@ class WriteOptions:
     chunk_size: int = 16 << 20
     io_threads: int = 8
     direct_io: bool = True
+    gds: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.direct_io, bool):
-            raise ConfigError(f"WriteOptions.direct_io must be a bool, got {self.direct_io!r}")
+        for flag in ("direct_io", "gds"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"WriteOptions.{flag} must be a bool, got {getattr(self, flag)!r}")
         for name in ("max_file_bytes", "chunk_size", "io_threads"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:

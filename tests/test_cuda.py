@@ -120,3 +120,57 @@ def test_restore_to_gpu_from_disk_with_each_loader(root, loader):
         got = mgr.restore(device="cuda", loader=loader)
     for k in ("w", "h", "t", "view"):
         assert got[k].is_cuda and torch.equal(got[k], state[k]), k
+
+
+@pytest.mark.parametrize(("loader", "tier"), [("auto", True), ("ring", False), ("inplace", False), ("host", False)])
+def test_restore_lands_in_the_gpu_target_without_new_gpu_memory(root, loader, tier):
+    state = {"w": torch.randn(4096, 1024, device="cuda"), "b": torch.randn(1024, device="cuda").bfloat16()}
+    with CheckpointManager(root, staging=StagingOptions(local_tier=tier)) as mgr:
+        mgr.save(1, state).result()
+        target = {"w": torch.zeros_like(state["w"]), "b": torch.zeros_like(state["b"])}
+        ptr = target["w"].data_ptr()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        mgr.restore(target=target, loader=loader)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - before
+    assert target["w"].data_ptr() == ptr
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+    if loader != "host":
+        assert extra < 1 << 20, f"{extra} bytes of new GPU memory"
+
+
+def test_a_step_in_this_process_is_copied_from_its_pinned_slot(root, monkeypatch):
+    import ckptmgr._restorer as restorer_mod
+
+    used = []
+    real = restorer_mod.read_tensors_pinned
+    monkeypatch.setattr(restorer_mod, "read_tensors_pinned", lambda *a, **k: used.append(1) or real(*a, **k))
+    state = gpu_state(5)
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, state).result()
+        got = mgr.restore(device="cuda")
+    assert used == [1]
+    for k in ("w", "h", "t"):
+        assert got[k].is_cuda and torch.equal(got[k], state[k]), k
+
+
+def test_kvikio_writes_and_reads_for_real(root):
+    pytest.importorskip("kvikio")
+    import ckptmgr._gds as gds
+    from ckptmgr import WriteOptions
+
+    state = gpu_state(6)
+    state["big"] = torch.randn(8 << 20, device="cuda")
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False), write_options=WriteOptions(gds=True)) as mgr:
+        assert mgr._target.gds, gds.probe(root)
+        mgr.save(1, state).result()
+        got = mgr.restore(device="cuda", loader="gds")
+        target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+        mgr.restore(target=target, loader="gds")
+    for k in ("w", "h", "t", "big"):
+        assert got[k].is_cuda and torch.equal(got[k], state[k]), k
+        assert torch.equal(target[k], state[k]), k
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:  # standard, verified files
+        mgr.restore(device="cuda", loader="ring")
