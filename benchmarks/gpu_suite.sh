@@ -26,7 +26,7 @@ for part in "${parts[@]}"; do
     restore4) (cd benchmarks && python3 bench_restore.py --gib 4 --out "$out/restore4.json") 2>&1 | tee "$out/restore4.txt" ;;
     restore16) (cd benchmarks && python3 bench_restore.py --gib 16 --repeat 2 --out "$out/restore16.json") 2>&1 | tee "$out/restore16.txt" ;;
     parts4) python3 benchmarks/bench_restore_parts.py --gib 4 --out "$out/parts4.json" 2>&1 | tee "$out/parts4.txt" ;;
-    cold4) (cd benchmarks && python3 bench_restore.py --gib 4 --cold --dir /var/tmp/ckptmgr-bench-cold --repeat 2 \
+    cold4) (cd benchmarks && python3 bench_restore.py --gib 4 --cold --dir /var/tmp/ckptmgr-bench-cold --repeat 3 \
               --out "$out/cold4.json") 2>&1 | tee "$out/cold4.txt" ;;
     restore10k) (cd benchmarks && python3 bench_restore.py --gib 1 --tensors 10000 --out "$out/restore10k.json") 2>&1 | tee "$out/restore10k.txt" ;;
   esac

@@ -20,7 +20,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -87,37 +87,50 @@ def file_entries(manifest: Manifest, fname: str, where: str) -> list[Entry]:
 Fetch = Callable[[int, int, int], tuple[torch.Tensor, str]]
 
 
-def _land_file(fetch: Fetch, fname: str, rec: FileRecord, landing: Landing, stream: Any, ring: PinnedRing,
-               where: str) -> None:
-    """Fetch every checksum chunk of one file on the ring's threads (at most ``ring.slots`` in
-    flight), verify it, and land it in file order on ``stream``."""
-    done_events: dict[int, Any] = {}
-    free: deque[int] = deque(range(ring.slots))
-    pending: deque[tuple[int, int, int, Future[tuple[torch.Tensor, str]]]] = deque()
+class _Chunk(NamedTuple):
+    fname: str
+    rec: FileRecord
+    landing: Landing
+    fetch: Fetch
+    number: int  # of the checksum chunk in its file
+    begin: int
+    end: int
 
-    def land(i: int, slot: int, b: int, fut: Future[tuple[torch.Tensor, str]]) -> None:
+
+def _pipeline(chunks: list[_Chunk], stream: Any, ring: PinnedRing, where: str) -> None:
+    """Fetch the chunks (of every file, one continuous stream) on the ring's threads, every
+    reader busy; verify each and land it in order on ``stream``. A buffer is reused only
+    once its copy has finished, and a few copies stay queued, so neither the readers nor the
+    copy engine wait for this thread."""
+    free: deque[int] = deque(range(ring.slots))
+    copying: deque[tuple[int, Any]] = deque()  # (buffer, its copy's end), in the stream's order
+    pending: deque[tuple[_Chunk, int, Future[tuple[torch.Tensor, str]]]] = deque()
+
+    def land() -> None:
+        c, slot, fut = pending.popleft()
         src, crc = fut.result()
-        if crc != rec.crc32c[i]:
-            raise CheckpointCorruptError(
-                f"{where}: {fname}: checksum mismatch in bytes [{b}, {b + src.numel()})")
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                landing.land(b, src)
-            done_events[slot] = _cuda.CopyDone([stream])
-        else:
-            landing.land(b, src)
-        free.append(slot)
+        if crc != c.rec.crc32c[c.number]:
+            raise CheckpointCorruptError(f"{where}: {c.fname}: checksum mismatch in bytes [{c.begin}, {c.end})")
+        if stream is None:
+            c.landing.land(c.begin, src)
+            free.append(slot)
+            return
+        with torch.cuda.stream(stream):
+            c.landing.land(c.begin, src)
+        copying.append((slot, _cuda.CopyDone([stream])))
 
     try:
-        for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size)):
-            while not free:  # the oldest fetch lands before its buffer is reused
-                land(*pending.popleft())
+        for c in chunks:
+            if len(pending) >= ring.threads:  # every reader busy: land the oldest
+                land()
+            if not free:  # reuse the buffer whose copy was queued first
+                slot, done = copying.popleft()
+                done.synchronize()
+                free.append(slot)
             slot = free.popleft()
-            if slot in done_events:
-                done_events.pop(slot).synchronize()  # its previous copy has left the buffer
-            pending.append((i, slot, b, ring.pool.submit(fetch, slot, b, e)))
+            pending.append((c, slot, ring.pool.submit(c.fetch, slot, c.begin, c.end)))
         while pending:
-            land(*pending.popleft())
+            land()
     finally:
         for *_, fut in pending:
             fut.cancel()
@@ -131,13 +144,16 @@ def _land_file(fetch: Fetch, fname: str, rec: FileRecord, landing: Landing, stre
 def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where: str,
               dests: dict[str, torch.Tensor] | None, fetch_for: Callable[[str, FileRecord], Fetch]
               ) -> dict[str, torch.Tensor]:
-    stream = _cuda.staging_stream(device) if device.type == "cuda" else None
+    fetches = {fname: fetch_for(fname, rec) for fname, rec in manifest.files.items()}  # checked before allocating
+    landings = {fname: plan_landing(file_entries(manifest, fname, where), rec.header_size,
+                                    rec.size - rec.header_size, device, dests)
+                for fname, rec in manifest.files.items()}
+    chunks = [_Chunk(fname, rec, landings[fname], fetches[fname], i, b, e)
+              for fname, rec in manifest.files.items()
+              for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
+    _pipeline(chunks, _cuda.staging_stream(device) if device.type == "cuda" else None, ring, where)
     out: dict[str, torch.Tensor] = {}
-    for fname, rec in manifest.files.items():
-        fetch = fetch_for(fname, rec)  # checks the file before anything is allocated
-        landing = plan_landing(file_entries(manifest, fname, where), rec.header_size, rec.size - rec.header_size,
-                               device, dests)
-        _land_file(fetch, fname, rec, landing, stream, ring, where)
+    for landing in landings.values():
         out.update(landing.tensors())
     _build_views(manifest, out, where)
     return out
