@@ -113,8 +113,8 @@ class CheckpointManager:
         self._tier = open_local_tier(staging, self.root, self._target.io_pool)
         self._pool = SlotPool(staging.slots, tier=self._tier, max_host_bytes=staging.max_host_bytes)
         self._stager = Stager(staging.copy_threads)
-        # restore onto a GPU: reader threads and a few pinned buffers, made at first use
-        self._ring = PinnedRing(min(16, os.cpu_count() or 1), max(write_options.chunk_size, 16 << 20))
+        # restore onto a GPU: 12 readers, each with a pinned buffer (192 MiB), made at first use
+        self._ring = PinnedRing(min(12, os.cpu_count() or 1), max(write_options.chunk_size, 16 << 20))
         self._restorer = Restorer(self._target, self._tier, self._pool, self._guard, self._ring, self._allow_pickle)
         self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-persist")
         self._lock = threading.Lock()

@@ -1,12 +1,12 @@
 """Pinned-ring loader: parallel reads into a small reusable pinned ring, each chunk copied to
-the GPU as soon as it lands, its checksum verified beside the copy.
+the GPU by the thread that read it, its checksum verified before the copy.
 
-For files on disk, NFS or object stores, where mapping in place would fault every page in one
-thread. Each checksum chunk of a file is read by one task into a ring buffer (pinned memory,
-allocated once per manager and reused) and its CRC32C computed there; the caller's thread
-enqueues the chunk's host-to-device copies on a side stream in file order, so reads and
-copies overlap. A ring buffer is reused only once its copy has finished. Host memory stays
-at the ring's size whatever the checkpoint's. Where the bytes land is a
+For files on disk, NFS or object stores, and one-shot restores from /dev/shm. Each checksum
+chunk of every file is one task on the ring's reader threads: read the chunk into the
+thread's pinned buffer (allocated once per manager and reused), compute its CRC32C, copy it
+to where it lands on the buffer's own stream, and wait for the copy before reading the next.
+With a dozen threads the reads, the checksums and the copies all overlap; host memory stays
+at the ring's size (12 x 16 MiB) whatever the checkpoint's. Where the bytes land is a
 :mod:`~ckptmgr.loaders.landing` plan: one fresh device allocation per file, or the target's
 own tensors.
 
@@ -16,10 +16,10 @@ staging slot): the chunks are then verified where they lie and copied straight f
 
 from __future__ import annotations
 
+import queue
 import threading
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
@@ -36,14 +36,16 @@ __all__ = ["PinnedRing", "file_entries", "read_tensors_pinned", "read_tensors_ri
 
 
 class PinnedRing:
-    """``threads + 2`` host buffers of ``slot_bytes`` each (pinned with CUDA, plain without)
-    and ``threads`` reader threads, made at first use and reused by every restore."""
+    """``threads`` host buffers of ``slot_bytes`` each (pinned with CUDA, plain without), one
+    per reader thread, and a copy stream per buffer, made at first use and reused by every
+    restore."""
 
     def __init__(self, threads: int, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
-        self.slots = threads + 2  # every reader busy while two chunks wait for their copies
+        self.slots = threads
         self.threads = threads
         self._buffers: list[torch.Tensor] = []
+        self._streams: dict[torch.device, list[Any]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._mu = threading.Lock()
 
@@ -59,6 +61,7 @@ class PinnedRing:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self._buffers = []
+            self._streams = {}
 
     def buffers(self) -> list[torch.Tensor]:
         with self._mu:
@@ -67,6 +70,13 @@ class PinnedRing:
                     lambda n: torch.empty(n, dtype=torch.uint8))
                 self._buffers = [make(self.slot_bytes) for _ in range(self.slots)]
             return self._buffers
+
+    def streams(self, device: torch.device) -> list[Any]:
+        """One copy stream per buffer on ``device`` (created on the caller's thread)."""
+        with self._mu:
+            if device not in self._streams:
+                self._streams[device] = [_cuda.staging_stream(device) for _ in range(self.slots)]
+            return self._streams[device]
 
 
 def file_entries(manifest: Manifest, fname: str, where: str) -> list[Entry]:
@@ -97,48 +107,46 @@ class _Chunk(NamedTuple):
     end: int
 
 
-def _pipeline(chunks: list[_Chunk], stream: Any, ring: PinnedRing, where: str) -> None:
-    """Fetch the chunks (of every file, one continuous stream) on the ring's threads, every
-    reader busy; verify each and land it in order on ``stream``. A buffer is reused only
-    once its copy has finished, and a few copies stay queued, so neither the readers nor the
-    copy engine wait for this thread."""
-    free: deque[int] = deque(range(ring.slots))
-    copying: deque[tuple[int, Any]] = deque()  # (buffer, its copy's end), in the stream's order
-    pending: deque[tuple[_Chunk, int, Future[tuple[torch.Tensor, str]]]] = deque()
+def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, where: str) -> None:
+    """Each chunk (of every file, one continuous stream) is one task on the ring's threads:
+    fetch it into a free buffer, verify it, copy it to its landing on the buffer's own stream
+    and wait for that copy before the buffer is free again. Every thread reads, checks and
+    copies on its own, so the copy engine always has a copy queued and no thread waits for
+    another. The first failure (in file order) cancels what has not started and is raised
+    once every started task has finished with its buffer.
+    """
+    streams = ring.streams(device) if device.type == "cuda" else None
+    free: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for slot in range(ring.slots):
+        free.put(slot)
 
-    def land() -> None:
-        c, slot, fut = pending.popleft()
-        src, crc = fut.result()
-        if crc != c.rec.crc32c[c.number]:
-            raise CheckpointCorruptError(f"{where}: {c.fname}: checksum mismatch in bytes [{c.begin}, {c.end})")
-        if stream is None:
-            c.landing.land(c.begin, src)
-            free.append(slot)
-            return
-        with torch.cuda.stream(stream):
-            c.landing.land(c.begin, src)
-        copying.append((slot, _cuda.CopyDone([stream])))
+    def task(c: _Chunk) -> None:
+        slot = free.get()
+        try:
+            src, crc = c.fetch(slot, c.begin, c.end)
+            if crc != c.rec.crc32c[c.number]:
+                raise CheckpointCorruptError(f"{where}: {c.fname}: checksum mismatch in bytes [{c.begin}, {c.end})")
+            if streams is None:
+                c.landing.land(c.begin, src)
+                return
+            with torch.cuda.stream(streams[slot]):
+                c.landing.land(c.begin, src)
+            streams[slot].synchronize()
+        finally:
+            free.put(slot)
 
-    try:
-        for c in chunks:
-            if len(pending) >= ring.threads:  # every reader busy: land the oldest
-                land()
-            if not free:  # reuse the buffer whose copy was queued first
-                slot, done = copying.popleft()
-                done.synchronize()
-                free.append(slot)
-            slot = free.popleft()
-            pending.append((c, slot, ring.pool.submit(c.fetch, slot, c.begin, c.end)))
-        while pending:
-            land()
-    finally:
-        for *_, fut in pending:
-            fut.cancel()
-        for *_, fut in pending:
-            if not fut.cancelled():
-                fut.exception()  # fetches finish before their buffers can be reused
-        if stream is not None:
-            stream.synchronize()
+    futures = [ring.pool.submit(task, c) for c in chunks]
+    failed = None
+    for fut in futures:
+        if failed is None and fut.exception() is not None:
+            failed = fut.exception()
+            for other in futures:
+                other.cancel()
+    for fut in futures:  # every started task is done with its buffer before anything returns
+        if not fut.cancelled():
+            fut.exception()
+    if failed is not None:
+        raise failed
 
 
 def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where: str,
@@ -151,7 +159,7 @@ def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where:
     chunks = [_Chunk(fname, rec, landings[fname], fetches[fname], i, b, e)
               for fname, rec in manifest.files.items()
               for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
-    _pipeline(chunks, _cuda.staging_stream(device) if device.type == "cuda" else None, ring, where)
+    _pipeline(chunks, device, ring, where)
     out: dict[str, torch.Tensor] = {}
     for landing in landings.values():
         out.update(landing.tensors())
