@@ -153,11 +153,8 @@ class CheckpointManager:
         they stop growing after the first save of a state of fixed size), ``deleted``
         (steps removed by the retention policy).
         """
-        out: dict[str, float] = dict(self._pool.counts)
-        out["deleted"] = len(self._deleter.deleted)
-        out["slot_allocations"] = self._pool.allocations
-        out["slot_registrations"] = self._pool.registrations
-        return out
+        return {**self._pool.counts, "deleted": len(self._deleter.deleted),
+                "slot_allocations": self._pool.allocations, "slot_registrations": self._pool.registrations}
 
     # ---------------------------------------------------------------- save
 
@@ -333,8 +330,8 @@ class CheckpointManager:
             raise err
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save has committed and the deletions the retention
-        policy decided after them are done.
+        """Block until every pending save has committed, then apply the retention policy
+        once more (its answer may have changed) and wait for its deletions.
 
         Raises:
             SaveError: a save failed and nobody has been told yet.
@@ -348,6 +345,8 @@ class CheckpointManager:
                 if left is not None and left <= 0:
                     raise CkptTimeoutError(f"saves of steps {sorted(self._pending)} not finished after {timeout} s")
                 self._idle.wait(left)
+        if not self._closed:
+            self._deleter.schedule()
         self._deleter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._raise_unobserved()
 
@@ -489,8 +488,7 @@ class CheckpointManager:
         if exc_type is None:
             self.close()
             return
-        # The with-block is failing already: finish what can be finished, and report a save
-        # failure in the log rather than replace the exception in flight.
+        # Failing already: finish what can be, log a save failure rather than replace the exception.
         try:
             self.close()
         except Exception as close_exc:
