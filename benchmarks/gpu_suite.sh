@@ -7,11 +7,14 @@ out="${1:?output directory}"; shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export KVIKIO_NTHREADS="${KVIKIO_NTHREADS:-16}"  # kvikio reads with one thread unless told
+# ckptmgr as it is installed: integrations/ becomes ckptmgr.integrations
+rm -rf /tmp/ckptmgr-pkg && mkdir -p /tmp/ckptmgr-pkg && cp -r ckptmgr /tmp/ckptmgr-pkg/ \
+    && cp -r integrations /tmp/ckptmgr-pkg/ckptmgr/integrations
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="/tmp/site:/tmp/ckptmgr-pkg${PYTHONPATH:+:$PYTHONPATH}"
 else
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="/tmp/ckptmgr-pkg${PYTHONPATH:+:$PYTHONPATH}"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/machine.txt"
 df -h / /dev/shm | tee -a "$out/machine.txt"
