@@ -10,7 +10,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -31,22 +30,13 @@ from ._slots import Slot, SlotPool
 from ._staging import Stager
 from .errors import CkptTimeoutError, ConfigError, StepExistsError, StepNotFoundError, StorageError
 from .loaders import PinnedRing
-from .options import S3Options, StagingOptions, WriteOptions
+from .options import S3Options, StagingOptions, WriteOptions, option_or_default
 from .retention import KeepAll, RetentionPolicy
 from .targets import Target, open_target
 
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger("ckptmgr")
-
-def _option(value: Any, kind: type, name: str, default: Callable[[], Any] | None) -> Any:
-    """``value``, or ``default()`` when it is None; ConfigError when it is of another type."""
-    if value is None:
-        return default() if default is not None else None
-    if not isinstance(value, kind):
-        raise ConfigError(f"{name} must be of type {kind.__name__}, got {type(value).__name__}: {value!r}")
-    return value
-
 
 class CheckpointManager:
     """Saves training state as committed safetensors checkpoints and restores it.
@@ -90,11 +80,11 @@ class CheckpointManager:
         s3_options: S3Options | None = None,
         allow_pickle: bool = False,
     ) -> None:
-        retention = _option(retention, RetentionPolicy, "retention", KeepAll)
-        write_options = _option(write_options, WriteOptions, "write_options", WriteOptions)
-        staging = _option(staging, StagingOptions, "staging", StagingOptions)
-        s3_options = _option(s3_options, S3Options, "s3_options", None)
-        storage_options = _option(storage_options, dict, "storage_options", None)
+        retention = option_or_default(retention, RetentionPolicy, "retention", KeepAll)
+        write_options = option_or_default(write_options, WriteOptions, "write_options", WriteOptions)
+        staging = option_or_default(staging, StagingOptions, "staging", StagingOptions)
+        s3_options = option_or_default(s3_options, S3Options, "s3_options", None)
+        storage_options = option_or_default(storage_options, dict, "storage_options", None)
         self._opts = write_options
         self._staging_opts = staging
         self._allow_pickle = bool(allow_pickle)
@@ -330,8 +320,8 @@ class CheckpointManager:
             raise err
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save has committed, then apply the retention policy
-        once more (its answer may have changed) and wait for its deletions.
+        """Block until every pending save has committed and the deletions the retention
+        policy decided after them are done.
 
         Raises:
             SaveError: a save failed and nobody has been told yet.
@@ -345,9 +335,19 @@ class CheckpointManager:
                 if left is not None and left <= 0:
                     raise CkptTimeoutError(f"saves of steps {sorted(self._pending)} not finished after {timeout} s")
                 self._idle.wait(left)
-        if not self._closed:
-            self._deleter.schedule()
         self._deleter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._raise_unobserved()
+
+    def apply_retention(self) -> None:
+        """Run the retention policy now and wait for its deletions (it also runs after every
+        commit); for policies whose answer changes between commits.
+
+        Raises:
+            StorageError: a deletion failed.
+        """
+        self._check_open()
+        self._deleter.schedule()
+        self._deleter.drain(None)
         self._raise_unobserved()
 
     # ------------------------------------------------------------- discover

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["S3Options", "StagingOptions", "WriteOptions"]
+__all__ = ["S3Options", "StagingOptions", "WriteOptions", "option_or_default"]
+
+
+def option_or_default(value: Any, kind: type, name: str, default: Callable[[], Any] | None) -> Any:
+    """``value``, or ``default()`` when it is None; ConfigError when it is of another type."""
+    if value is None:
+        return default() if default is not None else None
+    if not isinstance(value, kind):
+        raise ConfigError(f"{name} must be of type {kind.__name__}, got {type(value).__name__}: {value!r}")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -178,7 +178,9 @@ class CkptmgrIOMixin:
             with self._mu:
                 dirs = list(self._dirs.values())
             for d in dirs:
-                d.manager.close()  # waits for its saves and retention runs
+                d.manager.wait()
+                d.manager.apply_retention()  # steps no pointer names any more
+                d.manager.close()
         finally:
             with self._mu:
                 self._dirs = {}

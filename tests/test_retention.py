@@ -18,6 +18,7 @@ from ckptmgr import (
     KeepEvery,
     KeepEverySeconds,
     KeepLatest,
+    RetentionPolicy,
     StagingOptions,
     StepInfo,
     StepNotFoundError,
@@ -254,3 +255,27 @@ def test_crash_mid_delete_leaves_garbage_that_the_next_start_removes(root):
     with CheckpointManager(root) as mgr:
         assert mgr.steps() == [0, 2]
         assert not os.path.exists(os.path.join(root, step_name(1)))
+
+
+def test_apply_retention_runs_a_policy_whose_answer_changed(root):
+    class Dropped(RetentionPolicy):
+        def __init__(self):
+            self.dropped = set()
+
+        def keep(self, steps):
+            return [s.step not in self.dropped for s in steps]
+
+    policy = Dropped()
+    with CheckpointManager(root, retention=policy) as mgr:
+        for step in range(3):
+            mgr.save(step, small(step)).result()
+        mgr.wait()
+        assert mgr.steps() == [0, 1, 2]
+        policy.dropped.add(1)
+        mgr.wait()  # no commit since: nothing ran
+        assert mgr.steps() == [0, 1, 2]
+        mgr.apply_retention()
+        assert mgr.steps() == [0, 2]
+    mgr.close()
+    with pytest.raises(ConfigError, match="closed"):
+        mgr.apply_retention()
