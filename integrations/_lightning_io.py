@@ -134,7 +134,6 @@ class CkptmgrIOMixin:
             raise TypeError("CkptmgrCheckpointIO.save_checkpoint takes no storage_options; configure the "
                             f"manager through CkptmgrCheckpointIO(...) instead (got {storage_options!r})")
         self._raise_errors()
-        self._fence.wait()  # the previous save's copy has landed
         path = os.path.abspath(os.fspath(path))
         d = self._directory(os.path.dirname(path))
         with self._mu:

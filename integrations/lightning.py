@@ -12,8 +12,6 @@ For the ``pytorch_lightning`` package use :mod:`ckptmgr.integrations.pytorch_lig
 
 from __future__ import annotations
 
-from typing import Any
-
 try:
     from lightning.pytorch.plugins.io import CheckpointIO
 except ImportError as exc:  # pragma: no cover - exercised where lightning is absent
@@ -50,6 +48,3 @@ class CkptmgrCheckpointIO(CkptmgrIOMixin, CheckpointIO):
             Lightning decides what to keep, and its checkpoints hold pickled
             hyper-parameters, trusted as Lightning trusts them).
     """
-
-    def __init__(self, *, overlap: bool = True, **manager_options: Any) -> None:
-        super().__init__(overlap=overlap, **manager_options)

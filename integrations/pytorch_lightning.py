@@ -12,8 +12,6 @@ For ``lightning.pytorch`` use :mod:`ckptmgr.integrations.lightning`.
 
 from __future__ import annotations
 
-from typing import Any
-
 try:
     from pytorch_lightning.plugins.io import CheckpointIO
 except ImportError as exc:  # pragma: no cover - exercised where lightning is absent
@@ -26,30 +24,5 @@ __all__ = ["CkptmgrCheckpointIO"]
 
 
 class CkptmgrCheckpointIO(CkptmgrIOMixin, CheckpointIO):
-    """A Lightning ``CheckpointIO`` that saves through ckptmgr: the training step pays for a
-    copy into reused pinned host memory (no GPU clone), the write and the commit run in the
-    background, and a checkpoint path appears only once its checkpoint is complete.
-
-    Each directory Lightning writes to gets a :class:`~ckptmgr.CheckpointManager` rooted in
-    ``<dir>/.ckptmgr``; the ``.ckpt`` paths are small pointer files naming a committed step.
-    ModelCheckpoint decides what to keep (``save_top_k``, ``save_last``): a removed path's
-    step is deleted after the saves queued before the removal have committed.
-    ``trainer.fit(..., ckpt_path="last")`` resumes from the newest complete checkpoint;
-    files saved earlier by Lightning's own ``torch.save`` still load.
-
-    Args:
-        overlap: True (the default) lets the copy off the training tensors run on into the
-            next step; it is waited for right before the next ``optimizer.step()`` or the
-            next forward of a layer with running statistics (BatchNorm), whichever comes
-            first. False waits inside ``save_checkpoint``.
-        **manager_options: passed to each :class:`~ckptmgr.CheckpointManager`
-            (``write_options``, ``staging``, ``storage_options``, ``s3_options``).
-
-    Raises:
-        ConfigError: ``retention`` or ``allow_pickle`` was passed (the plugin sets both:
-            Lightning decides what to keep, and its checkpoints hold pickled
-            hyper-parameters, trusted as Lightning trusts them).
-    """
-
-    def __init__(self, *, overlap: bool = True, **manager_options: Any) -> None:
-        super().__init__(overlap=overlap, **manager_options)
+    """:class:`ckptmgr.integrations.lightning.CkptmgrCheckpointIO` for ``pytorch_lightning``
+    Trainers: the same plugin, arguments and behaviour."""

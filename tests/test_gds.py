@@ -126,3 +126,17 @@ def test_the_probe_tells_real_gds_from_compatibility_mode(tmp_path, kvikio, monk
     monkeypatch.setenv("CKPTMGR_FAKE_KVIKIO", "gds")
     status = gds.probe(str(tmp_path))
     assert status.usable and not status.compat and "GPUDirect Storage" in str(status)
+
+
+def test_auto_picks_gds_only_where_it_is_real(root, kvikio, monkeypatch):
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    with CheckpointManager(root, staging=NO_TIER) as mgr:
+        pick = mgr._restorer.auto_loader
+        assert pick(mgr._target, cuda, pinned=False) == "ring"  # compatibility mode
+        monkeypatch.setattr(gds, "_probed", {})
+        monkeypatch.setenv("CKPTMGR_FAKE_KVIKIO", "gds")
+        assert pick(mgr._target, cuda, pinned=False) == "gds"
+        assert pick(mgr._target, cuda, pinned=True) == "inplace"
+        assert pick(mgr._target, torch.device("cpu"), pinned=False) == "host"
+    with CheckpointManager("memory://auto-gds", staging=NO_TIER) as mgr:  # no local files: never GDS
+        assert mgr._restorer.auto_loader(mgr._target, cuda, pinned=False) == "ring"
