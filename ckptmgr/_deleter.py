@@ -109,27 +109,38 @@ class Deleter:
             self._infos[step] = StepInfo(step, m.time, meta if isinstance(meta, dict) else {})
         return self._infos[step]
 
+    def plan(self) -> list[int]:
+        """The committed steps that the policy would delete now, ascending: those it does not
+        keep, less the newest and the protected ones."""
+        steps = self.target.list_steps()
+        infos = [i for i in (self._info(s) for s in steps) if i is not None]
+        if not steps or not infos:
+            return []
+        mask = self.policy.keep(infos)
+        if len(mask) != len(infos):
+            raise ValueError(f"{self.policy!r} returned {len(mask)} decisions for {len(infos)} steps")
+        newest = steps[-1]
+        return [info.step for info, keep in zip(infos, mask, strict=True)
+                if not keep and info.step != newest and not self.target.is_protected(info.step)]
+
+    def delete(self, steps: list[int]) -> list[int]:
+        """Delete ``steps`` (from :meth:`plan`), skipping any being restored; return those deleted."""
+        done = []
+        for step in steps:
+            with self.guard.deleting(step) as ok:
+                if not ok:
+                    log.info("retention: step %d is being restored; deleting it later", step)
+                    continue
+                self.target.delete(step)
+            self._infos.pop(step, None)
+            self.deleted.append(step)
+            done.append(step)
+            log.info("retention: deleted step %d under %s", step, self.target.url)
+        return done
+
     def _run(self) -> None:
         try:
-            steps = self.target.list_steps()
-            infos = [i for i in (self._info(s) for s in steps) if i is not None]
-            if not steps or not infos:
-                return
-            mask = self.policy.keep(infos)
-            if len(mask) != len(infos):
-                raise ValueError(f"{self.policy!r} returned {len(mask)} decisions for {len(infos)} steps")
-            newest = steps[-1]
-            for info, keep in zip(infos, mask, strict=True):
-                if keep or info.step == newest or self.target.is_protected(info.step):
-                    continue
-                with self.guard.deleting(info.step) as ok:
-                    if not ok:
-                        log.info("retention: step %d is being restored; deleting it later", info.step)
-                        continue
-                    self.target.delete(info.step)
-                self._infos.pop(info.step, None)
-                self.deleted.append(info.step)
-                log.info("retention: deleted step %d under %s", info.step, self.target.url)
+            self.delete(self.plan())
         except Exception as exc:
             err = StorageError(f"retention under {self.target.url} failed: {type(exc).__name__}: {exc}")
             err.__cause__ = exc

@@ -1,0 +1,106 @@
+"""``ckptmgr ls`` and ``ckptmgr inspect``: what is under a root, and what a step holds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from .._local_tier import tier_dir
+from .._manifest import MANIFEST_NAME, Manifest
+from ..errors import CkptError
+from ._context import Ctx, manifests
+from ._render import human_bytes, plain_tree, print_json, table, tensor_bytes, text_tree, when
+
+__all__ = ["cmd_inspect", "cmd_ls", "local_tier_steps"]
+
+
+def local_tier_steps(local_dir: str, root_url: str) -> dict[int, Manifest]:
+    """Steps committed in this user's local tier of ``root_url`` (read only: the tier may
+    belong to a running job)."""
+    path = tier_dir(local_dir, root_url)
+    found: dict[int, Manifest] = {}
+    if not os.path.isdir(path):
+        return found
+    for name in sorted(os.listdir(path)):
+        manifest = os.path.join(path, name, MANIFEST_NAME)
+        if not name.startswith("slot-"):
+            continue
+        try:
+            with open(manifest, "rb") as f:
+                m = Manifest.from_bytes(f.read(), where=manifest)
+        except (OSError, CkptError):
+            continue  # a slot being written, or reset: not a committed step
+        found[m.step] = m
+    return found
+
+
+def _metadata(m: Manifest) -> dict[str, Any]:
+    meta = plain_tree(m.metadata, lambda kind, name: name) if m.metadata is not None else {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def cmd_ls(ctx: Ctx, args: argparse.Namespace) -> int:
+    target = ctx.target(args.root)
+    durable = target.list_steps()
+    found = manifests(ctx, target, durable)
+    local = local_tier_steps(args.local_dir, target.url) if args.local_dir else {}
+    rows = []
+    for step in sorted(set(found) | set(local)):
+        m = found.get(step) or local[step]
+        tier = "durable+local" if step in found and step in local else ("durable" if step in found else "local")
+        rows.append({
+            "step": step,
+            "tier": tier,
+            "bytes": m.total_bytes,
+            "files": len(m.files),
+            "tensors": len(m.tensors),
+            "time": m.time,
+            "protected": step in found and target.is_protected(step),
+            "metadata": _metadata(m),
+        })
+    if ctx.json:
+        print_json({"root": target.url, "steps": rows})
+        return 0
+    if not rows:
+        print(f"no committed checkpoints under {target.url}")
+        return 0
+    print(table([[str(r["step"]), r["tier"], human_bytes(r["bytes"]), when(r["time"]),
+                  "yes" if r["protected"] else "", json.dumps(r["metadata"], ensure_ascii=False)[:80]]
+                 for r in rows], ["STEP", "TIER", "SIZE", "COMMITTED", "PROTECTED", "METADATA"]))
+    return 0
+
+
+def cmd_inspect(ctx: Ctx, args: argparse.Namespace) -> int:
+    target = ctx.target(args.root)
+    step = ctx.step(target, args.step)
+    m = ctx.manifest(target, step)
+    rows = []
+    for name, e in m.tensors.items():
+        rows.append({"name": name, "dtype": e["dtype"], "shape": e["shape"], "bytes": tensor_bytes(e),
+                     "file": e.get("file"), "view_of": e.get("view_of")})
+    if ctx.json:
+        def leaf(kind: str, name: str) -> dict[str, Any]:
+            e = m.tensors.get(name, {})
+            return {"kind": kind, "name": name, "dtype": e.get("dtype"), "shape": e.get("shape")}
+
+        print_json({"root": target.url, "step": step, "time": m.time, "library_version": m.library_version,
+                    "format_version": m.format_version, "bytes": m.total_bytes, "files": sorted(m.files),
+                    "metadata": _metadata(m), "state": plain_tree(m.state, leaf), "tensors": rows})
+        return 0
+    print(f"step {step} under {target.url}")
+    print(f"committed {when(m.time)} by ckptmgr {m.library_version or '?'} (format {m.format_version}); "
+          f"{len(m.tensors)} tensors, {human_bytes(m.total_bytes)} in {len(m.files)} file(s)")
+    meta = _metadata(m)
+    if meta:
+        print(f"metadata: {json.dumps(meta, ensure_ascii=False)}")
+    print()
+    for line in text_tree(m.state, m.tensors):
+        print(line)
+    if args.tensors:
+        print()
+        print(table([[r["name"], r["dtype"], str(r["shape"]), human_bytes(r["bytes"]) if r["file"] else "-",
+                      r["file"] or f"view of {r['view_of']}"] for r in rows],
+                    ["TENSOR", "DTYPE", "SHAPE", "BYTES", "FILE"]))
+    return 0

@@ -1,0 +1,241 @@
+"""``ckptmgr export`` and ``ckptmgr import``: checkpoints to and from files anyone can read.
+
+Export writes plain safetensors files (loadable with ``safetensors.torch.load_file``), an
+``index.json`` in the Hugging Face sharded-checkpoint form (``weight_map``: tensor -> file)
+and ``state.json`` (the whole state tree as plain JSON, each tensor naming its file). Every
+byte read is checked against the manifest's checksums on the way; views (tied weights,
+tensors sharing storage) are written as tensors of their own. The export is assembled in a
+hidden sibling directory and renamed into place, so a half-written export never looks done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._checksum import chunk_ranges, crc32c_hex
+from .._layout import ST_TO_DTYPE, StoredTensor, header_bytes
+from .._manifest import Manifest
+from .._verify import file_url
+from ..errors import CheckpointCorruptError, ConfigError, StepExistsError
+from ..targets import Target
+from ._context import Ctx
+from ._render import Progress, human_bytes, plain_tree, print_json, progress
+
+__all__ = ["cmd_export", "cmd_import"]
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+class _Out:
+    """One exported safetensors file: its tensors, packed in source order."""
+
+    def __init__(self, name: str, picks: list[tuple[str, str, dict[str, Any]]], step: int) -> None:
+        self.name = name
+        self.tensors, off = [], 0
+        self.where: dict[str, int] = {}  # source name -> offset in the new data region
+        for src, dst, e in picks:
+            n = int(e["offsets"][1]) - int(e["offsets"][0])
+            self.tensors.append(StoredTensor(dst, e["dtype"], tuple(e["shape"]), off, off + n, _EMPTY))
+            self.where[src] = off
+            off += n
+        self.header = header_bytes(self.tensors, {"format": "pt", "step": str(step)})
+
+
+def _select(m: Manifest, prefix: str) -> dict[str, str]:
+    """Manifest tensor name -> exported name, for tensors under ``prefix`` (internal storage
+    spans are never exported; the views over them are)."""
+    return {n: n[len(prefix):] for n in m.tensors if n.startswith(prefix) and not n.endswith("~storage")}
+
+
+def _stream(target: Target, step: int, m: Manifest, fname: str, out: _Out | None, fd: int | None,
+            bases: dict[str, np.ndarray[Any, Any]], bar: Progress) -> None:
+    """Read ``fname`` chunk by chunk, verify each chunk, write the selected tensors' bytes
+    to ``fd`` and keep the bytes of view bases in ``bases``."""
+    rec = m.files[fname]
+    hs = rec.header_size
+    spans = [(hs + int(m.tensors[n]["offsets"][0]), hs + int(m.tensors[n]["offsets"][1]), n)
+             for n in (out.where if out else {})]
+    base_spans = [(hs + int(m.tensors[n]["offsets"][0]), hs + int(m.tensors[n]["offsets"][1]), n)
+                  for n in bases if m.tensors[n].get("file") == fname]
+
+    def chunk(i: int, b: int, e: int) -> None:
+        buf = np.empty(e - b, dtype=np.uint8)
+        target.read_into(step, fname, b, [buf])
+        if crc32c_hex(buf) != rec.crc32c[i]:
+            raise CheckpointCorruptError(f"{file_url(target, step, fname)}: bytes [{b}, {e}) fail their checksum")
+        for lo, hi, n in spans:
+            s, t = max(lo, b), min(hi, e)
+            if s < t and out is not None and fd is not None:
+                os.pwrite(fd, buf[s - b:t - b], len(out.header) + out.where[n] + s - lo)
+        for lo, hi, n in base_spans:
+            s, t = max(lo, b), min(hi, e)
+            if s < t:
+                bases[n][s - lo:t - lo] = buf[s - b:t - b]
+        bar.update(e - b)
+
+    with ThreadPoolExecutor(8, thread_name_prefix="ckptmgr-export") as pool:
+        for f in [pool.submit(chunk, i, b, e) for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]:
+            f.result()
+
+
+def _view(m: Manifest, name: str, bases: dict[str, np.ndarray[Any, Any]]) -> torch.Tensor:
+    e = m.tensors[name]
+    base = e["view_of"]
+    raw = torch.from_numpy(bases[base])
+    item = torch.empty(0, dtype=ST_TO_DTYPE[e["dtype"]]).element_size()
+    typed = raw[: raw.numel() // item * item].view(ST_TO_DTYPE[e["dtype"]])
+    return typed.as_strided(e["shape"], e["stride"], e["byte_offset"] // item).contiguous()
+
+
+def _write_file(path: str, header: bytes, pieces: list[bytes]) -> None:
+    with open(path, "wb") as f:
+        f.write(header)
+        for p in pieces:
+            f.write(p)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def cmd_export(ctx: Ctx, args: argparse.Namespace) -> int:
+    dest = os.path.abspath(args.to)
+    if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):
+        raise StepExistsError(f"export destination {dest!r} exists and is not an empty directory")
+    target = ctx.target(args.root)
+    step = ctx.step(target, args.step)
+    m = ctx.manifest(target, step)
+    chosen = _select(m, args.only or "")
+    if not chosen:
+        raise ConfigError(f"no tensor of step {step} starts with --only {args.only!r}")
+    views = [n for n in chosen if "view_of" in m.tensors[n]]
+    by_file: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
+    for n, dst in chosen.items():
+        e = m.tensors[n]
+        if "file" in e:
+            by_file.setdefault(e["file"], []).append((n, dst, e))
+    base_bufs = {b: np.empty(int(m.tensors[b]["offsets"][1]) - int(m.tensors[b]["offsets"][0]), dtype=np.uint8)
+                 for b in {m.tensors[v]["view_of"] for v in views}}
+    needed = sorted(set(by_file) | {m.tensors[b]["file"] for b in base_bufs})
+    work = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.partial-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    weight_map: dict[str, str] = {}
+    outs = [f for f in needed if f in by_file]
+    names = {f: f"model-{i + 1:05d}-of-{len(outs) + bool(views):05d}.safetensors" for i, f in enumerate(outs)}
+    try:
+        with progress(sum(m.files[f].size for f in needed), "export", enabled=ctx.show_progress) as bar:
+            for fname in needed:
+                out = _Out(names[fname], sorted(by_file[fname], key=lambda p: int(p[2]["offsets"][0])), step) \
+                    if fname in by_file else None
+                fd = os.open(os.path.join(work, out.name), os.O_WRONLY | os.O_CREAT, 0o644) if out else None
+                try:
+                    if out is not None and fd is not None:
+                        os.pwrite(fd, out.header, 0)
+                        os.ftruncate(fd, len(out.header) + (out.tensors[-1].end if out.tensors else 0))
+                    _stream(target, step, m, fname, out, fd, base_bufs, bar)
+                    if fd is not None:
+                        os.fsync(fd)
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+                if out is not None:
+                    weight_map.update({t.name: out.name for t in out.tensors})
+        if views:
+            vname = f"model-{len(outs) + 1:05d}-of-{len(outs) + 1:05d}.safetensors"
+            data = [_view(m, v, base_bufs) for v in views]
+            stored, off = [], 0
+            for v, t in sorted(zip(views, data, strict=True), key=lambda p: -p[1].element_size()):
+                n = t.numel() * t.element_size()
+                stored.append((StoredTensor(chosen[v], m.tensors[v]["dtype"], tuple(t.shape), off, off + n, _EMPTY), t))
+                off += n
+            _write_file(os.path.join(work, vname), header_bytes([s for s, _ in stored], {"format": "pt"}),
+                        [t.reshape(-1).view(torch.uint8).numpy().tobytes() for _, t in stored])
+            weight_map.update({s.name: vname for s, _ in stored})
+
+        def leaf(kind: str, name: str) -> dict[str, Any]:
+            e = m.tensors.get(name, {})
+            dst = chosen.get(name)
+            return {"tensor": dst, "file": weight_map.get(dst) if dst is not None else None,
+                    "dtype": e.get("dtype"), "shape": e.get("shape"), "kind": kind}
+
+        total = sum(os.path.getsize(os.path.join(work, f)) for f in set(weight_map.values()))
+        _write_json(os.path.join(work, "index.json"),
+                    {"metadata": {"total_size": total, "step": step, "source": target.url, "format": "pt"},
+                     "weight_map": dict(sorted(weight_map.items()))})
+        _write_json(os.path.join(work, "state.json"),
+                    {"step": step, "time": m.time, "source": target.url,
+                     "metadata": plain_tree(m.metadata, lambda k, n: n) if m.metadata is not None else {},
+                     "state": plain_tree(m.state, leaf)})
+        os.replace(work, dest)  # onto a missing or empty directory
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    result = {"step": step, "to": dest, "tensors": len(weight_map), "files": sorted(set(weight_map.values()))}
+    if ctx.json:
+        print_json(result)
+    else:
+        print(f"exported step {step}: {len(weight_map)} tensors in {len(result['files'])} safetensors file(s), "
+              f"index.json and state.json to {dest}")
+    return 0
+
+
+def _write_json(path: str, obj: Any) -> None:
+    _write_file(path, json.dumps(obj, indent=1, ensure_ascii=False, allow_nan=False).encode("utf-8"), [])
+
+
+def _load(path: str, safe_globals: list[str]) -> tuple[Any, str]:
+    """The object in ``path`` and its kind: safetensors, or torch.load with weights_only."""
+    if path.endswith(".safetensors"):
+        from ..loaders import load_file
+
+        return load_file(path), "safetensors"
+    allowed = []
+    for spec in safe_globals:
+        module, _, name = spec.rpartition(".")
+        try:
+            allowed.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ConfigError(f"--safe-global {spec!r} cannot be imported: {exc}") from exc
+    try:
+        with torch.serialization.safe_globals(allowed):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ConfigError(
+            f"{path}: torch.load(weights_only=True) refuses it: {str(exc).splitlines()[0]} "
+            "If you trust the file, allow the named class with --safe-global MODULE.NAME "
+            "(and --allow-pickle to store values ckptmgr cannot store natively)") from exc
+    except (RuntimeError, EOFError) as exc:
+        raise ConfigError(f"{path} is not a file torch.load can read: {exc}") from exc
+    kind = "lightning" if isinstance(obj, dict) and "state_dict" in obj and "global_step" in obj else "torch.save"
+    return obj, kind
+
+
+def cmd_import(ctx: Ctx, args: argparse.Namespace) -> int:
+    from ..manager import CheckpointManager
+
+    if not os.path.isfile(args.file):
+        raise FileNotFoundError(f"no file {args.file!r} to import")
+    state, kind = _load(args.file, args.safe_global or [])
+    step = args.step
+    if step is None:
+        if kind != "lightning":
+            raise ConfigError(f"{args.file} is a {kind} file: give the step with --step N")
+        step = int(state["global_step"])
+    meta = {"imported_from": os.path.abspath(args.file), "source_format": kind}
+    with CheckpointManager(args.root, storage_options=ctx.storage_options(), allow_pickle=args.allow_pickle) as mgr:
+        info = mgr.save(step, state, metadata=meta).result()
+    out = {"root": mgr.root, "step": step, "source_format": kind, "bytes": info.bytes}
+    if ctx.json:
+        print_json(out)
+    else:
+        print(f"imported {args.file} ({kind}) as step {step} under {mgr.root}: {human_bytes(info.bytes)}")
+    return 0
