@@ -14,14 +14,13 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from ._checksum import chunk_ranges, crc32c_hex
 from ._discovery import step_name
 from ._manifest import FileRecord, Manifest
-from .errors import CheckpointCorruptError, CkptError, StepNotFoundError
+from .errors import CkptError, StepNotFoundError
 from .targets import Target
 
 __all__ = ["StepReport", "file_url", "verify_step"]
@@ -148,9 +147,3 @@ def verify_step(target: Target, step: int, *, threads: int = 8,
     report.problems.sort()
     return report
 
-
-def check_intact(target: Target, step: int, **kwargs: Any) -> None:
-    """Raise CheckpointCorruptError naming every fault of ``step``, if it has any."""
-    report = verify_step(target, step, **kwargs)
-    if not report.ok:
-        raise CheckpointCorruptError(f"step {step} under {target.url} is corrupt:\n  " + "\n  ".join(report.problems))

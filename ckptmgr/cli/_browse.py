@@ -46,7 +46,7 @@ def cmd_ls(ctx: Ctx, args: argparse.Namespace) -> int:
     durable = target.list_steps()
     found = manifests(ctx, target, durable)
     local = local_tier_steps(args.local_dir, target.url) if args.local_dir else {}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for step in sorted(set(found) | set(local)):
         m = found.get(step) or local[step]
         tier = "durable+local" if step in found and step in local else ("durable" if step in found else "local")

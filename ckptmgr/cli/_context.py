@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._manifest import Manifest
+from .._verify import file_url
 from ..errors import ConfigError, StepNotFoundError
 from ..targets import Target, open_target
-from .._verify import file_url
 
-__all__ = ["EXIT", "Ctx", "CorruptFound", "manifests"]
+__all__ = ["EXIT", "CorruptFound", "Ctx", "manifests"]
 
 EXIT = {
     "ok": 0,

@@ -14,8 +14,8 @@ import argparse
 import json
 import os
 import pickle
+import re
 import shutil
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -76,7 +76,7 @@ def _stream(target: Target, step: int, m: Manifest, fname: str, out: _Out | None
         for lo, hi, n in spans:
             s, t = max(lo, b), min(hi, e)
             if s < t and out is not None and fd is not None:
-                os.pwrite(fd, buf[s - b:t - b], len(out.header) + out.where[n] + s - lo)
+                os.pwrite(fd, buf[s - b:t - b].data, len(out.header) + out.where[n] + s - lo)
         for lo, hi, n in base_spans:
             s, t = max(lo, b), min(hi, e)
             if s < t:
@@ -154,9 +154,10 @@ def cmd_export(ctx: Ctx, args: argparse.Namespace) -> int:
             data = [_view(m, v, base_bufs) for v in views]
             stored, off = [], 0
             for v, t in sorted(zip(views, data, strict=True), key=lambda p: -p[1].element_size()):
-                n = t.numel() * t.element_size()
-                stored.append((StoredTensor(chosen[v], m.tensors[v]["dtype"], tuple(t.shape), off, off + n, _EMPTY), t))
-                off += n
+                size = t.numel() * t.element_size()
+                stored.append((StoredTensor(chosen[v], m.tensors[v]["dtype"], tuple(t.shape), off, off + size, _EMPTY),
+                               t))
+                off += size
             _write_file(os.path.join(work, vname), header_bytes([s for s, _ in stored], {"format": "pt"}),
                         [t.reshape(-1).view(torch.uint8).numpy().tobytes() for _, t in stored])
             weight_map.update({s.name: vname for s, _ in stored})
@@ -209,8 +210,11 @@ def _load(path: str, safe_globals: list[str]) -> tuple[Any, str]:
         with torch.serialization.safe_globals(allowed):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        why = f"it holds {found.group(1)}, which is not an allowed type." if found else \
+            re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines()[0]
         raise ConfigError(
-            f"{path}: torch.load(weights_only=True) refuses it: {str(exc).splitlines()[0]} "
+            f"{path}: torch.load(weights_only=True) refuses it: {why} "
             "If you trust the file, allow the named class with --safe-global MODULE.NAME "
             "(and --allow-pickle to store values ckptmgr cannot store natively)") from exc
     except (RuntimeError, EOFError) as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError, StorageError
+from ..errors import CkptError, ConfigError, StorageError
 from ..options import S3Options
 from ._base import StepWriter, Target
 
@@ -53,11 +53,16 @@ def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
         from .local import LocalTarget
 
         return LocalTarget(path, io_threads=io_threads, direct_io=direct_io)
-    if is_s3:
-        from .s3 import S3Target, check_bucket_name
-
-        check_bucket_name(path, root)
-        return S3Target(fs, path, url=root, io_threads=io_threads, opts=s3_options or S3Options())
     from .fsspec import FsspecTarget
+    from .s3 import S3Target, check_bucket_name
 
-    return FsspecTarget(fs, path, url=root, io_threads=io_threads)
+    if is_s3:
+        check_bucket_name(path, root)
+    try:
+        if is_s3:
+            return S3Target(fs, path, url=root, io_threads=io_threads, opts=s3_options or S3Options())
+        return FsspecTarget(fs, path, url=root, io_threads=io_threads)
+    except CkptError:
+        raise
+    except Exception as exc:  # the storage's client raises its own types (botocore, aiohttp, ...)
+        raise StorageError(f"cannot open checkpoint root {root!r}: {type(exc).__name__}: {exc}") from exc

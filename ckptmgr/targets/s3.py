@@ -203,10 +203,10 @@ class S3Target(FsspecTarget):
         self.opts = opts
         self.raw_fs = fs
         fs.retries = 1  # s3fs's own retry loop off: one policy, bounded by S3Options
+        self.retries = 0  # retried requests, for telemetry and tests (counted from the first request)
         super().__init__(_Retrying(fs, self), path, url=url, io_threads=io_threads)
         self.bucket, _, self.prefix = self.path.partition("/")
         self.upload_pool = ThreadPoolExecutor(opts.concurrency, thread_name_prefix="ckptmgr-s3")
-        self.retries = 0  # retried requests, for telemetry and tests
 
     def key(self, step: int, name: str) -> str:
         rel = posixpath.join(f"step_{step:012d}", name) if name else f"step_{step:012d}/"
