@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|staging4|staging16|training|restore4|restore16|restore10k|parts4|cold4|lightning]...
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|report|staging4|staging16|training|restore4|restore16|restore10k|parts4|cold4|lightning]...
 # Packages the GPU image lacks are installed from .whl/ when present.
 set -uo pipefail
 out="${1:?output directory}"; shift
@@ -32,6 +32,8 @@ for part in "${parts[@]}"; do
     cold4) (cd benchmarks && python3 bench_restore.py --gib 4 --cold --dir /var/tmp/ckptmgr-bench-cold --repeat 3 \
               --out "$out/cold4.json") 2>&1 | tee "$out/cold4.txt" ;;
     lightning) python3 benchmarks/bench_lightning.py --steps 40 --every 10 --out "$out/lightning.json" 2>&1 | tee "$out/lightning.txt" ;;
+    report) python3 benchmarks/run.py --out "$out/report" --scratch /var/tmp/ckptmgr-bench-run \
+              --commit "${CKPTMGR_COMMIT:-unknown}" 2>&1 | tee "$out/report.txt" ;;
     restore10k) (cd benchmarks && python3 bench_restore.py --gib 1 --tensors 10000 --out "$out/restore10k.json") 2>&1 | tee "$out/restore10k.txt" ;;
   esac
 done

@@ -1,0 +1,99 @@
+"""Run the benchmarks of ckptmgr against its peers, then print the tables and draw the chart.
+
+    python benchmarks/run.py                       # GPU if there is one, else CPU sizes
+    python benchmarks/run.py --device cpu --quick  # a minute on a laptop
+    python benchmarks/run.py --parts staging,restore --out /tmp/bench
+
+Each benchmark runs in a process of its own, on the same data for every tool it compares:
+
+* ``staging``: bench_staging.py, what a save costs the training loop and when it is durable;
+* ``restore``: bench_restore.py onto the GPU (bench_save_restore.py on a CPU-only machine);
+* ``training``: bench_training.py, step-time overhead of checkpointing a transformer;
+* ``s3``: bench_s3.py, upload to moto's S3 server with injected latency (needs ``moto``).
+
+Each writes its JSON into ``--out`` (default benchmarks/out/report); report.py then prints a
+table per metric and writes ``summary.json`` and ``chart.png`` there. A part that fails is
+reported and the others still run; the exit code is non-zero if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _commands(device: str, quick: bool, out: str, scratch: str) -> dict[str, list[str]]:
+    gpu = device.startswith("cuda")
+    gib = "4" if gpu and not quick else ("1" if gpu else "0.25")
+    train = [] if gpu and not quick else ["--dim", "256", "--layers", "4", "--heads", "4", "--vocab", "2000",
+                                         "--batch", "8", "--seq", "128", "--steps", "12", "--warmup", "3",
+                                         "--every", "4"]
+    return {
+        "staging": ["bench_staging.py", "--gib", gib, "--device", device, "--saves", "3",
+                    "--shm-dir", "/dev/shm/ckptmgr-bench-run", "--disk-dir", os.path.join(scratch, "staging"),
+                    "--out", os.path.join(out, "staging.json")],
+        "restore": (["bench_restore.py", "--gib", gib, "--repeat", "3", "--out", os.path.join(out, "restore.json")]
+                    if gpu else
+                    ["bench_save_restore.py", "--gib", gib, "--repeat", "3", "--dir", os.path.join(scratch, "restore"),
+                     "--json", os.path.join(out, "save_restore.json")]),
+        "training": ["bench_training.py", "--device", device, "--dir", os.path.join(scratch, "training"),
+                     *train, "--out", os.path.join(out, "training.json")],
+        "s3": ["bench_s3.py", "--mib", "64" if quick else "256", "--repeat", "1" if quick else "3",
+               "--out", os.path.join(out, "s3.json")],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="small sizes, one repetition where possible")
+    ap.add_argument("--parts", default="staging,restore,training,s3")
+    ap.add_argument("--out", default=os.path.join(HERE, "out", "report"))
+    ap.add_argument("--scratch", default=os.path.join(HERE, "out", "scratch"), help="where checkpoints are written")
+    ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                           cwd=HERE).stdout.strip() or "unknown"
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
+    run = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "commit": commit, "torch": torch.__version__,
+           "device": gpu or f"cpu ({os.cpu_count()} cores)", "parts": {}}
+    commands = _commands(args.device, args.quick, args.out, args.scratch)
+    failed = []
+    for part in args.parts.split(","):
+        if part not in commands:
+            ap.error(f"unknown part {part!r}; choose from {', '.join(commands)}")
+        if part == "s3" and importlib.util.find_spec("moto") is None:
+            print("== s3: skipped (moto is not installed: pip install 'moto[server]')", flush=True)
+            run["parts"][part] = "skipped: no moto"
+            continue
+        print(f"== {part}: {' '.join(commands[part])}", flush=True)
+        t = time.perf_counter()
+        rc = subprocess.run([sys.executable, *commands[part]], cwd=HERE).returncode
+        run["parts"][part] = {"rc": rc, "seconds": round(time.perf_counter() - t, 1)}
+        if rc != 0:
+            failed.append(part)
+            print(f"== {part}: FAILED with exit code {rc}", flush=True)
+    with open(os.path.join(args.out, "run.json"), "w") as f:
+        json.dump(run, f, indent=1)
+    sys.path.insert(0, HERE)
+    import report
+
+    rc = report.main([args.out])
+    if failed:
+        print(f"failed parts: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
