@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -89,7 +90,8 @@ def main() -> None:
     print("\n".join(lines))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "bytes": size, "times_s": times, "date": time.strftime("%Y-%m-%d")}, f, indent=1)
+        json.dump({"args": vars(args), "bytes": size, "times_s": times, "date": time.strftime("%Y-%m-%d"),
+                   "machine": f"{platform.node()}, {os.cpu_count()} cores"}, f, indent=1)
     print(f"wrote {args.out}")
 
 

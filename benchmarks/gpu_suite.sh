@@ -33,7 +33,7 @@ for part in "${parts[@]}"; do
               --out "$out/cold4.json") 2>&1 | tee "$out/cold4.txt" ;;
     lightning) python3 benchmarks/bench_lightning.py --steps 40 --every 10 --out "$out/lightning.json" 2>&1 | tee "$out/lightning.txt" ;;
     report) python3 benchmarks/run.py --out "$out/report" --scratch /var/tmp/ckptmgr-bench-run \
-              --commit "${CKPTMGR_COMMIT:-unknown}" 2>&1 | tee "$out/report.txt" ;;
+              --commit "${CKPTMGR_COMMIT:?set CKPTMGR_COMMIT to the commit of this tree (the GPU copy has no current git HEAD)}" 2>&1 | tee "$out/report.txt" ;;
     restore10k) (cd benchmarks && python3 bench_restore.py --gib 1 --tensors 10000 --out "$out/restore10k.json") 2>&1 | tee "$out/restore10k.txt" ;;
   esac
 done

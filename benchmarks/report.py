@@ -62,10 +62,10 @@ def _staging(d: Any, out: Metrics, notes: list[str]) -> None:
 
 def _restore(d: Any, out: Metrics, notes: list[str]) -> None:
     notes.append(f"restore: {d['bytes'] / 2**30:.1f} GiB from {d.get('dir', '?')} onto {d.get('device', '?')}")
-    for tool, runs in d["results"].items():
-        flat = [t for r in runs for t in (r if isinstance(r, list) else [r])]
-        if flat:
-            out["restore_s"][tool] = statistics.median(flat)
+    for tool, runs in d["results"].items():  # each run: [seconds, extra host MiB, extra GPU MiB]
+        seconds = [r[0] if isinstance(r, list) else r for r in runs]
+        if seconds:
+            out["restore_s"][tool] = statistics.median(seconds)
 
 
 def _save_restore(d: Any, out: Metrics, notes: list[str]) -> None:
@@ -85,7 +85,8 @@ def _training(d: Any, out: Metrics, notes: list[str]) -> None:
 
 def _s3(d: Any, out: Metrics, notes: list[str]) -> None:
     a = d["args"]
-    notes.append(f"S3: {a['mib']} MiB, {a['latency_ms']:g} ms + {a['jitter_ms']:g} ms jitter per request")
+    notes.append(f"S3: {a['mib']} MiB to moto on {d.get('machine', 'this machine')}, {a['latency_ms']:g} ms + "
+                 f"{a['jitter_ms']:g} ms jitter per request")
     for tool, ts in d["times_s"].items():
         out["s3_upload_s"][tool] = statistics.median(ts)
 

@@ -1,0 +1,47 @@
+"""benchmarks/run.py end to end on the CPU (small sizes), and the report of the committed GPU run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks")
+
+pytest.importorskip("matplotlib")
+
+
+def test_run_measures_peers_and_draws_the_chart(tmp_path):
+    out = tmp_path / "report"
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "run.py"), "--device", "cpu", "--quick",
+                        "--parts", "staging,restore", "--out", str(out), "--scratch", str(tmp_path / "scratch"),
+                        "--commit", "test"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    m = summary["metrics"]
+    for metric in ("stall_s", "durable_s"):
+        assert {"ckptmgr block", "torch.save", "safetensors.save_file"} <= set(m[metric]), metric
+        assert all(v > 0 for v in m[metric].values())
+    assert {"ckptmgr save / restore", "torch.save / torch.load"} <= set(m["restore_s"])
+    assert m["extra_gpu_gib"] == {}  # no GPU: not a panel of zeros
+    assert summary["machine"]["commit"] == "test"
+    assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| stall per save (s) | value |" in r.stdout
+
+
+def test_committed_gpu_report_matches_its_data(tmp_path):
+    src = os.path.join(BENCH, "results", "h200-report")
+    for name in os.listdir(src):
+        if name.endswith(".json") and name != "summary.json":
+            (tmp_path / name).write_bytes(open(os.path.join(src, name), "rb").read())
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "report.py"), str(tmp_path)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    fresh = json.loads((tmp_path / "summary.json").read_text())
+    committed = json.loads(open(os.path.join(src, "summary.json")).read())
+    assert fresh == committed  # the committed summary (and chart) come from the committed data
+    assert fresh["machine"]["device"] == "NVIDIA H200"
