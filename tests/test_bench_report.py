@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -34,14 +35,14 @@ def test_run_measures_peers_and_draws_the_chart(tmp_path):
 
 
 def test_committed_gpu_report_matches_its_data(tmp_path):
-    src = os.path.join(BENCH, "results", "h200-report")
-    for name in os.listdir(src):
-        if name.endswith(".json") and name != "summary.json":
-            (tmp_path / name).write_bytes(open(os.path.join(src, name), "rb").read())
+    src = pathlib.Path(BENCH, "results", "h200-report")
+    for f in src.glob("*.json"):
+        if f.name != "summary.json":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
     r = subprocess.run([sys.executable, os.path.join(BENCH, "report.py"), str(tmp_path)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     fresh = json.loads((tmp_path / "summary.json").read_text())
-    committed = json.loads(open(os.path.join(src, "summary.json")).read())
+    committed = json.loads((src / "summary.json").read_text())
     assert fresh == committed  # the committed summary (and chart) come from the committed data
     assert fresh["machine"]["device"] == "NVIDIA H200"
