@@ -12,6 +12,7 @@ try:
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
+from ._flatten import PerRank
 from ._handle import SaveHandle, SaveInfo
 from .errors import (
     CapacityError,
@@ -56,6 +57,7 @@ __all__ = [
     "KeepEvery",
     "KeepEverySeconds",
     "KeepLatest",
+    "PerRank",
     "RetentionPolicy",
     "S3Options",
     "SaveError",

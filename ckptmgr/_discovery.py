@@ -23,7 +23,7 @@ __all__ = [
 
 STEP_DIGITS = 12
 PROTECT_NAME = "protected"  # marker file: the step is kept whatever the retention policy says
-_OUR_FILE_RE = re.compile(r"manifest\.json|data-\d{5,}\.safetensors|protected")
+_OUR_FILE_RE = re.compile(r"manifest\.json|data-(r\d{5}-)?\d{5,}\.safetensors|protected")
 _STEP_RE = re.compile(rf"step_(\d{{{STEP_DIGITS},}})")
 _TEMP_RE = re.compile(rf"\.step_(\d{{{STEP_DIGITS},}})\.tmp-[0-9a-f]{{8,32}}")
 

@@ -23,6 +23,9 @@ numpy array        ``{"$ndarray": name}``; numpy scalar ``{"$npscalar": name}``
 torch.dtype        ``{"$dtype": "float32"}``; torch.device ``{"$device": "cuda:0"}``
 torch.Size         ``{"$size": [2, 3]}``
 Stateful object    ``{"$stateful": "module.Class", "state": <its state_dict()>}``
+PerRank(value)     ``{"$per_rank": <value>}``: saved by every rank for itself
+DTensor            ``{"$dtensor": name, "shape": global, "placements": [...], "mesh": [...]}``;
+                   the tensor stored is this rank's local shard
 anything else      refused, unless pickle is allowed: ``{"$pickle": base64}``
 =================  ===============================================================
 """
@@ -41,7 +44,7 @@ import torch
 
 from .errors import CheckpointCorruptError, UnsupportedValueError
 
-__all__ = ["Leaf", "decode_plain", "encode_plain", "flatten", "is_stateful", "unflatten"]
+__all__ = ["Leaf", "PerRank", "decode_plain", "encode_plain", "flatten", "is_stateful", "unflatten"]
 
 JSON = Any  # a JSON-serialisable value
 _RESERVED_NAMES = frozenset({"__metadata__"})
@@ -54,6 +57,35 @@ class Leaf:
     name: str  # unique key in the safetensors file(s)
     path: str  # where it was found, as Python syntax: state["model"]["w"]
     tensor: torch.Tensor
+    per_rank: bool = False  # under PerRank or a DTensor's local shard: this rank's own
+
+
+class PerRank:
+    """Marks a part of the state that differs between ranks (RNG, data-loader position).
+
+    In a multi-rank job every rank saves its own copy and gets its own back; the rest of the
+    state is taken to be identical on every rank and is written once. Without
+    ``torch.distributed`` the wrapper changes nothing.
+
+    Example:
+        >>> state = {"model": model, "optim": opt, "rng": PerRank(torch.get_rng_state())}  # doctest: +SKIP
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.value!r})"
+
+
+def _dtensor_type() -> type[Any] | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
 
 
 def is_stateful(obj: object) -> bool:
@@ -74,20 +106,23 @@ def _tensor_name(path: tuple[Any, ...]) -> str:
 
 
 class _Flattener:
-    def __init__(self, allow_pickle: bool, root: str = "state") -> None:
+    def __init__(self, allow_pickle: bool, root: str = "state", rank_prefix: str = "") -> None:
         self.allow_pickle = allow_pickle
         self.root = root  # how error messages name the top of the tree
+        self.rank_prefix = rank_prefix  # names of this rank's own tensors start with it
         self.leaves: list[Leaf] = []
         self._names: set[str] = set()
+        self._per_rank = 0  # depth of PerRank wrappers around the value being encoded
 
-    def _add(self, path: tuple[Any, ...], tensor: torch.Tensor) -> str:
-        base = _tensor_name(path)
+    def _add(self, path: tuple[Any, ...], tensor: torch.Tensor, own: bool = False) -> str:
+        own = own or self._per_rank > 0
+        base = (self.rank_prefix if own else "") + _tensor_name(path)
         name, n = base, 0
         while name in self._names or name in _RESERVED_NAMES:
             n += 1
             name = f"{base}~{n}"
         self._names.add(name)
-        self.leaves.append(Leaf(name, _path_str(path, self.root), tensor))
+        self.leaves.append(Leaf(name, _path_str(path, self.root), tensor, own))
         return name
 
     def encode(self, value: Any, path: tuple[Any, ...], *, tensors: bool = True) -> JSON:
@@ -110,6 +145,17 @@ class _Flattener:
             return {"$size": list(value)}
         if tensors and isinstance(value, torch.Tensor) and t in (torch.Tensor, torch.nn.Parameter):
             return {"$tensor": self._add(path, self._check_tensor(value, path))}
+        if t is PerRank:
+            self._per_rank += 1
+            try:
+                return {"$per_rank": self.encode(value.value, path, tensors=tensors)}
+            finally:
+                self._per_rank -= 1
+        dtensor = _dtensor_type() if tensors and isinstance(value, torch.Tensor) else None
+        if dtensor is not None and isinstance(value, dtensor):
+            local = self._check_tensor(value.to_local(), path)
+            return {"$dtensor": self._add(path, local, own=True), "shape": list(value.shape),
+                    "placements": [str(p) for p in value.placements], "mesh": list(value.device_mesh.shape)}
         if tensors and isinstance(value, np.ndarray):
             return {"$ndarray": self._add(path, self._from_numpy(value, path))}
         if tensors and isinstance(value, np.generic):
@@ -169,13 +215,16 @@ class _Flattener:
                 _path_str(path, self.root), f"numpy dtype {a.dtype} has no torch equivalent") from exc
 
 
-def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[JSON, list[Leaf]]:
+def flatten(state: Any, *, allow_pickle: bool = False, rank_prefix: str = "") -> tuple[JSON, list[Leaf]]:
     """Split ``state`` into a JSON skeleton and its tensor leaves.
+
+    ``rank_prefix`` starts the names of this rank's own tensors (under :class:`PerRank`,
+    and DTensor shards), so that every rank's names are distinct in a shared checkpoint.
 
     Raises:
         UnsupportedValueError: a value cannot be stored; the message names its path.
     """
-    f = _Flattener(allow_pickle)
+    f = _Flattener(allow_pickle, rank_prefix=rank_prefix)
     skeleton = f.encode(state, ())
     return skeleton, f.leaves
 
@@ -218,11 +267,13 @@ def unflatten(skeleton: JSON, tensors: dict[str, torch.Tensor], *, allow_pickle:
             return tuple(dec(v) for v in val)
         if tag == "$float":
             return float(val)
-        if tag in ("$tensor", "$ndarray", "$npscalar"):
+        if tag == "$per_rank":
+            return dec(val)
+        if tag in ("$tensor", "$ndarray", "$npscalar", "$dtensor"):
             if val not in tensors:
                 raise CheckpointCorruptError(f"the skeleton names tensor {val!r}, which the checkpoint lacks")
             t = tensors[val]
-            if tag == "$tensor":
+            if tag in ("$tensor", "$dtensor"):  # a DTensor comes back as this rank's local shard
                 return t
             arr = t.cpu().numpy()
             return arr[()] if tag == "$npscalar" else arr

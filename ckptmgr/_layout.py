@@ -66,9 +66,9 @@ DTYPE_TO_ST: dict[torch.dtype, str] = {
 ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 
 
-def file_name(index: int) -> str:
-    """Name of the ``index``-th data file of a checkpoint."""
-    return f"data-{index:05d}.safetensors"
+def file_name(index: int, prefix: str = "data-") -> str:
+    """Name of the ``index``-th data file of a checkpoint (of one rank's share: ``data-r00001-``)."""
+    return f"{prefix}{index:05d}.safetensors"
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -254,7 +254,7 @@ def _assign(entries: list[_Entry], max_file_bytes: int, files_hint: int) -> list
 
 
 def plan_layout(leaves: list[Leaf], *, max_file_bytes: int, metadata: dict[str, str],
-                files_hint: int = 1) -> Plan:
+                files_hint: int = 1, file_prefix: str = "data-") -> Plan:
     """Lay the leaves out in one or more safetensors files.
 
     Args:
@@ -278,5 +278,5 @@ def plan_layout(leaves: list[Leaf], *, max_file_bytes: int, metadata: dict[str, 
             e = entries[i]
             stored.append(StoredTensor(e.name, e.dtype, e.shape, off, off + e.nbytes, e.source))
             off += e.nbytes
-        plans.append(FilePlan(file_name(idx), header_bytes(stored, metadata), stored))
+        plans.append(FilePlan(file_name(idx, file_prefix), header_bytes(stored, metadata), stored))
     return Plan(plans, views)

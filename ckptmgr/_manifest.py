@@ -17,7 +17,7 @@ from .errors import CheckpointCorruptError, FormatVersionError
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "FileRecord", "Manifest"]
 
 FORMAT_NAME = "ckptmgr"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: multi-rank checkpoints (world_size, rank_states); single-process ones stay 1
 MANIFEST_NAME = "manifest.json"
 
 
@@ -55,12 +55,15 @@ class Manifest:
     time: float = field(default_factory=time.time)
     library_version: str = ""
     protected: bool = False
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1
+    world_size: int = 1  # ranks that wrote it
+    rank_states: list[Any] | None = None  # every rank's skeleton (``state`` is rank 0's)
 
     def to_bytes(self) -> bytes:
+        multi = self.world_size > 1
         obj = {
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": 2 if multi else self.format_version,
             "step": self.step,
             "time": self.time,
             "library_version": self.library_version,
@@ -70,6 +73,9 @@ class Manifest:
             "state": self.state,
             "metadata": self.metadata,
         }
+        if multi:
+            obj["world_size"] = self.world_size
+            obj["rank_states"] = self.rank_states
         return json.dumps(obj, indent=1, allow_nan=False, ensure_ascii=False).encode("utf-8")
 
     @classmethod
@@ -99,7 +105,10 @@ class Manifest:
             m = cls(step=int(obj["step"]), state=obj["state"], tensors=dict(obj["tensors"]),
                     files=files, metadata=obj.get("metadata"), time=float(obj["time"]),
                     library_version=str(obj.get("library_version", "")),
-                    protected=bool(obj.get("protected", False)), format_version=version)
+                    protected=bool(obj.get("protected", False)), format_version=version,
+                    world_size=int(obj.get("world_size", 1)), rank_states=obj.get("rank_states"))
+            if m.world_size > 1 and (not isinstance(m.rank_states, list) or len(m.rank_states) != m.world_size):
+                raise ValueError(f"{m.world_size} ranks but {len(m.rank_states or [])} rank states")
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointCorruptError(f"{where}: malformed manifest ({exc!r})") from exc
         for name, entry in m.tensors.items():

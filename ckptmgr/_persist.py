@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from ._local_tier import LocalTier
 from ._manifest import FileRecord, Manifest
 from ._slots import Slot, SlotPool
 from ._staging import StagingJob
-from .targets import Target
+from .targets import StepWriter, Target
 
 __all__ = ["PersistJob", "adopt_local_tier", "persist"]
 
@@ -45,6 +46,9 @@ class PersistJob:
     blocked_s: float
     busy_wait_s: float
     local_commit: bool  # False for a slot adopted from an earlier process (already listed)
+    # multi-rank saves: this rank's file prefix, and the agreement that replaces the commit
+    prefix: str = ""
+    coordinate: Callable[[StepWriter | None, Manifest, BaseException | None], Manifest] | None = None
 
 
 def _checksums(io_pool: ThreadPoolExecutor, arrays: list[np.ndarray[Any, Any]],
@@ -79,8 +83,10 @@ def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, pool: Sl
     if job.local_commit and tier is not None and job.slot.kind == "tmpfs":
         # The local tier checksums the slot on its own threads while the target writes it.
         local = tier.commit_pool.submit(_local_commit, job, tier, pool, arrays, chunk_size)
-    writer = target.begin(m.step)
+    writer: StepWriter | None = None
+    told = False  # the other ranks heard how this save went
     try:
+        writer = target.begin(m.step, job.prefix)
         chunk = next(iter(m.files.values())).chunk_size if m.files else chunk_size
         # Checksums known already (an adopted slot's manifest) or computed beside the write
         # (the local tier's) are not computed again by the writer threads.
@@ -92,20 +98,37 @@ def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, pool: Sl
             known, local_s = local.result()
         for name, hs, arr, crcs in zip(job.names, job.header_sizes, arrays, written, strict=True):
             m.files[name] = known[name] if known_ahead else FileRecord(arr.size, chunk, crcs, hs)
-        writer.commit(m.to_bytes())
-    except BaseException:
-        writer.abort()
+        if job.coordinate is None:
+            writer.commit(m.to_bytes())
+        else:
+            told = True
+            job.coordinate(writer, m, None)
+    except BaseException as exc:
+        if job.coordinate is not None and not told:
+            try:
+                job.coordinate(writer, m, exc)
+            except BaseException:
+                pass  # raising ``exc`` below
+        if writer is not None and not (job.coordinate is not None and _committed(target, m.step)):
+            writer.abort()  # (another rank's commit of this step is never undone)
         if local is not None:
             concurrent.futures.wait([local])
         raise
     t_end = time.perf_counter()
-    info = SaveInfo(step=m.step, url=target.url, bytes=m.total_bytes, files=len(arrays),
+    info = SaveInfo(step=m.step, url=target.url, bytes=sum(a.size for a in arrays), files=len(arrays),
                     staging_s=t_staged - job.t0, persist_s=t_end - t_staged, total_s=t_end - job.t0,
                     blocked_s=job.blocked_s, busy_wait_s=job.busy_wait_s, local_s=local_s)
     log.info("committed step %d: %.1f MB, safe to mutate after %.3f s (caller blocked %.3f s), durable after "
              "%.3f s (%.2f GB/s)", info.step, info.bytes / 1e6, info.staging_s, info.blocked_s, info.total_s,
              info.throughput_gbps)
     return info
+
+
+def _committed(target: Target, step: int) -> bool:
+    try:
+        return step in target.list_steps()
+    except Exception:
+        return False
 
 
 def adopt_local_tier(tier: LocalTier, pool: SlotPool, durable: set[int], root: str) -> list[PersistJob]:

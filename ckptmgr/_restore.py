@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._flatten import decode_plain, is_stateful
+from ._flatten import PerRank, decode_plain, is_stateful
 from .errors import StateMismatchError
 
 __all__ = ["apply_target", "check_target", "target_tensors"]
@@ -34,6 +34,8 @@ class _Applier:
 
     def walk(self, target: Any, ckpt: Any, path: tuple[Any, ...], apply: bool = True) -> Any:
         """Check ``ckpt`` against ``target``; queue the copies; return the result node."""
+        if isinstance(target, PerRank):
+            return self.walk(target.value, ckpt, path, apply)
         if is_stateful(target):
             # Check against what the object holds now; load_state_dict does the copying.
             self.walk(target.state_dict(), ckpt, path, apply=False)
@@ -41,6 +43,7 @@ class _Applier:
                 self.actions.append(lambda: target.load_state_dict(ckpt))
             return target
         if isinstance(target, torch.Tensor):
+            target = local_tensor(target)  # a DTensor is restored through its local shard
             if not isinstance(ckpt, torch.Tensor):
                 self.problems.append(f"{_p(path)}: the target holds a tensor, the checkpoint a {type(ckpt).__name__}")
             elif ckpt.shape != target.shape or ckpt.dtype != target.dtype:
@@ -88,6 +91,12 @@ class _Applier:
         return ckpt  # a plain leaf: the checkpoint's value
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (which shares storage with it); any other tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) and hasattr(t, "placements") else t
+
+
 @torch.no_grad()
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if src is not dst:  # a loader may have landed the bytes in ``dst`` already
@@ -122,9 +131,13 @@ def target_tensors(target: Any, skeleton: Any) -> dict[str, torch.Tensor]:
             return
         tag = next(iter(node))
         val = node[tag]
-        if tag == "$tensor":
+        if isinstance(t, PerRank):
+            t = t.value
+        if tag in ("$tensor", "$dtensor"):
             if isinstance(t, torch.Tensor):
-                out[val] = t
+                out[val] = local_tensor(t)
+        elif tag == "$per_rank":
+            walk(t, val)
         elif tag == "$stateful":
             if is_stateful(t):
                 walk(t.state_dict(), node["state"])

@@ -6,6 +6,7 @@ restore: discover -> manifest -> read + verify -> assemble -> unflatten -> apply
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -18,12 +19,15 @@ import torch
 from . import __version__
 from . import _lifecycle as lifecycle
 from ._deleter import Deleter, StepGuard
+from ._dist import coordinator_for, rank_file_prefix, rank_prefix
+from ._dist_restore import restore_newest_dist, restore_step_dist
+from ._dist_save import coordinate, fingerprints, share_of
 from ._flatten import decode_plain, encode_plain, flatten
 from ._gds import enable_writer
 from ._handle import SaveHandle, SaveInfo
 from ._layout import Plan, plan_layout
 from ._local_tier import LocalTier, open_local_tier
-from ._manifest import FORMAT_VERSION, Manifest
+from ._manifest import Manifest
 from ._persist import PersistJob, adopt_local_tier, persist
 from ._restorer import LOADERS, Restorer
 from ._slots import Slot, SlotPool
@@ -56,6 +60,12 @@ class CheckpointManager:
         s3_options: multipart upload and retries, for ``s3://`` roots.
         allow_pickle: store values of other types with pickle, and load them back. Loading
             pickle runs code from the checkpoint: only enable it for checkpoints you trust.
+        process_group: with ``torch.distributed`` initialized, the ranks that checkpoint
+            together (default: the world). Create the manager, and call ``save``, ``steps``
+            and ``restore``, on every rank: each writes its share, the step commits once all
+            are durable (see docs/DISTRIBUTED.md). Wrap per-rank values in :class:`PerRank`.
+        coordination_timeout: seconds any agreement between ranks may take before
+            :class:`CkptTimeoutError` (a dead rank never hangs the others).
 
     Example:
         >>> import torch
@@ -79,6 +89,8 @@ class CheckpointManager:
         staging: StagingOptions | None = None,
         s3_options: S3Options | None = None,
         allow_pickle: bool = False,
+        process_group: Any = None,
+        coordination_timeout: float = 600.0,
     ) -> None:
         retention = option_or_default(retention, RetentionPolicy, "retention", KeepAll)
         write_options = option_or_default(write_options, WriteOptions, "write_options", WriteOptions)
@@ -88,15 +100,21 @@ class CheckpointManager:
         self._opts = write_options
         self._staging_opts = staging
         self._allow_pickle = bool(allow_pickle)
+        self._fingerprints: dict[str, str] = {}
         self._target = open_target(str(root) if hasattr(root, "__fspath__") else root,
                                    storage_options, io_threads=write_options.io_threads,
                                    direct_io=write_options.direct_io, s3_options=s3_options)
         self.root = self._target.url
         if write_options.gds:
             enable_writer(self._target, self.root)
-        removed = self._target.cleanup()
+        self._coord = coordinator_for(process_group, coordination_timeout)
+        if self._coord is not None:  # one tier per node would be shared by its ranks: none
+            staging = dataclasses.replace(staging, local_tier=False)
+        removed = self._target.cleanup() if self._coord is None or self._coord.is_leader else []
         if removed:
             log.info("removed %d leftovers of interrupted saves under %s", len(removed), self.root)
+        if self._coord is not None:
+            self._coord.barrier("start-up (leftover cleanup)")
         self._guard = StepGuard()
         self._deleter = Deleter(self._target, retention, self._guard)
         self._protect_pending: set[int] = set()
@@ -213,13 +231,21 @@ class CheckpointManager:
             raise
         manifest = Manifest(step=step, state=skeleton, tensors=plan.tensor_index(), files={},
                             metadata=meta_json, library_version=__version__)
-        return self._submit(PersistJob(manifest, [f.name for f in plan.files], [len(f.header) for f in plan.files],
-                                       slot, job, t0, time.perf_counter() - t0, waited, local_commit=True))
+        pjob = PersistJob(manifest, [f.name for f in plan.files], [len(f.header) for f in plan.files],
+                          slot, job, t0, time.perf_counter() - t0, waited, local_commit=True)
+        if self._coord is not None:
+            coordinate(pjob, self._coord, self._target, self._fingerprints)
+        return self._submit(pjob)
 
     def _plan(self, state: Any) -> tuple[Any, Plan, list[int]]:
-        skeleton, leaves = flatten(state, allow_pickle=self._allow_pickle)
+        c = self._coord
+        skeleton, leaves = flatten(state, allow_pickle=self._allow_pickle, rank_prefix=rank_prefix(c.rank) if c else "")
+        if c is not None:  # this rank writes its own tensors and its share of the replicated ones
+            self._fingerprints = fingerprints(leaves)
+            leaves = share_of(leaves, c.rank, c.world)
         plan = plan_layout(leaves, max_file_bytes=self._opts.max_file_bytes, files_hint=self._opts.io_threads,
-                           metadata={"format": "pt", "ckptmgr_format_version": str(FORMAT_VERSION)})
+                           metadata={"format": "pt", "ckptmgr_format_version": "1"},
+                           file_prefix=rank_file_prefix(c.rank) if c else "data-")
         sizes = [f.size for f in plan.files]
         self._pool.check_capacity(sizes)
         return skeleton, plan, sizes
@@ -251,7 +277,7 @@ class CheckpointManager:
                     self._deleter.report(StorageError(f"could not protect step {step} under {self.root}: {exc}"))
             self._protect_pending.discard(step)
             self._pending.pop(step, None)
-        if ok and protected:  # a step meant to be protected is not exposed to this retention run
+        if ok and protected and (self._coord is None or self._coord.is_leader):  # rank 0 decides retention
             self._deleter.schedule()
         with self._idle:
             self._unsettled -= 1
@@ -354,8 +380,10 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending, as the storage shows them now: the durable target's
-        and, when there is one, the local tier's."""
+        and, when there is one, the local tier's. In a multi-rank job, rank 0's listing."""
         self._check_open()
+        if self._coord is not None:
+            return self._coord.broadcast(sorted(self._committed_steps()) if self._coord.is_leader else [], "steps()")
         return sorted(self._committed_steps())
 
     def _committed_steps(self) -> set[int]:
@@ -432,6 +460,10 @@ class CheckpointManager:
             raise ConfigError(f"loader must be one of {', '.join(map(repr, LOADERS))}, got {loader!r}")
         if loader in ("inplace", "ring", "gds") and dev is None and target is None:
             raise ConfigError(f"loader={loader!r} loads onto a device: pass device= or a target")
+        if self._coord is not None and step is not None:
+            return restore_step_dist(self._restorer, self._coord, self._resolve_step(step), target, dev, loader)
+        if self._coord is not None:
+            return restore_newest_dist(self._restorer, self._coord, self.steps(), target, dev, loader)
         if step is not None:
             return self._restorer.restore_step(self._resolve_step(step), target, dev, loader)
         self._check_open()
@@ -480,6 +512,8 @@ class CheckpointManager:
                             kept, self.root, self._tier.path)
             self._tier.close(remove=not kept)
         self._target.close()
+        if self._coord is not None:
+            self._coord.destroy()
 
     def __enter__(self) -> CheckpointManager:
         return self

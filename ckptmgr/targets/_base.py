@@ -26,7 +26,17 @@ __all__ = ["StepWriter", "Target"]
 
 
 class StepWriter(Protocol):
-    """Writes the files of one step, then commits or aborts it."""
+    """Writes the files of one step, then commits or aborts it.
+
+    In a multi-rank save every rank has a writer for the step, made with its own file
+    prefix; only the leader commits, after :meth:`adopt` has gathered the other ranks'
+    files (their ``location``) into its step.
+    """
+
+    location: str  # where this writer's files are before the commit ("" where they are in place)
+
+    def adopt(self, parts: list[tuple[str, list[str]]]) -> None:
+        """Take other writers' files of this step, given as ``(location, names)``."""
 
     def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int, *,
                     checksum: bool = True) -> list[tuple[str, ...]]:
@@ -52,8 +62,9 @@ class Target(Protocol):
     def cleanup(self) -> list[str]:
         """Remove our own leftovers of interrupted saves and deletes; return what was removed."""
 
-    def begin(self, step: int) -> StepWriter:
-        """Start writing ``step``."""
+    def begin(self, step: int, prefix: str = "") -> StepWriter:
+        """Start writing ``step``; with ``prefix``, the writer's leftovers and aborts touch
+        only files whose names start with it (one rank's share of a multi-rank save)."""
 
     def read_manifest(self, step: int) -> bytes:
         """The manifest of a committed step. Raises StepNotFoundError."""

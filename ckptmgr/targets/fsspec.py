@@ -26,16 +26,22 @@ log = logging.getLogger("ckptmgr")
 
 
 class _FsspecStepWriter:
-    def __init__(self, target: FsspecTarget, step: int) -> None:
+    location = ""  # files are written in place; the manifest alone makes them a step
+
+    def __init__(self, target: FsspecTarget, step: int, prefix: str = "") -> None:
         self.target = target
         self.step = step
+        self.prefix = prefix
         self.dir = target._step_dir(step)
         fs = target.fs
         if fs.exists(posixpath.join(self.dir, MANIFEST_NAME)):
             raise StepExistsError(f"step {step} is already committed at {target.url}")
-        if fs.exists(self.dir):  # leftovers of an interrupted save of this step
-            target._remove_ours(self.dir)
+        if fs.exists(self.dir):  # leftovers of an interrupted save of this step (this rank's)
+            target._remove_ours(self.dir, prefix)
         fs.makedirs(self.dir, exist_ok=True)
+
+    def adopt(self, parts: list[tuple[str, list[str]]]) -> None:
+        pass  # every rank's files are in place already
 
     def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int, *,
                     checksum: bool = True) -> list[tuple[str, ...]]:
@@ -60,7 +66,7 @@ class _FsspecStepWriter:
 
     def abort(self) -> None:
         try:
-            self.target._remove_ours(self.dir)
+            self.target._remove_ours(self.dir, self.prefix)
         except Exception:
             pass  # garbage without a manifest; removed at the next start
 
@@ -111,8 +117,8 @@ class FsspecTarget:
                     removed.append(d)
         return removed
 
-    def begin(self, step: int) -> _FsspecStepWriter:
-        return _FsspecStepWriter(self, step)
+    def begin(self, step: int, prefix: str = "") -> _FsspecStepWriter:
+        return _FsspecStepWriter(self, step, prefix)
 
     def read_manifest(self, step: int) -> bytes:
         try:
@@ -141,12 +147,15 @@ class FsspecTarget:
             self.fs.rm_file(posixpath.join(d, MANIFEST_NAME))  # first: from here on the step is gone
         self._remove_ours(d)
 
-    def _remove_ours(self, d: str) -> bool:
-        """Remove our objects under step prefix ``d``; True when nothing else is left."""
+    def _remove_ours(self, d: str, prefix: str = "") -> bool:
+        """Remove our objects under step prefix ``d`` (those starting with ``prefix``); True
+        when nothing else is left."""
         try:
             names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(d, detail=False)]
         except FileNotFoundError:
             return True
+        if prefix:
+            names = [n for n in names if n.startswith(prefix)]
         ours = [posixpath.join(d, n) for n in names if is_our_file(n)]
         if ours:
             self.fs.rm(ours)

@@ -73,6 +73,16 @@ class _LocalStepWriter:
         if os.path.exists(self.final):
             raise StepExistsError(f"step {step} is already committed at {self.final}")
         os.mkdir(self.tmp)
+        self.location = self.tmp
+
+    def adopt(self, parts: list[tuple[str, list[str]]]) -> None:
+        for where, names in parts:
+            if os.path.dirname(os.path.abspath(where)) != self.target.path:
+                raise StorageError(f"{where} is not under {self.target.path}: a rank writes to another root")
+            for name in names:
+                os.rename(os.path.join(where, name), os.path.join(self.tmp, name))
+            with contextlib.suppress(OSError):
+                os.rmdir(where)
 
     def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int, *,
                     checksum: bool = True) -> list[tuple[str, ...]]:
@@ -202,8 +212,8 @@ class LocalTarget:
             return False
         return True
 
-    def begin(self, step: int) -> _LocalStepWriter:
-        return _LocalStepWriter(self, step)
+    def begin(self, step: int, prefix: str = "") -> _LocalStepWriter:
+        return _LocalStepWriter(self, step)  # a directory of its own: a prefix changes nothing
 
     def read_manifest(self, step: int) -> bytes:
         path = os.path.join(self._step_dir(step), MANIFEST_NAME)

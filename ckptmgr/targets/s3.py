@@ -121,9 +121,9 @@ class _Retrying:
 class _S3StepWriter(_FsspecStepWriter):
     target: S3Target
 
-    def __init__(self, target: S3Target, step: int) -> None:
-        target.abort_uploads(target.key(step, ""))  # leftovers of an interrupted save of this step
-        super().__init__(target, step)
+    def __init__(self, target: S3Target, step: int, prefix: str = "") -> None:
+        target.abort_uploads(target.key(step, prefix))  # leftovers of an interrupted save of this step
+        super().__init__(target, step, prefix)
         self._uploads: dict[str, str] = {}  # key -> upload id, while open
         self._mu = threading.Lock()
 
@@ -275,8 +275,8 @@ class S3Target(FsspecTarget):
         aborted = [f"s3://{self.bucket}/{k} (incomplete upload)" for k in self.abort_uploads(base + "step_")]
         return aborted + super().cleanup()
 
-    def begin(self, step: int) -> _S3StepWriter:
-        return _S3StepWriter(self, step)
+    def begin(self, step: int, prefix: str = "") -> _S3StepWriter:
+        return _S3StepWriter(self, step, prefix)
 
     def delete(self, step: int) -> None:
         super().delete(step)
