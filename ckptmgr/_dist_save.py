@@ -114,7 +114,7 @@ def _first_difference(a: Any, b: Any, path: str = "state") -> str:
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             if x != y:
                 return _first_difference(x, y, f"{path}[{i}]")
-    return f"{path} ({a!r:.60} on rank 0, {b!r:.60} here)"
+    return f"{path} ({a!r:.60} on rank 0, {b!r:.60} here)"  # "here": the caller names the rank
 
 
 def _merge(parts: list[RankPart], template: Manifest) -> Manifest:
@@ -126,7 +126,8 @@ def _merge(parts: list[RankPart], template: Manifest) -> Manifest:
             raise SaveError(f"rank {p.rank} saved step {p.step} while rank 0 saved step {lead.step}")
         if _replicated_view(p.state) != base:
             raise SaveError(
-                f"rank {p.rank}'s state differs from rank 0's at {_first_difference(base, _replicated_view(p.state))}; "
+                f"rank {p.rank}'s state differs from rank 0's at "
+                f"{_first_difference(base, _replicated_view(p.state)).replace(' here)', f' on rank {p.rank})')}; "
                 "values that differ between ranks must be wrapped in ckptmgr.PerRank(...)")
         for path, crc in p.fingerprints.items():
             if lead.fingerprints.get(path, crc) != crc:

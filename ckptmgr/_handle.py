@@ -112,9 +112,10 @@ class SaveHandle:
         """
         try:
             info = self._future.result(timeout)
-        except FutureTimeout:
-            raise CkptTimeoutError(f"save of step {self.step} not finished after {timeout} s") from None
         except BaseException as exc:
+            # (a failure of the save itself may be a TimeoutError too: a rank did not answer)
+            if isinstance(exc, FutureTimeout) and not self._future.done():
+                raise CkptTimeoutError(f"save of step {self.step} not finished after {timeout} s") from None
             with self._lock:
                 self._observed = True
             if isinstance(exc, SaveSkippedError):

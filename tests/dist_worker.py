@@ -98,7 +98,7 @@ def main() -> None:
             else:
                 import time
 
-                time.sleep(timeout + 10)
+                time.sleep(timeout + 3)
         elif scenario == "mismatch":
             try:
                 mgr.save(7, {"model": model, "loader_pos": 100 + rank}).result()
