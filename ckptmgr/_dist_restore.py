@@ -87,13 +87,14 @@ def restore_step_dist(restorer: Restorer, coord: Coordinator, step: int, target:
     own.update({n: e for n, e in m.tensors.items() if e.get("view_of") in own})
     sub = Manifest(step=step, state=state, tensors=own, files=mine, metadata=m.metadata, time=m.time)
     dests: dict[str, torch.Tensor] = {}
+    dtensors: dict[str, torch.Tensor] = {}  # the target's DTensors, by stored name of their shard
     error: CkptError | None = None
     try:
         if target is not None:
             from ._restorer import _placeholders
 
             check_target(target, unflatten(state, _placeholders(m), allow_pickle=restorer.allow_pickle))
-            dests = target_tensors(target, state)
+            dests = target_tensors(target, state, dtensors)
             if device is None:
                 device = next((t.device for t in dests.values() if t.device.type == "cuda"), None)
     except CkptError as exc:
@@ -130,6 +131,11 @@ def restore_step_dist(restorer: Restorer, coord: Coordinator, step: int, target:
     for name, e in m.tensors.items():
         if "view_of" in e and name not in loaded and e["view_of"] in loaded:
             loaded[name] = _view(loaded[e["view_of"]], e)
+    for name, dt in dtensors.items():  # shards come back as the target's DTensors (optimizers need them)
+        local = dt.to_local()  # type: ignore[attr-defined]
+        if local.data_ptr() != loaded[name].data_ptr():
+            local.copy_(loaded[name])
+        loaded[name] = dt
     tree = unflatten(state, loaded, allow_pickle=restorer.allow_pickle)
     return tree if target is None else apply_target(target, tree)
 

@@ -44,6 +44,7 @@ class _Applier:
             return target
         if isinstance(target, torch.Tensor):
             target = local_tensor(target)  # a DTensor is restored through its local shard
+            ckpt = local_tensor(ckpt) if isinstance(ckpt, torch.Tensor) else ckpt
             if not isinstance(ckpt, torch.Tensor):
                 self.problems.append(f"{_p(path)}: the target holds a tensor, the checkpoint a {type(ckpt).__name__}")
             elif ckpt.shape != target.shape or ckpt.dtype != target.dtype:
@@ -115,7 +116,8 @@ def check_target(target: Any, ckpt: Any) -> None:
         raise StateMismatchError(a.problems)
 
 
-def target_tensors(target: Any, skeleton: Any) -> dict[str, torch.Tensor]:
+def target_tensors(target: Any, skeleton: Any, originals: dict[str, torch.Tensor] | None = None
+                   ) -> dict[str, torch.Tensor]:
     """Stored tensor name -> the target's tensor at the same place in the tree, for every
     place where the target holds a tensor (through ``state_dict()`` for Stateful objects,
     whose tensors share storage with the object's own)."""
@@ -136,6 +138,8 @@ def target_tensors(target: Any, skeleton: Any) -> dict[str, torch.Tensor]:
         if tag in ("$tensor", "$dtensor"):
             if isinstance(t, torch.Tensor):
                 out[val] = local_tensor(t)
+                if originals is not None and tag == "$dtensor":
+                    originals[val] = t
         elif tag == "$per_rank":
             walk(t, val)
         elif tag == "$stateful":

@@ -39,7 +39,8 @@ def test_round_trip_of_replicated_and_per_rank_state(tmp_path, world):
     assert rcs == [0] * world
     assert all(s["steps"] == [1, 2, 3] for s in saved)
     step_dir = os.path.join(root, "step_000000000003")
-    assert sorted(os.listdir(step_dir)) == [f"data-r{r:05d}-00000.safetensors" for r in range(world)] + ["manifest.json"]
+    files = [f"data-r{r:05d}-00000.safetensors" for r in range(world)]
+    assert sorted(os.listdir(step_dir)) == [*files, "manifest.json"]
     with open(os.path.join(step_dir, "manifest.json")) as f:
         m = json.load(f)
     assert m["world_size"] == world and m["format_version"] == 2
@@ -110,5 +111,6 @@ def test_per_rank_marker_is_transparent_in_one_process(root):
 
     with CheckpointManager(root) as mgr:
         mgr.save(1, {"w": torch.ones(3), "r": PerRank({"pos": 5, "t": torch.arange(4)})}).result()
-        out = mgr.restore(target={"w": torch.zeros(3), "r": PerRank({"pos": 0, "t": torch.zeros(4, dtype=torch.int64)})})
+        target = {"w": torch.zeros(3), "r": PerRank({"pos": 0, "t": torch.zeros(4, dtype=torch.int64)})}
+        out = mgr.restore(target=target)
     assert out["r"]["pos"] == 5 and torch.equal(out["r"]["t"], torch.arange(4)) and torch.equal(out["w"], torch.ones(3))
