@@ -163,7 +163,7 @@ def main() -> None:
              "", "| mode / tool | state GiB | save call s | durable s | write GB/s | restore s | identical |",
              "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
-        total = r["state_bytes_per_rank"] if name.startswith("ddp") else r["state_bytes_per_rank"]
+        total = r["state_bytes_per_rank"]  # the whole state (global sizes), written once either way
         lines.append(f"| {name} | {total / 2**30:.1f} | {r['blocked_s']:.2f} | {r['durable_s']:.2f} | "
                      f"{total / r['durable_s'] / 1e9:.2f} | {r['restore_s']:.2f} | {r['identical']} |")
     print("\n".join(lines))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|report|staging4|staging16|training|restore4|restore16|restore10k|parts4|cold4|lightning]...
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|report|dist|staging4|staging16|training|restore4|restore16|restore10k|parts4|cold4|lightning]...
 # Packages the GPU image lacks are installed from .whl/ when present.
 set -uo pipefail
 out="${1:?output directory}"; shift
@@ -34,6 +34,8 @@ for part in "${parts[@]}"; do
     lightning) python3 benchmarks/bench_lightning.py --steps 40 --every 10 --out "$out/lightning.json" 2>&1 | tee "$out/lightning.txt" ;;
     report) python3 benchmarks/run.py --out "$out/report" --scratch /var/tmp/ckptmgr-bench-run \
               --commit "${CKPTMGR_COMMIT:?set CKPTMGR_COMMIT to the commit of this tree (the GPU copy has no current git HEAD)}" 2>&1 | tee "$out/report.txt" ;;
+    dist) python3 benchmarks/bench_distributed.py --commit "${CKPTMGR_COMMIT:-unknown}" --out "$out/distributed.json" \
+              2>&1 | tee "$out/distributed.txt"; rm -rf /var/tmp/ckptmgr-bench-dist ;;
     restore10k) (cd benchmarks && python3 bench_restore.py --gib 1 --tensors 10000 --out "$out/restore10k.json") 2>&1 | tee "$out/restore10k.txt" ;;
   esac
 done
