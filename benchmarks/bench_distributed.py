@@ -111,7 +111,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             if mgr is not None:
                 target = {"model": fresh_model, "optim": fresh_opt, "step": 0,
                           "rng": PerRank(torch.cuda.get_rng_state())}
-                mgr.restore(2, target=target)
+                mgr.restore(2, target=target, loader=args.loader)
             else:
                 msd, osd = get_state_dict(fresh_model, fresh_opt)
                 sd = {"model": msd, "optim": osd}
@@ -146,6 +146,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--modes", default="ddp,fsdp2")
+    ap.add_argument("--loader", default="auto", help="ckptmgr's restore loader")
     ap.add_argument("--dir", default="/var/tmp/ckptmgr-bench-dist")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "distributed.json"))
