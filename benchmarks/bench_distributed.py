@@ -12,6 +12,9 @@ it into a freshly initialized model and optimizer:
 * DCP: ``dcp.save``/``dcp.load`` of ``get_state_dict``/``set_state_dict`` (its planner also
   writes a replicated tensor once).
 
+Before each restore the page cache of the checkpoint's files is dropped, so both tools read
+from the disk.
+
 Reports, per tool and mode: the time the save call held the ranks, the time to durable (the
 slowest rank), the aggregate write throughput, the restore time, and whether the restored
 state is bit-identical to the saved one. Prints a table and writes JSON.
@@ -67,6 +70,19 @@ def fingerprint(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
     return float(total)
 
 
+def evict(d: str) -> None:
+    """Drop the page cache of every file under ``d``: restores read from the disk, whichever
+    way the files were written (ckptmgr writes with O_DIRECT, DCP through the cache)."""
+    for base, _, names in os.walk(d):
+        for n in names:
+            fd = os.open(os.path.join(base, n), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def sync() -> None:
     torch.cuda.synchronize()
     dist.barrier()
@@ -106,6 +122,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             sync()
             fresh_model, fresh_opt = build(mode, args.width, args.layers, rank, seed=1)
             step(fresh_model, fresh_opt, args.width)  # optimizer state exists, with other values
+            if rank == 0:
+                evict(d)
             sync()
             t0 = time.perf_counter()
             if mgr is not None:
