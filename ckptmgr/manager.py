@@ -29,6 +29,7 @@ from ._layout import Plan, plan_layout
 from ._local_tier import LocalTier, open_local_tier
 from ._manifest import Manifest
 from ._persist import PersistJob, adopt_local_tier, persist
+from ._protection import Protection
 from ._restorer import LOADERS, Restorer
 from ._slots import Slot, SlotPool
 from ._staging import Stager
@@ -42,7 +43,7 @@ __all__ = ["CheckpointManager"]
 
 log = logging.getLogger("ckptmgr")
 
-class CheckpointManager:
+class CheckpointManager(Protection):
     """Saves training state as committed safetensors checkpoints and restores it.
 
     Each ``save`` copies the state off the caller's tensors, then writes and commits it in
@@ -282,47 +283,6 @@ class CheckpointManager:
         with self._idle:
             self._unsettled -= 1
             self._idle.notify_all()
-
-    def protect(self, step: int) -> None:
-        """Keep ``step`` whatever the retention policy says, until :meth:`unprotect`.
-
-        Recorded durably beside the checkpoint (a ``protected`` marker in its directory), so
-        it holds for every later manager on this root. A step still being saved is protected
-        as soon as it commits.
-
-        Raises:
-            StepNotFoundError: ``step`` is neither committed on the root nor being saved.
-        """
-        self._check_open()
-        self._check_step(step)
-        with self._lock:
-            if step in self._pending:
-                self._protect_pending.add(step)
-                return
-        self._target.set_protected(step, True)
-
-    def unprotect(self, step: int) -> None:
-        """Let the retention policy decide about ``step`` again (from the next commit on).
-
-        Raises:
-            StepNotFoundError: ``step`` is neither committed on the root nor being saved.
-        """
-        self._check_open()
-        self._check_step(step)
-        with self._lock:
-            if step in self._pending:
-                self._protect_pending.discard(step)
-                return
-        self._target.set_protected(step, False)
-
-    def is_protected(self, step: int) -> bool:
-        """Whether ``step`` is protected from retention."""
-        self._check_open()
-        self._check_step(step)
-        with self._lock:
-            if step in self._protect_pending:
-                return True
-        return self._target.is_protected(step)
 
     @staticmethod
     def _check_step(step: object) -> None:

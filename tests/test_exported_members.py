@@ -18,6 +18,7 @@ EXPECTED = [
     "KeepEvery",
     "KeepEverySeconds",
     "KeepLatest",
+    "PerRank",
     "RetentionPolicy",
     "S3Options",
     "SaveError",
