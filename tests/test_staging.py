@@ -336,9 +336,9 @@ def test_a_protection_that_cannot_be_written_is_reported(root, monkeypatch):
         gate = threading.Event()
         real = LocalTarget.begin
 
-        def slow_begin(self, step):
+        def slow_begin(self, step, prefix=""):
             gate.wait(10)
-            return real(self, step)
+            return real(self, step, prefix)
 
         monkeypatch.setattr(LocalTarget, "begin", slow_begin)
         mgr.save(1, big_state())
