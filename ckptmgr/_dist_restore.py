@@ -23,6 +23,7 @@ from ._layout import ST_TO_DTYPE
 from ._manifest import Manifest
 from ._restore import apply_target, check_target, target_tensors
 from .errors import CheckpointCorruptError, CkptError, ConfigError, StateMismatchError, StepNotFoundError
+from .loaders.host import view_of
 
 if TYPE_CHECKING:
     from ._restorer import Restorer
@@ -66,14 +67,6 @@ def _manifest(restorer: Restorer, coord: Coordinator, step: int) -> Manifest:
             f"step {step} under {restorer.target.url} was saved by {m.world_size} rank(s); this job has "
             f"{coord.world}. Restoring at another world size is not supported yet.")
     return m
-
-
-def _view(base: torch.Tensor, e: dict[str, Any]) -> torch.Tensor:
-    dtype = ST_TO_DTYPE[e["dtype"]]
-    item = torch.empty(0, dtype=dtype).element_size()
-    raw = base.reshape(-1).view(torch.uint8)
-    typed = raw[: raw.numel() // item * item].view(dtype)
-    return typed.as_strided(e["shape"], e["stride"], int(e["byte_offset"]) // item)
 
 
 def restore_step_dist(restorer: Restorer, coord: Coordinator, step: int, target: Any,
@@ -130,7 +123,7 @@ def restore_step_dist(restorer: Restorer, coord: Coordinator, step: int, target:
         loaded[name] = buf
     for name, e in m.tensors.items():
         if "view_of" in e and name not in loaded and e["view_of"] in loaded:
-            loaded[name] = _view(loaded[e["view_of"]], e)
+            loaded[name] = view_of(loaded[e["view_of"]], name, e, f"{restorer.target.url}: step {step}")
     for name, dt in dtensors.items():  # shards come back as the target's DTensors (optimizers need them)
         local = dt.to_local()  # type: ignore[attr-defined]
         if local.data_ptr() != loaded[name].data_ptr():

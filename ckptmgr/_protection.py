@@ -8,7 +8,10 @@ for every later manager on the root. A step still being saved is protected when 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .targets import Target
@@ -23,13 +26,21 @@ class Protection:
     _pending: dict[int, Any]
     _protect_pending: set[int]
     _target: Target
-
-    def _check_open(self) -> None:
-        raise NotImplementedError
+    _check_open: Callable[[], None]  # the manager's: raises once it is closed
 
     @staticmethod
     def _check_step(step: object) -> None:
-        raise NotImplementedError
+        if type(step) is not int or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+
+    def _set_protection(self, step: int, protected: bool) -> None:
+        self._check_open()
+        self._check_step(step)
+        with self._lock:
+            if step in self._pending:  # applied when it commits
+                (self._protect_pending.add if protected else self._protect_pending.discard)(step)
+                return
+        self._target.set_protected(step, protected)
 
     def protect(self, step: int) -> None:
         """Keep ``step`` whatever the retention policy says, until :meth:`unprotect`.
@@ -41,13 +52,7 @@ class Protection:
         Raises:
             StepNotFoundError: ``step`` is neither committed on the root nor being saved.
         """
-        self._check_open()
-        self._check_step(step)
-        with self._lock:
-            if step in self._pending:
-                self._protect_pending.add(step)
-                return
-        self._target.set_protected(step, True)
+        self._set_protection(step, True)
 
     def unprotect(self, step: int) -> None:
         """Let the retention policy decide about ``step`` again (from the next commit on).
@@ -55,13 +60,7 @@ class Protection:
         Raises:
             StepNotFoundError: ``step`` is neither committed on the root nor being saved.
         """
-        self._check_open()
-        self._check_step(step)
-        with self._lock:
-            if step in self._pending:
-                self._protect_pending.discard(step)
-                return
-        self._target.set_protected(step, False)
+        self._set_protection(step, False)
 
     def is_protected(self, step: int) -> bool:
         """Whether ``step`` is protected from retention."""

@@ -75,7 +75,7 @@ def _header_problems(raw: bytes, fname: str, manifest: Manifest) -> list[str]:
     return out
 
 
-def verify_step(target: Target, step: int, *, threads: int = 8,
+def verify_step(target: Target, step: int, *, threads: int = 8, manifest: Manifest | None = None,
                 on_bytes: Callable[[int], None] | None = None) -> StepReport:
     """Check every file of ``step`` on ``target`` against the manifest.
 
@@ -83,6 +83,7 @@ def verify_step(target: Target, step: int, *, threads: int = 8,
         target: the checkpoint root.
         step: a committed step.
         threads: parallel chunk reads.
+        manifest: the step's manifest when the caller has read it already.
         on_bytes: called (from worker threads) with the size of each chunk verified.
 
     Returns:
@@ -94,7 +95,8 @@ def verify_step(target: Target, step: int, *, threads: int = 8,
     """
     report = StepReport(step)
     try:
-        manifest = Manifest.from_bytes(target.read_manifest(step), where=file_url(target, step, "manifest.json"))
+        if manifest is None:
+            manifest = Manifest.from_bytes(target.read_manifest(step), where=file_url(target, step, "manifest.json"))
     except StepNotFoundError:
         raise
     except CkptError as exc:

@@ -101,7 +101,6 @@ class CheckpointManager(Protection):
         self._opts = write_options
         self._staging_opts = staging
         self._allow_pickle = bool(allow_pickle)
-        self._fingerprints: dict[str, str] = {}
         self._target = open_target(str(root) if hasattr(root, "__fspath__") else root,
                                    storage_options, io_threads=write_options.io_threads,
                                    direct_io=write_options.direct_io, s3_options=s3_options)
@@ -214,7 +213,7 @@ class CheckpointManager(Protection):
                 f"step {step} is already committed under {self.root}; committed checkpoints are never overwritten")
         t0 = time.perf_counter()
         meta_json = encode_plain(metadata or {}, what="metadata")
-        skeleton, plan, sizes = self._plan(state)
+        skeleton, plan, sizes, fps = self._plan(state)
         opts = self._staging_opts
         slot, waited = self._pool.acquire(wait=opts.on_busy == "wait", timeout=opts.busy_timeout)
         if slot is None:
@@ -235,21 +234,24 @@ class CheckpointManager(Protection):
         pjob = PersistJob(manifest, [f.name for f in plan.files], [len(f.header) for f in plan.files],
                           slot, job, t0, time.perf_counter() - t0, waited, local_commit=True)
         if self._coord is not None:
-            coordinate(pjob, self._coord, self._target, self._fingerprints)
+            coordinate(pjob, self._coord, self._target, fps)
         return self._submit(pjob)
 
-    def _plan(self, state: Any) -> tuple[Any, Plan, list[int]]:
+    def _plan(self, state: Any) -> tuple[Any, Plan, list[int], dict[str, str]]:
+        """Skeleton, this rank's file plan, file sizes, and (multi-rank) the fingerprints of
+        small replicated tensors that the commit compares across ranks."""
         c = self._coord
         skeleton, leaves = flatten(state, allow_pickle=self._allow_pickle, rank_prefix=rank_prefix(c.rank) if c else "")
+        fps: dict[str, str] = {}
         if c is not None:  # this rank writes its own tensors and its share of the replicated ones
-            self._fingerprints = fingerprints(leaves)
+            fps = fingerprints(leaves)
             leaves = share_of(leaves, c.rank, c.world)
         plan = plan_layout(leaves, max_file_bytes=self._opts.max_file_bytes, files_hint=self._opts.io_threads,
                            metadata={"format": "pt", "ckptmgr_format_version": "1"},
                            file_prefix=rank_file_prefix(c.rank) if c else "data-")
         sizes = [f.size for f in plan.files]
         self._pool.check_capacity(sizes)
-        return skeleton, plan, sizes
+        return skeleton, plan, sizes, fps
 
     def prepare(self, state: Any) -> None:
         """Create and pin the staging slots for ``state`` now, in the background, so that the
@@ -260,7 +262,7 @@ class CheckpointManager(Protection):
             CapacityError: the state does not fit ``StagingOptions.max_host_bytes``.
         """
         self._check_open()
-        _, _, sizes = self._plan(state)
+        _, _, sizes, _ = self._plan(state)
         thread = threading.Thread(target=self._pool.prepare, args=(sizes,), name="ckptmgr-prepare")
         thread.start()
         self._threads.append(thread)
@@ -283,11 +285,6 @@ class CheckpointManager(Protection):
         with self._idle:
             self._unsettled -= 1
             self._idle.notify_all()
-
-    @staticmethod
-    def _check_step(step: object) -> None:
-        if type(step) is not int or step < 0:
-            raise ConfigError(f"step must be a non-negative int, got {step!r}")
 
     def _raise_unobserved(self) -> None:
         deletion_error = self._deleter.take_error()

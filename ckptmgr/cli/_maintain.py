@@ -19,11 +19,11 @@ __all__ = ["cmd_prune", "cmd_verify", "policy_from_args"]
 def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> int:
     target = ctx.target(args.root)
     steps = [ctx.step(target, args.step)] if args.step is not None else target.list_steps()
-    total = sum(m.total_bytes for m in manifests(ctx, target, steps).values())
+    found = manifests(ctx, target, steps)
     reports: list[StepReport] = []
-    with progress(total, "verify", enabled=ctx.show_progress) as bar:
+    with progress(sum(m.total_bytes for m in found.values()), "verify", enabled=ctx.show_progress) as bar:
         for step in steps:
-            reports.append(verify_step(target, step, threads=args.threads, on_bytes=bar.update))
+            reports.append(verify_step(target, step, threads=args.threads, manifest=found[step], on_bytes=bar.update))
     if ctx.json:
         print_json({"root": target.url, "ok": all(r.ok for r in reports),
                     "steps": [{"step": r.step, "ok": r.ok, "files": r.files, "bytes": r.bytes,

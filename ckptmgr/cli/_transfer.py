@@ -23,10 +23,11 @@ import numpy as np
 import torch
 
 from .._checksum import chunk_ranges, crc32c_hex
-from .._layout import ST_TO_DTYPE, StoredTensor, header_bytes
+from .._layout import StoredTensor, header_bytes
 from .._manifest import Manifest
 from .._verify import file_url
 from ..errors import CheckpointCorruptError, ConfigError, StepExistsError
+from ..loaders.host import view_of
 from ..targets import Target
 from ._context import Ctx
 from ._render import Progress, human_bytes, plain_tree, print_json, progress
@@ -89,12 +90,9 @@ def _stream(target: Target, step: int, m: Manifest, fname: str, out: _Out | None
 
 
 def _view(m: Manifest, name: str, bases: dict[str, np.ndarray[Any, Any]]) -> torch.Tensor:
+    """The view ``name`` as a tensor of its own, from its base's verified bytes."""
     e = m.tensors[name]
-    base = e["view_of"]
-    raw = torch.from_numpy(bases[base])
-    item = torch.empty(0, dtype=ST_TO_DTYPE[e["dtype"]]).element_size()
-    typed = raw[: raw.numel() // item * item].view(ST_TO_DTYPE[e["dtype"]])
-    return typed.as_strided(e["shape"], e["stride"], e["byte_offset"] // item).contiguous()
+    return view_of(torch.from_numpy(bases[e["view_of"]]), name, e, f"step {m.step}").contiguous()
 
 
 def _write_file(path: str, header: bytes, pieces: list[bytes]) -> None:

@@ -34,7 +34,7 @@ class Source(Protocol):
 
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None: ...
 
-__all__ = ["Source", "check_file_size", "read_tensors"]
+__all__ = ["Source", "check_file_size", "read_tensors", "view_of"]
 
 _CPU = torch.device("cpu")
 _Region = tuple[int, np.ndarray[Any, Any]]  # (offset in the file, uint8 destination)
@@ -116,19 +116,29 @@ def _build_views(manifest: Manifest, out: dict[str, torch.Tensor], where: str) -
         base = out.get(e["view_of"])
         if base is None:
             raise CheckpointCorruptError(f"{where}: view {name!r} of a tensor that is not stored")
-        dtype = _dtype(e["dtype"], where)
-        shape, stride, offset = list(e["shape"]), list(e["stride"]), int(e["byte_offset"])
-        if len(shape) != len(stride) or min(stride, default=0) < 0:
-            raise CheckpointCorruptError(f"{where}: view {name!r} has a bad shape or stride")
-        extent = 0 if 0 in shape else 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
-        if offset < 0 or offset + extent * dtype.itemsize > base.numel() * base.element_size():
-            raise CheckpointCorruptError(f"{where}: view {name!r} reaches outside its base")
-        start = base.storage_offset() * base.element_size() + offset  # the base may itself sit inside a buffer
-        if start % dtype.itemsize:
-            raise CheckpointCorruptError(f"{where}: view {name!r} is not aligned to its dtype")
-        view = torch.empty(0, dtype=dtype, device=base.device)
-        view.set_(base.untyped_storage(), start // dtype.itemsize, shape, stride)
-        out[name] = view
+        out[name] = view_of(base, name, e, where)
+
+
+def view_of(base: torch.Tensor, name: str, e: dict[str, Any], where: str) -> torch.Tensor:
+    """The view ``name`` (index entry ``e``) into the stored tensor ``base``, checked to lie
+    inside it and to be aligned (it shares ``base``'s storage).
+
+    Raises:
+        CheckpointCorruptError: the entry does not describe a view inside ``base``.
+    """
+    dtype = _dtype(e["dtype"], where)
+    shape, stride, offset = list(e["shape"]), list(e["stride"]), int(e["byte_offset"])
+    if len(shape) != len(stride) or min(stride, default=0) < 0:
+        raise CheckpointCorruptError(f"{where}: view {name!r} has a bad shape or stride")
+    extent = 0 if 0 in shape else 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+    if offset < 0 or offset + extent * dtype.itemsize > base.numel() * base.element_size():
+        raise CheckpointCorruptError(f"{where}: view {name!r} reaches outside its base")
+    start = base.storage_offset() * base.element_size() + offset  # the base may itself sit inside a buffer
+    if start % dtype.itemsize:
+        raise CheckpointCorruptError(f"{where}: view {name!r} is not aligned to its dtype")
+    view = torch.empty(0, dtype=dtype, device=base.device)
+    view.set_(base.untyped_storage(), start // dtype.itemsize, shape, stride)
+    return view
 
 
 def read_tensors(target: Source, step: int, manifest: Manifest, *, verify: bool = True,
