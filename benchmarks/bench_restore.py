@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 import ckptmgr
+import ckptmgr.storage.cufile
 from ckptmgr import CheckpointManager, StagingOptions
 
 
@@ -157,7 +158,7 @@ def main() -> None:
         "ckptmgr one-shot restore(cuda, loader='inplace') [verified]": one_shot(device="cuda", loader="inplace"),
         "ckptmgr one-shot restore(target=GPU tensors) [ring, verified]": one_shot(target=target),
     }
-    if ckptmgr._gds.installed():
+    if ckptmgr.storage.cufile.installed():
         tools["ckptmgr one-shot restore(cuda, loader='gds') [kvikio]"] = one_shot(device="cuda", loader="gds")
     if mgr._tier is not None:
         tools["ckptmgr in the saving process [pinned slot, verified]"] = lambda: mgr.restore(1, device="cuda")

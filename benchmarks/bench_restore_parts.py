@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ckptmgr import _cuda
-from ckptmgr._checksum import crc32c_hex
+from ckptmgr.format.checksum import crc32c_hex
 
 MiB = 1 << 20
 

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from s3_proxy import FaultyProxy, start_moto
 
 from ckptmgr import S3Options
-from ckptmgr.targets import open_target
+from ckptmgr.storage import open_target
 
 
 def main() -> None:

@@ -12,8 +12,6 @@ try:
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
-from ._flatten import PerRank
-from ._handle import SaveHandle, SaveInfo
 from .errors import (
     CapacityError,
     CheckpointCorruptError,
@@ -29,9 +27,11 @@ from .errors import (
     StorageError,
     UnsupportedValueError,
 )
-from .loaders import load_file
+from .format.tree import PerRank
+from .handle import SaveHandle, SaveInfo
 from .manager import CheckpointManager
 from .options import S3Options, StagingOptions, WriteOptions
+from .restore.loaders import load_file
 from .retention import (
     AnyOf,
     KeepAll,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import ConfigError
 
 if TYPE_CHECKING:
-    from .targets import Target
+    from .storage import Target
 
 __all__ = ["Protection"]
 

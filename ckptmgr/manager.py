@@ -18,26 +18,26 @@ import torch
 
 from . import __version__
 from . import _lifecycle as lifecycle
-from ._deleter import Deleter, StepGuard
-from ._dist import coordinator_for, rank_file_prefix, rank_prefix
-from ._dist_restore import restore_newest_dist, restore_step_dist
-from ._dist_save import coordinate, fingerprints, share_of
-from ._flatten import decode_plain, encode_plain, flatten
-from ._gds import enable_writer
-from ._handle import SaveHandle, SaveInfo
-from ._layout import Plan, plan_layout
-from ._local_tier import LocalTier, open_local_tier
-from ._manifest import Manifest
-from ._persist import PersistJob, adopt_local_tier, persist
 from ._protection import Protection
-from ._restorer import LOADERS, Restorer
-from ._slots import Slot, SlotPool
-from ._staging import Stager
+from .distributed.coordinator import coordinator_for, rank_file_prefix, rank_prefix
+from .distributed.restore import restore_newest_dist, restore_step_dist
+from .distributed.save import coordinate, fingerprints, share_of
 from .errors import CkptTimeoutError, ConfigError, StepExistsError, StepNotFoundError, StorageError
-from .loaders import PinnedRing
+from .format.layout import Plan, plan_layout
+from .format.manifest import Manifest
+from .format.tree import decode_plain, encode_plain, flatten
+from .handle import SaveHandle, SaveInfo
 from .options import S3Options, StagingOptions, WriteOptions, option_or_default
+from .restore.loaders import PinnedRing
+from .restore.restorer import LOADERS, Restorer
 from .retention import KeepAll, RetentionPolicy
-from .targets import Target, open_target
+from .retention.deleter import Deleter, StepGuard
+from .save.persist import PersistJob, adopt_local_tier, persist
+from .save.slots import Slot, SlotPool
+from .save.staging import Stager
+from .storage import Target, open_target
+from .storage.cufile import enable_writer
+from .storage.tier import LocalTier, open_local_tier
 
 __all__ = ["CheckpointManager"]
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 from ckptmgr import CheckpointManager, StagingOptions
-from ckptmgr.targets import local
+from ckptmgr.storage import local
 
 
 def pending_state() -> dict:

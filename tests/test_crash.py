@@ -13,7 +13,7 @@ from conftest import assert_tree_equal
 from crash_writer import crash_state
 
 from ckptmgr import CheckpointManager
-from ckptmgr._discovery import step_name
+from ckptmgr.format.naming import step_name
 
 WRITER = os.path.join(os.path.dirname(__file__), "crash_writer.py")
 

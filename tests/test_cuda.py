@@ -142,7 +142,7 @@ def test_restore_lands_in_the_gpu_target_without_new_gpu_memory(root, loader, ti
 
 
 def test_a_step_in_this_process_is_copied_from_its_pinned_slot(root, monkeypatch):
-    import ckptmgr._restorer as restorer_mod
+    import ckptmgr.restore.restorer as restorer_mod
 
     used = []
     real = restorer_mod.read_tensors_pinned
@@ -158,7 +158,7 @@ def test_a_step_in_this_process_is_copied_from_its_pinned_slot(root, monkeypatch
 
 def test_kvikio_writes_and_reads_for_real(root):
     pytest.importorskip("kvikio")
-    import ckptmgr._gds as gds
+    import ckptmgr.storage.cufile as gds
     from ckptmgr import WriteOptions
 
     state = gpu_state(6)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import assert_tree_equal
 
-import ckptmgr._gds as gds
+import ckptmgr.storage.cufile as gds
 from ckptmgr import CheckpointCorruptError, CheckpointManager, ConfigError, StagingOptions, WriteOptions
 
 FAKE = os.path.join(os.path.dirname(__file__), "fake_kvikio")

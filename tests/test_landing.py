@@ -12,10 +12,10 @@ from conftest import assert_tree_equal
 
 import ckptmgr
 import ckptmgr._cuda as cuda_shim
-import ckptmgr._restorer as restorer_mod
+import ckptmgr.restore.restorer as restorer_mod
 from ckptmgr import CheckpointCorruptError, CheckpointManager, StagingOptions, StateMismatchError, WriteOptions
-from ckptmgr.loaders import read_tensors_pinned
-from ckptmgr.loaders.landing import Entry, plan_landing
+from ckptmgr.restore.loaders import read_tensors_pinned
+from ckptmgr.restore.loaders.landing import Entry, plan_landing
 
 CPU = torch.device("cpu")
 
@@ -88,7 +88,7 @@ def _model_state(seed):
 
 @pytest.mark.parametrize("loader", ["ring", "inplace", "host"])
 def test_restore_into_a_target_writes_its_own_tensors(root, loader, monkeypatch):
-    import ckptmgr._restore as restore_mod
+    import ckptmgr.restore.apply as restore_mod
 
     copies = []  # second copies from a loaded tensor into the target
     real_copy = restore_mod._copy

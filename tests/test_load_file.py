@@ -14,8 +14,8 @@ from test_fsspec_target import faulty  # noqa: F401  (fixture)
 import ckptmgr
 import ckptmgr._cuda as cuda_shim
 from ckptmgr import CheckpointCorruptError, CheckpointManager, StagingOptions
-from ckptmgr._local_tier import LocalTier
-from ckptmgr.loaders.mapped import open_mapped, read_tensors_inplace
+from ckptmgr.restore.loaders.mapped import open_mapped, read_tensors_inplace
+from ckptmgr.storage.tier import LocalTier
 
 
 def sample():

@@ -24,7 +24,7 @@ from ckptmgr import (
     StepNotFoundError,
     StorageError,
 )
-from ckptmgr._discovery import step_name
+from ckptmgr.format.naming import step_name
 
 
 def infos(steps, times=None, metrics=None):
@@ -195,7 +195,7 @@ def test_retention_leaves_foreign_files_and_neighbouring_roots_alone(tmp_path):
 
 
 def test_a_step_being_restored_is_not_deleted(root, monkeypatch):
-    import ckptmgr._restorer as manager_mod
+    import ckptmgr.restore.restorer as manager_mod
 
     with CheckpointManager(root, retention=KeepLatest(1), staging=StagingOptions(local_tier=False)) as mgr:
         mgr.save(1, small(1)).result()

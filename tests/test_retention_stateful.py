@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from test_fsspec_target import FaultyFS
 
 from ckptmgr import AnyOf, CheckpointManager, KeepBest, KeepEvery, KeepLatest, StagingOptions, StepInfo
-from ckptmgr._discovery import step_name, temp_name
+from ckptmgr.format.naming import step_name, temp_name
 
 policies = st.lists(
     st.one_of(

@@ -6,7 +6,7 @@ import torch
 from conftest import assert_tree_equal
 
 from ckptmgr import CheckpointManager
-from ckptmgr._layout import DTYPE_TO_ST
+from ckptmgr.format.layout import DTYPE_TO_ST
 
 
 def _sample(dtype: torch.dtype, shape=(3, 5)) -> torch.Tensor:

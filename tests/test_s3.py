@@ -39,7 +39,7 @@ def uploads(so, bucket):
 
 def test_round_trip_with_multipart(s3_bucket, monkeypatch):
     bucket, so = s3_bucket
-    from ckptmgr.targets import s3 as s3mod
+    from ckptmgr.storage import s3 as s3mod
 
     calls = []
     real = s3mod.S3Target.call
@@ -194,7 +194,7 @@ def test_cleanup_aborts_only_our_uploads(s3_bucket):
 
 
 def test_part_size_grows_to_stay_under_ten_thousand_parts():
-    from ckptmgr.targets.s3 import S3Target
+    from ckptmgr.storage.s3 import S3Target
 
     class T(S3Target):
         def __init__(self):

@@ -20,7 +20,7 @@ from ckptmgr import (
     SaveSkippedError,
     StagingOptions,
 )
-from ckptmgr._local_tier import tier_dir
+from ckptmgr.storage.tier import tier_dir
 
 
 def big_state(seed: int = 0) -> dict:
@@ -315,7 +315,7 @@ def test_save_failure_in_a_failing_with_block_is_logged_not_raised(faulty, caplo
 
 
 def test_a_full_local_tier_falls_back_to_host_memory(root, tmp_path, monkeypatch, caplog):
-    from ckptmgr._local_tier import LocalTier
+    from ckptmgr.storage.tier import LocalTier
 
     local = str(tmp_path / "shm")
     os.makedirs(local)
@@ -330,7 +330,7 @@ def test_a_full_local_tier_falls_back_to_host_memory(root, tmp_path, monkeypatch
 
 def test_a_protection_that_cannot_be_written_is_reported(root, monkeypatch):
     from ckptmgr import KeepLatest, StorageError
-    from ckptmgr.targets.local import LocalTarget
+    from ckptmgr.storage.local import LocalTarget
 
     with CheckpointManager(root, retention=KeepLatest(1), staging=StagingOptions(local_tier=False)) as mgr:
         gate = threading.Event()

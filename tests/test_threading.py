@@ -8,8 +8,8 @@ import time
 import numpy as np
 import torch
 
-from ckptmgr._checksum import crc32c_hex
-from ckptmgr._staging import _copy_all
+from ckptmgr.format.checksum import crc32c_hex
+from ckptmgr.save.staging import _copy_all
 
 
 def _windows_overlap(fn) -> bool:

@@ -7,9 +7,9 @@ import json
 import os
 from typing import Any
 
-from .._local_tier import tier_dir
-from .._manifest import MANIFEST_NAME, Manifest
 from ..errors import CkptError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..storage.tier import tier_dir
 from ._context import Ctx, manifests
 from ._render import human_bytes, plain_tree, print_json, table, tensor_bytes, text_tree, when
 

@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._manifest import Manifest
-from .._verify import file_url
 from ..errors import ConfigError, StepNotFoundError
-from ..targets import Target, open_target
+from ..format.manifest import Manifest
+from ..restore.verify import file_url
+from ..storage import Target, open_target
 
 __all__ = ["EXIT", "CorruptFound", "Ctx", "manifests"]
 

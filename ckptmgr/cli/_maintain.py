@@ -6,10 +6,10 @@ import argparse
 import sys
 from typing import Any
 
-from .._deleter import Deleter, StepGuard
-from .._verify import StepReport, verify_step
 from ..errors import ConfigError
+from ..restore.verify import StepReport, verify_step
 from ..retention import AnyOf, KeepBest, KeepEvery, KeepEverySeconds, KeepLatest, RetentionPolicy
+from ..retention.deleter import Deleter, StepGuard
 from ._context import CorruptFound, Ctx, manifests
 from ._render import human_bytes, print_json, progress
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .._flatten import decode_plain
+from ..format.tree import decode_plain
 
 __all__ = ["Progress", "Tensors", "human_bytes", "plain_tree", "print_json", "progress", "table", "text_tree",
            "when"]

@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._checksum import chunk_ranges, crc32c_hex
-from .._layout import StoredTensor, header_bytes
-from .._manifest import Manifest
-from .._verify import file_url
 from ..errors import CheckpointCorruptError, ConfigError, StepExistsError
-from ..loaders.host import view_of
-from ..targets import Target
+from ..format.checksum import chunk_ranges, crc32c_hex
+from ..format.layout import StoredTensor, header_bytes
+from ..format.manifest import Manifest
+from ..restore.loaders.host import view_of
+from ..restore.verify import file_url
+from ..storage import Target
 from ._context import Ctx
 from ._render import Progress, human_bytes, plain_tree, print_json, progress
 
@@ -194,7 +194,7 @@ def _write_json(path: str, obj: Any) -> None:
 def _load(path: str, safe_globals: list[str]) -> tuple[Any, str]:
     """The object in ``path`` and its kind: safetensors, or torch.load with weights_only."""
     if path.endswith(".safetensors"):
-        from ..loaders import load_file
+        from ..restore.loaders import load_file
 
         return load_file(path), "safetensors"
     allowed = []

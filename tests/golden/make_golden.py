@@ -47,7 +47,7 @@ GOLDEN_METADATA = {"loss": 1.5, "epoch": 2, "tags": ["golden"]}
 def main() -> None:
     sys.path.insert(0, os.path.join(HERE, "..", ".."))
     from ckptmgr import CheckpointManager
-    from ckptmgr._manifest import FORMAT_VERSION
+    from ckptmgr.format.manifest import FORMAT_VERSION
 
     root = os.path.join(HERE, f"v{FORMAT_VERSION}")
     shutil.rmtree(root, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""GPUDirect Storage through kvikio: a probe that cannot hang, a reader and a writer.
+"""GPUDirect Storage through kvikio: a probe that cannot hang, and the cuFile writer.
 
 kvikio is an optional extra (``pip install 'ckptmgr[gds]'``) and is imported only when GDS is
 asked for. Whether it can do I/O on a machine is found out once per directory in a child
@@ -26,16 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
-
-from ._manifest import Manifest
-from .errors import CheckpointCorruptError, ConfigError
-from .loaders.host import _build_views
-from .loaders.landing import plan_landing
-from .loaders.mapped import check_header, open_mapped
+from ..errors import ConfigError
 
 __all__ = ["INSTALL_HINT", "GdsStatus", "enable_writer", "installed", "kvikio_module", "probe",
-           "pwrite_all", "read_tensors_gds"]
+           "pwrite_all"]
 
 log = logging.getLogger("ckptmgr")
 INSTALL_HINT = "pip install 'ckptmgr[gds]'"
@@ -143,11 +137,6 @@ def _run_probe(directory: str, timeout: float) -> GdsStatus:
                      else "kvikio with GPUDirect Storage")
 
 
-def _buffer(t: torch.Tensor) -> Any:
-    """What kvikio accepts for ``t``: the tensor itself on a GPU, a numpy view on the host."""
-    return t if t.device.type == "cuda" else t.numpy()
-
-
 def pwrite_all(path: str, data: Any, ranges: list[tuple[int, int]], meanwhile: Callable[[], T]) -> T:
     """Write ``data[b:e]`` at offset ``b`` of ``path`` for each range, in parallel through
     kvikio; run ``meanwhile`` (checksums) while the writes are in flight and return its result.
@@ -176,7 +165,7 @@ def enable_writer(target: object, root: str) -> str:
     Raises:
         ConfigError: ``target`` is not on a local filesystem, or kvikio is not installed.
     """
-    from .targets.local import LocalTarget
+    from .local import LocalTarget
 
     if not isinstance(target, LocalTarget):
         raise ConfigError(f"WriteOptions.gds=True needs a local or NFS root; {root} is not one")
@@ -187,40 +176,3 @@ def enable_writer(target: object, root: str) -> str:
         return f"posix ({status})"
     target.gds = True
     return str(status)
-
-
-def read_tensors_gds(paths: dict[str, str], manifest: Manifest, device: torch.device, where: str,
-                     dests: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of a committed step, read by kvikio straight into memory on ``device``
-    (or into the matching tensors of ``dests``).
-
-    The data never passes through host memory, so the per-chunk checksums cannot be
-    computed on the way: each file's size and header are checked against the manifest, and
-    every read must return every byte.
-
-    Raises:
-        CheckpointCorruptError: a file does not match the manifest.
-        ConfigError: kvikio is not installed.
-    """
-    kvikio = kvikio_module()
-    out: dict[str, torch.Tensor] = {}
-    for fname, rec in manifest.files.items():
-        path = paths[fname]
-        mf = open_mapped(path)  # only the header is read
-        try:
-            check_header(mf, manifest, fname, rec.size, where)
-            landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, device, dests)
-        finally:
-            mf.close()
-        f = kvikio.CuFile(path, "r")
-        try:
-            futures = [(b, e, f.pread(_buffer(dst), e - b, b)) for b, e, dst in landing.spans]
-            short = [(b, e, n) for b, e, fut in futures if (n := fut.get()) != e - b]
-        finally:
-            f.close()
-        if short:
-            b, e, n = short[0]
-            raise CheckpointCorruptError(f"{where}: {fname}: read {n} of the {e - b} bytes at offset {b}")
-        out.update(landing.tensors())
-    _build_views(manifest, out, where)
-    return out

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._checksum import chunk_ranges, crc32c_hex
-from ._discovery import step_name
-from ._manifest import FileRecord, Manifest
-from .errors import CkptError, StepNotFoundError
-from .targets import Target
+from ..errors import CkptError, StepNotFoundError
+from ..format.checksum import chunk_ranges, crc32c_hex
+from ..format.manifest import FileRecord, Manifest
+from ..format.naming import step_name
+from ..storage import Target
 
 __all__ = ["StepReport", "file_url", "verify_step"]
 

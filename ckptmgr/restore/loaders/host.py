@@ -17,10 +17,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from .._checksum import chunk_ranges, crc32c_hex_pieces
-from .._layout import ST_TO_DTYPE
-from .._manifest import Manifest
-from ..errors import CheckpointCorruptError
+from ...errors import CheckpointCorruptError
+from ...format.checksum import chunk_ranges, crc32c_hex_pieces
+from ...format.layout import ST_TO_DTYPE
+from ...format.manifest import Manifest
 from .landing import Entry, usable_dest
 
 

@@ -24,11 +24,11 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
-from ._flatten import decode_plain
-from ._manifest import Manifest
-from .errors import CkptError, CkptTimeoutError, StorageError
-from .retention import KeepAll, RetentionPolicy, StepInfo
-from .targets import Target
+from ..errors import CkptError, CkptTimeoutError, StorageError
+from ..format.manifest import Manifest
+from ..format.tree import decode_plain
+from ..storage import Target
+from .policies import KeepAll, RetentionPolicy, StepInfo
 
 __all__ = ["Deleter", "StepGuard"]
 

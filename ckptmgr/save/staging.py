@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from . import _cuda
-from ._layout import ST_TO_DTYPE, Plan, StoredTensor
-from .errors import CkptTimeoutError
+from .. import _cuda
+from ..errors import CkptTimeoutError
+from ..format.layout import ST_TO_DTYPE, Plan, StoredTensor
 
 __all__ = ["Stager", "StagingJob"]
 

@@ -2,7 +2,7 @@
 
 A slot is one of three kinds, chosen when it is first filled:
 
-* ``tmpfs``: one file per data file in the local tier (see :mod:`._local_tier`), mapped
+* ``tmpfs``: one file per data file in the local tier (see :mod:`ckptmgr.storage.tier`), mapped
   MAP_SHARED and, with CUDA, pinned in place once with cudaHostRegister. When the copy ends
   the files *are* the checkpoint: the local tier commits it by writing its manifest.
 * ``pinned``: page-locked host memory (CUDA present, no local tier).
@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _cuda
-from ._layout import DATA_ALIGN, file_name
-from ._local_tier import LocalTier
-from .errors import CapacityError, CkptTimeoutError
+from .. import _cuda
+from ..errors import CapacityError, CkptTimeoutError
+from ..format.layout import DATA_ALIGN, file_name
+from ..storage.tier import LocalTier
 
 __all__ = ["Slot", "SlotPool", "slot_bytes"]
 

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from .. import _cuda
-from .._checksum import chunk_ranges, crc32c_hex
-from .._layout import ST_TO_DTYPE
-from .._manifest import Manifest
-from ..errors import CheckpointCorruptError
+from ... import _cuda
+from ...errors import CheckpointCorruptError
+from ...format.checksum import chunk_ranges, crc32c_hex
+from ...format.layout import ST_TO_DTYPE
+from ...format.manifest import Manifest
 from .host import _build_views
 from .landing import Entry, plan_landing
 

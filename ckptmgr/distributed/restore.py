@@ -17,20 +17,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ._dist import Coordinator, owner_of
-from ._flatten import unflatten
-from ._layout import ST_TO_DTYPE
-from ._manifest import Manifest
-from ._restore import apply_target, check_target, target_tensors
-from .errors import CheckpointCorruptError, CkptError, ConfigError, StateMismatchError, StepNotFoundError
-from .loaders.host import view_of
+from ..errors import CheckpointCorruptError, CkptError, ConfigError, StateMismatchError, StepNotFoundError
+from ..format.layout import ST_TO_DTYPE
+from ..format.manifest import Manifest
+from ..format.tree import unflatten
+from ..restore.apply import apply_target, check_target, target_tensors
+from ..restore.loaders.host import view_of
+from .coordinator import Coordinator, owner_of
 
 if TYPE_CHECKING:
-    from ._restorer import Restorer
+    from ..restore.restorer import Restorer
 
 __all__ = ["restore_newest_dist", "restore_step_dist"]
 
-_OWN = re.compile(r"rank\d{5}/")  # a rank's own tensors (see _dist.rank_prefix)
+_OWN = re.compile(r"rank\d{5}/")  # a rank's own tensors (see coordinator.rank_prefix)
 
 
 def _agree(coord: Coordinator, error: CkptError | None, what: str) -> None:
@@ -84,7 +84,7 @@ def restore_step_dist(restorer: Restorer, coord: Coordinator, step: int, target:
     error: CkptError | None = None
     try:
         if target is not None:
-            from ._restorer import _placeholders
+            from ..restore.restorer import _placeholders
 
             check_target(target, unflatten(state, _placeholders(m), allow_pickle=restorer.allow_pickle))
             dests = target_tensors(target, state, dtensors)

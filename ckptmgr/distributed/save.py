@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._checksum import crc32c_hex
-from ._dist import Coordinator, rank_file_prefix
-from ._flatten import Leaf
-from ._manifest import FileRecord, Manifest
-from ._persist import PersistJob
-from .errors import CkptError, SaveError
-from .targets import StepWriter, Target
+from ..errors import CkptError, SaveError
+from ..format.checksum import crc32c_hex
+from ..format.manifest import FileRecord, Manifest
+from ..format.tree import Leaf
+from ..save.persist import PersistJob
+from ..storage import StepWriter, Target
+from .coordinator import Coordinator, rank_file_prefix
 
 __all__ = ["RankPart", "coordinate", "coordinated_commit", "fingerprints", "share_of"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import CkptError, ConfigError, StorageError
 from ..options import S3Options
-from ._base import StepWriter, Target
+from .base import StepWriter, Target
 
 __all__ = ["StepWriter", "Target", "open_target"]
 

@@ -22,13 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from ._checksum import chunk_ranges, crc32c_hex
-from ._handle import SaveInfo
-from ._local_tier import LocalTier
-from ._manifest import FileRecord, Manifest
-from ._slots import Slot, SlotPool
-from ._staging import StagingJob
-from .targets import StepWriter, Target
+from ..format.checksum import chunk_ranges, crc32c_hex
+from ..format.manifest import FileRecord, Manifest
+from ..handle import SaveInfo
+from ..storage import StepWriter, Target
+from ..storage.tier import LocalTier
+from .slots import Slot, SlotPool
+from .staging import StagingJob
 
 __all__ = ["PersistJob", "adopt_local_tier", "persist"]
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CheckpointCorruptError, FormatVersionError
+from ..errors import CheckpointCorruptError, FormatVersionError
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "FileRecord", "Manifest"]
 
@@ -48,7 +48,7 @@ class FileRecord:
 @dataclass
 class Manifest:
     step: int
-    state: Any  # typed JSON skeleton (see _flatten)
+    state: Any  # typed JSON skeleton (see format.tree)
     tensors: dict[str, dict[str, Any]]
     files: dict[str, FileRecord]
     metadata: Any = None  # typed JSON of the user's metadata

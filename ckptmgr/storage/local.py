@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from .._checksum import chunk_ranges, crc32c_hex
-from .._discovery import PROTECT_NAME, is_our_file, is_temp_name, parse_step_name, step_name, temp_name
-from .._manifest import MANIFEST_NAME
 from ..errors import CheckpointCorruptError, StepExistsError, StepNotFoundError, StorageError
+from ..format.checksum import chunk_ranges, crc32c_hex
+from ..format.manifest import MANIFEST_NAME
+from ..format.naming import PROTECT_NAME, is_our_file, is_temp_name, parse_step_name, step_name, temp_name
 
 __all__ = ["LocalTarget", "fsync_dir", "preadv_into"]
 
@@ -125,7 +125,7 @@ class _LocalStepWriter:
     def _write_gds(path: str, fd: int, data: np.ndarray[Any, Any], chunk_size: int,
                    checksum: bool) -> tuple[str, ...]:
         """The file's chunks written through cuFile in parallel, checksummed meanwhile."""
-        from .._gds import pwrite_all
+        from .cufile import pwrite_all
 
         ranges = chunk_ranges(data.size, chunk_size)
         os.ftruncate(fd, data.size)
@@ -156,7 +156,7 @@ class LocalTarget:
     """A checkpoint root on a local or network (NFS) filesystem."""
 
     def __init__(self, path: str, *, io_threads: int = 8, direct_io: bool = True) -> None:
-        self.gds = False  # write through cuFile (see ckptmgr._gds.enable_writer)
+        self.gds = False  # write through cuFile (see ckptmgr.storage.cufile.enable_writer)
         self.path = os.path.abspath(path)
         self.url = self.path
         try:

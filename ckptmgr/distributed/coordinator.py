@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .errors import CkptTimeoutError, ConfigError
+from ..errors import CkptTimeoutError, ConfigError
 
 __all__ = ["Coordinator", "coordinator_for", "owner_of", "rank_file_prefix", "rank_prefix"]
 

@@ -14,17 +14,18 @@ from typing import Any
 
 import torch
 
-from . import _gds
-from ._deleter import StepGuard
-from ._flatten import unflatten
-from ._layout import ST_TO_DTYPE, file_name
-from ._local_tier import LocalTier
-from ._manifest import Manifest
-from ._restore import apply_target, check_target, target_tensors
-from ._slots import Slot, SlotPool
-from .errors import CheckpointCorruptError, ConfigError, StepNotFoundError
+from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError
+from ..format.layout import ST_TO_DTYPE, file_name
+from ..format.manifest import Manifest
+from ..format.tree import unflatten
+from ..retention.deleter import StepGuard
+from ..save.slots import Slot, SlotPool
+from ..storage import Target
+from ..storage import cufile as _gds
+from ..storage.tier import LocalTier
+from .apply import apply_target, check_target, target_tensors
 from .loaders import PinnedRing, read_tensors, read_tensors_inplace, read_tensors_pinned, read_tensors_ring
-from .targets import Target
+from .loaders.gds import read_tensors_gds
 
 __all__ = ["LOADERS", "Restorer"]
 
@@ -94,7 +95,7 @@ class Restorer:
             loader = self._gds_or_ring(source)
         if loader == "gds":
             paths = {name: source.path_of(step, name) for name in manifest.files}  # type: ignore[union-attr]
-            return _gds.read_tensors_gds(paths, manifest, device, where, dests)
+            return read_tensors_gds(paths, manifest, device, where, dests)
         if loader == "inplace" and images is not None:  # already pinned where it lies
             return read_tensors_pinned(images, manifest, device, self.ring, where, dests)
         if loader == "inplace":

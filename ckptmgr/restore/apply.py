@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._flatten import PerRank, decode_plain, is_stateful
-from .errors import StateMismatchError
+from ..errors import StateMismatchError
+from ..format.tree import PerRank, decode_plain, is_stateful
 
 __all__ = ["apply_target", "check_target", "target_tensors"]
 

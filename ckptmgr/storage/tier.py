@@ -14,7 +14,7 @@ and the checksums are computed, ``manifest.json`` is written (temporary name, th
 from then on the slot is a committed checkpoint that survives the process. Before a slot is
 reused its manifest is removed first, so a slot without a manifest is never trusted.
 
-The tier implements the read half of the :class:`~ckptmgr.targets.Target` protocol, so the
+The tier implements the read half of the :class:`~ckptmgr.storage.Target` protocol, so the
 host loader restores from it exactly as from a durable root.
 """
 
@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from ._manifest import MANIFEST_NAME, Manifest
-from .errors import CheckpointCorruptError, ConfigError, StepNotFoundError
-from .options import StagingOptions
-from .targets.local import preadv_into
+from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..options import StagingOptions
+from .local import preadv_into
 
 __all__ = ["LocalTier", "TierBusyError", "open_local_tier", "tier_dir"]
 

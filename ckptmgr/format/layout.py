@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ._flatten import Leaf
-from .errors import UnsupportedValueError
+from ..errors import UnsupportedValueError
+from .tree import Leaf
 
 __all__ = [
     "DATA_ALIGN",

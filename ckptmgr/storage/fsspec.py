@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from .._checksum import chunk_ranges, crc32c_hex
-from .._discovery import PROTECT_NAME, is_our_file, parse_step_name, step_name
-from .._manifest import MANIFEST_NAME
 from ..errors import CheckpointCorruptError, StepExistsError, StepNotFoundError, StorageError
+from ..format.checksum import chunk_ranges, crc32c_hex
+from ..format.manifest import MANIFEST_NAME
+from ..format.naming import PROTECT_NAME, is_our_file, parse_step_name, step_name
 
 __all__ = ["FsspecTarget"]
 

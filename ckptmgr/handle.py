@@ -7,8 +7,8 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from ._staging import StagingJob
 from .errors import CkptTimeoutError, SaveError, SaveSkippedError
+from .save.staging import StagingJob
 
 __all__ = ["SaveHandle", "SaveInfo"]
 

@@ -24,11 +24,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _cuda
-from .._checksum import chunk_ranges, crc32c_hex
-from .._layout import ST_TO_DTYPE
-from .._manifest import FileRecord, Manifest
-from ..errors import CheckpointCorruptError
+from ... import _cuda
+from ...errors import CheckpointCorruptError
+from ...format.checksum import chunk_ranges, crc32c_hex
+from ...format.layout import ST_TO_DTYPE
+from ...format.manifest import FileRecord, Manifest
 from .host import Source, _build_views, check_file_size
 from .landing import Entry, Landing, plan_landing
 

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CheckpointCorruptError, UnsupportedValueError
+from ..errors import CheckpointCorruptError, UnsupportedValueError
 
 __all__ = ["Leaf", "PerRank", "decode_plain", "encode_plain", "flatten", "is_stateful", "unflatten"]
 

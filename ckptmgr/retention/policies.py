@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["AnyOf", "KeepAll", "KeepBest", "KeepEvery", "KeepEverySeconds", "KeepLatest", "RetentionPolicy",
            "StepInfo"]

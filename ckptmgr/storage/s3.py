@@ -33,10 +33,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .._checksum import chunk_ranges, crc32c_hex
-from .._discovery import is_our_file, parse_step_name
-from .._manifest import MANIFEST_NAME
 from ..errors import StepExistsError, StorageError
+from ..format.checksum import chunk_ranges, crc32c_hex
+from ..format.manifest import MANIFEST_NAME
+from ..format.naming import is_our_file, parse_step_name
 from ..options import S3Options
 from .fsspec import FsspecTarget, _FsspecStepWriter
 
