@@ -1,34 +1,40 @@
-"""Restore to the GPU: ckptmgr against its peers, on the same files, from /dev/shm or a cold disk.
+"""Restore as a restarted job does it: every tool, every run, in a fresh process.
 
-    python benchmarks/bench_restore.py --gib 4                       # /dev/shm
-    python benchmarks/bench_restore.py --gib 4 --dir /var/tmp/x --cold  # disk, page cache dropped
+    python benchmarks/bench_restore.py --gib 4                          # /dev/shm and a cold disk
+    python benchmarks/bench_restore.py --gib 4 --sources shm --repeat 5
+    python benchmarks/bench_restore.py --device cpu --gib 0.25          # no GPU: loads to host memory
 
-ckptmgr saves a state (fp32/bf16, ``--tensors`` tensors) under ``--dir``. Then, in one
-process, each tool loads the same bytes onto the GPU:
+ckptmgr saves one state (fp32/bf16, ``--tensors`` tensors) into ``/dev/shm`` (``shm``, warm: the
+files are in RAM) and into ``--disk-dir`` (``disk``, cold: the page cache of every file is
+dropped before each run), plus a ``torch.save`` copy for torch.load. Then, for ``--repeat``
+rounds with the tool order rotated each round, each tool restores the same bytes in a process of
+its own (a restarted job: nothing is cached, no pinned memory exists yet, CUDA is initialized
+before the clock starts):
 
-* ckptmgr one-shot: a fresh ``CheckpointManager`` (as in a restarted job) restoring with the
-  pinned ring (its pinned buffers allocated inside the timing), in place, into an existing
-  GPU target (no new GPU memory), and through kvikio (``loader="gds"``) when installed;
-* ckptmgr in the saving process: the step is still in its pinned staging slot (/dev/shm only);
-* ``ckptmgr.load_file``, ``safetensors.torch.load_file(device="cuda")``, ``torch.load(map_location=
-  "cuda")`` of a ``torch.save`` copy, and fastsafetensors (when installed), on the same files.
+* ckptmgr ``restore(device=...)`` (a fresh ``CheckpointManager``, the automatic loader);
+* ckptmgr ``restore(target=...)`` into tensors that already exist on the device;
+* ckptmgr ``restore(loader="inplace")`` (``shm`` only: it maps the files where they lie);
+* ``ckptmgr.load_file``, ``safetensors.torch.load_file``, ``torch.load`` and fastsafetensors
+  (when installed; ``nogds``) on the same files.
 
-Reports time to GPU (synchronized), the peak growth of private host memory (RssAnon, sampled
-every 2 ms; mapping tmpfs pages that already exist is not extra memory) and of GPU memory.
-With ``--cold`` the page cache of every file is dropped before each run (posix_fadvise), and
-the disk's read ceiling is measured in the same run (parallel O_DIRECT and buffered reads).
-Prints a table and writes JSON (default benchmarks/out/restore.json).
+Each run reports the seconds of the load call (synchronized; on the CPU, every page of the
+result is read inside the timing, since a mapped file is not loaded until touched), the peak growth of private host
+memory (RssAnon, sampled every 2 ms) and of device memory, and whether every tensor came back
+bit for bit. The table gives the median and the range over the rounds. With ``disk`` the disk's
+read ceiling is measured in the same run (several request patterns, cold cache, the best
+taken). Prints the table and writes JSON (default benchmarks/out/restore.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import mmap
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,10 +43,12 @@ from typing import Any
 
 import torch
 
-import ckptmgr
-import ckptmgr.storage.cufile
-from ckptmgr import CheckpointManager, StagingOptions
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOOLS = ["ckptmgr restore(device)", "ckptmgr restore(target)", "ckptmgr restore(loader='inplace')",
+         "ckptmgr.load_file", "safetensors.load_file", "fastsafetensors (nogds)", "torch.load"]
 
+
+# ---------------------------------------------------------------------------- helpers
 
 def rss_anon() -> int:
     with open("/proc/self/status") as f:
@@ -50,40 +58,13 @@ def rss_anon() -> int:
     return 0
 
 
-def measure(fn: Callable[[], Any]) -> tuple[float, float, float, Any]:
-    """Seconds, peak extra host MiB, peak extra GPU MiB, result."""
-    base = rss_anon()
-    peak = [base]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], rss_anon())
-            time.sleep(0.002)
-
-    gc.collect()  # results of earlier runs must not be freed inside this one
-    torch.cuda.empty_cache()
-    th = threading.Thread(target=sample)
-    th.start()
-    torch.cuda.synchronize()
-    gpu0 = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    took = time.perf_counter() - t
-    stop.set()
-    th.join()
-    return took, (peak[0] - base) / 2**20, (torch.cuda.max_memory_allocated() - gpu0) / 2**20, out
+def data_files(step_dir: str) -> list[str]:
+    return sorted(os.path.join(step_dir, n) for n in os.listdir(step_dir) if n.endswith(".safetensors"))
 
 
-def all_files(d: str) -> list[str]:
-    return [os.path.join(r, n) for r, _, ns in os.walk(d) for n in ns]
-
-
-def drop_cache(d: str) -> None:
-    """Evict the files under ``d`` from the page cache (they are written back first)."""
-    for p in all_files(d):
+def drop_cache(paths: list[str]) -> None:
+    """Evict ``paths`` from the page cache (written back first)."""
+    for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -92,9 +73,8 @@ def drop_cache(d: str) -> None:
             os.close(fd)
 
 
-def read_ceiling(paths: list[str], direct: bool, threads: int = 16, block: int = 16 << 20) -> float:
-    """Seconds to read ``paths`` with ``threads`` parallel reads of ``block`` bytes into reused
-    buffers, O_DIRECT (no page cache) or buffered (cold cache, kernel readahead)."""
+def read_ceiling(paths: list[str], direct: bool, threads: int, block: int) -> float:
+    """Seconds to read ``paths`` with ``threads`` parallel reads of ``block`` bytes."""
     jobs = [(p, off) for p in paths for off in range(0, os.path.getsize(p) // 4096 * 4096, block)]
     bufs = [mmap.mmap(-1, block) for _ in range(threads)]
     local = threading.local()
@@ -117,107 +97,221 @@ def read_ceiling(paths: list[str], direct: bool, threads: int = 16, block: int =
     return took
 
 
+def fingerprint(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """name -> CRC32C of the tensor's bytes (moved to the host first)."""
+    from ckptmgr.format.checksum import crc32c_hex
+
+    out = {}
+    for k, v in tensors.items():
+        b = v.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        out[k] = crc32c_hex(b)
+    return out
+
+
+# ---------------------------------------------------------------------------- one run (child)
+
+_after: list[Callable[[], Any]] = []  # run once the result has been checked
+
+def _loader(tool: str, step_dir: str, torch_path: str, device: str,
+            target: dict[str, torch.Tensor] | None) -> Callable[[], dict[str, torch.Tensor]]:
+    root = os.path.dirname(step_dir)
+    files = data_files(step_dir)
+    if tool.startswith("ckptmgr restore"):
+        from ckptmgr import CheckpointManager, StagingOptions
+
+        def run() -> dict[str, torch.Tensor]:
+            with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as m:
+                if tool == "ckptmgr restore(target)":
+                    return m.restore(1, target=target)  # type: ignore[no-any-return]
+                kw = {"loader": "inplace"} if "inplace" in tool else {}
+                return m.restore(1, device=device, **kw)  # type: ignore[no-any-return]
+        return run
+    if tool == "ckptmgr.load_file":
+        import ckptmgr
+        return lambda: {k: v for f in files for k, v in ckptmgr.load_file(f, device=device).items()}
+    if tool == "safetensors.load_file":
+        from safetensors.torch import load_file
+        return lambda: {k: v for f in files for k, v in load_file(f, device=device).items()}
+    if tool == "torch.load":
+        return lambda: torch.load(torch_path, map_location=device, weights_only=True)  # type: ignore[no-any-return]
+    if tool == "fastsafetensors (nogds)":
+        from fastsafetensors import fastsafe_open
+
+        def fst() -> dict[str, torch.Tensor]:
+            f = fastsafe_open(files, device="cuda:0" if device == "cuda" else device, nogds=True)
+            f.__enter__()
+            _after.append(lambda: f.__exit__(None, None, None))  # its tensors live until the loader closes
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  (not a dict)
+        return fst
+    raise SystemExit(f"unknown tool {tool!r}")
+
+
+def child(tool: str, step_dir: str, torch_path: str, device: str, shapes_path: str) -> dict[str, Any]:
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.init()
+        torch.empty(1, device=device)  # the CUDA context exists before the clock starts
+    with open(shapes_path) as f:
+        meta = json.load(f)
+    target = None
+    if tool == "ckptmgr restore(target)":
+        target = {k: torch.empty(s, dtype=getattr(torch, d), device=device) for k, (d, s) in meta["shapes"].items()}
+    load = _loader(tool, step_dir, torch_path, device, target)
+    base = rss_anon()
+    peak = [base]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss_anon())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    gpu0 = torch.cuda.memory_allocated() if cuda else 0
+    t = time.perf_counter()
+    out = load()
+    if cuda:
+        torch.cuda.synchronize()
+    else:  # a lazily mapped result has not been read yet: touch every page, as using it would
+        for v in out.values():
+            b = v.detach().reshape(-1).view(torch.uint8)
+            if b.numel():
+                b[::4096].sum()
+    took = time.perf_counter() - t
+    stop.set()
+    sampler.join()
+    gpu = (torch.cuda.max_memory_allocated() - gpu0) / 2**20 if cuda else 0.0
+    got = fingerprint(out)
+    del out
+    for fn in _after:
+        fn()
+    return {"tool": tool, "s": took, "host_mib": (peak[0] - base) / 2**20, "gpu_mib": gpu,
+            "identical": got == meta["crc"]}
+
+
+# ---------------------------------------------------------------------------- the run (parent)
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=4.0)
     ap.add_argument("--tensors", type=int, default=150)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--dir", default="/dev/shm/ckptmgr-bench-restore")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "restore.json"))
-    ap.add_argument("--cold", action="store_true", help="drop the page cache before each run (disk dirs)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--sources", default="shm,disk", help="shm (warm, /dev/shm), disk (cold)")
+    ap.add_argument("--shm-dir", default="/dev/shm/ckptmgr-bench-restore")
+    ap.add_argument("--disk-dir", default=os.path.join(HERE, "out", "restore-disk"))
+    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--out", default=os.path.join(HERE, "out", "restore.json"))
+    ap.add_argument("--child", nargs=5, metavar=("TOOL", "STEP_DIR", "TORCH_PATH", "DEVICE", "SHAPES"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(*args.child)), flush=True)
+        return
+    sys.path.insert(0, HERE)
     from bench_staging import make_state, nbytes
 
-    shutil.rmtree(args.dir, ignore_errors=True)
-    os.makedirs(args.dir)
-    state = make_state(args.gib, "cuda", n_tensors=args.tensors)
+    from ckptmgr import CheckpointManager, StagingOptions
+
+    cuda = args.device.startswith("cuda")
+    tools = [t for t in args.tools.split(",") if t]
+    if not cuda:
+        tools = [t for t in tools if "fastsafetensors" not in t]
+    if "fastsafetensors (nogds)" in tools:
+        try:
+            import fastsafetensors  # noqa: F401
+        except ImportError:
+            tools.remove("fastsafetensors (nogds)")
+    sources = {"shm": args.shm_dir, "disk": args.disk_dir}
+    sources = {k: sources[k] for k in args.sources.split(",")}
+    state = make_state(args.gib, args.device, n_tensors=args.tensors)
     size = nbytes(state)
-    root = os.path.join(args.dir, "root")
-    in_shm = os.path.realpath(args.dir).startswith("/dev/shm")
-    mgr = CheckpointManager(root, staging=StagingOptions(local_tier=in_shm and not args.cold))
-    mgr.save(1, state).result()
-    step_dir = os.path.join(root, "step_000000000001")
-    files = sorted(os.path.join(step_dir, n) for n in os.listdir(step_dir) if n.endswith(".safetensors"))
     cpu_state = {k: v.cpu() for k, v in state.items()}
-    torch_path = os.path.join(args.dir, "state.pt")
-    torch.save(cpu_state, torch_path)
-    del state
-    torch.cuda.empty_cache()
-
-    from safetensors.torch import load_file as st_load
-
-    def one_shot(**kw: Any) -> Callable[[], Any]:
-        def run() -> Any:
-            with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as m:
-                return m.restore(1, **kw)
-        return run
-
-    target = {k: torch.empty(v.shape, dtype=v.dtype, device="cuda") for k, v in cpu_state.items()}
-    tools: dict[str, Callable[[], Any]] = {
-        "ckptmgr one-shot restore(cuda) [pinned ring, verified]": one_shot(device="cuda"),
-        "ckptmgr one-shot restore(cuda, loader='inplace') [verified]": one_shot(device="cuda", loader="inplace"),
-        "ckptmgr one-shot restore(target=GPU tensors) [ring, verified]": one_shot(target=target),
-    }
-    if ckptmgr.storage.cufile.installed():
-        tools["ckptmgr one-shot restore(cuda, loader='gds') [kvikio]"] = one_shot(device="cuda", loader="gds")
-    if mgr._tier is not None:
-        tools["ckptmgr in the saving process [pinned slot, verified]"] = lambda: mgr.restore(1, device="cuda")
-    tools.update({
-        "ckptmgr.load_file(cuda) [in place]": lambda: [ckptmgr.load_file(f, device="cuda") for f in files],
-        "safetensors.load_file(cuda)": lambda: [st_load(f, device="cuda") for f in files],
-        "torch.load(map_location=cuda)": lambda: torch.load(torch_path, map_location="cuda", weights_only=True),
-    })
-    try:
-        from fastsafetensors import fastsafe_open
-
-        def fst() -> Any:
-            with fastsafe_open(files, device="cuda:0", nogds=True) as f:
-                return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  (not a dict)
-        tools["fastsafetensors (nogds)"] = fst
-    except ImportError:
-        pass
-    ceiling = None
-    ceilings = {}
-    if args.cold:
-        for direct in (True, False, True, False):
-            drop_cache(args.dir)
-            name = "O_DIRECT" if direct else "buffered"
-            ceilings[name] = min(ceilings.get(name, 1e9), read_ceiling(files, direct))
-        ceiling = min(ceilings.values())
-        print(f"  disk read ceiling (16 parallel 16 MiB reads): {ceilings}", flush=True)
-    results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in tools}
+    layout: dict[str, dict[str, str]] = {}
+    meta = {"shapes": {k: (str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in cpu_state.items()},
+            "crc": fingerprint(cpu_state)}
+    for name, d in sources.items():
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        with CheckpointManager(os.path.join(d, "root"), staging=StagingOptions(local_tier=False)) as m:
+            m.save(1, state).result()
+        torch_path = os.path.join(d, "state.pt")
+        torch.save(cpu_state, torch_path)
+        with open(os.path.join(d, "shapes.json"), "w") as f:
+            json.dump(meta, f)
+        layout[name] = {"step_dir": os.path.join(d, "root", "step_000000000001"), "torch": torch_path,
+                        "shapes": os.path.join(d, "shapes.json")}
+    del state, cpu_state
+    if cuda:
+        torch.cuda.empty_cache()
+    ceilings: dict[str, float] = {}
+    if "disk" in layout:
+        files = data_files(layout["disk"]["step_dir"])
+        for label, direct, threads, block in (("buffered 8 x 64 MiB", False, 8, 64 << 20),
+                                              ("buffered 16 x 16 MiB", False, 16, 16 << 20),
+                                              ("O_DIRECT 16 x 16 MiB", True, 16, 16 << 20),
+                                              ("O_DIRECT 32 x 4 MiB", True, 32, 4 << 20)):
+            drop_cache(files)
+            try:
+                ceilings[label] = sum(os.path.getsize(p) for p in files) / read_ceiling(files, direct, threads, block)
+            except OSError as exc:  # a filesystem without O_DIRECT
+                print(f"  ceiling {label}: {exc}", flush=True)
+        print("  disk read ceiling (GB/s): " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in ceilings.items()),
+              flush=True)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {t: [] for t in tools} for s in layout}
     for r in range(args.repeat):
-        for name in list(tools)[r % len(tools):] + list(tools)[:r % len(tools)]:
-            if args.cold:
-                drop_cache(args.dir)
-            took, extra, gpu, out = measure(tools[name])
-            results[name].append((took, extra, gpu))
-            del out
-            torch.cuda.empty_cache()
-            print(f"  {name}: {took:.3f} s, +{extra:.0f} MiB host, +{gpu:.0f} MiB GPU", flush=True)
-    check = one_shot(device="cuda")()
-    ok = all(torch.equal(check[k].cpu(), v) and torch.equal(target[k].cpu(), v) for k, v in cpu_state.items())
-    mgr.close()
-    shutil.rmtree(args.dir, ignore_errors=True)
-    where = f"{args.dir}, page cache dropped before each run" if args.cold else args.dir
-    lines = [f"{size / 2**30:.2f} GiB in {len(cpu_state)} tensors, {len(files)} files in {where}; median of "
-             f"{args.repeat}; bit-identical: {ok}", ""]
-    if ceiling is not None:
-        lines += ["disk read ceiling, the faster of 16 parallel 16 MiB reads O_DIRECT or buffered from a cold cache: "
-                  + ", ".join(f"{k} {v:.3f} s ({size / v / 1e9:.2f} GB/s)" for k, v in ceilings.items()), ""]
-    lines += ["| tool | s | GB/s | of ceiling | peak extra host MiB | peak extra GPU MiB |",
-              "|---|---|---|---|---|---|"]
-    for name, rs in results.items():
-        t = statistics.median(x[0] for x in rs)
-        share = f"{ceiling / t:.0%}" if ceiling else "-"
-        lines.append(f"| {name} | {t:.3f} | {size / t / 1e9:.1f} | {share} | {max(x[1] for x in rs):.0f} | "
-                     f"{max(x[2] for x in rs):.0f} |")
+        for src, where in layout.items():
+            use = [t for t in tools if not ("inplace" in t and src == "disk")]
+            for tool in use[r % len(use):] + use[:r % len(use)]:
+                if src == "disk":
+                    drop_cache([*data_files(where["step_dir"]), where["torch"]])
+                p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", tool, where["step_dir"],
+                                    where["torch"], args.device, where["shapes"]],
+                                   capture_output=True, text=True, timeout=600)
+                line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if line is None:
+                    res: dict[str, Any] = {"tool": tool, "error": (p.stderr.strip().splitlines() or ["?"])[-1]}
+                else:
+                    res = json.loads(line[7:])
+                runs[src][tool].append(res)
+                shown = f"{res['s']:.3f} s, +{res['host_mib']:.0f} MiB host, +{res['gpu_mib']:.0f} MiB device" \
+                        f"{'' if res['identical'] else ', NOT IDENTICAL'}" if "s" in res else res["error"]
+                print(f"  [{src}] {tool}: {shown}", flush=True)
+    for d in sources.values():
+        shutil.rmtree(d, ignore_errors=True)
+    ceiling = max(ceilings.values()) if ceilings else None
+    lines = [f"{size / 2**30:.2f} GiB in {args.tensors} tensors onto {args.device}; each run a fresh process; "
+             f"median (min-max) of {args.repeat} rounds, tool order rotated", ""]
+    if ceiling:
+        lines += ["disk read ceiling (cold cache, best pattern): "
+                  + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in ceilings.items()), ""]
+    lines += ["| source | tool | s | GB/s | of disk ceiling | peak extra host MiB | peak extra device MiB "
+              "| identical |",
+              "|---|---|---|---|---|---|---|---|"]
+    summary: dict[str, dict[str, Any]] = {}
+    for src, by_tool in runs.items():
+        for tool, rs in by_tool.items():
+            ok = [x for x in rs if "s" in x]
+            if not ok:
+                if rs:
+                    lines.append(f"| {src} | {tool} | failed: {rs[0].get('error', '')[:80]} | | | | | |")
+                continue
+            secs = [x["s"] for x in ok]
+            med = statistics.median(secs)
+            share = f"{size / med / ceiling:.0%}" if ceiling and src == "disk" else "-"
+            ident = all(x["identical"] for x in ok)
+            summary.setdefault(src, {})[tool] = {"median_s": med, "min_s": min(secs), "max_s": max(secs),
+                                                 "gbps": size / med / 1e9, "identical": ident}
+            lines.append(f"| {src} | {tool} | {med:.3f} ({min(secs):.3f}-{max(secs):.3f}) | {size / med / 1e9:.1f} | "
+                         f"{share} | {max(x['host_mib'] for x in ok):.0f} | {max(x['gpu_mib'] for x in ok):.0f} | "
+                         f"{'yes' if ident else 'NO'} |")
     print("\n".join(lines))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"bytes": size, "results": results, "identical": ok, "device": torch.cuda.get_device_name(),
-                   "dir": args.dir, "cold": args.cold, "ceilings_s": ceilings,
-                   "date": time.strftime("%Y-%m-%d")}, f, indent=1)
+        json.dump({"date": time.strftime("%Y-%m-%d"), "bytes": size, "tensors": args.tensors,
+                   "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                   "repeat": args.repeat, "disk_ceilings_bps": ceilings, "summary": summary, "runs": runs}, f, indent=1)
     print(f"wrote {args.out}")
 
 

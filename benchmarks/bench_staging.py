@@ -3,18 +3,23 @@
     python benchmarks/bench_staging.py --gib 4 --gib 16 --disk-dir /path/on/disk
 
 For each state size (fp32/bf16 tensors on the GPU, ~150 of them) and each target (/dev/shm
-and disk), every tool saves the same state three times, in one process:
+and disk), every tool saves the same state ``--saves`` times in a process of its own (a fresh
+process per tool, so no tool inherits another's warm caches or pinned memory), for
+``--rounds`` rounds with the tool order rotated each round:
 
 * ``blocked_s``: how long the save call held the caller;
 * ``safe_s``: time until the state may be changed (the copy is off the tensors);
 * ``durable_s``: time until the checkpoint is written (fsync'd) on the target;
 * ``extra_gpu_mib``: peak GPU memory the save added.
 
-Peers: torch.save, safetensors.save_file, Lightning's AsyncCheckpointIO,
-torch.distributed.checkpoint.async_save with a pinned DefaultStager, and ckptmgr with
-``block=True`` and ``block=False`` (+ ``wait_staged``). The ceilings measured in the same run:
-pinned device-to-host bandwidth, and parallel write bandwidth of the disk. Prints tables and
-writes JSON (default benchmarks/out/staging.json). Numbers are not pass/fail.
+The first save of each process (which pays for allocating and pinning buffers, for every tool
+alike) is reported apart from the later ones. Peers: torch.save, safetensors.save_file,
+Lightning's AsyncCheckpointIO, torch.distributed.checkpoint.async_save with one pinned
+DefaultStager reused across saves (where the installed torch fails to reuse it, the error is
+recorded and a fresh stager is made), and ckptmgr with ``block=True`` and ``block=False``
+(+ ``wait_staged``). The ceilings measured in the same run: pinned device-to-host bandwidth,
+and parallel write bandwidth of the disk. Prints tables (median and range) and writes JSON
+(default benchmarks/out/staging.json). Numbers are not pass/fail.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -256,64 +262,96 @@ class Ckptmgr:
         self.mgr.close()
 
 
-def bench(state: dict[str, torch.Tensor], target_dir: str, device: str, saves: int, tools: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    makers: dict[str, Callable[[str], Any]] = {
-        "torch.save": lambda w: run_torch_save,
-        "safetensors.save_file": lambda w: run_safetensors,
-        "Lightning AsyncCheckpointIO": lambda w: LightningAsync(),
-        "DCP async_save (pinned stager)": lambda w: DcpAsync(device),
-        "ckptmgr block": lambda w: Ckptmgr(w, True, local_tier=True),
-        "ckptmgr overlap": lambda w: Ckptmgr(w, False, local_tier=True),
-    }
-    for name in tools:
-        work = os.path.join(target_dir, "work")
+MAKERS: dict[str, Callable[[str, str], Any]] = {
+    "torch.save": lambda w, d: run_torch_save,
+    "safetensors.save_file": lambda w, d: run_safetensors,
+    "Lightning AsyncCheckpointIO": lambda w, d: LightningAsync(),
+    "DCP async_save (pinned stager)": lambda w, d: DcpAsync(d),
+    "ckptmgr block": lambda w, d: Ckptmgr(w, True, local_tier=True),
+    "ckptmgr overlap": lambda w, d: Ckptmgr(w, False, local_tier=True),
+}
+
+
+def _clear(work: str) -> None:
+    """Keep the target from filling up: remove what the last save wrote (ckptmgr's root stays)."""
+    for entry in os.listdir(work):
+        p = os.path.join(work, entry)
+        if entry == "root":
+            for step in os.listdir(p):
+                shutil.rmtree(os.path.join(p, step), ignore_errors=True)
+        elif os.path.isdir(p):
+            shutil.rmtree(p)
+        else:
+            os.unlink(p)
+
+
+def child(name: str, target_dir: str, gib: float, device: str, saves: int) -> dict[str, Any]:
+    """One tool in this (fresh) process: ``saves`` saves of the same state."""
+    state = make_state(gib, device)
+    sync(device)
+    work = os.path.join(target_dir, "work")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    runs = []
+    tool = MAKERS[name](work, device)
+    try:
+        for i in range(1, saves + 1):
+            os.sync()
+            runs.append(tool(state, work, i, device))
+            _clear(work)
+    finally:
+        if hasattr(tool, "close"):
+            tool.close()
         shutil.rmtree(work, ignore_errors=True)
-        os.makedirs(work)
-        runs = []
-        tool = makers[name](work)
-        try:
-            for i in range(1, saves + 1):
-                os.sync()
-                r = tool(state, work, i, device)
-                runs.append(r)
-                for entry in os.listdir(work):  # keep the target from filling up
-                    if entry != "root":
-                        p = os.path.join(work, entry)
-                        shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
-                root = os.path.join(work, "root")
-                if os.path.isdir(root):
-                    for entry in os.listdir(root):
-                        shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
-        finally:
-            if hasattr(tool, "close"):
-                tool.close()
-        out[name] = {"runs": runs, "errors": getattr(tool, "errors", [])}
-        shutil.rmtree(work, ignore_errors=True)
-        print(f"  {name}: " + ", ".join(f"{r.get('safe_s', float('nan')):.3f}/{r.get('durable_s', float('nan')):.3f}"
-                                         for r in runs), flush=True)
+    return {"runs": runs, "errors": getattr(tool, "errors", [])}
+
+
+def bench(gib: float, target_dir: str, device: str, saves: int, rounds: int, tools: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {name: {"processes": [], "errors": []} for name in tools}
+    for r in range(rounds):
+        for name in tools[r % len(tools):] + tools[:r % len(tools)]:
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, target_dir, str(gib),
+                                device, str(saves)], capture_output=True, text=True, timeout=1800)
+            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                out[name]["errors"].append((p.stderr.strip().splitlines() or ["no output"])[-1])
+                print(f"  {name}: FAILED {out[name]['errors'][-1]}", flush=True)
+                continue
+            res = json.loads(line[7:])
+            out[name]["processes"].append(res["runs"])
+            out[name]["errors"] += res["errors"]
+            shown = [f"{x.get('safe_s', float('nan')):.3f}/{x.get('durable_s', float('nan')):.3f}" for x in res["runs"]]
+            print(f"  {name}: {', '.join(shown)}", flush=True)
     return out
+
+
+def _cell(values: list[float], fmt: str = "{:.3f}") -> str:
+    if not values:
+        return "-"
+    med = fmt.format(statistics.median(values))
+    return med if len(values) == 1 else f"{med} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
 def table(title: str, size: int, res: dict[str, Any], ceiling_gbps: float) -> str:
     lines = [f"### {title}", "",
-             "| tool | save | blocked s | safe-to-mutate s | durable s | durable GB/s | extra GPU MiB |",
+             "| tool | saves | blocked s | safe-to-mutate s | durable s | durable GB/s | extra GPU MiB |",
              "|---|---|---|---|---|---|---|"]
     for name, r in res.items():
-        runs = r["runs"]
-        for label, sel in (("first", runs[:1]), ("later (median)", runs[1:])):
-            sel = [x for x in sel if x]
-            if not sel:
+        procs = r["processes"]
+        for label, sel in (("first", [p[:1] for p in procs]), ("later", [p[1:] for p in procs])):
+            runs = [x for p in sel for x in p if x]
+            if not runs:
                 continue
-            keys = ("blocked_s", "safe_s", "durable_s", "extra_gpu_mib")
-            med = {k: statistics.median(x[k] for x in sel) for k in keys}
-            lines.append(f"| {name} | {label} | {med['blocked_s']:.3f} | {med['safe_s']:.3f} | "
-                         f"{med['durable_s']:.3f} | {size / med['durable_s'] / 1e9:.2f} | {med['extra_gpu_mib']:.0f} |")
-        for e in r["errors"]:
+            dur = [x["durable_s"] for x in runs]
+            lines.append(f"| {name} | {label} ({len(runs)}) | {_cell([x['blocked_s'] for x in runs])} | "
+                         f"{_cell([x['safe_s'] for x in runs])} | {_cell(dur)} | "
+                         f"{size / statistics.median(dur) / 1e9:.2f} | "
+                         f"{_cell([x['extra_gpu_mib'] for x in runs], '{:.0f}')} |")
+        for e in sorted(set(r["errors"])):
             lines.append(f"| {name} | error | {e[:120]} | | | | |")
     lines.append("")
-    lines.append(f"Goal for safe-to-mutate: 1.15 x bytes / pinned D2H = {1.15 * size / ceiling_gbps / 1e9:.3f} s"
-                 if ceiling_gbps == ceiling_gbps else "")
+    if ceiling_gbps == ceiling_gbps:
+        lines.append(f"Goal for safe-to-mutate: 1.15 x bytes / pinned D2H = {1.15 * size / ceiling_gbps / 1e9:.3f} s")
     return "\n".join(lines)
 
 
@@ -323,11 +361,18 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shm-dir", default="/dev/shm/ckptmgr-bench")
     ap.add_argument("--disk-dir", default=os.path.join(os.path.dirname(__file__), "out", "disk"))
-    ap.add_argument("--saves", type=int, default=3)
+    ap.add_argument("--saves", type=int, default=3, help="saves per process: the first, then the later ones")
+    ap.add_argument("--rounds", type=int, default=2, help="processes per tool and target, tool order rotated")
+    ap.add_argument("--tools", default=None, help="comma-separated subset of the tools (default: all)")
     ap.add_argument("--big-tools", default="ckptmgr block,ckptmgr overlap,DCP async_save (pinned stager),torch.save",
                     help="tools for sizes over 8 GiB")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "staging.json"))
+    ap.add_argument("--child", nargs=5, metavar=("TOOL", "DIR", "GIB", "DEVICE", "SAVES"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        tool, d, gib, device, saves = args.child
+        print("RESULT " + json.dumps(child(tool, d, float(gib), device, int(saves))), flush=True)
+        return
     sizes = args.gib or [4.0, 16.0]
     all_tools = ["ckptmgr block", "ckptmgr overlap", "torch.save", "safetensors.save_file",
                  "Lightning AsyncCheckpointIO", "DCP async_save (pinned stager)"]
@@ -336,29 +381,30 @@ def main() -> None:
         "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count(),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                  cwd=os.path.dirname(__file__) or ".").stdout.strip(),
-        "sizes": {},
+        "rounds": args.rounds, "saves_per_process": args.saves, "sizes": {},
     }
     text = []
     for gib in sizes:
         state = make_state(gib, args.device)
-        size = nbytes(state)
+        size, count = nbytes(state), len(state)
         d2h = d2h_ceiling(state, args.device)
-        disk = write_ceiling(args.disk_dir, min(size, 8 << 30))
-        entry: dict[str, Any] = {"bytes": size, "tensors": len(state), "d2h_pinned_gbps": d2h,
-                                 "disk_write_ceiling_gbps": disk, "targets": {}}
-        print(f"{gib} GiB: {len(state)} tensors, pinned D2H {d2h:.1f} GB/s, disk write {disk}", flush=True)
-        tools = all_tools if gib <= 8 else [t for t in all_tools if t in args.big_tools.split(",")]
-        for tname, tdir in (("/dev/shm", args.shm_dir), ("disk", args.disk_dir)):
-            print(f" target {tname}", flush=True)
-            use = tools if tname == "disk" or gib <= 8 else [t for t in tools if t.startswith("ckptmgr")]
-            entry["targets"][tname] = bench(state, tdir, args.device, args.saves if gib <= 8 else 2, use)
-            text.append(table(f"{gib:g} GiB ({len(state)} tensors) to {tname}", size, entry["targets"][tname], d2h))
-        report["sizes"][f"{gib:g}"] = entry
         del state
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+        disk = write_ceiling(args.disk_dir, min(size, 8 << 30))
+        entry: dict[str, Any] = {"bytes": size, "tensors": count, "d2h_pinned_gbps": d2h,
+                                 "disk_write_ceiling_gbps": disk, "targets": {}}
+        print(f"{gib} GiB: {count} tensors, pinned D2H {d2h:.1f} GB/s, disk write {disk}", flush=True)
+        chosen = args.tools.split(",") if args.tools else all_tools
+        tools = chosen if gib <= 8 else [t for t in chosen if t in args.big_tools.split(",")]
+        for tname, tdir in (("/dev/shm", args.shm_dir), ("disk", args.disk_dir)):
+            print(f" target {tname}", flush=True)
+            use = tools if tname == "disk" or gib <= 8 else [t for t in tools if t.startswith("ckptmgr")]
+            entry["targets"][tname] = bench(gib, tdir, args.device, args.saves if gib <= 8 else 2, args.rounds, use)
+            text.append(table(f"{gib:g} GiB ({count} tensors) to {tname}", size, entry["targets"][tname], d2h))
+        report["sizes"][f"{gib:g}"] = entry
     shutil.rmtree(args.shm_dir, ignore_errors=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print("\n\n".join(text))

@@ -1,10 +1,12 @@
 """Step-time overhead of checkpointing a training loop, ckptmgr against its peers.
 
     python benchmarks/bench_training.py --dir /path/on/disk
+    python benchmarks/bench_training.py --model linear --every 25 --modes none,ckptmgr overlap
 
-A ~350M-parameter decoder-only transformer (24 layers, d=1024, bf16 autocast) trains with
-AdamW; every ``--every`` steps the model and optimizer state (~4 GiB) is checkpointed to
-``--dir``. Each mode runs the same steps in the same process:
+Two models: ``decoder`` (the default), a ~350M-parameter decoder-only transformer (24 layers,
+d=1024, bf16 autocast, ~4 GiB of model and AdamW state), and ``linear``, 24 x Linear(4096)
+with fused AdamW (~4.8 GB of state, ~50 ms steps at batch 1024 on an H100/H200). Every
+``--every`` steps the model and optimizer state is checkpointed to ``--dir``. Modes:
 
 * ``none``: no checkpoints (the baseline);
 * ``ckptmgr block``: ``mgr.save(step, state)`` after ``optimizer.step()``;
@@ -13,17 +15,21 @@ AdamW; every ``--every`` steps the model and optimizer state (~4 GiB) is checkpo
 * ``Lightning AsyncCheckpointIO``: its ``save_checkpoint`` (clones on the GPU, writes in a
   thread);
 * ``DCP async_save``: with a pinned DefaultStager, ``staging_completion`` awaited before the
-  next ``optimizer.step()``. A DefaultStager cannot be reused on torch 2.11 (its second
-  save fails with KeyError, see bench_staging.py), so each save gets a fresh one.
+  next ``optimizer.step()`` (one stager reused where the installed torch allows it).
 
-The warm-up includes one checkpoint for every mode, so first-save costs (allocating and
-pinning buffers) are left out of the timed steps for every tool alike; bench_staging.py
-reports them. Choose ``--batch`` so that ``--every`` steps take longer than one durable write:
-when checkpoints come faster than the disk can absorb them, every tool must wait, queue
-without bound, or skip.
+Each (mode, round) runs in a fresh process, the mode order rotated each round, for
+``--repeat`` rounds. Warm-up steps take no checkpoint, so every tool's first save, with its
+one-time costs (allocating and pinning buffers), falls inside the timed steps, as it does in a
+real job; ckptmgr's modes call ``mgr.prepare(state)`` when the timed loop starts, as a job would
+at start-up, without waiting for it. The timed window ends when the last step's GPU work is
+done; the wait for the last write to become durable (time-to-durable, which every tool pays) is
+reported apart. Choose ``--batch`` so that ``--every`` steps take longer than one durable write
+unless the point is to checkpoint faster than the disk absorbs.
 
-Reports mean step time over the timed steps, the overhead against ``none``, and the peak GPU
-memory. Prints a table and writes JSON (default benchmarks/out/training.json).
+Reports, per mode, the mean step time and its overhead against ``none`` of the same round
+(median and range over the rounds), the longest step (with ``--sync-each``), the peak GPU
+memory and the teardown wait. Prints a table and writes JSON (default
+benchmarks/out/training.json).
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -57,14 +65,27 @@ class Decoder(torch.nn.Module):
         return self.head(self.norm(self.blocks(self.embed(tokens), mask=mask, is_causal=True)))
 
 
+class Linear24(torch.nn.Module):
+    """24 x Linear(4096): large state, short steps (checkpoint pressure without attention)."""
+
+    def __init__(self, dim: int = 4096, layers: int = 24) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)  # type: ignore[no-any-return]
+
+
 class Saver:
     """One checkpointing mode: ``save`` after the optimizer step, ``before_step`` right
-    before the next one, ``finish`` after the timed loop (not timed)."""
+    before the next one, ``finish`` after the timed loop."""
 
     def __init__(self, mode: str, directory: str) -> None:
         self.mode, self.dir = mode, directory
         self.pending: Any = None
         self.errors: list[str] = []
+        self.stager: Any = None
+        self.uploads: list[Any] = []
         if mode.startswith("ckptmgr"):
             self.mgr = CheckpointManager(os.path.join(directory, "root"))
         elif mode == "Lightning AsyncCheckpointIO":
@@ -73,8 +94,6 @@ class Saver:
             except ImportError:
                 from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO  # type: ignore[no-redef]
             self.io = AsyncCheckpointIO(TorchCheckpointIO())
-        elif mode == "DCP async_save":
-            self.stagers: list[Any] = []
 
     @staticmethod
     def _new_stager() -> Any:
@@ -83,6 +102,11 @@ class Saver:
         gpu = torch.cuda.is_available()
         return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
                                             use_async_staging=True, use_non_blocking_copy=gpu))
+
+    def start(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        """When the timed loop starts: what a job does at start-up (not waited for)."""
+        if self.mode.startswith("ckptmgr"):
+            self.mgr.prepare({"model": model, "optim": opt, "step": 0})
 
     def save(self, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
         if self.mode == "ckptmgr block":
@@ -96,12 +120,17 @@ class Saver:
             import torch.distributed.checkpoint as dcp
 
             sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-            while len(self.stagers) > 1 and self.stagers[0][1].upload_completion.done():
-                self.stagers.pop(0)[0].close()  # free the pinned memory of finished saves
-            stager = self._new_stager()
-            self.pending = dcp.async_save(sd, checkpoint_id=os.path.join(self.dir, f"step{step}"),
-                                          async_stager=stager)
-            self.stagers.append((stager, self.pending))
+            for attempt in range(2):  # one stager, reused; a fresh one where reuse fails
+                if self.stager is None:
+                    self.stager = self._new_stager()
+                try:
+                    self.pending = dcp.async_save(sd, checkpoint_id=os.path.join(self.dir, f"step{step}"),
+                                                  async_stager=self.stager)
+                    self.uploads.append(self.pending)
+                    return
+                except Exception as exc:
+                    self.errors.append(f"save {step} attempt {attempt}: {type(exc).__name__}: {exc}")
+                    self.stager = None
 
     def before_step(self) -> None:
         if self.pending is None:
@@ -113,6 +142,7 @@ class Saver:
                 self.pending.staging_completion.result()
             except Exception as exc:
                 self.errors.append(f"staging: {type(exc).__name__}: {exc}")
+                self.stager = None
         self.pending = None
 
     def finish(self) -> None:
@@ -122,107 +152,162 @@ class Saver:
         elif self.mode == "Lightning AsyncCheckpointIO":
             self.io.teardown()
         elif self.mode == "DCP async_save":
-            for stager, resp in self.stagers:
+            for resp in self.uploads:
                 try:
                     resp.upload_completion.result()
                 except Exception as exc:
                     self.errors.append(f"upload: {type(exc).__name__}: {exc}")
-                stager.close()
+            if self.stager is not None:
+                self.stager.close()
 
 
 def run(mode: str, args: argparse.Namespace, directory: str) -> dict[str, Any]:
     torch.manual_seed(0)
     device = args.device
-    model = Decoder(args.vocab, args.dim, args.layers, args.heads).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.startswith("cuda"))
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
+    cuda = device.startswith("cuda")
+    if args.model == "linear":
+        model: torch.nn.Module = Linear24(args.dim, args.layers).to(device)
+        batch = torch.randn(args.batch, args.dim, device=device)
+    else:
+        model = Decoder(args.vocab, args.dim, args.layers, args.heads).to(device)
+        batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
     saver = Saver(mode, directory) if mode != "none" else None
-    amp = torch.autocast(device_type="cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
+    amp = torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16)
 
-    def step_fn(step: int) -> None:
-        with amp:
-            logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab).float(), tokens[:, 1:].reshape(-1))
+    def step_fn(step: int, checkpoint: bool) -> None:
+        if args.model == "linear":
+            loss = model(batch).square().mean()
+        else:
+            with amp:
+                logits = model(batch[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab).float(),
+                                                         batch[:, 1:].reshape(-1))
         loss.backward()
         if saver is not None:
             saver.before_step()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if saver is not None and step % args.every == 0:
+        if checkpoint and saver is not None and step % args.every == 0:
             saver.save(step, model, opt)
 
-    for s in range(args.warmup):  # the last warm-up step checkpoints (first-save costs stay out)
-        step_fn(10**6 * args.every if s == args.warmup - 1 else 10**6 * args.every + 1 + s)
-    if saver is not None:
-        saver.before_step()
-        if saver.mode.startswith("ckptmgr"):
-            saver.mgr.wait()
-    if device.startswith("cuda"):
+    for s in range(args.warmup):  # no checkpoints: every tool's first save falls in the timed steps
+        step_fn(s, checkpoint=False)
+    if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     times = []
     t_all = time.perf_counter()
+    if saver is not None:
+        saver.start(model, opt)
     for step in range(1, args.steps + 1):
         t = time.perf_counter()
-        step_fn(step)
-        if args.sync_each and device.startswith("cuda"):
+        step_fn(step, checkpoint=True)
+        if args.sync_each and cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    if device.startswith("cuda"):
+    if cuda:
         torch.cuda.synchronize()
     total = time.perf_counter() - t_all
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else 0.0
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    t_fin = time.perf_counter()
     if saver is not None:
         saver.finish()
+    teardown = time.perf_counter() - t_fin
     nparams = sum(p.numel() for p in model.parameters())
+    state_bytes = sum(p.numel() * p.element_size() * 3 for p in model.parameters())  # weights + 2 AdamW moments
     shutil.rmtree(directory, ignore_errors=True)
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
     return {"mode": mode, "mean_step_s": total / args.steps, "step_times": times, "peak_gpu_gib": peak,
-            "params": nparams, "errors": saver.errors if saver else []}
+            "teardown_s": teardown, "params": nparams, "state_bytes": state_bytes,
+            "errors": saver.errors if saver else []}
+
+
+def _range(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
+    med = fmt.format(statistics.median(values) * scale)
+    if len(values) == 1:
+        return med
+    return f"{med} ({fmt.format(min(values) * scale)} to {fmt.format(max(values) * scale)})"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=os.path.join(os.path.dirname(__file__), "out", "train-ckpt"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--model", choices=("decoder", "linear"), default="decoder")
+    ap.add_argument("--dim", type=int, default=None, help="default 1024 (decoder) or 4096 (linear)")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=None, help="default 32 (decoder) or 1024 (linear)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=3, help="rounds; each (mode, round) is a fresh process")
     ap.add_argument("--sync-each", action="store_true", help="synchronize after every step (per-step times)")
     ap.add_argument("--modes", default="none,ckptmgr block,ckptmgr overlap,Lightning AsyncCheckpointIO,"
-                                       "DCP async_save,none")
+                                       "DCP async_save")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "training.json"))
+    ap.add_argument("--child", metavar="MODE", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    results = []
-    for mode in args.modes.split(","):
-        r = run(mode, args, args.dir)
-        results.append(r)
-        print(f"{mode}: {r['mean_step_s'] * 1e3:.1f} ms/step, peak GPU {r['peak_gpu_gib']:.1f} GiB "
-              f"{'; errors: ' + str(r['errors'][:2]) if r['errors'] else ''}", flush=True)
-    base = [r["mean_step_s"] for r in results if r["mode"] == "none"]
-    baseline = min(base) if base else float("nan")
-    lines = [f"{results[0]['params'] / 1e6:.0f}M parameters, AdamW, batch {args.batch}x{args.seq}, checkpoint every "
-             f"{args.every} steps, {args.steps} timed steps", "",
-             "| mode | ms/step | overhead vs none | peak GPU GiB |", "|---|---|---|---|"]
-    for r in results:
-        over = (r["mean_step_s"] / baseline - 1) * 100
-        lines.append(f"| {r['mode']} | {r['mean_step_s'] * 1e3:.1f} | {over:+.2f}% | {r['peak_gpu_gib']:.1f} |")
+    if args.dim is None:
+        args.dim = 4096 if args.model == "linear" else 1024
+    if args.batch is None:
+        args.batch = 1024 if args.model == "linear" else 32
+    if args.child:
+        print("RESULT " + json.dumps(run(args.child, args, args.dir)), flush=True)
+        return
+    modes = args.modes.split(",")
+    rounds: list[dict[str, Any]] = []
+    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                   if k not in ("out", "child", "sync_each", "repeat")] + (["--sync-each"] if args.sync_each else [])
+    for r in range(args.repeat):
+        got: dict[str, Any] = {}
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), *passthrough, "--child", mode],
+                               capture_output=True, text=True, timeout=1800)
+            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                got[mode] = {"mode": mode, "error": (p.stderr.strip().splitlines() or ["no output"])[-1]}
+                print(f"round {r + 1} {mode}: FAILED {got[mode]['error']}", flush=True)
+                continue
+            got[mode] = json.loads(line[7:])
+            x = got[mode]
+            print(f"round {r + 1} {mode}: {x['mean_step_s'] * 1e3:.1f} ms/step, longest "
+                  f"{max(x['step_times']) * 1e3:.0f} ms, peak GPU {x['peak_gpu_gib']:.1f} GiB, "
+                  f"teardown {x['teardown_s']:.2f} s"
+                  f"{'; errors: ' + str(x['errors'][:2]) if x['errors'] else ''}", flush=True)
+        rounds.append(got)
+    first = next((x for g in rounds for x in g.values() if "params" in x), None)
+    lines = [f"{args.model}: {first['params'] / 1e6:.0f}M parameters ({first['state_bytes'] / 1e9:.2f} GB of state), "
+             f"AdamW, batch {args.batch}, checkpoint every {args.every} steps, {args.steps} timed steps incl. the "
+             f"first save; median (range) of {args.repeat} fresh-process rounds" if first else "no run succeeded", "",
+             "| mode | ms/step | overhead vs none | longest step ms | peak GPU GiB | teardown s |",
+             "|---|---|---|---|---|---|"]
+    summary: dict[str, Any] = {}
+    for mode in modes:
+        ok = [(g[mode], g.get("none")) for g in rounds if "mean_step_s" in g.get(mode, {})]
+        if not ok:
+            continue
+        steps = [x["mean_step_s"] for x, _ in ok]
+        over = [(x["mean_step_s"] / b["mean_step_s"] - 1) * 100 for x, b in ok if b and "mean_step_s" in b]
+        longest = [max(x["step_times"]) for x, _ in ok]
+        summary[mode] = {"mean_step_s": statistics.median(steps), "overhead_pct": over,
+                         "overhead_pct_median": statistics.median(over) if over else None,
+                         "longest_step_s": longest, "teardown_s": [x["teardown_s"] for x, _ in ok],
+                         "peak_gpu_gib": max(x["peak_gpu_gib"] for x, _ in ok)}
+        lines.append(f"| {mode} | {_range(steps, 1e3)} | {_range(over, fmt='{:+.2f}%') if over else '-'} | "
+                     f"{_range(longest, 1e3, '{:.0f}')} | {summary[mode]['peak_gpu_gib']:.1f} | "
+                     f"{_range(summary[mode]['teardown_s'], fmt='{:.2f}')} |")
     print("\n".join(lines))
     report = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=os.path.dirname(__file__) or ".").stdout.strip(),
-              "args": vars(args), "baseline_s": baseline, "results": results}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+              "args": vars(args), "summary": summary, "rounds": rounds}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {args.out}")

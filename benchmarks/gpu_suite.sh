@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|report|dist|staging4|staging16|training|restore4|restore16|restore10k|parts4|cold4|lightning]...
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|report|dist|staging4|staging16|training|training25|restore4|restore16|restore10k|parts4|lightning]...
 # Packages the GPU image lacks are installed from .whl/ when present.
 set -uo pipefail
 out="${1:?output directory}"; shift
@@ -25,17 +25,23 @@ for part in "${parts[@]}"; do
     tests) python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py 2>&1 | tee "$out/tests.txt" ;;
     staging4) python3 benchmarks/bench_staging.py --gib 4 --out "$out/staging4.json" 2>&1 | tee "$out/staging4.txt" ;;
     staging16) python3 benchmarks/bench_staging.py --gib 16 --out "$out/staging16.json" 2>&1 | tee "$out/staging16.txt" ;;
-    training) python3 benchmarks/bench_training.py --out "$out/training.json" 2>&1 | tee "$out/training.txt" ;;
-    restore4) (cd benchmarks && python3 bench_restore.py --gib 4 --out "$out/restore4.json") 2>&1 | tee "$out/restore4.txt" ;;
-    restore16) (cd benchmarks && python3 bench_restore.py --gib 16 --repeat 2 --out "$out/restore16.json") 2>&1 | tee "$out/restore16.txt" ;;
+    training) python3 benchmarks/bench_training.py --repeat 3 --dir /var/tmp/ckptmgr-bench-train \
+              --out "$out/training.json" 2>&1 | tee "$out/training.txt" ;;
+    restore4) python3 benchmarks/bench_restore.py --gib 4 --repeat 3 --disk-dir /var/tmp/ckptmgr-bench-restore \
+              --out "$out/restore4.json" 2>&1 | tee "$out/restore4.txt" ;;
+    restore16) python3 benchmarks/bench_restore.py --gib 16 --repeat 2 --sources shm --out "$out/restore16.json" \
+              2>&1 | tee "$out/restore16.txt" ;;
     parts4) python3 benchmarks/bench_restore_parts.py --gib 4 --out "$out/parts4.json" 2>&1 | tee "$out/parts4.txt" ;;
-    cold4) (cd benchmarks && python3 bench_restore.py --gib 4 --cold --dir /var/tmp/ckptmgr-bench-cold --repeat 3 \
-              --out "$out/cold4.json") 2>&1 | tee "$out/cold4.txt" ;;
+    training25) python3 benchmarks/bench_training.py --model linear --every 25 --steps 100 --warmup 5 \
+              --modes "none,ckptmgr overlap" --repeat 3 --dir /var/tmp/ckptmgr-bench-train25 \
+              --out "$out/training25.json" 2>&1 | tee "$out/training25.txt" ;;
     lightning) python3 benchmarks/bench_lightning.py --steps 40 --every 10 --out "$out/lightning.json" 2>&1 | tee "$out/lightning.txt" ;;
     report) python3 benchmarks/run.py --out "$out/report" --scratch /var/tmp/ckptmgr-bench-run \
               --commit "${CKPTMGR_COMMIT:?set CKPTMGR_COMMIT to the commit of this tree (the GPU copy has no current git HEAD)}" 2>&1 | tee "$out/report.txt" ;;
     dist) python3 benchmarks/bench_distributed.py --commit "${CKPTMGR_COMMIT:-unknown}" --out "$out/distributed.json" \
               2>&1 | tee "$out/distributed.txt"; rm -rf /var/tmp/ckptmgr-bench-dist ;;
-    restore10k) (cd benchmarks && python3 bench_restore.py --gib 1 --tensors 10000 --out "$out/restore10k.json") 2>&1 | tee "$out/restore10k.txt" ;;
+    restore10k) python3 benchmarks/bench_restore.py --gib 1 --tensors 10000 --sources shm --repeat 3 \
+              --tools "ckptmgr restore(device),ckptmgr restore(target),safetensors.load_file" \
+              --out "$out/restore10k.json" 2>&1 | tee "$out/restore10k.txt" ;;
   esac
 done

@@ -7,7 +7,7 @@
 Each benchmark runs in a process of its own, on the same data for every tool it compares:
 
 * ``staging``: bench_staging.py, what a save costs the training loop and when it is durable;
-* ``restore``: bench_restore.py onto the GPU (bench_save_restore.py on a CPU-only machine);
+* ``restore``: bench_restore.py, every restore in a fresh process (onto the GPU when there is one);
 * ``training``: bench_training.py, step-time overhead of checkpointing a transformer;
 * ``s3``: bench_s3.py, upload to moto's S3 server with injected latency (needs ``moto``).
 
@@ -37,15 +37,19 @@ def _commands(device: str, quick: bool, out: str, scratch: str) -> dict[str, lis
     gib = "4" if gpu and not quick else ("1" if gpu else "0.25")
     train = [] if gpu and not quick else ["--dim", "256", "--layers", "4", "--heads", "4", "--vocab", "2000",
                                          "--batch", "8", "--seq", "128", "--steps", "12", "--warmup", "3",
-                                         "--every", "4"]
+                                         "--every", "4", "--repeat", "1"]
+    # --quick: one round of the main peers only (a smoke run, not a measurement)
+    save_tools = ["--rounds", "1", "--saves", "2", "--tools", "ckptmgr block,torch.save,safetensors.save_file"] \
+        if quick else ["--rounds", "2", "--saves", "3"]
+    load_tools = ["--repeat", "1", "--tools", "ckptmgr restore(device),torch.load,safetensors.load_file"] \
+        if quick else ["--repeat", "3"]
     return {
-        "staging": ["bench_staging.py", "--gib", gib, "--device", device, "--saves", "3",
+        "staging": ["bench_staging.py", "--gib", gib, "--device", device, *save_tools,
                     "--shm-dir", "/dev/shm/ckptmgr-bench-run", "--disk-dir", os.path.join(scratch, "staging"),
                     "--out", os.path.join(out, "staging.json")],
-        "restore": (["bench_restore.py", "--gib", gib, "--repeat", "3", "--out", os.path.join(out, "restore.json")]
-                    if gpu else
-                    ["bench_save_restore.py", "--gib", gib, "--repeat", "3", "--dir", os.path.join(scratch, "restore"),
-                     "--json", os.path.join(out, "save_restore.json")]),
+        "restore": ["bench_restore.py", "--gib", gib, "--device", device, *load_tools,
+                    "--shm-dir", "/dev/shm/ckptmgr-bench-restore", "--disk-dir", os.path.join(scratch, "restore"),
+                    "--out", os.path.join(out, "restore.json")],
         "training": ["bench_training.py", "--device", device, "--dir", os.path.join(scratch, "training"),
                      *train, "--out", os.path.join(out, "training.json")],
         "s3": ["bench_s3.py", "--mib", "64" if quick else "256", "--repeat", "1" if quick else "3",

@@ -25,9 +25,11 @@ def test_run_measures_peers_and_draws_the_chart(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     m = summary["metrics"]
     for metric in ("stall_s", "durable_s"):
-        assert {"ckptmgr block", "torch.save", "safetensors.save_file"} <= set(m[metric]), metric
+        for tool in ("ckptmgr block", "torch.save", "safetensors.save_file"):
+            assert {f"{tool} (first)", f"{tool} (later)"} <= set(m[metric]), (metric, tool)
         assert all(v > 0 for v in m[metric].values())
-    assert {"ckptmgr save / restore", "torch.save / torch.load"} <= set(m["restore_s"])
+    for src in ("shm", "disk"):
+        assert {f"ckptmgr restore(device) [{src}]", f"torch.load [{src}]"} <= set(m["restore_s"])
     assert m["extra_gpu_gib"] == {}  # no GPU: not a panel of zeros
     assert summary["machine"]["commit"] == "test"
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
