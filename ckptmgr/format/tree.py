@@ -28,6 +28,13 @@ DTensor            ``{"$dtensor": name, "shape": global, "placements": [...], "m
                    the tensor stored is this rank's local shard
 anything else      refused, unless pickle is allowed: ``{"$pickle": base64}``
 =================  ===============================================================
+
+A skeleton read back is untrusted: :func:`check_skeleton` validates every node (known tags,
+their keys and value types, tensor names that exist, dict keys that can be keys) without
+recursion, and refuses nesting deeper than :data:`MAX_JSON_DEPTH`; ``flatten`` refuses
+states nested deeper than :data:`MAX_NESTING` containers, so whatever it writes reads back.
+A conjugate or negative view (``z.conj()``, the ``.imag`` of one) is stored as its values,
+never as the tensor it views.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from __future__ import annotations
 import base64
 import math
 import pickle
+import re
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +53,15 @@ import torch
 
 from ..errors import CheckpointCorruptError, UnsupportedValueError
 
-__all__ = ["Leaf", "PerRank", "decode_plain", "encode_plain", "flatten", "is_stateful", "unflatten"]
+__all__ = ["MAX_JSON_DEPTH", "MAX_NESTING", "Leaf", "PerRank", "check_skeleton", "decode_plain", "encode_plain",
+           "flatten", "is_stateful", "unflatten"]
 
 JSON = Any  # a JSON-serialisable value
 _RESERVED_NAMES = frozenset({"__metadata__"})
+MAX_NESTING = 100  # containers inside containers in a saved state (a real one has fewer than 20)
+MAX_JSON_DEPTH = 3 * MAX_NESTING + 20  # JSON nesting of a skeleton read back (a dict level takes up to 3)
+_MAX_NAME = 1024  # tensor names derived from longer paths are cut (and made unique)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -102,7 +116,9 @@ def _path_str(path: tuple[Any, ...], root: str = "state") -> str:
 
 
 def _tensor_name(path: tuple[Any, ...]) -> str:
-    return "/".join(str(k) for k in path) or "tensor"
+    """The path joined by ``/``; control characters become ``?`` and long names are cut."""
+    name = "/".join(str(k) for k in path) or "tensor"
+    return _CONTROL.sub("?", name)[:_MAX_NAME]
 
 
 class _Flattener:
@@ -113,6 +129,7 @@ class _Flattener:
         self.leaves: list[Leaf] = []
         self._names: set[str] = set()
         self._per_rank = 0  # depth of PerRank wrappers around the value being encoded
+        self._depth = 0  # containers around the value being encoded
 
     def _add(self, path: tuple[Any, ...], tensor: torch.Tensor, own: bool = False) -> str:
         own = own or self._per_rank > 0
@@ -131,6 +148,16 @@ class _Flattener:
             return value
         if t is float:
             return value if math.isfinite(value) else {"$float": repr(value)}
+        if self._depth >= MAX_NESTING:
+            raise UnsupportedValueError(_path_str(path, self.root), f"the state is nested deeper than {MAX_NESTING} "
+                                        "containers; flatten it (checkpoints stay readable by any reader)")
+        self._depth += 1
+        try:
+            return self._encode(value, t, path, tensors)
+        finally:
+            self._depth -= 1
+
+    def _encode(self, value: Any, t: type, path: tuple[Any, ...], tensors: bool) -> JSON:
         if t is list:
             return [self.encode(v, (*path, i), tensors=tensors) for i, v in enumerate(value)]
         if t is tuple:
@@ -205,6 +232,9 @@ class _Flattener:
                 _path_str(path, self.root), "quantized tensors are not supported; store t.dequantize() or t.int_repr()")
         if t.device.type == "meta":
             raise UnsupportedValueError(_path_str(path, self.root), "a tensor on the meta device has no data to save")
+        if t.is_conj() or t.is_neg():
+            # A lazy conjugate or negation shares its base's memory: store its values, never the base's bytes.
+            return t.detach().resolve_conj().resolve_neg()
         return t.detach()
 
     def _from_numpy(self, a: np.ndarray[Any, Any], path: tuple[Any, ...]) -> torch.Tensor:
@@ -239,62 +269,215 @@ def decode_plain(skeleton: JSON) -> Any:
     return unflatten(skeleton, {}, allow_pickle=False)
 
 
+_TAG_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {  # tag -> (required, optional) other keys
+    "$dict": (frozenset(), frozenset({"type", "metadata"})),
+    "$tuple": (frozenset(), frozenset()),
+    "$float": (frozenset(), frozenset()),
+    "$per_rank": (frozenset(), frozenset()),
+    "$tensor": (frozenset(), frozenset()),
+    "$ndarray": (frozenset(), frozenset()),
+    "$npscalar": (frozenset(), frozenset()),
+    "$dtensor": (frozenset({"shape", "placements", "mesh"}), frozenset()),
+    "$dtype": (frozenset(), frozenset()),
+    "$device": (frozenset(), frozenset()),
+    "$size": (frozenset(), frozenset()),
+    "$stateful": (frozenset({"state"}), frozenset()),
+    "$pickle": (frozenset(), frozenset()),
+}
+_TENSOR_TAGS = frozenset({"$tensor", "$ndarray", "$npscalar", "$dtensor"})
+_KEY_TAGS = frozenset({"$tuple", "$float", "$dtype", "$device", "$size"})  # values that can be dict keys
+_FLOAT_NAMES = frozenset({"nan", "inf", "-inf"})
+_DTYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_DEVICE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}(:[0-9]{1,6})?")
+_NORMAL, _PLAIN, _KEY = 0, 1, 2  # what a node may hold: anything; no tensors; only dict-key values
+
+
+def _is_int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(type(x) is int for x in v)
+
+
+def check_skeleton(skeleton: JSON, *, tensors: Container[str] | None, where: str, field: str) -> None:
+    """Validate a typed JSON skeleton read from storage, iteratively (any depth is safe).
+
+    Args:
+        skeleton: the parsed JSON.
+        tensors: the tensor names it may refer to; None where no tensor may appear (metadata).
+        where: the step or file, for messages.
+        field: the manifest field, for messages.
+
+    Raises:
+        CheckpointCorruptError: naming the first bad node by its path in the skeleton.
+    """
+    root_mode = _NORMAL if tensors is not None else _PLAIN
+    stack: list[tuple[JSON, int, tuple[str, ...], int]] = [(skeleton, 1, (), root_mode)]
+    while stack:
+        node, depth, path, mode = stack.pop()
+        if node is None or isinstance(node, (bool, int, str)):
+            continue
+
+        def fail(what: str, path: tuple[str, ...] = path) -> CheckpointCorruptError:
+            return CheckpointCorruptError(f"{where}: manifest field {field}{''.join(path)[:200]}: {what}")
+
+        if isinstance(node, float):
+            if not math.isfinite(node):
+                raise fail("a non-finite number must be written as {\"$float\": ...}")
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise fail(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(node, list):
+            if mode == _KEY:
+                raise fail("a list cannot be a dict key")
+            stack.extend((v, depth + 1, (*path, f"[{i}]"), mode) for i, v in enumerate(node))
+            continue
+        tags = [k for k in node if k.startswith("$")] if isinstance(node, dict) else []
+        if len(tags) != 1 or tags[0] not in _TAG_KEYS:
+            raise fail(f"not a typed value: {str(node)[:60]}")
+        tag = tags[0]
+        val = node[tag]
+        required, optional = _TAG_KEYS[tag]
+        others = node.keys() - {tag}
+        if required - others or others - required - optional:
+            raise fail(f"{tag} takes the keys {sorted(required | optional)}, got {sorted(others)[:5]}")
+        if mode == _KEY and tag not in _KEY_TAGS:
+            raise fail(f"a {tag} cannot be a dict key")
+        if tag in _TENSOR_TAGS:
+            if mode != _NORMAL or tensors is None:
+                raise fail(f"{tag} cannot appear here")
+            if not isinstance(val, str) or val not in tensors:
+                raise fail(f"{tag} names no tensor of the index: {str(val)[:60]}")
+            if tag == "$dtensor" and not (_is_int_list(node["shape"]) and _is_int_list(node["mesh"]) and
+                                          isinstance(node["placements"], list) and
+                                          all(isinstance(p, str) for p in node["placements"])):
+                raise fail("$dtensor needs int lists shape and mesh and a list of str placements")
+        elif tag == "$dict":
+            if node.get("type", "OrderedDict") != "OrderedDict":
+                raise fail(f"unknown dict type {str(node['type'])[:40]}")
+            if "metadata" in node:
+                stack.append((node["metadata"], depth + 1, (*path, ".metadata"), _PLAIN))
+            if isinstance(val, dict):
+                stack.extend((v, depth + 2, (*path, f"[{k[:60]!r}]"), mode) for k, v in val.items())
+            elif isinstance(val, list):
+                for i, pair in enumerate(val):
+                    if not isinstance(pair, list) or len(pair) != 2:
+                        raise fail("$dict items must be [key, value] pairs", (*path, f".$dict[{i}]"))
+                    stack.append((pair[0], depth + 3, (*path, f".$dict[{i}][0]"), _KEY))
+                    stack.append((pair[1], depth + 3, (*path, f".$dict[{i}][1]"), mode))
+            else:
+                raise fail("$dict holds an object or a list of pairs")
+        elif tag == "$tuple":
+            if not isinstance(val, list):
+                raise fail("$tuple holds a list")
+            stack.extend((v, depth + 2, (*path, f".$tuple[{i}]"), mode) for i, v in enumerate(val))
+        elif tag in ("$per_rank", "$stateful"):
+            inner = val if tag == "$per_rank" else node["state"]
+            if tag == "$stateful" and (not isinstance(val, str) or len(val) > 1024):
+                raise fail("$stateful names a class")
+            stack.append((inner, depth + 1, (*path, f".{tag}"), mode))
+        elif tag == "$float" and val not in _FLOAT_NAMES:
+            raise fail(f"$float is one of nan, inf, -inf, got {str(val)[:20]}")
+        elif tag == "$dtype" and not (isinstance(val, str) and _DTYPE_RE.fullmatch(val)
+                                      and isinstance(getattr(torch, val, None), torch.dtype)):
+            raise fail(f"unknown dtype {str(val)[:40]}")
+        elif tag == "$device" and not (isinstance(val, str) and _DEVICE_RE.fullmatch(val)):
+            raise fail(f"not a device: {str(val)[:40]}")
+        elif tag == "$size" and not _is_int_list(val):
+            raise fail("$size holds a list of ints")
+        elif tag == "$pickle" and not isinstance(val, str):
+            raise fail("$pickle holds base64 text")
+
+
 def unflatten(skeleton: JSON, tensors: dict[str, torch.Tensor], *, allow_pickle: bool) -> Any:
     """Rebuild the state tree. Stateful objects come back as their state dicts.
+
+    The skeleton of a manifest has passed :func:`check_skeleton`; this still refuses, with
+    :class:`CheckpointCorruptError` rather than a crash, anything it cannot rebuild (nesting
+    deeper than :data:`MAX_JSON_DEPTH`, keys that cannot be keys, a missing tensor).
 
     Raises:
         CheckpointCorruptError: the skeleton is malformed or names a missing tensor.
     """
 
-    def dec(node: JSON) -> Any:
+    def dec(node: JSON, depth: int) -> Any:  # one frame per level: no comprehensions inside
         if node is None or isinstance(node, (bool, int, float, str)):
             return node
+        if depth > MAX_JSON_DEPTH:
+            raise CheckpointCorruptError(f"the state skeleton is nested deeper than {MAX_JSON_DEPTH} levels")
         if isinstance(node, list):
-            return [dec(v) for v in node]
+            items = []
+            for v in node:
+                items.append(dec(v, depth + 1))
+            return items
         if not isinstance(node, dict) or not node:
             raise CheckpointCorruptError(f"malformed state skeleton node: {node!r:.80}")
         tag = next(iter(node))
         val = node[tag]
         if tag == "$dict":
-            items = val.items() if isinstance(val, dict) else ((dec(k), v) for k, v in val)
             out: dict[Any, Any] = OrderedDict() if node.get("type") == "OrderedDict" else {}
-            for k, v in items:
-                out[k] = dec(v)
+            if not isinstance(val, (dict, list)):
+                raise CheckpointCorruptError(f"malformed $dict node: {node!r:.80}")
+            pairs: Any = val.items() if isinstance(val, dict) else val
+            for pair in pairs:
+                if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                    raise CheckpointCorruptError(f"malformed $dict item: {pair!r:.80}")
+                k = pair[0] if isinstance(val, dict) else dec(pair[0], depth + 2)
+                v = dec(pair[1], depth + 2)
+                try:
+                    out[k] = v
+                except TypeError:
+                    raise CheckpointCorruptError(f"a skeleton dict key is not hashable: {k!r:.80}") from None
             if "metadata" in node:
-                out._metadata = dec(node["metadata"])  # type: ignore[attr-defined]
+                out._metadata = dec(node["metadata"], depth + 1)  # type: ignore[attr-defined]
             return out
         if tag == "$tuple":
-            return tuple(dec(v) for v in val)
+            if not isinstance(val, list):
+                raise CheckpointCorruptError(f"malformed $tuple node: {node!r:.80}")
+            return tuple(dec(val, depth))
         if tag == "$float":
+            if val not in _FLOAT_NAMES:
+                raise CheckpointCorruptError(f"malformed $float node: {node!r:.80}")
             return float(val)
         if tag == "$per_rank":
-            return dec(val)
-        if tag in ("$tensor", "$ndarray", "$npscalar", "$dtensor"):
-            if val not in tensors:
-                raise CheckpointCorruptError(f"the skeleton names tensor {val!r}, which the checkpoint lacks")
+            return dec(val, depth + 1)
+        if tag in _TENSOR_TAGS:
+            if not isinstance(val, str) or val not in tensors:
+                raise CheckpointCorruptError(f"the skeleton names tensor {val!r:.80}, which the checkpoint lacks")
             t = tensors[val]
             if tag in ("$tensor", "$dtensor"):  # a DTensor comes back as this rank's local shard
                 return t
-            arr = t.cpu().numpy()
+            try:
+                arr = t.cpu().numpy()
+            except (TypeError, RuntimeError) as exc:
+                raise CheckpointCorruptError(f"tensor {val!r:.80} cannot be a numpy array ({exc})") from None
             return arr[()] if tag == "$npscalar" else arr
         if tag == "$dtype":
-            dtype = getattr(torch, str(val), None)
+            dtype = getattr(torch, val, None) if isinstance(val, str) and _DTYPE_RE.fullmatch(val) else None
             if not isinstance(dtype, torch.dtype):
-                raise CheckpointCorruptError(f"unknown dtype {val!r} in the state skeleton")
+                raise CheckpointCorruptError(f"unknown dtype {val!r:.40} in the state skeleton")
             return dtype
         if tag == "$device":
-            return torch.device(val)
+            try:
+                return torch.device(val)
+            except (RuntimeError, TypeError, ValueError):
+                raise CheckpointCorruptError(f"not a device in the state skeleton: {val!r:.40}") from None
         if tag == "$size":
-            return torch.Size(val)
+            try:
+                return torch.Size(val)
+            except (TypeError, ValueError, RuntimeError):
+                raise CheckpointCorruptError(f"not a torch.Size in the state skeleton: {val!r:.80}") from None
         if tag == "$stateful":
-            return dec(node["state"])
+            if "state" not in node:
+                raise CheckpointCorruptError(f"malformed $stateful node: {node!r:.80}")
+            return dec(node["state"], depth + 1)
         if tag == "$pickle":
             if not allow_pickle:
                 raise CheckpointCorruptError(
                     "this checkpoint holds pickled values; loading them can run arbitrary code. "
                     "Pass allow_pickle=True to CheckpointManager only if you trust its writer."
                 )
-            return pickle.loads(base64.b64decode(val))
-        raise CheckpointCorruptError(f"unknown skeleton tag {tag!r}")
+            try:
+                return pickle.loads(base64.b64decode(val))
+            except Exception as exc:  # anything unpickling raises is a damaged value; BaseException passes
+                raise CheckpointCorruptError(f"a pickled value cannot be loaded ({exc!r:.200})") from exc
+        raise CheckpointCorruptError(f"unknown skeleton tag {tag!r:.40}")
 
-    return dec(skeleton)
+    return dec(skeleton, 1)
