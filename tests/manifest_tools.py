@@ -24,8 +24,7 @@ def load(root: str, step: int) -> dict[str, Any]:
 def signed_bytes(obj: dict[str, Any]) -> bytes:
     """``obj`` serialized as ckptmgr writes manifests, ending with a valid checksum member."""
     obj = {k: v for k, v in obj.items() if k != "manifest_crc32c"}
-    head = json.dumps(obj, indent=1, ensure_ascii=False).encode("utf-8")[:-2]
-    return head + f',\n "manifest_crc32c": "{crc32c.crc32c(head):08x}"\n}}'.encode()
+    return sign_head(json.dumps(obj, indent=1, ensure_ascii=False).encode("utf-8")[:-2])
 
 
 def rewrite(root: str, step: int, mutate: Callable[[dict[str, Any]], Any], *, signed: bool = True) -> None:
@@ -37,5 +36,15 @@ def rewrite(root: str, step: int, mutate: Callable[[dict[str, Any]], Any], *, si
     else:
         obj.pop("manifest_crc32c", None)
         data = json.dumps(obj, indent=1).encode()
+    with open(manifest_path(root, step), "wb") as f:
+        f.write(data)
+
+
+def sign_head(head: bytes) -> bytes:
+    """Raw manifest text without its closing ``\\n}``, ended with a valid checksum member."""
+    return head + f',\n "manifest_crc32c": "{crc32c.crc32c(head):08x}"\n}}'.encode()
+
+
+def write_raw(root: str, step: int, data: bytes) -> None:
     with open(manifest_path(root, step), "wb") as f:
         f.write(data)

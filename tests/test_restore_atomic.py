@@ -84,7 +84,7 @@ def test_the_pinned_slot_path_verifies_before_it_lands(root, tmp_path, monkeypat
     import ckptmgr.restore.restorer as restorer_mod
 
     pinned = []
-    real = getattr(restorer_mod, "read_tensors_pinned")
+    real = restorer_mod.read_tensors_pinned
     monkeypatch.setattr(restorer_mod, "read_tensors_pinned", lambda *a, **k: pinned.append(1) or real(*a, **k))
     if hasattr(restorer_mod, "verify_images"):
         real_verify = restorer_mod.verify_images

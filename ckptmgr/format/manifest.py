@@ -126,8 +126,9 @@ class Manifest:
                                              "as ckptmgr writes it (the manifest was edited or damaged)")
             got = _crc(data[:tail.start()])
             if got != obj["manifest_crc32c"]:
-                raise CheckpointCorruptError(f"{where}: the manifest fails its checksum (CRC32C {got}, "
-                                             f"recorded {obj['manifest_crc32c']}): it was damaged or edited")
+                raise CheckpointCorruptError(f"{where}: manifest field manifest_crc32c: the manifest fails its "
+                                             f"checksum (CRC32C {got}, recorded {obj['manifest_crc32c']}): it was "
+                                             "damaged or edited")
         version = obj.get("format_version")
         if type(version) is not int or version < 1:
             raise CheckpointCorruptError(f"{where}: manifest field format_version: bad value {version!r:.40}")

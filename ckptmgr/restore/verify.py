@@ -80,6 +80,10 @@ def verify_step(target: Target, step: int, *, threads: int = 8, manifest: Manife
     except CkptError as exc:
         report.problems.append(str(exc))
         return report
+    if manifest.step != step:
+        report.problems.append(f"{file_url(target, step, 'manifest.json')}: manifest field step: the manifest is "
+                               f"for step {manifest.step}")
+        return report
     lock = threading.Lock()
 
     def fault(fname: str, what: str) -> None:
