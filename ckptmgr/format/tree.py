@@ -137,7 +137,8 @@ class _Flattener:
         name, n = base, 0
         while name in self._names or name in _RESERVED_NAMES:
             n += 1
-            name = f"{base}~{n}"
+            suffix = f"~{n}"
+            name = base[:_MAX_NAME - len(suffix)] + suffix
         self._names.add(name)
         self.leaves.append(Leaf(name, _path_str(path, self.root), tensor, own))
         return name
