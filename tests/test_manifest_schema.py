@@ -197,6 +197,7 @@ CASES: list[tuple[str, Mutation, str]] = [
     ("unknown-tag", put(*STATE, "x", value={"$evil": 1}), r"\['x'\]: not a typed value"),
     ("two-tags", put(*STATE, "x", value={"$tuple": [], "$float": "nan"}), "not a typed value"),
     ("float-tag", put(*STATE, "x", value={"$float": "1.5"}), r"\$float is one of"),
+    ("float-tag-list", put(*STATE, "x", value={"$float": []}), r"\$float is one of"),
     ("dtype-tag", put(*STATE, "x", value={"$dtype": "os"}), "unknown dtype"),
     ("device-tag", put(*STATE, "x", value={"$device": "../../etc"}), "not a device"),
     ("size-tag", put(*STATE, "x", value={"$size": ["2"]}), r"\$size holds"),

@@ -374,7 +374,7 @@ def check_skeleton(skeleton: JSON, *, tensors: Container[str] | None, where: str
             if tag == "$stateful" and (not isinstance(val, str) or len(val) > 1024):
                 raise fail("$stateful names a class")
             stack.append((inner, depth + 1, (*path, f".{tag}"), mode))
-        elif tag == "$float" and val not in _FLOAT_NAMES:
+        elif tag == "$float" and (not isinstance(val, str) or val not in _FLOAT_NAMES):
             raise fail(f"$float is one of nan, inf, -inf, got {str(val)[:20]}")
         elif tag == "$dtype" and not (isinstance(val, str) and _DTYPE_RE.fullmatch(val)
                                       and isinstance(getattr(torch, val, None), torch.dtype)):
@@ -434,7 +434,7 @@ def unflatten(skeleton: JSON, tensors: dict[str, torch.Tensor], *, allow_pickle:
                 raise CheckpointCorruptError(f"malformed $tuple node: {node!r:.80}")
             return tuple(dec(val, depth))
         if tag == "$float":
-            if val not in _FLOAT_NAMES:
+            if not isinstance(val, str) or val not in _FLOAT_NAMES:
                 raise CheckpointCorruptError(f"malformed $float node: {node!r:.80}")
             return float(val)
         if tag == "$per_rank":
