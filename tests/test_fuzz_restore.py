@@ -91,7 +91,8 @@ def _target() -> dict[str, Any]:
     return {"model": {"w": torch.zeros(40, 30), "b": torch.zeros(30, dtype=torch.bfloat16)},
             "tied": torch.zeros(40, 30), "rows": torch.zeros(6, 30), "ids": torch.zeros(700, dtype=torch.int64),
             "mask": torch.zeros(50, dtype=torch.bool),
-            "optim": {"state": {0: {"step": 0, "exp_avg": torch.zeros(900)}}, "param_groups": s["optim"]["param_groups"]},
+            "optim": {"state": {0: {"step": 0, "exp_avg": torch.zeros(900)}},
+                      "param_groups": s["optim"]["param_groups"]},
             "py": s["py"], "dtype": torch.float32, "epoch": 0}
 
 

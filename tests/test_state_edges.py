@@ -12,6 +12,7 @@ import torch
 
 import ckptmgr.format.tree as tree
 from ckptmgr import CheckpointCorruptError, CheckpointManager, StagingOptions, UnsupportedValueError
+from ckptmgr.format import schema
 
 NO_TIER = StagingOptions(local_tier=False)
 MAX_NESTING = getattr(tree, "MAX_NESTING", 100)
@@ -71,14 +72,14 @@ def test_a_state_nested_deeper_than_the_limit_is_refused_at_save_and_the_deepest
 def test_skeletons_of_any_depth_never_raise_recursion_error():
     deep = _nested(50_000, 1)
     with pytest.raises(CheckpointCorruptError, match=f"nested deeper than {MAX_JSON_DEPTH}"):
-        tree.check_skeleton(deep, tensors=set(), where="here", field="state")
+        schema.check_skeleton(deep, tensors=set(), where="here", field="state")
     with pytest.raises(CheckpointCorruptError, match="nested deeper"):
         tree.unflatten(deep, {}, allow_pickle=False)
     deep_dict = 1
     for _ in range(50_000):
         deep_dict = {"$dict": {"k": deep_dict}}
     with pytest.raises(CheckpointCorruptError, match="nested deeper"):
-        tree.check_skeleton(deep_dict, tensors=set(), where="here", field="state")
+        schema.check_skeleton(deep_dict, tensors=set(), where="here", field="state")
     with pytest.raises(CheckpointCorruptError, match="nested deeper"):
         tree.unflatten(deep_dict, {}, allow_pickle=False)
 

@@ -3,7 +3,7 @@
 A manifest comes from storage that other people and other processes can write, so it is
 validated completely before anything it names is opened, allocated or trusted: the
 top-level keys (no unknown ones), each file record, each tensor index entry, and the typed
-skeletons of the state and the metadata (through :func:`~ckptmgr.format.tree.check_skeleton`).
+skeletons of the state and the metadata (:func:`check_skeleton`).
 Every stored tensor's byte size must equal its dtype and shape, and the stored tensors of a
 file must tile its data region exactly: no overlaps, no holes, nothing past the end. The
 real sizes of the files are compared later, by the reader, before it allocates anything.
@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Container
 from typing import Any
+
+import torch
 
 from ..errors import CheckpointCorruptError
 from .layout import DATA_ALIGN, ST_TO_DTYPE
 from .naming import STEP_DIGITS
-from .tree import check_skeleton
+from .tree import DTYPE_NAME_RE, FLOAT_NAMES, JSON, MAX_JSON_DEPTH, TENSOR_TAGS
 
 __all__ = [
     "DATA_FILE_RE",
@@ -33,6 +36,7 @@ __all__ = [
     "MAX_NAME_CHARS",
     "MAX_STEP",
     "check_manifest",
+    "check_skeleton",
 ]
 
 MAX_MANIFEST_BYTES = 256 << 20  # a manifest larger than this is not read at all
@@ -238,3 +242,116 @@ def _check_view(c: _Checker, name: str, e: dict[str, Any], tensors: dict[str, An
         raise c.fail(field, f"reaches byte {offset + extent * itemsize} of {_show(e['view_of'])}, "
                             f"which has {end - begin}")
 
+
+_TAG_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {  # tag -> (required, optional) other keys
+    "$dict": (frozenset(), frozenset({"type", "metadata"})),
+    "$tuple": (frozenset(), frozenset()),
+    "$float": (frozenset(), frozenset()),
+    "$per_rank": (frozenset(), frozenset()),
+    "$tensor": (frozenset(), frozenset()),
+    "$ndarray": (frozenset(), frozenset()),
+    "$npscalar": (frozenset(), frozenset()),
+    "$dtensor": (frozenset({"shape", "placements", "mesh"}), frozenset()),
+    "$dtype": (frozenset(), frozenset()),
+    "$device": (frozenset(), frozenset()),
+    "$size": (frozenset(), frozenset()),
+    "$stateful": (frozenset({"state"}), frozenset()),
+    "$pickle": (frozenset(), frozenset()),
+}
+_KEY_TAGS = frozenset({"$tuple", "$float", "$dtype", "$device", "$size"})  # values that can be dict keys
+_DEVICE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}(:[0-9]{1,6})?")
+_NORMAL, _PLAIN, _KEY = 0, 1, 2  # what a node may hold: anything; no tensors; only dict-key values
+
+
+def _is_int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(type(x) is int for x in v)
+
+
+def check_skeleton(skeleton: JSON, *, tensors: Container[str] | None, where: str, field: str) -> None:
+    """Validate a typed JSON skeleton read from storage, iteratively (any depth is safe).
+
+    Args:
+        skeleton: the parsed JSON.
+        tensors: the tensor names it may refer to; None where no tensor may appear (metadata).
+        where: the step or file, for messages.
+        field: the manifest field, for messages.
+
+    Raises:
+        CheckpointCorruptError: naming the first bad node by its path in the skeleton.
+    """
+    root_mode = _NORMAL if tensors is not None else _PLAIN
+    stack: list[tuple[JSON, int, tuple[str, ...], int]] = [(skeleton, 1, (), root_mode)]
+    while stack:
+        node, depth, path, mode = stack.pop()
+        if node is None or isinstance(node, (bool, int, str)):
+            continue
+
+        def fail(what: str, path: tuple[str, ...] = path) -> CheckpointCorruptError:
+            return CheckpointCorruptError(f"{where}: manifest field {field}{''.join(path)[:200]}: {what}")
+
+        if isinstance(node, float):
+            if not math.isfinite(node):
+                raise fail("a non-finite number must be written as {\"$float\": ...}")
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise fail(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(node, list):
+            if mode == _KEY:
+                raise fail("a list cannot be a dict key")
+            stack.extend((v, depth + 1, (*path, f"[{i}]"), mode) for i, v in enumerate(node))
+            continue
+        tags = [k for k in node if k.startswith("$")] if isinstance(node, dict) else []
+        if len(tags) != 1 or tags[0] not in _TAG_KEYS:
+            raise fail(f"not a typed value: {str(node)[:60]}")
+        tag = tags[0]
+        val = node[tag]
+        required, optional = _TAG_KEYS[tag]
+        others = node.keys() - {tag}
+        if required - others or others - required - optional:
+            raise fail(f"{tag} takes the keys {sorted(required | optional)}, got {sorted(others)[:5]}")
+        if mode == _KEY and tag not in _KEY_TAGS:
+            raise fail(f"a {tag} cannot be a dict key")
+        if tag in TENSOR_TAGS:
+            if mode != _NORMAL or tensors is None:
+                raise fail(f"{tag} cannot appear here")
+            if not isinstance(val, str) or val not in tensors:
+                raise fail(f"{tag} names no tensor of the index: {str(val)[:60]}")
+            if tag == "$dtensor" and not (_is_int_list(node["shape"]) and _is_int_list(node["mesh"]) and
+                                          isinstance(node["placements"], list) and
+                                          all(isinstance(p, str) for p in node["placements"])):
+                raise fail("$dtensor needs int lists shape and mesh and a list of str placements")
+        elif tag == "$dict":
+            if node.get("type", "OrderedDict") != "OrderedDict":
+                raise fail(f"unknown dict type {str(node['type'])[:40]}")
+            if "metadata" in node:
+                stack.append((node["metadata"], depth + 1, (*path, ".metadata"), _PLAIN))
+            if isinstance(val, dict):
+                stack.extend((v, depth + 2, (*path, f"[{k[:60]!r}]"), mode) for k, v in val.items())
+            elif isinstance(val, list):
+                for i, pair in enumerate(val):
+                    if not isinstance(pair, list) or len(pair) != 2:
+                        raise fail("$dict items must be [key, value] pairs", (*path, f".$dict[{i}]"))
+                    stack.append((pair[0], depth + 3, (*path, f".$dict[{i}][0]"), _KEY))
+                    stack.append((pair[1], depth + 3, (*path, f".$dict[{i}][1]"), mode))
+            else:
+                raise fail("$dict holds an object or a list of pairs")
+        elif tag == "$tuple":
+            if not isinstance(val, list):
+                raise fail("$tuple holds a list")
+            stack.extend((v, depth + 2, (*path, f".$tuple[{i}]"), mode) for i, v in enumerate(val))
+        elif tag in ("$per_rank", "$stateful"):
+            inner = val if tag == "$per_rank" else node["state"]
+            if tag == "$stateful" and (not isinstance(val, str) or len(val) > 1024):
+                raise fail("$stateful names a class")
+            stack.append((inner, depth + 1, (*path, f".{tag}"), mode))
+        elif tag == "$float" and (not isinstance(val, str) or val not in FLOAT_NAMES):
+            raise fail(f"$float is one of nan, inf, -inf, got {str(val)[:20]}")
+        elif tag == "$dtype" and not (isinstance(val, str) and DTYPE_NAME_RE.fullmatch(val)
+                                      and isinstance(getattr(torch, val, None), torch.dtype)):
+            raise fail(f"unknown dtype {str(val)[:40]}")
+        elif tag == "$device" and not (isinstance(val, str) and _DEVICE_RE.fullmatch(val)):
+            raise fail(f"not a device: {str(val)[:40]}")
+        elif tag == "$size" and not _is_int_list(val):
+            raise fail("$size holds a list of ints")
+        elif tag == "$pickle" and not isinstance(val, str):
+            raise fail("$pickle holds base64 text")

@@ -29,9 +29,9 @@ DTensor            ``{"$dtensor": name, "shape": global, "placements": [...], "m
 anything else      refused, unless pickle is allowed: ``{"$pickle": base64}``
 =================  ===============================================================
 
-A skeleton read back is untrusted: :func:`check_skeleton` validates every node (known tags,
-their keys and value types, tensor names that exist, dict keys that can be keys) without
-recursion, and refuses nesting deeper than :data:`MAX_JSON_DEPTH`; ``flatten`` refuses
+A skeleton read back is untrusted: :func:`ckptmgr.format.schema.check_skeleton` validates
+every node (known tags, their keys and value types, tensor names that exist, dict keys that
+can be keys) without recursion, and refuses nesting deeper than :data:`MAX_JSON_DEPTH`; ``flatten`` refuses
 states nested deeper than :data:`MAX_NESTING` containers, so whatever it writes reads back.
 A conjugate or negative view (``z.conj()``, the ``.imag`` of one) is stored as its values,
 never as the tensor it views.
@@ -44,7 +44,6 @@ import math
 import pickle
 import re
 from collections import OrderedDict
-from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,8 +52,8 @@ import torch
 
 from ..errors import CheckpointCorruptError, UnsupportedValueError
 
-__all__ = ["MAX_JSON_DEPTH", "MAX_NESTING", "Leaf", "PerRank", "check_skeleton", "decode_plain", "encode_plain",
-           "flatten", "is_stateful", "unflatten"]
+__all__ = ["DTYPE_NAME_RE", "FLOAT_NAMES", "MAX_JSON_DEPTH", "MAX_NESTING", "TENSOR_TAGS", "Leaf", "PerRank",
+           "decode_plain", "encode_plain", "flatten", "is_stateful", "unflatten"]
 
 JSON = Any  # a JSON-serialisable value
 _RESERVED_NAMES = frozenset({"__metadata__"})
@@ -270,127 +269,15 @@ def decode_plain(skeleton: JSON) -> Any:
     return unflatten(skeleton, {}, allow_pickle=False)
 
 
-_TAG_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {  # tag -> (required, optional) other keys
-    "$dict": (frozenset(), frozenset({"type", "metadata"})),
-    "$tuple": (frozenset(), frozenset()),
-    "$float": (frozenset(), frozenset()),
-    "$per_rank": (frozenset(), frozenset()),
-    "$tensor": (frozenset(), frozenset()),
-    "$ndarray": (frozenset(), frozenset()),
-    "$npscalar": (frozenset(), frozenset()),
-    "$dtensor": (frozenset({"shape", "placements", "mesh"}), frozenset()),
-    "$dtype": (frozenset(), frozenset()),
-    "$device": (frozenset(), frozenset()),
-    "$size": (frozenset(), frozenset()),
-    "$stateful": (frozenset({"state"}), frozenset()),
-    "$pickle": (frozenset(), frozenset()),
-}
-_TENSOR_TAGS = frozenset({"$tensor", "$ndarray", "$npscalar", "$dtensor"})
-_KEY_TAGS = frozenset({"$tuple", "$float", "$dtype", "$device", "$size"})  # values that can be dict keys
-_FLOAT_NAMES = frozenset({"nan", "inf", "-inf"})
-_DTYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
-_DEVICE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}(:[0-9]{1,6})?")
-_NORMAL, _PLAIN, _KEY = 0, 1, 2  # what a node may hold: anything; no tensors; only dict-key values
-
-
-def _is_int_list(v: Any) -> bool:
-    return isinstance(v, list) and all(type(x) is int for x in v)
-
-
-def check_skeleton(skeleton: JSON, *, tensors: Container[str] | None, where: str, field: str) -> None:
-    """Validate a typed JSON skeleton read from storage, iteratively (any depth is safe).
-
-    Args:
-        skeleton: the parsed JSON.
-        tensors: the tensor names it may refer to; None where no tensor may appear (metadata).
-        where: the step or file, for messages.
-        field: the manifest field, for messages.
-
-    Raises:
-        CheckpointCorruptError: naming the first bad node by its path in the skeleton.
-    """
-    root_mode = _NORMAL if tensors is not None else _PLAIN
-    stack: list[tuple[JSON, int, tuple[str, ...], int]] = [(skeleton, 1, (), root_mode)]
-    while stack:
-        node, depth, path, mode = stack.pop()
-        if node is None or isinstance(node, (bool, int, str)):
-            continue
-
-        def fail(what: str, path: tuple[str, ...] = path) -> CheckpointCorruptError:
-            return CheckpointCorruptError(f"{where}: manifest field {field}{''.join(path)[:200]}: {what}")
-
-        if isinstance(node, float):
-            if not math.isfinite(node):
-                raise fail("a non-finite number must be written as {\"$float\": ...}")
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise fail(f"nested deeper than {MAX_JSON_DEPTH} levels")
-        if isinstance(node, list):
-            if mode == _KEY:
-                raise fail("a list cannot be a dict key")
-            stack.extend((v, depth + 1, (*path, f"[{i}]"), mode) for i, v in enumerate(node))
-            continue
-        tags = [k for k in node if k.startswith("$")] if isinstance(node, dict) else []
-        if len(tags) != 1 or tags[0] not in _TAG_KEYS:
-            raise fail(f"not a typed value: {str(node)[:60]}")
-        tag = tags[0]
-        val = node[tag]
-        required, optional = _TAG_KEYS[tag]
-        others = node.keys() - {tag}
-        if required - others or others - required - optional:
-            raise fail(f"{tag} takes the keys {sorted(required | optional)}, got {sorted(others)[:5]}")
-        if mode == _KEY and tag not in _KEY_TAGS:
-            raise fail(f"a {tag} cannot be a dict key")
-        if tag in _TENSOR_TAGS:
-            if mode != _NORMAL or tensors is None:
-                raise fail(f"{tag} cannot appear here")
-            if not isinstance(val, str) or val not in tensors:
-                raise fail(f"{tag} names no tensor of the index: {str(val)[:60]}")
-            if tag == "$dtensor" and not (_is_int_list(node["shape"]) and _is_int_list(node["mesh"]) and
-                                          isinstance(node["placements"], list) and
-                                          all(isinstance(p, str) for p in node["placements"])):
-                raise fail("$dtensor needs int lists shape and mesh and a list of str placements")
-        elif tag == "$dict":
-            if node.get("type", "OrderedDict") != "OrderedDict":
-                raise fail(f"unknown dict type {str(node['type'])[:40]}")
-            if "metadata" in node:
-                stack.append((node["metadata"], depth + 1, (*path, ".metadata"), _PLAIN))
-            if isinstance(val, dict):
-                stack.extend((v, depth + 2, (*path, f"[{k[:60]!r}]"), mode) for k, v in val.items())
-            elif isinstance(val, list):
-                for i, pair in enumerate(val):
-                    if not isinstance(pair, list) or len(pair) != 2:
-                        raise fail("$dict items must be [key, value] pairs", (*path, f".$dict[{i}]"))
-                    stack.append((pair[0], depth + 3, (*path, f".$dict[{i}][0]"), _KEY))
-                    stack.append((pair[1], depth + 3, (*path, f".$dict[{i}][1]"), mode))
-            else:
-                raise fail("$dict holds an object or a list of pairs")
-        elif tag == "$tuple":
-            if not isinstance(val, list):
-                raise fail("$tuple holds a list")
-            stack.extend((v, depth + 2, (*path, f".$tuple[{i}]"), mode) for i, v in enumerate(val))
-        elif tag in ("$per_rank", "$stateful"):
-            inner = val if tag == "$per_rank" else node["state"]
-            if tag == "$stateful" and (not isinstance(val, str) or len(val) > 1024):
-                raise fail("$stateful names a class")
-            stack.append((inner, depth + 1, (*path, f".{tag}"), mode))
-        elif tag == "$float" and (not isinstance(val, str) or val not in _FLOAT_NAMES):
-            raise fail(f"$float is one of nan, inf, -inf, got {str(val)[:20]}")
-        elif tag == "$dtype" and not (isinstance(val, str) and _DTYPE_RE.fullmatch(val)
-                                      and isinstance(getattr(torch, val, None), torch.dtype)):
-            raise fail(f"unknown dtype {str(val)[:40]}")
-        elif tag == "$device" and not (isinstance(val, str) and _DEVICE_RE.fullmatch(val)):
-            raise fail(f"not a device: {str(val)[:40]}")
-        elif tag == "$size" and not _is_int_list(val):
-            raise fail("$size holds a list of ints")
-        elif tag == "$pickle" and not isinstance(val, str):
-            raise fail("$pickle holds base64 text")
+TENSOR_TAGS = frozenset({"$tensor", "$ndarray", "$npscalar", "$dtensor"})  # tags that name a stored tensor
+FLOAT_NAMES = frozenset({"nan", "inf", "-inf"})  # the values of {"$float": ...}
+DTYPE_NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")  # what {"$dtype": ...} may name (a torch attribute)
 
 
 def unflatten(skeleton: JSON, tensors: dict[str, torch.Tensor], *, allow_pickle: bool) -> Any:
     """Rebuild the state tree. Stateful objects come back as their state dicts.
 
-    The skeleton of a manifest has passed :func:`check_skeleton`; this still refuses, with
+    The skeleton of a manifest has passed ``schema.check_skeleton``; this still refuses, with
     :class:`CheckpointCorruptError` rather than a crash, anything it cannot rebuild (nesting
     deeper than :data:`MAX_JSON_DEPTH`, keys that cannot be keys, a missing tensor).
 
@@ -434,12 +321,12 @@ def unflatten(skeleton: JSON, tensors: dict[str, torch.Tensor], *, allow_pickle:
                 raise CheckpointCorruptError(f"malformed $tuple node: {node!r:.80}")
             return tuple(dec(val, depth))
         if tag == "$float":
-            if not isinstance(val, str) or val not in _FLOAT_NAMES:
+            if not isinstance(val, str) or val not in FLOAT_NAMES:
                 raise CheckpointCorruptError(f"malformed $float node: {node!r:.80}")
             return float(val)
         if tag == "$per_rank":
             return dec(val, depth + 1)
-        if tag in _TENSOR_TAGS:
+        if tag in TENSOR_TAGS:
             if not isinstance(val, str) or val not in tensors:
                 raise CheckpointCorruptError(f"the skeleton names tensor {val!r:.80}, which the checkpoint lacks")
             t = tensors[val]
@@ -451,7 +338,7 @@ def unflatten(skeleton: JSON, tensors: dict[str, torch.Tensor], *, allow_pickle:
                 raise CheckpointCorruptError(f"tensor {val!r:.80} cannot be a numpy array ({exc})") from None
             return arr[()] if tag == "$npscalar" else arr
         if tag == "$dtype":
-            dtype = getattr(torch, val, None) if isinstance(val, str) and _DTYPE_RE.fullmatch(val) else None
+            dtype = getattr(torch, val, None) if isinstance(val, str) and DTYPE_NAME_RE.fullmatch(val) else None
             if not isinstance(dtype, torch.dtype):
                 raise CheckpointCorruptError(f"unknown dtype {val!r:.40} in the state skeleton")
             return dtype

@@ -24,12 +24,16 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CkptTimeoutError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import FileRecord, Manifest
 
 __all__ = ["Source", "check_regular", "header_problems", "local_path", "preflight", "run_all", "verify_files",
            "verify_images"]
+
+
+_SCRATCH_BYTES = 256 << 20  # host memory the checking pass may use, whatever the chunk size
+_SCRATCH_WAIT = 600.0  # seconds a checking task waits for a scratch buffer (one chunk read of another task)
 
 
 class Source(Protocol):
@@ -166,7 +170,8 @@ def _mismatch(where: str, fname: str, b: int, e: int) -> CheckpointCorruptError:
 
 def verify_files(source: Source, step: int, manifest: Manifest, pool: Executor, workers: int, where: str) -> None:
     """Read every checksum chunk of ``step`` into scratch memory and check it, landing
-    nothing: ``workers`` buffers of one chunk each, leased by the tasks on ``pool``.
+    nothing: up to ``workers`` buffers of one chunk each (256 MiB in all at most), each held
+    by one task on ``pool`` at a time.
 
     Raises:
         CheckpointCorruptError: the first chunk (in file order) that fails.
@@ -176,11 +181,14 @@ def verify_files(source: Source, step: int, manifest: Manifest, pool: Executor, 
         return
     size = max(e - b for _, _, _, b, e in chunks)
     free: queue.SimpleQueue[np.ndarray[Any, Any]] = queue.SimpleQueue()
-    for _ in range(max(1, min(workers, len(chunks)))):
+    for _ in range(max(1, min(workers, len(chunks), _SCRATCH_BYTES // size))):
         free.put(np.empty(size, dtype=np.uint8))
 
     def task(fname: str, rec: FileRecord, i: int, b: int, e: int) -> None:
-        buf = free.get()  # never waits: no more tasks run at once than there are buffers
+        try:  # waits only for another task's read of one chunk
+            buf = free.get(timeout=_SCRATCH_WAIT)
+        except queue.Empty:
+            raise CkptTimeoutError(f"{where}: no read of one chunk finished in {_SCRATCH_WAIT} s") from None
         try:
             view = buf[:e - b]
             source.read_into(step, fname, b, [view])
