@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -214,6 +215,29 @@ CASES: list[tuple[str, Mutation, str]] = [
     ("ranks-without-rank-states", put("world_size", value=2), "rank_states"),
     ("another-step", put("step", value=3), "the manifest is for step 3"),
 ]
+
+
+# Every field of a file record, a stored tensor and a view: missing, of the wrong type, negative, huge.
+NESTED = {
+    "files['data-00000.safetensors']": (("files", F), {"size": int, "header_size": int, "chunk_size": int,
+                                                       "crc32c": list}),
+    "tensors['model/w']": (W, {"file": str, "dtype": str, "shape": list, "offsets": list}),
+    "tensors['rows']": (ROWS, {"view_of": str, "dtype": str, "shape": list, "stride": list, "byte_offset": int}),
+}
+for _field, (_path, _keys) in NESTED.items():
+    for _key, _kind in _keys.items():
+        _where = re.escape(f"{_field}.{_key}")
+        CASES.append((f"missing-{_field}.{_key}", drop(*_path, _key), re.escape(_field) + ": lacks"))
+        CASES.append((f"type-{_field}.{_key}", put(*_path, _key, value=5 if _kind is str else "x"),
+                      _where if _key != "view_of" else r"view_of: names no stored tensor"))
+        if _kind is int:
+            CASES.append((f"negative-{_field}.{_key}", put(*_path, _key, value=-1), _where + ": must be in"))
+            CASES.append((f"huge-{_field}.{_key}", put(*_path, _key, value=10**30), _where + ": must be in"))
+        elif _key in ("shape", "offsets", "stride"):
+            CASES.append((f"negative-{_field}.{_key}", put(*_path, _key, value=[-1, -1]),
+                          _where + r"\[0\]: must be in"))
+            CASES.append((f"huge-{_field}.{_key}", put(*_path, _key, value=[10**30, 10**30]),
+                          _where + r"\[0\]: must be in"))
 
 
 @pytest.fixture(params=CASES, ids=[c[0] for c in CASES])
