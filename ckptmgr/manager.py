@@ -383,33 +383,38 @@ class CheckpointManager(Protection):
         """Load a committed checkpoint.
 
         Args:
-            step: the step to load; None loads the newest one that verifies, warning about
-                any newer one that does not.
+            step: the step to load; None loads the newest one that verifies, skipping (with
+                one warning each) any newer one that is damaged or that another process
+                deletes while it is read.
             target: a state of the same shape as the one saved. Its tensors are overwritten
                 in place and its Stateful objects get ``load_state_dict``; the result mirrors
                 ``target`` with the checkpoint's plain values. Every difference is reported
-                before anything is read. On a GPU, each stored tensor lands straight in the
-                target tensor at its place (no second copy on the device); should a checksum
-                then fail, those tensors hold a mix until an older step is restored over them.
+                before anything is read. Each stored tensor lands straight in the target
+                tensor at its place (no second copy, on the GPU either), and only once every
+                checksum of the step has passed: a step that fails leaves the target exactly
+                as it was.
             device: where tensors go that have no target tensor to land in (default: CPU, or
                 the GPU that ``target``'s tensors are on).
             loader: how files reach a GPU. ``"auto"``: from this process's pinned staging
-                slot when it holds the step, else ``"gds"`` for disk files where the machine
-                has real GPUDirect Storage, else ``"ring"`` (parallel reads into a small
+                slot when it holds the step, else ``"ring"`` (parallel reads into a small
                 reused pinned buffer, copies to the GPU overlapped with them); ``"host"`` on
                 the CPU (scatter reads into each tensor's own memory). ``"inplace"`` pins
                 local files where they lie (registering costs more than the ring's copy for a
                 one-shot restore). ``"gds"``: kvikio reads into GPU memory (``pip install
-                'ckptmgr[gds]'``; where it cannot do I/O, a warning and the ring). Every
-                checksum is verified before the state is returned, except with ``"gds"``,
-                whose data never passes through host memory (sizes and headers are checked).
+                'ckptmgr[gds]'``; where it cannot do I/O, a warning and the ring); what
+                landed is then read back to verify its checksums, so it is opt-in, never
+                picked by ``"auto"``. Every loader verifies every checksum before the state
+                is returned.
 
         Returns:
             The restored state.
 
         Raises:
-            StepNotFoundError: no such committed step (or none at all).
-            CheckpointCorruptError: an explicit step fails verification.
+            StepNotFoundError: no such committed step (or none at all), or ``step`` was
+                deleted (by another process) while it was read.
+            CheckpointCorruptError: ``step`` is damaged: its manifest, a file's size or
+                header, or a checksum; the message names the step and the field or file.
+                ``target`` has not been modified.
             StateMismatchError: ``target`` does not match; it has not been modified.
         """
         dev = torch.device(device) if device is not None else None

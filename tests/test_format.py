@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from manifest_tools import rewrite
 from safetensors import safe_open
 
 from ckptmgr import CheckpointCorruptError, CheckpointManager, FormatVersionError, StepNotFoundError
@@ -99,7 +100,7 @@ def test_truncated_file(two_steps):
 def test_garbage_header(two_steps):
     with open(_data(two_steps, 2), "r+b") as f:
         f.write(b"\xff" * 64)
-    _expect_fallback(two_steps, "checksum mismatch")
+    _expect_fallback(two_steps, "header length")
 
 
 def test_missing_data_file(two_steps):
@@ -114,11 +115,16 @@ def test_garbage_manifest(two_steps):
 
 
 def test_manifest_with_bad_fields(two_steps):
+    rewrite(two_steps, 2, lambda m: m["tensors"]["model/w"].update(offsets=[0, 12]))
+    _expect_fallback(two_steps, r"tensors\['model/w'\].offsets: \[0, 12\] span 12 bytes")
+
+
+def test_an_edited_manifest_fails_its_checksum(two_steps):
     p = os.path.join(two_steps, "step_000000000002", "manifest.json")
     m = json.loads(Path(p).read_text())
     m["tensors"]["model/w"]["offsets"] = [0, 12]
     Path(p).write_text(json.dumps(m))
-    _expect_fallback(two_steps, "bad offsets")
+    _expect_fallback(two_steps, "manifest_crc32c")
 
 
 def test_missing_manifest_hides_the_step(two_steps):
@@ -132,10 +138,7 @@ def test_missing_manifest_hides_the_step(two_steps):
 
 
 def test_newer_format_is_refused_not_skipped(two_steps):
-    p = os.path.join(two_steps, "step_000000000002", "manifest.json")
-    m = json.loads(Path(p).read_text())
-    m["format_version"] = 99
-    Path(p).write_text(json.dumps(m))
+    rewrite(two_steps, 2, lambda m: m.update(format_version=99))
     with CheckpointManager(two_steps) as mgr, pytest.raises(FormatVersionError, match="Upgrade ckptmgr"):
         mgr.restore()
 

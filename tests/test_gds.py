@@ -93,8 +93,29 @@ def test_a_grown_or_truncated_file_fails_the_gds_read(root, kvikio):
         with pytest.raises(CheckpointCorruptError, match="bytes; the manifest says"):
             mgr.restore(1, device="cpu", loader="gds")
         os.truncate(path, size - 4)
-        with pytest.raises(CheckpointCorruptError, match="bad offsets"):
+        with pytest.raises(CheckpointCorruptError, match="truncated"):
             mgr.restore(1, device="cpu", loader="gds")
+
+
+def test_gds_reads_are_verified_where_they_landed_and_a_target_stays_whole(root, kvikio):
+    """A flipped data byte (same size, same header) is caught on the GDS path too, and a
+    restore into a target that fails leaves every target tensor as it was."""
+    with CheckpointManager(root, staging=NO_TIER, write_options=WriteOptions(chunk_size=8192)) as mgr:
+        mgr.save(1, state()).result()
+        path = os.path.join(root, "step_000000000001", "data-00000.safetensors")
+        with open(path, "r+b") as f:
+            f.seek(-100, 2)
+            b = f.read(1)
+            f.seek(-100, 2)
+            f.write(bytes([b[0] ^ 1]))
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            mgr.restore(1, device="cpu", loader="gds")
+        target = {"w": torch.zeros(40_000), "b": torch.zeros(33, dtype=torch.bfloat16), "n": 0, "v": torch.zeros(5)}
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            mgr.restore(1, target=target, loader="gds")
+        assert not target["w"].any() and not target["b"].any()
+    reads = [line for line in kvikio.read_text().splitlines() if line.startswith("read")]
+    assert reads  # the first restore did read through kvikio before verifying what landed
 
 
 def test_no_driver_is_detected_and_posix_serves(root, kvikio, monkeypatch):
@@ -128,15 +149,15 @@ def test_the_probe_tells_real_gds_from_compatibility_mode(tmp_path, kvikio, monk
     assert status.usable and not status.compat and "GPUDirect Storage" in str(status)
 
 
-def test_auto_picks_gds_only_where_it_is_real(root, kvikio, monkeypatch):
+def test_auto_never_picks_gds_even_where_it_is_real(root, kvikio, monkeypatch):
+    """``auto`` keeps a loader that verifies as the data passes through host memory; GDS is opt-in."""
     cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    monkeypatch.setenv("CKPTMGR_FAKE_KVIKIO", "gds")
     with CheckpointManager(root, staging=NO_TIER) as mgr:
+        assert gds.probe(root).usable and not gds.probe(root).compat  # real GDS, as far as anyone can tell
         pick = mgr._restorer.auto_loader
-        assert pick(mgr._target, cuda, pinned=False) == "ring"  # compatibility mode
-        monkeypatch.setattr(gds, "_probed", {})
-        monkeypatch.setenv("CKPTMGR_FAKE_KVIKIO", "gds")
-        assert pick(mgr._target, cuda, pinned=False) == "gds"
+        assert pick(mgr._target, cuda, pinned=False) == "ring"
         assert pick(mgr._target, cuda, pinned=True) == "inplace"
         assert pick(mgr._target, torch.device("cpu"), pinned=False) == "host"
-    with CheckpointManager("memory://auto-gds", staging=NO_TIER) as mgr:  # no local files: never GDS
+    with CheckpointManager("memory://auto-gds", staging=NO_TIER) as mgr:
         assert mgr._restorer.auto_loader(mgr._target, cuda, pinned=False) == "ring"

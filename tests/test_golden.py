@@ -40,6 +40,8 @@ def test_current_writer_reproduces_golden_v1_bytes(tmp_path):
     for key in ("time", "library_version"):
         old.pop(key)
         new.pop(key)
+    assert "manifest_crc32c" not in old  # written before the manifest had a checksum: still read
+    assert len(new.pop("manifest_crc32c")) == 8
     assert new == old
     for name in old["files"]:
         assert (new_dir / name).read_bytes() == Path(old_dir, name).read_bytes()

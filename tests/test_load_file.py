@@ -66,6 +66,37 @@ def test_bad_files_are_refused_with_the_reason(tmp_path, mutate, match):
         ckptmgr.load_file(path)
 
 
+def _raw_file(path, entries: dict, data: bytes) -> None:
+    """A safetensors file with exactly this header (no checks), as a crafted file would be."""
+    import json
+
+    header = json.dumps({k: {"dtype": d, "shape": s, "data_offsets": o} for k, (d, s, o) in entries.items()}).encode()
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header + data)
+
+
+@pytest.mark.parametrize(("entries", "size", "match"), [
+    ({"a": ("F32", [4], [0, 16]), "b": ("F32", [4], [8, 24])}, 24, "overlaps another tensor"),
+    ({"a": ("F32", [4], [0, 16]), "b": ("F32", [4], [0, 16])}, 16, "overlaps another tensor"),
+    ({"a": ("F32", [2], [0, 8]), "b": ("F32", [2], [16, 24])}, 24, "hole of 8 bytes"),
+    ({"a": ("F32", [2], [8, 16])}, 16, "hole of 8 bytes"),
+    ({"a": ("F32", [2], [0, 8])}, 12, "cover 8 bytes of a 12-byte data region"),
+])
+def test_overlapping_tensors_holes_and_trailing_bytes_are_refused(tmp_path, entries, size, match):
+    """As safetensors itself refuses them: every byte of the data region belongs to one tensor."""
+    path = str(tmp_path / "crafted.safetensors")
+    _raw_file(path, entries, bytes(size))
+    with pytest.raises(CheckpointCorruptError, match=match):
+        ckptmgr.load_file(path)
+
+
+def test_load_file_refuses_a_fifo_without_blocking(tmp_path):
+    path = str(tmp_path / "pipe.safetensors")
+    os.mkfifo(path)  # opening it for reading in blocking mode would wait for a writer forever
+    with pytest.raises(CheckpointCorruptError, match="not a regular file"):
+        ckptmgr.load_file(path)
+
+
 def test_in_place_read_of_a_local_tier_step_verifies_checksums(root, tmp_path):
     local = str(tmp_path / "shm")
     os.makedirs(local)

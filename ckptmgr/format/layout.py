@@ -189,6 +189,9 @@ def _resolve_aliases(leaves: list[Leaf]) -> tuple[list[_Entry], list[ViewEntry]]
     views: list[ViewEntry] = []
     for leaf in leaves:
         t = leaf.tensor
+        if t.is_conj() or t.is_neg():  # flatten() resolves them; its bytes are not the values it shows
+            raise UnsupportedValueError(leaf.path, "a conjugate or negative view cannot be stored as its base's "
+                                                   "bytes; store t.resolve_conj().resolve_neg()")
         if t.numel() == 0:
             entries.append(_whole(leaf))
         else:

@@ -3,22 +3,42 @@
 ``manifest.json`` holds the format version, step, wall time, library version, the typed
 skeleton of the state, the tensor index, every file's size and per-chunk CRC32C checksums,
 and the user's metadata. docs/FORMAT.md describes each field.
+
+Its last member, ``"manifest_crc32c"``, is the CRC32C of every byte of the file before it, so
+that a flipped digit anywhere (a step, an ``"epoch": 7`` in the metadata) is caught. A
+manifest without it was written before the field existed and is read with every other check.
+On read, a manifest is validated completely (:mod:`~ckptmgr.format.schema`) before anything
+it names is trusted.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import crc32c
+
 from ..errors import CheckpointCorruptError, FormatVersionError
+from .schema import MAX_MANIFEST_BYTES, check_manifest
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "FileRecord", "Manifest"]
 
 FORMAT_NAME = "ckptmgr"
 FORMAT_VERSION = 2  # 2: multi-rank checkpoints (world_size, rank_states); single-process ones stay 1
 MANIFEST_NAME = "manifest.json"
+# The checksum member as the writer puts it: last, on its own line, so the bytes it covers are plain.
+_CHECKSUM_TAIL = re.compile(rb',\n "manifest_crc32c": "([0-9a-f]{8})"\n\}\Z')
+
+
+def _crc(data: bytes) -> str:
+    return f"{crc32c.crc32c(data):08x}"
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 @dataclass(frozen=True)
@@ -37,12 +57,8 @@ class FileRecord:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> FileRecord:
-        rec = cls(int(obj["size"]), int(obj["chunk_size"]), tuple(obj["crc32c"]),
-                  int(obj["header_size"]))
-        expected = -(-rec.size // rec.chunk_size) if rec.chunk_size > 0 else -1
-        if rec.chunk_size <= 0 or len(rec.crc32c) != expected:
-            raise ValueError(f"{len(rec.crc32c)} checksums for {rec.size} bytes in chunks of {rec.chunk_size}")
-        return rec
+        """A record from a validated manifest's ``files`` entry."""
+        return cls(obj["size"], obj["chunk_size"], tuple(obj["crc32c"]), obj["header_size"])
 
 
 @dataclass
@@ -58,8 +74,10 @@ class Manifest:
     format_version: int = 1
     world_size: int = 1  # ranks that wrote it
     rank_states: list[Any] | None = None  # every rank's skeleton (``state`` is rank 0's)
+    checksummed: bool = field(default=True, compare=False)  # read back: it carried manifest_crc32c
 
     def to_bytes(self) -> bytes:
+        """The manifest's bytes, ending with the checksum of everything before it."""
         multi = self.world_size > 1
         obj = {
             "format": FORMAT_NAME,
@@ -76,50 +94,55 @@ class Manifest:
         if multi:
             obj["world_size"] = self.world_size
             obj["rank_states"] = self.rank_states
-        return json.dumps(obj, indent=1, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        body = json.dumps(obj, indent=1, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        assert body.endswith(b"\n}")
+        head = body[:-2]
+        return head + f',\n "manifest_crc32c": "{_crc(head)}"\n}}'.encode("ascii")
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Manifest:
-        """Parse and validate a manifest.
+        """Parse and validate a manifest: its checksum, then every field (docs/FORMAT.md).
 
         Raises:
-            CheckpointCorruptError: not a valid manifest.
+            CheckpointCorruptError: not a valid manifest; the message names the field.
             FormatVersionError: written by a newer format version.
         """
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise CheckpointCorruptError(f"{where}: the manifest has {len(data)} bytes, more than the "
+                                         f"{MAX_MANIFEST_BYTES} a manifest may have")
         try:
-            obj = json.loads(data)
+            obj = json.loads(data, parse_constant=_refuse_constant)
+        except RecursionError:
+            raise CheckpointCorruptError(f"{where}: the manifest is nested too deeply to be one") from None
         except (ValueError, UnicodeDecodeError) as exc:
-            raise CheckpointCorruptError(f"{where}: the manifest is not valid JSON ({exc})") from exc
+            raise CheckpointCorruptError(f"{where}: the manifest is not valid JSON ({exc})") from None
         if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
             raise CheckpointCorruptError(f"{where}: not a ckptmgr manifest")
+        checksummed = "manifest_crc32c" in obj
+        if checksummed:
+            tail = _CHECKSUM_TAIL.search(data)
+            if tail is None or tail.group(1).decode() != obj["manifest_crc32c"]:
+                raise CheckpointCorruptError(f"{where}: manifest field manifest_crc32c: not the last member "
+                                             "as ckptmgr writes it (the manifest was edited or damaged)")
+            got = _crc(data[:tail.start()])
+            if got != obj["manifest_crc32c"]:
+                raise CheckpointCorruptError(f"{where}: manifest field manifest_crc32c: the manifest fails its "
+                                             f"checksum (CRC32C {got}, recorded {obj['manifest_crc32c']}): it was "
+                                             "damaged or edited")
         version = obj.get("format_version")
-        if not isinstance(version, int) or version < 1:
-            raise CheckpointCorruptError(f"{where}: bad format_version {version!r}")
+        if type(version) is not int or version < 1:
+            raise CheckpointCorruptError(f"{where}: manifest field format_version: bad value {version!r:.40}")
         if version > FORMAT_VERSION:
             raise FormatVersionError(
                 f"{where}: written with format version {version}; this ckptmgr reads up to "
                 f"{FORMAT_VERSION}. Upgrade ckptmgr to read it."
             )
-        try:
-            files = {str(k): FileRecord.from_json(v) for k, v in obj["files"].items()}
-            m = cls(step=int(obj["step"]), state=obj["state"], tensors=dict(obj["tensors"]),
-                    files=files, metadata=obj.get("metadata"), time=float(obj["time"]),
-                    library_version=str(obj.get("library_version", "")),
-                    protected=bool(obj.get("protected", False)), format_version=version,
-                    world_size=int(obj.get("world_size", 1)), rank_states=obj.get("rank_states"))
-            if m.world_size > 1 and (not isinstance(m.rank_states, list) or len(m.rank_states) != m.world_size):
-                raise ValueError(f"{m.world_size} ranks but {len(m.rank_states or [])} rank states")
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CheckpointCorruptError(f"{where}: malformed manifest ({exc!r})") from exc
-        for name, entry in m.tensors.items():
-            if not isinstance(entry, dict) or ("file" in entry and entry["file"] not in m.files):
-                raise CheckpointCorruptError(f"{where}: tensor {name!r} has a bad index entry")
-            if "file" not in entry and entry.get("view_of") not in m.tensors:
-                raise CheckpointCorruptError(f"{where}: tensor {name!r} has a bad index entry")
-        for fname in m.files:
-            if "/" in fname or "\\" in fname or fname.startswith("."):
-                raise CheckpointCorruptError(f"{where}: bad file name {fname!r}")
-        return m
+        check_manifest(obj, where)
+        return cls(step=obj["step"], state=obj["state"], tensors=obj["tensors"],
+                   files={k: FileRecord.from_json(v) for k, v in obj["files"].items()},
+                   metadata=obj["metadata"], time=float(obj["time"]), library_version=obj["library_version"],
+                   protected=obj["protected"], format_version=version, world_size=obj.get("world_size", 1),
+                   rank_states=obj.get("rank_states"), checksummed=checksummed)
 
     @property
     def total_bytes(self) -> int:

@@ -28,6 +28,13 @@ DTensor            ``{"$dtensor": name, "shape": global, "placements": [...], "m
                    the tensor stored is this rank's local shard
 anything else      refused, unless pickle is allowed: ``{"$pickle": base64}``
 =================  ===============================================================
+
+A skeleton read back is untrusted: :func:`ckptmgr.format.schema.check_skeleton` validates
+every node (known tags, their keys and value types, tensor names that exist, dict keys that
+can be keys) without recursion, and refuses nesting deeper than :data:`MAX_JSON_DEPTH`; ``flatten`` refuses
+states nested deeper than :data:`MAX_NESTING` containers, so whatever it writes reads back.
+A conjugate or negative view (``z.conj()``, the ``.imag`` of one) is stored as its values,
+never as the tensor it views.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from __future__ import annotations
 import base64
 import math
 import pickle
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -44,10 +52,15 @@ import torch
 
 from ..errors import CheckpointCorruptError, UnsupportedValueError
 
-__all__ = ["Leaf", "PerRank", "decode_plain", "encode_plain", "flatten", "is_stateful", "unflatten"]
+__all__ = ["DTYPE_NAME_RE", "FLOAT_NAMES", "MAX_JSON_DEPTH", "MAX_NESTING", "TENSOR_TAGS", "Leaf", "PerRank",
+           "decode_plain", "encode_plain", "flatten", "is_stateful", "unflatten"]
 
 JSON = Any  # a JSON-serialisable value
 _RESERVED_NAMES = frozenset({"__metadata__"})
+MAX_NESTING = 100  # containers inside containers in a saved state (a real one has fewer than 20)
+MAX_JSON_DEPTH = 3 * MAX_NESTING + 20  # JSON nesting of a skeleton read back (a dict level takes up to 3)
+_MAX_NAME = 1024  # tensor names derived from longer paths are cut (and made unique)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -102,7 +115,9 @@ def _path_str(path: tuple[Any, ...], root: str = "state") -> str:
 
 
 def _tensor_name(path: tuple[Any, ...]) -> str:
-    return "/".join(str(k) for k in path) or "tensor"
+    """The path joined by ``/``; control characters become ``?`` and long names are cut."""
+    name = "/".join(str(k) for k in path) or "tensor"
+    return _CONTROL.sub("?", name)[:_MAX_NAME]
 
 
 class _Flattener:
@@ -113,6 +128,7 @@ class _Flattener:
         self.leaves: list[Leaf] = []
         self._names: set[str] = set()
         self._per_rank = 0  # depth of PerRank wrappers around the value being encoded
+        self._depth = 0  # containers around the value being encoded
 
     def _add(self, path: tuple[Any, ...], tensor: torch.Tensor, own: bool = False) -> str:
         own = own or self._per_rank > 0
@@ -120,7 +136,8 @@ class _Flattener:
         name, n = base, 0
         while name in self._names or name in _RESERVED_NAMES:
             n += 1
-            name = f"{base}~{n}"
+            suffix = f"~{n}"
+            name = base[:_MAX_NAME - len(suffix)] + suffix
         self._names.add(name)
         self.leaves.append(Leaf(name, _path_str(path, self.root), tensor, own))
         return name
@@ -131,6 +148,16 @@ class _Flattener:
             return value
         if t is float:
             return value if math.isfinite(value) else {"$float": repr(value)}
+        if self._depth >= MAX_NESTING:
+            raise UnsupportedValueError(_path_str(path, self.root), f"the state is nested deeper than {MAX_NESTING} "
+                                        "containers; flatten it (checkpoints stay readable by any reader)")
+        self._depth += 1
+        try:
+            return self._encode(value, t, path, tensors)
+        finally:
+            self._depth -= 1
+
+    def _encode(self, value: Any, t: type, path: tuple[Any, ...], tensors: bool) -> JSON:
         if t is list:
             return [self.encode(v, (*path, i), tensors=tensors) for i, v in enumerate(value)]
         if t is tuple:
@@ -205,6 +232,9 @@ class _Flattener:
                 _path_str(path, self.root), "quantized tensors are not supported; store t.dequantize() or t.int_repr()")
         if t.device.type == "meta":
             raise UnsupportedValueError(_path_str(path, self.root), "a tensor on the meta device has no data to save")
+        if t.is_conj() or t.is_neg():
+            # A lazy conjugate or negation shares its base's memory: store its values, never the base's bytes.
+            return t.detach().resolve_conj().resolve_neg()
         return t.detach()
 
     def _from_numpy(self, a: np.ndarray[Any, Any], path: tuple[Any, ...]) -> torch.Tensor:
@@ -239,62 +269,103 @@ def decode_plain(skeleton: JSON) -> Any:
     return unflatten(skeleton, {}, allow_pickle=False)
 
 
+TENSOR_TAGS = frozenset({"$tensor", "$ndarray", "$npscalar", "$dtensor"})  # tags that name a stored tensor
+FLOAT_NAMES = frozenset({"nan", "inf", "-inf"})  # the values of {"$float": ...}
+DTYPE_NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")  # what {"$dtype": ...} may name (a torch attribute)
+
+
 def unflatten(skeleton: JSON, tensors: dict[str, torch.Tensor], *, allow_pickle: bool) -> Any:
     """Rebuild the state tree. Stateful objects come back as their state dicts.
+
+    The skeleton of a manifest has passed ``schema.check_skeleton``; this still refuses, with
+    :class:`CheckpointCorruptError` rather than a crash, anything it cannot rebuild (nesting
+    deeper than :data:`MAX_JSON_DEPTH`, keys that cannot be keys, a missing tensor).
 
     Raises:
         CheckpointCorruptError: the skeleton is malformed or names a missing tensor.
     """
 
-    def dec(node: JSON) -> Any:
+    def dec(node: JSON, depth: int) -> Any:  # one frame per level: no comprehensions inside
         if node is None or isinstance(node, (bool, int, float, str)):
             return node
+        if depth > MAX_JSON_DEPTH:
+            raise CheckpointCorruptError(f"the state skeleton is nested deeper than {MAX_JSON_DEPTH} levels")
         if isinstance(node, list):
-            return [dec(v) for v in node]
+            items = []
+            for v in node:
+                items.append(dec(v, depth + 1))
+            return items
         if not isinstance(node, dict) or not node:
             raise CheckpointCorruptError(f"malformed state skeleton node: {node!r:.80}")
         tag = next(iter(node))
         val = node[tag]
         if tag == "$dict":
-            items = val.items() if isinstance(val, dict) else ((dec(k), v) for k, v in val)
             out: dict[Any, Any] = OrderedDict() if node.get("type") == "OrderedDict" else {}
-            for k, v in items:
-                out[k] = dec(v)
+            if not isinstance(val, (dict, list)):
+                raise CheckpointCorruptError(f"malformed $dict node: {node!r:.80}")
+            pairs: Any = val.items() if isinstance(val, dict) else val
+            for pair in pairs:
+                if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                    raise CheckpointCorruptError(f"malformed $dict item: {pair!r:.80}")
+                k = pair[0] if isinstance(val, dict) else dec(pair[0], depth + 2)
+                v = dec(pair[1], depth + 2)
+                try:
+                    out[k] = v
+                except TypeError:
+                    raise CheckpointCorruptError(f"a skeleton dict key is not hashable: {k!r:.80}") from None
             if "metadata" in node:
-                out._metadata = dec(node["metadata"])  # type: ignore[attr-defined]
+                out._metadata = dec(node["metadata"], depth + 1)  # type: ignore[attr-defined]
             return out
         if tag == "$tuple":
-            return tuple(dec(v) for v in val)
+            if not isinstance(val, list):
+                raise CheckpointCorruptError(f"malformed $tuple node: {node!r:.80}")
+            return tuple(dec(val, depth))
         if tag == "$float":
+            if not isinstance(val, str) or val not in FLOAT_NAMES:
+                raise CheckpointCorruptError(f"malformed $float node: {node!r:.80}")
             return float(val)
         if tag == "$per_rank":
-            return dec(val)
-        if tag in ("$tensor", "$ndarray", "$npscalar", "$dtensor"):
-            if val not in tensors:
-                raise CheckpointCorruptError(f"the skeleton names tensor {val!r}, which the checkpoint lacks")
+            return dec(val, depth + 1)
+        if tag in TENSOR_TAGS:
+            if not isinstance(val, str) or val not in tensors:
+                raise CheckpointCorruptError(f"the skeleton names tensor {val!r:.80}, which the checkpoint lacks")
             t = tensors[val]
             if tag in ("$tensor", "$dtensor"):  # a DTensor comes back as this rank's local shard
                 return t
-            arr = t.cpu().numpy()
+            try:
+                arr = t.cpu().numpy()
+            except (TypeError, RuntimeError) as exc:
+                raise CheckpointCorruptError(f"tensor {val!r:.80} cannot be a numpy array ({exc})") from None
             return arr[()] if tag == "$npscalar" else arr
         if tag == "$dtype":
-            dtype = getattr(torch, str(val), None)
+            dtype = getattr(torch, val, None) if isinstance(val, str) and DTYPE_NAME_RE.fullmatch(val) else None
             if not isinstance(dtype, torch.dtype):
-                raise CheckpointCorruptError(f"unknown dtype {val!r} in the state skeleton")
+                raise CheckpointCorruptError(f"unknown dtype {val!r:.40} in the state skeleton")
             return dtype
         if tag == "$device":
-            return torch.device(val)
+            try:
+                return torch.device(val)
+            except (RuntimeError, TypeError, ValueError):
+                raise CheckpointCorruptError(f"not a device in the state skeleton: {val!r:.40}") from None
         if tag == "$size":
-            return torch.Size(val)
+            try:
+                return torch.Size(val)
+            except (TypeError, ValueError, RuntimeError):
+                raise CheckpointCorruptError(f"not a torch.Size in the state skeleton: {val!r:.80}") from None
         if tag == "$stateful":
-            return dec(node["state"])
+            if "state" not in node:
+                raise CheckpointCorruptError(f"malformed $stateful node: {node!r:.80}")
+            return dec(node["state"], depth + 1)
         if tag == "$pickle":
             if not allow_pickle:
                 raise CheckpointCorruptError(
                     "this checkpoint holds pickled values; loading them can run arbitrary code. "
                     "Pass allow_pickle=True to CheckpointManager only if you trust its writer."
                 )
-            return pickle.loads(base64.b64decode(val))
-        raise CheckpointCorruptError(f"unknown skeleton tag {tag!r}")
+            try:
+                return pickle.loads(base64.b64decode(val))
+            except Exception as exc:  # anything unpickling raises is a damaged value; BaseException passes
+                raise CheckpointCorruptError(f"a pickled value cannot be loaded ({exc!r:.200})") from exc
+        raise CheckpointCorruptError(f"unknown skeleton tag {tag!r:.40}")
 
-    return dec(skeleton)
+    return dec(skeleton, 1)

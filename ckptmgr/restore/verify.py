@@ -1,15 +1,15 @@
 """Verification of a committed checkpoint against its manifest, reading every byte.
 
-For each data file the manifest lists: the file exists and has the recorded size; its
-safetensors header agrees with the manifest's tensor index (names, dtypes, shapes,
-offsets); and every checksum chunk matches its CRC32C. Chunks are read in parallel on a
-private pool (a target's own I/O pool must not be fed from outside its tasks), so
-verification runs at the storage's read bandwidth. Nothing is written or changed.
+For each data file the manifest lists: the file exists, is a regular file (where the files
+are local; a FIFO is never opened) and has the recorded size; its safetensors header agrees
+with the manifest's tensor index (names, dtypes, shapes, offsets); and every checksum chunk
+matches its CRC32C. Chunks are read in parallel on a private pool (a target's own I/O pool
+must not be fed from outside its tasks), so verification runs at the storage's read
+bandwidth. Nothing is written or changed.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +22,7 @@ from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import FileRecord, Manifest
 from ..format.naming import step_name
 from ..storage import Target
+from .preflight import check_regular, header_problems, local_path
 
 __all__ = ["StepReport", "file_url", "verify_step"]
 
@@ -52,29 +53,6 @@ class StepReport:
         return not self.problems
 
 
-def _header_problems(raw: bytes, fname: str, manifest: Manifest) -> list[str]:
-    """Differences between a file's safetensors header and the manifest's index."""
-    try:
-        n = int.from_bytes(raw[:8], "little")
-        header = json.loads(raw[8:8 + n])
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, UnicodeDecodeError) as exc:
-        return [f"its safetensors header cannot be parsed ({exc})"]
-    header.pop("__metadata__", None)
-    expected = {k: v for k, v in manifest.tensors.items() if v.get("file") == fname}
-    out = []
-    for name, entry in expected.items():
-        got = header.get(name)
-        if not isinstance(got, dict):
-            out.append(f"tensor {name!r} of the manifest is missing from its header")
-        elif (got.get("dtype"), got.get("shape"), got.get("data_offsets")) != (
-                entry["dtype"], entry["shape"], entry["offsets"]):
-            out.append(f"tensor {name!r}: header {got} differs from the manifest {entry}")
-    out += [f"tensor {name!r} of its header is not in the manifest" for name in header if name not in expected]
-    return out
-
-
 def verify_step(target: Target, step: int, *, threads: int = 8, manifest: Manifest | None = None,
                 on_bytes: Callable[[int], None] | None = None) -> StepReport:
     """Check every file of ``step`` on ``target`` against the manifest.
@@ -102,6 +80,10 @@ def verify_step(target: Target, step: int, *, threads: int = 8, manifest: Manife
     except CkptError as exc:
         report.problems.append(str(exc))
         return report
+    if manifest.step != step:
+        report.problems.append(f"{file_url(target, step, 'manifest.json')}: manifest field step: the manifest is "
+                               f"for step {manifest.step}")
+        return report
     lock = threading.Lock()
 
     def fault(fname: str, what: str) -> None:
@@ -125,9 +107,15 @@ def verify_step(target: Target, step: int, *, threads: int = 8, manifest: Manife
     for fname, rec in sorted(manifest.files.items()):
         report.files += 1
         try:
+            path = local_path(target, step, fname)
+            if path is not None:
+                check_regular(path, "it")
             size = target.file_size(step, fname)
         except FileNotFoundError:
             fault(fname, "missing")
+            continue
+        except CkptError as exc:
+            fault(fname, str(exc))
             continue
         if size != rec.size:
             fault(fname, f"{size} bytes, the manifest records {rec.size}")
@@ -138,7 +126,7 @@ def verify_step(target: Target, step: int, *, threads: int = 8, manifest: Manife
         except (OSError, CkptError) as exc:
             fault(fname, f"its header cannot be read ({exc})")
             continue
-        for p in _header_problems(head.tobytes(), fname, manifest):
+        for p in header_problems(head.tobytes(), fname, manifest):
             fault(fname, p)
         for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size)):
             chunks.append((fname, rec, i, b, e))

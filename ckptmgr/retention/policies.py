@@ -6,6 +6,10 @@ Policies compose with :class:`AnyOf`. They decide only; the manager's deleter ac
 never deletes the newest committed step, a protected step, or a step being restored,
 whatever a policy says.
 
+Policies take whatever the manifests say: a metric that is not a real number within float
+range (``10**400``, NaN, a string, missing) is "no metric", and a commit time that is not a
+finite number is "no time"; neither ever makes a policy raise.
+
 Example:
     >>> from ckptmgr import AnyOf, KeepEvery, KeepLatest, StepInfo
     >>> policy = AnyOf(KeepLatest(2), KeepEvery(1000))
@@ -17,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +54,17 @@ class RetentionPolicy(ABC):
     @abstractmethod
     def keep(self, steps: Sequence[StepInfo]) -> list[bool]:
         """One bool per step of ``steps`` (ascending by step): True to keep it."""
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None when it is not a real number within float range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        f = float(value)
+    except (OverflowError, ValueError, TypeError):  # an int beyond float range, an odd Real
+        return None
+    return f if math.isfinite(f) else None
 
 
 def _count(name: str, value: Any, *, positive: bool) -> None:
@@ -112,12 +128,19 @@ class KeepEverySeconds(RetentionPolicy):
             raise ConfigError(f"KeepEverySeconds(seconds) must be a positive number, got {self.seconds!r}")
 
     def keep(self, steps: Sequence[StepInfo]) -> list[bool]:
-        first: dict[int, int] = {}
+        """Steps whose time is not a finite number belong to no window (this policy keeps none of them)."""
+        first: dict[int, tuple[float, int, int]] = {}  # window -> (time, step, index) of its first step
         for i, s in enumerate(steps):
-            w = math.floor(s.time / self.seconds)
-            if w not in first or (s.time, s.step) < (steps[first[w]].time, steps[first[w]].step):
-                first[w] = i
-        chosen = set(first.values())
+            t = _finite(s.time)
+            if t is None:
+                continue
+            w = t / self.seconds
+            if not math.isfinite(w):  # a huge time over a tiny window
+                continue
+            key = math.floor(w)
+            if key not in first or (t, s.step) < first[key][:2]:
+                first[key] = (t, s.step, i)
+        chosen = {i for _, _, i in first.values()}
         return [i in chosen for i in range(len(steps))]
 
 
@@ -125,8 +148,8 @@ class KeepEverySeconds(RetentionPolicy):
 class KeepBest(RetentionPolicy):
     """Keep the ``n`` steps with the best value of ``metadata[metric]`` (``mode="min"``: lowest).
 
-    Steps without the metric, or with a value that is not a finite number, are never "best".
-    Ties go to the newer step.
+    Steps without the metric, or with a value that is not a real number within float range
+    (NaN, inf, ``10**400``, a string, a list), are never "best". Ties go to the newer step.
     """
 
     n: int
@@ -143,8 +166,8 @@ class KeepBest(RetentionPolicy):
     def keep(self, steps: Sequence[StepInfo]) -> list[bool]:
         scored = []
         for i, s in enumerate(steps):
-            v = s.metadata.get(self.metric) if isinstance(s.metadata, Mapping) else None
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            v = _finite(s.metadata.get(self.metric)) if isinstance(s.metadata, Mapping) else None
+            if v is not None:
                 scored.append(((v if self.mode == "min" else -v), -s.step, i))
         chosen = {i for _, _, i in sorted(scored)[:self.n]}
         return [i in chosen for i in range(len(steps))]

@@ -11,8 +11,7 @@ aliased: views are rebuilt on top of their (moved) bases.
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,20 +20,10 @@ from ...errors import CheckpointCorruptError
 from ...format.checksum import chunk_ranges, crc32c_hex_pieces
 from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import Manifest
+from ..preflight import Source, run_all
 from .landing import Entry, usable_dest
 
-
-class Source(Protocol):
-    """What the loader reads from: a durable target or the local tier."""
-
-    url: str
-    io_pool: ThreadPoolExecutor
-
-    def file_size(self, step: int, name: str) -> int: ...
-
-    def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None: ...
-
-__all__ = ["Source", "check_file_size", "read_tensors", "view_of"]
+__all__ = ["Source", "read_tensors", "view_of"]
 
 _CPU = torch.device("cpu")
 _Region = tuple[int, np.ndarray[Any, Any]]  # (offset in the file, uint8 destination)
@@ -61,23 +50,11 @@ def _pieces(regions: list[_Region], b: int, e: int) -> list[np.ndarray[Any, Any]
     return out
 
 
-def check_file_size(source: Source, step: int, fname: str, size: int) -> None:
-    """Raise CheckpointCorruptError unless data file ``fname`` of ``step`` exists with ``size`` bytes."""
-    where = f"{source.url}: step {step}, file {fname}"
-    try:
-        found = source.file_size(step, fname)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"{where} is missing") from None
-    if found != size:
-        raise CheckpointCorruptError(f"{where} has {found} bytes; the manifest says {size} (truncated or replaced)")
-
-
 def _read_file(target: Source, step: int, manifest: Manifest, fname: str,
                entries: list[tuple[str, dict[str, Any]]], out: dict[str, torch.Tensor], *, verify: bool,
                dests: dict[str, torch.Tensor] | None) -> None:
     rec = manifest.files[fname]
     where = f"{target.url}: step {step}, file {fname}"
-    check_file_size(target, step, fname, rec.size)
     header = np.empty(rec.header_size, dtype=np.uint8)
     regions: list[_Region] = [(0, header)]
     pos = rec.header_size
@@ -101,11 +78,7 @@ def _read_file(target: Source, step: int, manifest: Manifest, fname: str,
         if verify and crc32c_hex_pieces(pieces) != rec.crc32c[i]:
             raise CheckpointCorruptError(f"{where}: checksum mismatch in bytes [{b}, {e})")
 
-    futures = [target.io_pool.submit(task, i, b, e) for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
-    errors = [f.exception() for f in futures]
-    first = next((x for x in errors if x is not None), None)
-    if first is not None:
-        raise first
+    run_all(target.io_pool, task, [(i, b, e) for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))])
     if int.from_bytes(header[:8].tobytes(), "little") + 8 != rec.header_size:
         raise CheckpointCorruptError(f"{where}: the safetensors header length does not match the manifest")
 
@@ -147,8 +120,10 @@ def read_tensors(target: Source, step: int, manifest: Manifest, *, verify: bool 
     """Read, verify and assemble every tensor of a committed step; a tensor of ``dests`` in
     host memory with the stored dtype and shape is read into directly.
 
+    The files have passed the preflight checks (regular, sized, headers matching).
+
     Raises:
-        CheckpointCorruptError: a file is missing, truncated, or fails its checksums.
+        CheckpointCorruptError: a chunk fails its checksum.
     """
     where = f"{target.url}: step {step}"
     by_file: dict[str, list[tuple[str, dict[str, Any]]]] = {name: [] for name in manifest.files}

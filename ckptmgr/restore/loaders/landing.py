@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Entry", "Landing", "plan_landing"]
+__all__ = ["Entry", "Landing", "lands_in_target", "plan_landing", "usable_dest"]
 
 _PACK_ALIGN = 64  # each packed run starts on a boundary any dtype accepts
 
@@ -59,14 +59,33 @@ class Landing:
             i += 1
 
 
+    def gather(self, begin: int, dst: torch.Tensor) -> None:
+        """Copy the landed bytes ``[begin, begin + dst.numel())`` of the file's data region
+        back into ``dst`` (the reverse of :meth:`land`; synchronous), to verify what landed."""
+        end = begin + dst.numel()
+        i = bisect.bisect_right(self._ends, begin)
+        while i < len(self.spans) and self.spans[i][0] < end:
+            sb, se, src = self.spans[i]
+            lo, hi = max(begin, sb), min(end, se)
+            if hi > lo:
+                dst[lo - begin:hi - begin].copy_(src[lo - sb:hi - sb])
+            i += 1
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
 def usable_dest(t: torch.Tensor | None, entry: Entry, device: torch.device | None) -> bool:
-    """True when ``t`` can take ``entry``'s bytes directly."""
+    """True when ``t`` can take ``entry``'s bytes directly (a conjugate or negative view
+    cannot: its memory holds other values than it shows)."""
     return (t is not None and t.dtype == entry.dtype and tuple(t.shape) == entry.shape and t.is_contiguous()
-            and t.numel() > 0 and (device is None or t.device == device))
+            and t.numel() > 0 and (device is None or t.device == device) and not t.is_conj() and not t.is_neg())
+
+
+def lands_in_target(entries: list[Entry], dests: dict[str, torch.Tensor] | None, device: torch.device) -> bool:
+    """True when a landing plan for ``entries`` would write into any of ``dests``' tensors."""
+    return dests is not None and any(usable_dest(dests.get(e.name), e, device) for e in entries)
 
 
 def plan_landing(entries: list[Entry], data_start: int, data_len: int, device: torch.device,

@@ -21,6 +21,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import warnings
 from typing import Any
 
@@ -31,10 +32,11 @@ from ...errors import CheckpointCorruptError
 from ...format.checksum import chunk_ranges, crc32c_hex
 from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import Manifest
+from ..preflight import verify_images
 from .host import _build_views
-from .landing import Entry, plan_landing
+from .landing import Entry, lands_in_target, plan_landing
 
-__all__ = ["MappedFile", "check_header", "load_file", "open_mapped", "read_tensors_inplace"]
+__all__ = ["MappedFile", "load_file", "open_mapped", "read_tensors_inplace"]
 
 
 class MappedFile:
@@ -42,9 +44,12 @@ class MappedFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block the open
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointCorruptError(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
+            size = st.st_size
             if size < 8:
                 raise CheckpointCorruptError(f"{path}: {size} bytes is too short for a safetensors file")
             self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
@@ -100,6 +105,14 @@ def _parse(buf: torch.Tensor, size: int, path: str) -> tuple[list[Entry], int]:
             raise CheckpointCorruptError(f"{path}: tensor {name!r} has bad offsets {[begin, end]} for "
                                          f"{e['dtype']}{list(shape)} in a data region of {data_len} bytes")
         entries.append(Entry(name, dtype, shape, begin, end))
+    pos = 0
+    for e in sorted(entries, key=lambda e: (e.begin, e.end)):  # safetensors' own rule: no overlaps, no holes
+        if e.begin != pos:
+            what = "overlaps another tensor" if e.begin < pos else f"leaves a hole of {e.begin - pos} bytes before it"
+            raise CheckpointCorruptError(f"{path}: tensor {e.name!r} at [{e.begin}, {e.end}) {what}")
+        pos = e.end
+    if pos != data_len:
+        raise CheckpointCorruptError(f"{path}: the tensors cover {pos} bytes of a {data_len}-byte data region")
     return entries, 8 + n
 
 
@@ -157,43 +170,43 @@ def load_file(path: str | os.PathLike[str], device: str | torch.device | None = 
         mf.close()
 
 
-def check_header(mf: MappedFile, manifest: Manifest, fname: str, size: int, where: str) -> None:
-    """Raise CheckpointCorruptError unless ``mf`` has ``size`` bytes and its header lists the
-    tensors the manifest puts in ``fname``, at the same offsets."""
-    if mf.size != size:
-        raise CheckpointCorruptError(f"{where}: {fname} has {mf.size} bytes; the manifest says {size}")
-    index = {n: e for n, e in manifest.tensors.items() if e.get("file") == fname}
-    got = {e.name: (e.dtype, list(e.shape), [e.begin, e.end]) for e in mf.entries}
-    want = {n: (ST_TO_DTYPE.get(e["dtype"]), list(e["shape"]), list(e["offsets"])) for n, e in index.items()}
-    if got != want:
-        raise CheckpointCorruptError(f"{where}: the header of {fname} does not match the manifest")
-
-
 def read_tensors_inplace(paths: dict[str, str], manifest: Manifest, device: torch.device, io_pool: Any,
                          where: str, dests: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a committed step whose files are ``paths`` (file name -> path), on
-    ``device`` (or in the matching tensors of ``dests``), through the in-place path; each
-    file's checksums are verified on ``io_pool`` while its copy runs, and a mismatch fails
-    before anything is returned.
+    ``device`` (or in the matching tensors of ``dests``), through the in-place path.
+
+    Each file's checksums are verified on ``io_pool`` where the file lies: while its copy
+    runs into fresh memory, or, when tensors land in ``dests``, for every file before the
+    first copy (a step that fails leaves the target as it was). A mismatch fails before
+    anything is returned.
 
     Raises:
         CheckpointCorruptError: a file does not match the manifest.
     """
-    out: dict[str, torch.Tensor] = {}
-    for fname, rec in manifest.files.items():
-        mf = open_mapped(paths[fname])
-        try:
-            check_header(mf, manifest, fname, rec.size, where)
+    mapped: dict[str, MappedFile] = {}
+    try:
+        for fname, rec in manifest.files.items():
+            mf = mapped[fname] = open_mapped(paths[fname])
+            if mf.size != rec.size:
+                raise CheckpointCorruptError(f"{where}: {fname} has {mf.size} bytes; the manifest says {rec.size}")
+        direct = lands_in_target([e for mf in mapped.values() for e in mf.entries], dests, device)
+        if direct:
+            verify_images({f: mf.bytes for f, mf in mapped.items()}, manifest, io_pool, where)
+        out: dict[str, torch.Tensor] = {}
+        for fname, rec in manifest.files.items():
+            mf = mapped[fname]
             whole = mf.bytes.numpy()
-            checks = [io_pool.submit(crc32c_hex, whole[b:e]) for b, e in chunk_ranges(rec.size, rec.chunk_size)]
+            checks = [] if direct else [io_pool.submit(crc32c_hex, whole[b:e])
+                                        for b, e in chunk_ranges(rec.size, rec.chunk_size)]
             tensors = to_device(mf, device, dests)
-            bad = [i for i, (f, c) in enumerate(zip(checks, rec.crc32c, strict=True)) if f.result() != c]
+            bad = [i for i, (f, c) in enumerate(zip(checks, rec.crc32c, strict=False)) if f.result() != c]
             if bad:
                 b = bad[0] * rec.chunk_size
                 raise CheckpointCorruptError(
                     f"{where}: {fname}: checksum mismatch in bytes [{b}, {min(b + rec.chunk_size, rec.size)})")
             out.update(tensors)
-        finally:
+    finally:
+        for mf in mapped.values():
             mf.close()
     _build_views(manifest, out, where)
     return out

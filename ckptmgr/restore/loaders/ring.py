@@ -16,38 +16,49 @@ staging slot): the chunks are then verified where they lie and copied straight f
 
 from __future__ import annotations
 
-import queue
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
 
 from ... import _cuda
-from ...errors import CheckpointCorruptError
+from ...errors import CheckpointCorruptError, CkptTimeoutError
 from ...format.checksum import chunk_ranges, crc32c_hex
 from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import FileRecord, Manifest
-from .host import Source, _build_views, check_file_size
+from ..preflight import Source, run_all
+from .host import _build_views
 from .landing import Entry, Landing, plan_landing
 
 __all__ = ["PinnedRing", "file_entries", "read_tensors_pinned", "read_tensors_ring"]
 
+_LEASE_TIMEOUT = 600.0  # seconds; only a caller outside the ring's threads could ever wait
+
 
 class PinnedRing:
-    """``threads`` host buffers of ``slot_bytes`` each (pinned with CUDA, plain without), one
-    per reader thread, and a copy stream per buffer, made at first use and reused by every
-    restore."""
+    """``threads`` host buffers of ``slot_bytes`` each (pinned with CUDA, plain without), a
+    copy stream per buffer, and the reader threads, made at first use and shared by every
+    restore of one manager.
+
+    Restores may run at once (several threads of the caller): a buffer is *leased* by one
+    task at a time (:meth:`lease`), under the ring's lock, from the read into it until its
+    copy has finished, so no two restores ever fill or copy from the same buffer.
+    """
 
     def __init__(self, threads: int, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
         self.slots = threads
         self.threads = threads
+        self._mu = threading.Lock()
+        self._returned = threading.Condition(self._mu)  # notified when a leased buffer comes back
+        # Guarded by _mu: the buffers, streams and pool (made once), and which buffers are free.
         self._buffers: list[torch.Tensor] = []
         self._streams: dict[torch.device, list[Any]] = {}
         self._pool: ThreadPoolExecutor | None = None
-        self._mu = threading.Lock()
+        self._free: list[int] = list(range(threads))
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -58,8 +69,10 @@ class PinnedRing:
 
     def close(self) -> None:
         with self._mu:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        with self._mu:
             self._buffers = []
             self._streams = {}
 
@@ -78,9 +91,30 @@ class PinnedRing:
                 self._streams[device] = [_cuda.staging_stream(device) for _ in range(self.slots)]
             return self._streams[device]
 
+    @contextlib.contextmanager
+    def lease(self, timeout: float = _LEASE_TIMEOUT) -> Iterator[int]:
+        """Hold one buffer (and its stream) for the caller alone; yields its index.
+
+        The ring's own threads never wait here (there are as many buffers as threads); a
+        caller from elsewhere waits at most ``timeout`` seconds.
+
+        Raises:
+            CkptTimeoutError: no buffer came back within ``timeout``.
+        """
+        with self._mu:
+            if not self._returned.wait_for(lambda: bool(self._free), timeout):
+                raise CkptTimeoutError(f"no restore buffer came back within {timeout} s")
+            index = self._free.pop()
+        try:
+            yield index
+        finally:
+            with self._mu:
+                self._free.append(index)
+                self._returned.notify()
+
 
 def file_entries(manifest: Manifest, fname: str, where: str) -> list[Entry]:
-    """The stored tensors of data file ``fname`` as the manifest describes them."""
+    """The stored tensors of data file ``fname`` as the (validated) manifest describes them."""
     out = []
     for name, e in manifest.tensors.items():
         if e.get("file") != fname:
@@ -93,8 +127,9 @@ def file_entries(manifest: Manifest, fname: str, where: str) -> list[Entry]:
     return out
 
 
-# fetch(buffer index, begin, end) -> (the bytes [begin, end) of the file in host memory, their CRC32C)
-Fetch = Callable[[int, int, int], tuple[torch.Tensor, str]]
+# fetch(buffer index, begin, end) -> (the bytes [begin, end) of the file in host memory, their
+# CRC32C, or None where they were verified already)
+Fetch = Callable[[int, int, int], tuple[torch.Tensor, str | None]]
 
 
 class _Chunk(NamedTuple):
@@ -109,22 +144,18 @@ class _Chunk(NamedTuple):
 
 def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, where: str) -> None:
     """Each chunk (of every file, one continuous stream) is one task on the ring's threads:
-    fetch it into a free buffer, verify it, copy it to its landing on the buffer's own stream
-    and wait for that copy before the buffer is free again. Every thread reads, checks and
-    copies on its own, so the copy engine always has a copy queued and no thread waits for
-    another. The first failure (in file order) cancels what has not started and is raised
-    once every started task has finished with its buffer.
+    lease a buffer, fetch the chunk into it, verify it, copy it to its landing on the
+    buffer's own stream and wait for that copy before the lease ends. Every thread reads,
+    checks and copies on its own, so the copy engine always has a copy queued and no thread
+    waits for another. The first failure (in file order) cancels what has not started and is
+    raised once every started task has given its buffer back.
     """
     streams = ring.streams(device) if device.type == "cuda" else None
-    free: queue.SimpleQueue[int] = queue.SimpleQueue()
-    for slot in range(ring.slots):
-        free.put(slot)
 
     def task(c: _Chunk) -> None:
-        slot = free.get()
-        try:
+        with ring.lease() as slot:
             src, crc = c.fetch(slot, c.begin, c.end)
-            if crc != c.rec.crc32c[c.number]:
+            if crc is not None and crc != c.rec.crc32c[c.number]:
                 raise CheckpointCorruptError(f"{where}: {c.fname}: checksum mismatch in bytes [{c.begin}, {c.end})")
             if streams is None:
                 c.landing.land(c.begin, src)
@@ -132,21 +163,8 @@ def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, wher
             with torch.cuda.stream(streams[slot]):
                 c.landing.land(c.begin, src)
             streams[slot].synchronize()
-        finally:
-            free.put(slot)
 
-    futures = [ring.pool.submit(task, c) for c in chunks]
-    failed = None
-    for fut in futures:
-        if failed is None and fut.exception() is not None:
-            failed = fut.exception()
-            for other in futures:
-                other.cancel()
-    for fut in futures:  # every started task is done with its buffer before anything returns
-        if not fut.cancelled():
-            fut.exception()
-    if failed is not None:
-        raise failed
+    run_all(ring.pool, task, [(c,) for c in chunks])
 
 
 def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where: str,
@@ -170,10 +188,10 @@ def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where:
 def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: torch.device,
                       ring: PinnedRing, dests: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of committed ``step`` on ``device`` (or in the matching tensors of
-    ``dests``), read through ``ring``.
+    ``dests``), read through ``ring``. The files have passed the preflight checks.
 
     Raises:
-        CheckpointCorruptError: a file is missing, has the wrong size, or fails a checksum.
+        CheckpointCorruptError: a chunk fails its checksum.
     """
     where = f"{source.url}: step {step}"
     bufs = ring.buffers()
@@ -182,9 +200,8 @@ def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: tor
         if rec.chunk_size > ring.slot_bytes:
             raise CheckpointCorruptError(f"{where}: {fname} has chunks of {rec.chunk_size} bytes, "
                                          f"more than the ring's {ring.slot_bytes}")
-        check_file_size(source, step, fname, rec.size)
 
-        def fetch(slot: int, b: int, e: int) -> tuple[torch.Tensor, str]:
+        def fetch(slot: int, b: int, e: int) -> tuple[torch.Tensor, str | None]:
             buf = bufs[slot][:e - b]
             arr = buf.numpy()
             source.read_into(step, fname, b, [arr])
@@ -195,11 +212,12 @@ def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: tor
 
 
 def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, device: torch.device,
-                        ring: PinnedRing, where: str, dests: dict[str, torch.Tensor] | None = None
-                        ) -> dict[str, torch.Tensor]:
+                        ring: PinnedRing, where: str, dests: dict[str, torch.Tensor] | None = None, *,
+                        verified: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of a step whose file images are already in pinned host memory (the
     staging slot of this process): copied straight from there, each chunk verified on the
-    ring's threads just before its copy.
+    ring's threads just before its copy (unless ``verified``: every chunk was checked, where
+    it lies, before this call).
 
     Raises:
         CheckpointCorruptError: an image does not match the manifest.
@@ -209,9 +227,9 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
         if image is None or image.numel() != rec.size:
             raise CheckpointCorruptError(f"{where}: the staged image of {fname} does not match the manifest")
 
-        def fetch(slot: int, b: int, e: int) -> tuple[torch.Tensor, str]:
+        def fetch(slot: int, b: int, e: int) -> tuple[torch.Tensor, str | None]:
             src = image[b:e]
-            return src, crc32c_hex(src.numpy())
+            return src, None if verified else crc32c_hex(src.numpy())
         return fetch
 
     return _read_all(manifest, device, ring, where, dests, fetch_for)

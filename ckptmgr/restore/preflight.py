@@ -1,0 +1,215 @@
+"""Checks of a committed step before any of its data is allocated, read or copied.
+
+Every restore runs :func:`preflight` first: each data file is a regular file (where the
+files are local: checked with ``lstat``, so a FIFO or device planted as a data file is
+refused without being opened), has the size the manifest records (so no allocation is ever
+sized by a manifest alone), and its safetensors header lists exactly the tensors the
+manifest puts in it, with the same dtypes, shapes and offsets.
+
+A restore into a target then verifies every checksum before a byte lands in the target's
+tensors (:func:`verify_files`, :func:`verify_images`), so a step that fails leaves the
+target as it was. The loaders check every chunk again as they copy it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import stat
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, Future
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointCorruptError, CkptTimeoutError
+from ..format.checksum import chunk_ranges, crc32c_hex
+from ..format.manifest import FileRecord, Manifest
+
+__all__ = ["Source", "check_regular", "header_problems", "local_path", "preflight", "run_all", "verify_files",
+           "verify_images"]
+
+
+_SCRATCH_BYTES = 256 << 20  # host memory the checking pass may use, whatever the chunk size
+_SCRATCH_WAIT = 600.0  # seconds a checking task waits for a scratch buffer (one chunk read of another task)
+
+
+class Source(Protocol):
+    """What a step is read from: a durable target or the local tier."""
+
+    url: str
+    io_pool: Any
+
+    def file_size(self, step: int, name: str) -> int: ...
+
+    def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None: ...
+
+
+def local_path(source: Any, step: int, name: str) -> str | None:
+    """Where file ``name`` of ``step`` lies when ``source`` keeps files on a local filesystem."""
+    path_of = getattr(source, "path_of", None)
+    return path_of(step, name) if path_of is not None else None
+
+
+def check_regular(path: str, what: str) -> None:
+    """Raise CheckpointCorruptError unless ``path`` is a regular file, or a symbolic link to one
+    in the same directory. Nothing is opened (``lstat``/``stat`` only).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        real = os.path.realpath(path)
+        if os.path.dirname(real) != os.path.realpath(os.path.dirname(path)):
+            raise CheckpointCorruptError(f"{what} is a symbolic link out of its step directory (to {real}); "
+                                         "ckptmgr reads step contents only from inside the step")
+        st = os.stat(real)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointCorruptError(f"{what} is not a regular file (mode {stat.filemode(st.st_mode)}); "
+                                     "it is not read")
+
+
+def header_problems(raw: bytes, fname: str, manifest: Manifest) -> list[str]:
+    """Differences between data file ``fname``'s safetensors header (``raw``: the first
+    ``header_size`` bytes of the file) and the manifest's tensor index."""
+    rec = manifest.files[fname]
+    n = int.from_bytes(raw[:8], "little")
+    if n + 8 != rec.header_size:
+        return [f"its header length {n} does not match the manifest's header_size {rec.header_size}"]
+    try:
+        header = json.loads(raw[8:8 + n])
+    except RecursionError:
+        return ["its safetensors header is nested too deeply to be one"]
+    except (ValueError, UnicodeDecodeError) as exc:
+        return [f"its safetensors header cannot be parsed ({exc})"]
+    if not isinstance(header, dict):
+        return ["its safetensors header is not a JSON object"]
+    header.pop("__metadata__", None)
+    expected = {k: v for k, v in manifest.tensors.items() if v.get("file") == fname}
+    out = []
+    for name, entry in expected.items():
+        got = header.get(name)
+        if not isinstance(got, dict):
+            out.append(f"tensor {name!r:.100} of the manifest is missing from its header")
+        elif (got.get("dtype"), got.get("shape"), got.get("data_offsets")) != (
+                entry["dtype"], entry["shape"], entry["offsets"]) or len(got) != 3:
+            out.append(f"tensor {name!r:.100}: its header entry {str(got)[:200]} differs from the manifest's "
+                       f"{entry['dtype']}{entry['shape']} at {entry['offsets']}")
+    out += [f"tensor {name!r:.100} of its header is not in the manifest" for name in header if name not in expected]
+    return out
+
+
+def run_all(pool: Executor, fn: Callable[..., None], items: Iterable[tuple[Any, ...]]) -> None:
+    """Run ``fn(*item)`` for every item on ``pool``; once all have finished, raise the first
+    failure (in item order). After a failure, items not yet started are cancelled."""
+    futures: list[Future[None]] = [pool.submit(fn, *item) for item in items]
+    first: BaseException | None = None
+    for fut in futures:
+        if first is None and not fut.cancelled() and fut.exception() is not None:
+            first = fut.exception()
+            for other in futures:
+                other.cancel()
+    for fut in futures:  # every started task is done before anything is returned or raised
+        if not fut.cancelled():
+            fut.exception()
+    if first is not None:
+        raise first
+
+
+def preflight(source: Source, step: int, manifest: Manifest, where: str,
+              images: dict[str, torch.Tensor] | None = None) -> None:
+    """Check every data file of ``step`` before anything is allocated: regular, of the
+    recorded size, with a header that matches the index. With ``images`` (file images
+    already in this process's memory), those are checked instead of the files.
+
+    Raises:
+        CheckpointCorruptError: naming the file and what is wrong.
+        FileNotFoundError: a file is missing (the caller tells a deleted step from a damaged one).
+    """
+    def check(fname: str, rec: FileRecord) -> None:
+        what = f"{where}: {fname}"
+        if images is not None:
+            image = images.get(fname)
+            if image is None or image.numel() != rec.size:
+                raise CheckpointCorruptError(f"{what}: the staged image does not match the manifest")
+            head = image[:rec.header_size].numpy().tobytes()
+        else:
+            path = local_path(source, step, fname)
+            if path is not None:
+                check_regular(path, what)
+            size = source.file_size(step, fname)
+            if size != rec.size:
+                raise CheckpointCorruptError(f"{what} has {size} bytes; the manifest says {rec.size} "
+                                             "(truncated or replaced)")
+            buf = np.empty(rec.header_size, dtype=np.uint8)
+            source.read_into(step, fname, 0, [buf])
+            head = buf.tobytes()
+        problems = header_problems(head, fname, manifest)
+        if problems:
+            raise CheckpointCorruptError(f"{what}: {problems[0]}")
+
+    items = sorted(manifest.files.items())
+    if len(items) == 1 or images is not None:
+        for fname, rec in items:
+            check(fname, rec)
+        return
+    run_all(source.io_pool, check, items)
+
+
+def _chunks(manifest: Manifest) -> list[tuple[str, FileRecord, int, int, int]]:
+    return [(fname, rec, i, b, e) for fname, rec in sorted(manifest.files.items())
+            for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
+
+
+def _mismatch(where: str, fname: str, b: int, e: int) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"{where}: {fname}: checksum mismatch in bytes [{b}, {e})")
+
+
+def verify_files(source: Source, step: int, manifest: Manifest, pool: Executor, workers: int, where: str) -> None:
+    """Read every checksum chunk of ``step`` into scratch memory and check it, landing
+    nothing: up to ``workers`` buffers of one chunk each (256 MiB in all at most), each held
+    by one task on ``pool`` at a time.
+
+    Raises:
+        CheckpointCorruptError: the first chunk (in file order) that fails.
+    """
+    chunks = _chunks(manifest)
+    if not chunks:
+        return
+    size = max(e - b for _, _, _, b, e in chunks)
+    free: queue.SimpleQueue[np.ndarray[Any, Any]] = queue.SimpleQueue()
+    for _ in range(max(1, min(workers, len(chunks), _SCRATCH_BYTES // size))):
+        free.put(np.empty(size, dtype=np.uint8))
+
+    def task(fname: str, rec: FileRecord, i: int, b: int, e: int) -> None:
+        try:  # waits only for another task's read of one chunk
+            buf = free.get(timeout=_SCRATCH_WAIT)
+        except queue.Empty:
+            raise CkptTimeoutError(f"{where}: no read of one chunk finished in {_SCRATCH_WAIT} s") from None
+        try:
+            view = buf[:e - b]
+            source.read_into(step, fname, b, [view])
+            if crc32c_hex(view) != rec.crc32c[i]:
+                raise _mismatch(where, fname, b, e)
+        finally:
+            free.put(buf)
+
+    run_all(pool, task, chunks)
+
+
+def verify_images(images: dict[str, torch.Tensor], manifest: Manifest, pool: Executor, where: str) -> None:
+    """Check every checksum chunk of file images already in memory, where they lie.
+
+    Raises:
+        CheckpointCorruptError: the first chunk (in file order) that fails.
+    """
+    arrays = {fname: images[fname].numpy() for fname in manifest.files}
+
+    def task(fname: str, rec: FileRecord, i: int, b: int, e: int) -> None:
+        if crc32c_hex(arrays[fname][b:e]) != rec.crc32c[i]:
+            raise _mismatch(where, fname, b, e)
+
+    run_all(pool, task, _chunks(manifest))

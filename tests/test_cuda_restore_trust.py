@@ -1,0 +1,109 @@
+"""The read path's guarantees on a real GPU (``pytest -m cuda``; skipped elsewhere): restore into
+GPU targets is all or nothing on every loader, concurrent restores through the pinned ring
+(real pinned buffers, one stream per buffer) never share a buffer, and GDS reads are verified."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from ckptmgr import CheckpointCorruptError, CheckpointManager, StagingOptions, WriteOptions
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+NO_TIER = StagingOptions(local_tier=False)
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return {"w": torch.randn(2048, 1024, device="cuda", generator=g),
+            "b": torch.randn(8192, device="cuda", generator=g).bfloat16()}
+
+
+def _damage_last_chunk(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-3, 2)
+        b = f.read(1)
+        f.seek(-3, 2)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("loader", ["ring", "inplace", "host"])
+def test_a_corrupt_step_leaves_the_gpu_target_as_it_was(root, loader):
+    with CheckpointManager(root, staging=NO_TIER, write_options=WriteOptions(chunk_size=1 << 20)) as mgr:
+        mgr.save(1, _state(1)).result()
+        mgr.save(2, _state(2)).result()
+        _damage_last_chunk(os.path.join(root, "step_000000000002", "data-00000.safetensors"))
+        target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            mgr.restore(2, target=target, loader=loader)
+        torch.cuda.synchronize()
+        assert not target["w"].any() and not target["b"].any()
+        with pytest.warns(RuntimeWarning, match="skipping step 2"):
+            mgr.restore(target=target, loader=loader)
+        assert torch.equal(target["w"], _state(1)["w"]) and torch.equal(target["b"], _state(1)["b"])
+
+
+def test_a_corrupt_pinned_slot_leaves_the_gpu_target_as_it_was(root):
+    """The step held in this process's pinned staging slot (and on disk) damaged in both."""
+    with CheckpointManager(root, write_options=WriteOptions(chunk_size=1 << 20)) as mgr:
+        if mgr._tier is None:
+            pytest.skip("no local tier here")
+        mgr.save(1, _state(1)).result()
+        mgr.wait()
+        _damage_last_chunk(mgr._tier.path_of(1, "data-00000.safetensors"))
+        _damage_last_chunk(os.path.join(root, "step_000000000001", "data-00000.safetensors"))
+        target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            mgr.restore(1, target=target)
+        torch.cuda.synchronize()
+        assert not target["w"].any() and not target["b"].any()
+
+
+def test_two_threads_restoring_through_the_pinned_ring_get_bit_exact_results(root):
+    states = {1: _state(1), 2: _state(2)}
+    with CheckpointManager(root, staging=NO_TIER, write_options=WriteOptions(chunk_size=1 << 20)) as mgr:
+        for step, state in states.items():
+            mgr.save(step, state).result()
+        start = threading.Barrier(2, timeout=60)
+        wrong: list[str] = []
+
+        def run(step: int) -> None:
+            start.wait()
+            for i in range(100):
+                try:
+                    out = mgr.restore(step, device="cuda", loader="ring")
+                except Exception as exc:
+                    wrong.append(f"step {step} #{i}: {exc!r}")
+                    continue
+                for k, v in states[step].items():
+                    if not torch.equal(out[k], v):
+                        wrong.append(f"step {step} #{i}: {k}")
+
+        threads = [threading.Thread(target=run, args=(s,)) for s in states]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        assert not any(t.is_alive() for t in threads)
+    assert wrong == []
+
+
+def test_gds_reads_are_verified_on_the_gpu(root):
+    pytest.importorskip("kvikio")
+    with CheckpointManager(root, staging=NO_TIER, write_options=WriteOptions(chunk_size=1 << 20)) as mgr:
+        mgr.save(1, _state(1)).result()
+        assert torch.equal(mgr.restore(1, device="cuda", loader="gds")["w"], _state(1)["w"])
+        _damage_last_chunk(os.path.join(root, "step_000000000001", "data-00000.safetensors"))
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            mgr.restore(1, device="cuda", loader="gds")
+        target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            mgr.restore(1, target=target, loader="gds")
+        assert not target["w"].any()
