@@ -3,7 +3,8 @@
     python hf_trainer_run.py OUT_DIR RESULT_JSON --trainer {ckptmgr,stock} [--resume]
         [--max-steps N] [--save-steps K] [--hang-at-save S --hang-file NAME --marker PATH]
 
-A tiny Llama built from a config (no downloads), dropout on so that the RNG state matters.
+With RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set, each process is a DDP rank (gloo) and
+writes RESULT_JSON.<rank>. A tiny Llama built from a config (no downloads), dropout on so that the RNG state matters.
 Every step's exact loss (``float.hex``) goes to RESULT_JSON as the run goes, and the final
 weights to RESULT_JSON + ".safetensors". With ``--hang-at-save S``, the S-th checkpoint's
 write of file NAME stops half-way (after the bytes are on disk), creates PATH and blocks:
@@ -82,6 +83,9 @@ def main() -> None:
     p.add_argument("--marker", default="")
     a = p.parse_args()
     torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # one result per rank
+        a.result = f"{a.result}.{os.environ['RANK']}"
     if a.hang_at_save:
         _hang_writes(a.hang_at_save, a.hang_file, a.marker)
 
@@ -109,7 +113,8 @@ def main() -> None:
     args = TrainingArguments(output_dir=a.out, max_steps=a.max_steps, save_steps=a.save_steps,
                              save_total_limit=a.save_total_limit, per_device_train_batch_size=4,
                              learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=7,
-                             dataloader_num_workers=0, disable_tqdm=True)
+                             dataloader_num_workers=0, disable_tqdm=True,
+                             ddp_backend="gloo" if world > 1 else None)
     trainer = Recording(model=tiny_llama(), args=args, train_dataset=Tokens())
     trainer.train(resume_from_checkpoint=True if a.resume else None)
     weights = {k: v.detach().contiguous().clone() for k, v in trainer.model.state_dict().items()}

@@ -111,3 +111,40 @@ def test_sigkill_mid_save_then_resume_is_bit_identical(tmp_path, reference, resu
     if resumer == "ckptmgr":  # the dead writer's temporaries are removed at the next start
         assert not any(n.endswith(".partial") for n in names), names
     assert {"checkpoint-8", "checkpoint-12"} <= set(names)
+
+
+def _ddp(out, result, trainer):
+    """A 2-rank DDP run (gloo, CPU)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, RUN, str(out), str(result), "--trainer", trainer, "--max-steps", "8"],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errs)
+
+
+def test_ddp_two_ranks_write_one_checkpoint(tmp_path):
+    """DDP: each rank's files (its RNG state) land in the one checkpoint that rank 0 commits,
+    and training is the stock Trainer's, bit for bit, on every rank."""
+    _ddp(tmp_path / "ours", tmp_path / "ours.json", "ckptmgr")
+    _ddp(tmp_path / "stock", tmp_path / "stock.json", "stock")
+    for r in range(2):
+        assert _losses(f"{tmp_path}/ours.json.{r}") == _losses(f"{tmp_path}/stock.json.{r}")
+        _assert_same_weights(_weights(f"{tmp_path}/ours.json.{r}"), _weights(f"{tmp_path}/stock.json.{r}"))
+    ours, stock = tmp_path / "ours", tmp_path / "stock"
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(stock)) == ["checkpoint-4", "checkpoint-8"]
+    for ckpt in ("checkpoint-4", "checkpoint-8"):
+        names = set(os.listdir(ours / ckpt))
+        assert names == set(os.listdir(stock / ckpt)) | {"ckptmgr.json"}
+        assert {"rng_state_0.pth", "rng_state_1.pth"} <= names
+        record = json.loads((ours / ckpt / "ckptmgr.json").read_text())
+        assert set(record["files"]) == names - {"ckptmgr.json"}
+        for name in ("rng_state_0.pth", "rng_state_1.pth", "optimizer.pt"):
+            a = torch.load(ours / ckpt / name, weights_only=False)
+            b = torch.load(stock / ckpt / name, weights_only=False)
+            assert repr(a) == repr(b), name
