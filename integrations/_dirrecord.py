@@ -67,7 +67,7 @@ def _alive(pid: int) -> bool:
 
 def remove_stale_temps(parent: str) -> list[str]:
     """Remove the temporaries in ``parent`` whose writer process no longer runs."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(parent)
     except OSError:

@@ -141,7 +141,8 @@ class _Safetensors(Entry):
 
     def write(self, segment: np.ndarray[Any, Any] | None, path: str, pool: Executor | None,
               chunk_size: int) -> FileRecord:
-        assert segment is not None and self.plan is not None
+        assert segment is not None
+        assert self.plan is not None
         return write_file(path, segment[:self.plan.size], pool, chunk_size)
 
 

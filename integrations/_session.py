@@ -10,7 +10,6 @@ import os
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any
 
 from ckptmgr.errors import CheckpointCorruptError, ConfigError
 from ckptmgr.retention import KeepLatest, RetentionPolicy, StepInfo
@@ -101,7 +100,7 @@ class Session:
     def guard(self, pending: Pending) -> None:
         """Hold the next optimizer step until ``pending``'s copies have landed (or wait now)."""
         if self.options.overlap:
-            self.fence.arm(pending)
+            self.fence.arm(pending)  # type: ignore[arg-type]  # the fence needs staged()/wait_staged() only
         else:
             pending.wait_staged(self.options.timeout)
 

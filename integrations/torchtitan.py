@@ -77,7 +77,7 @@ class _LoaderState:
                                          else v) for k, v in sd.items()})
 
 
-class CkptmgrCheckpointManager(BaseCheckpointManager):
+class CkptmgrCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # torchtitan has no type information
     """torchtitan's checkpoint manager over :class:`ckptmgr.CheckpointManager`.
 
     Built by torchtitan from its ``Config`` (``config.checkpoint.build(...)``), with the
@@ -85,7 +85,7 @@ class CkptmgrCheckpointManager(BaseCheckpointManager):
     """
 
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseCheckpointManager.Config):
+    class Config(BaseCheckpointManager.Config):  # type: ignore[misc]
         """torchtitan's checkpoint options, plus ckptmgr's."""
 
         overlap: bool = True
@@ -234,7 +234,7 @@ class CkptmgrCheckpointManager(BaseCheckpointManager):
             log.info("no checkpoint in %s: a fresh start", self.folder)
             return False
         if filesystem.isfile(os.path.join(path, ".metadata")):  # a DCP checkpoint (torchtitan's own)
-            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint import state_dict_loader as dcp
 
             log.info("initial load of the DCP checkpoint %s%s", path, " (model only)" if self.initial_load_model_only
                      else "")
@@ -267,5 +267,5 @@ class CkptmgrCheckpointManager(BaseCheckpointManager):
             self._wait_for_saving()
         finally:
             mgr.close()
-            self.manager = None
+            self.manager = None  # type: ignore[assignment]  # closed
 

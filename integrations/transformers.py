@@ -39,12 +39,13 @@ import functools
 import logging
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     import transformers
     from transformers.trainer_callback import ExportableState
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    from transformers.utils.import_utils import is_sagemaker_mp_enabled, is_torch_xla_available
 except ImportError as exc:  # pragma: no cover - exercised where transformers is absent
     raise ImportError(f"ckptmgr.integrations.transformers needs transformers ({exc}): "
                       "pip install 'ckptmgr[transformers]'") from exc
@@ -88,7 +89,13 @@ def _metrics(trainer: Any) -> dict[str, Any]:
     return out
 
 
-class CkptmgrTrainerMixin:
+if TYPE_CHECKING:  # the mixin goes in front of a Trainer: type-check it as one
+    _TrainerBase = transformers.Trainer
+else:
+    _TrainerBase = object
+
+
+class CkptmgrTrainerMixin(_TrainerBase):
     """Put in front of ``transformers.Trainer`` (or a subclass such as TRL's ``SFTTrainer``):
     ``class MyTrainer(CkptmgrTrainerMixin, SFTTrainer): ...``.
 
@@ -115,7 +122,7 @@ class CkptmgrTrainerMixin:
         verified checkpoint. Every checkpoint is committed when it returns."""
         opts = self._ckpt.options
         if resume_from_checkpoint is True:
-            found = get_last_checkpoint(self.args.output_dir, verify=opts.verify_on_resume)
+            found = get_last_checkpoint(str(self.args.output_dir), verify=opts.verify_on_resume)
             if found is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
             log.info("resuming from %s", found)
@@ -124,7 +131,7 @@ class CkptmgrTrainerMixin:
             check_checkpoint(os.fspath(resume_from_checkpoint), verify=opts.verify_on_resume)
         ok = False
         try:
-            out = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+            out = super().train(resume_from_checkpoint, *args, **kwargs)
             ok = True
             return out
         finally:
@@ -141,13 +148,12 @@ class CkptmgrTrainerMixin:
     def _ckptmgr_stock(self) -> bool:
         """Setups whose checkpoints only their own engine can write."""
         return bool(getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_xla_v1_enabled", False)
-                    or transformers.trainer.is_torch_xla_available()
-                    or transformers.trainer.is_sagemaker_mp_enabled())
+                    or is_torch_xla_available() or is_sagemaker_mp_enabled())
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         if self._ckptmgr_stock():
             self._ckpt.wait(self._ckpt.options.timeout)
-            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+            super()._save_checkpoint(model, trial)
             return
         state, args = self.state, self.args
         step = state.global_step
@@ -171,12 +177,14 @@ class CkptmgrTrainerMixin:
                     self._save_scaler(tmp)
                     self._save_rng_state(tmp)
             if args.should_save:
-                for cb in [c for c in [*self.callback_handler.callbacks, self.control] if isinstance(c, ExportableState)]:
+                exportable = [*self.callback_handler.callbacks, self.control]
+                for cb in [c for c in exportable if isinstance(c, ExportableState)]:
                     name = cb.__class__.__name__
-                    if isinstance(state.stateful_callbacks[name], list):
-                        state.stateful_callbacks[name].append(cb.state())
+                    saved: Any = state.stateful_callbacks  # a dict by name (annotated otherwise upstream)
+                    if isinstance(saved[name], list):
+                        saved[name].append(cb.state())
                     else:
-                        state.stateful_callbacks[name] = cb.state()
+                        saved[name] = cb.state()
                 state.save_to_json(os.path.join(tmp, TRAINER_STATE_NAME))
         except BaseException:
             import shutil
@@ -205,7 +213,7 @@ class CkptmgrTrainerMixin:
 
     def _load_best_model(self) -> None:
         self._ckpt.wait(self._ckpt.options.timeout)  # the best checkpoint may still be in flight
-        super()._load_best_model()  # type: ignore[misc]
+        super()._load_best_model()
 
 
 class CkptmgrTrainer(CkptmgrTrainerMixin, transformers.Trainer):

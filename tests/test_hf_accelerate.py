@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+
 import numpy as np
 import pytest
 import torch
@@ -11,10 +12,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated:UserWa
 pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration  # noqa: E402
+from conftest import assert_tree_equal  # noqa: E402
 
 from ckptmgr import CheckpointCorruptError, ConfigError, KeepLatest, StepNotFoundError  # noqa: E402
 from ckptmgr.integrations.accelerate import AsyncSaveOptions, AsyncStateSaver  # noqa: E402
-from conftest import assert_tree_equal  # noqa: E402
 
 
 def build(project_dir, *, dropout=0.0, total_limit=None, auto=True):
@@ -129,7 +130,7 @@ def test_damaged_checkpoint_is_skipped_and_refused(tmp_path):
     acc2, *_ = build(tmp_path / "p")
     with AsyncStateSaver(acc2) as saver2:
         assert saver2.load_state().endswith("checkpoint_0")
-        with pytest.raises(CheckpointCorruptError, match="optimizer.bin"):
+        with pytest.raises(CheckpointCorruptError, match=r"optimizer\.bin"):
             acc2.load_state(str(bad.parent))  # the load pre-hook verifies direct loads too
 
 

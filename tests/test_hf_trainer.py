@@ -11,19 +11,19 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from hf_trainer_run import Tokens, tiny_llama  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-from transformers import Trainer, TrainingArguments  # noqa: E402
-from transformers.trainer_pt_utils import safe_globals  # noqa: E402
+from conftest import assert_tree_equal
+from hf_trainer_run import Tokens, tiny_llama
+from safetensors import safe_open
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_pt_utils import safe_globals
 
-from ckptmgr import CheckpointCorruptError, ConfigError, KeepEvery  # noqa: E402
-from ckptmgr.integrations import _capture, _dirrecord, _fileset  # noqa: E402
-from ckptmgr.integrations.transformers import (  # noqa: E402
+from ckptmgr import CheckpointCorruptError, ConfigError, KeepEvery
+from ckptmgr.integrations import _capture, _dirrecord, _fileset
+from ckptmgr.integrations.transformers import (
     AsyncSaveOptions,
     CkptmgrTrainer,
     get_last_checkpoint,
 )
-from conftest import assert_tree_equal  # noqa: E402
 
 
 def _args(out, **kw):
@@ -52,7 +52,7 @@ def test_files_load_as_the_stock_trainers(tmp_path):
     assert set(os.listdir(ours)) == set(os.listdir(stock)) | {"ckptmgr.json"}
     with safe_open(ours / "model.safetensors", "pt") as a, safe_open(stock / "model.safetensors", "pt") as b:
         assert sorted(a.keys()) == sorted(b.keys()) and a.metadata() == b.metadata()
-        for k in a.keys():
+        for k in a.keys():  # noqa: SIM118 (safe_open has no __iter__)
             assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
     for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
         with safe_globals():
@@ -92,7 +92,7 @@ def test_damaged_newest_checkpoint_is_skipped(tmp_path, caplog):
     assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
     assert "checkpoint-4" in caplog.text and "CRC32C" in caplog.text
     assert get_last_checkpoint(str(tmp_path), verify=False) == str(tmp_path / "checkpoint-4")
-    with pytest.raises(CheckpointCorruptError, match="optimizer.pt"):
+    with pytest.raises(CheckpointCorruptError, match=r"optimizer\.pt"):
         _train(CkptmgrTrainer, tmp_path, resume=str(tmp_path / "checkpoint-4"), max_steps=6)
     trainer = _train(CkptmgrTrainer, tmp_path, resume=True, max_steps=6)
     assert trainer.state.global_step == 6

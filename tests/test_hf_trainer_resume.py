@@ -22,7 +22,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
 RUN = os.path.join(os.path.dirname(__file__), "hf_trainer_run.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan")
-import torch.distributed as dist  # noqa: E402
-from titan_loop import build, full_weights, train  # noqa: E402
-from torchtitan.components.checkpointer import CheckpointManager as DCPCheckpointManager  # noqa: E402
+import torch.distributed as dist
+from titan_loop import build, full_weights, train
+from torchtitan.components.checkpointer import CheckpointManager as DCPCheckpointManager
 
-from ckptmgr import CheckpointManager, ConfigError  # noqa: E402
-from ckptmgr.integrations.torchtitan import CkptmgrCheckpointManager  # noqa: E402
+from ckptmgr import CheckpointManager, ConfigError
+from ckptmgr.integrations.torchtitan import CkptmgrCheckpointManager
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.set_vital. is deprecated:UserWarning"),
               pytest.mark.filterwarnings("ignore:To get the last learning rate:UserWarning")]
