@@ -166,6 +166,8 @@ class DirectoryWriter:
                 log.info("checkpoint %s waited %.3f s for a free staging slot", final, waited)
             try:
                 self._pool.fit(slot, sizes)
+                for entry, segment in zip(entries, slot.segments, strict=True):
+                    entry.fill(segment)
                 stager = self._stager
                 assert stager is not None
                 job = stager.stage(Plan([e.plan for e in entries if e.plan is not None], []), slot.segments)

@@ -8,11 +8,14 @@ A :class:`FileSet` collects what a library would write (see :mod:`._capture`):
   own files) is laid out in a staging segment; the stager copies the tensors in; the
   segment is written as it is.
 * ``add_torch(name, obj)``: a file ``torch.load(..., weights_only=True)`` reads, as
-  ``torch.save`` writes it. Tensors reached through dicts, lists and tuples are staged (the
-  copy leaves the training tensors free to change); the file is serialized from the staged
-  copies on the writer's thread. An object holding anything else (an arbitrary class, a
-  tensor subclass) is serialized at once with ``torch.save`` (such objects are small:
-  ``TrainingArguments``, a sampler), since only plain containers can be copied safely.
+  ``torch.save`` writes it. With :mod:`ckptmgr.format.torchzip` (the torch-zip image
+  writer), the file is laid out as the archive ``torch.save`` would write (pickled at once,
+  the storages' bytes left for the stager), filled by the staging copies and written from
+  the segment as it is. Without it, tensors reached through dicts, lists and tuples are
+  staged and the file is serialized from the staged copies on the writer's thread; an
+  object holding anything else (an arbitrary class, a tensor subclass) is serialized at once
+  with ``torch.save`` (such objects are small: ``TrainingArguments``, a sampler), since only
+  plain containers can be copied safely.
 * ``add_bytes(name, data)``: bytes already made.
 
 Every entry ends in :func:`write_file`, which writes a buffer into the checkpoint's
@@ -35,6 +38,11 @@ import torch
 from ckptmgr.errors import UnsupportedValueError
 from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
 from ckptmgr.format.layout import DTYPE_TO_ST, FilePlan, StoredTensor, header_bytes
+
+try:  # the torch-zip image writer (ckptmgr >= the release that ships it)
+    from ckptmgr.format import torchzip  # type: ignore[attr-defined, unused-ignore]
+except ImportError:  # pragma: no cover - depends on the ckptmgr version installed
+    torchzip = None
 
 __all__ = ["Entry", "FileRecord", "FileSet", "hash_file", "write_file"]
 
@@ -97,10 +105,19 @@ def hash_file(path: str, chunk_size: int) -> FileRecord:
 
 class Entry:
     """One file of the set. ``plan`` is what the stager copies into the entry's segment
-    (None: nothing to stage); :meth:`write` runs on the writer's thread once it has."""
+    (None: nothing to stage), after :meth:`fill` has written the rest of the segment;
+    :meth:`write` runs on the writer's thread once the copies have landed."""
 
     name: str
     plan: FilePlan | None = None
+
+    @property
+    def size(self) -> int:
+        """Bytes of the entry's staging segment."""
+        return self.plan.size if self.plan is not None else 0
+
+    def fill(self, segment: torch.Tensor) -> None:
+        """Write what is not copied from tensors into the segment (training thread)."""
 
     def write(self, segment: np.ndarray[Any, Any] | None, path: str, pool: Executor | None,
               chunk_size: int) -> FileRecord:
@@ -227,6 +244,33 @@ class _Torch(Entry):
         return write_file(path, buf.getbuffer(), pool, chunk_size)
 
 
+class _TorchZip(Entry):
+    """A torch file as the image ``torch.save`` writes, staged in place (see torchzip)."""
+
+    def __init__(self, name: str, image: Any) -> None:
+        self.name, self.image = name, image
+        head = image.static[0][1]
+        assert image.static[0][0] == 0
+        assert head
+        self.plan = FilePlan(name, head, [StoredTensor(f"data/{s.key}", "U8", (s.nbytes,), s.offset - len(head),
+                                                       s.offset - len(head) + s.nbytes, s.source)
+                                          for s in image.spans])
+
+    @property
+    def size(self) -> int:
+        return int(self.image.size)
+
+    def fill(self, segment: torch.Tensor) -> None:
+        self.image.write_static(segment.numpy())
+
+    def write(self, segment: np.ndarray[Any, Any] | None, path: str, pool: Executor | None,
+              chunk_size: int) -> FileRecord:
+        assert segment is not None
+        buf = segment[:self.image.size]
+        torchzip.seal(self.image, buf, pool)
+        return write_file(path, buf, pool, chunk_size)
+
+
 class FileSet:
     """The files of one checkpoint, collected in ``directory`` (the temporary directory the
     library writes its own small files into).
@@ -253,6 +297,11 @@ class FileSet:
         self._add(_Safetensors(name, tensors, metadata))
 
     def add_torch(self, name: str, obj: Any) -> None:
+        if torchzip is not None:
+            image = torchzip.plan_image(obj)
+            if image.spans:
+                self._add(_TorchZip(name, image))
+                return
         w, keep = _Walk(), []  # type: ignore[var-annotated]
         skeleton = _walk(obj, w, keep)
         if not w.plain or not w.stored:  # nothing to overlap, or nothing we may copy: serialize now
@@ -268,4 +317,4 @@ class FileSet:
 
     def sizes(self) -> list[int]:
         """Staging bytes of each staged entry (one segment each)."""
-        return [e.plan.size for e in self.staged() if e.plan is not None]
+        return [e.size for e in self.staged()]
