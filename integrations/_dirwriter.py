@@ -69,7 +69,7 @@ class Pending:
 
 
 @dataclass
-class _Save:
+class _Save:  # made on the training thread, owned by the worker once enqueued
     fs: FileSet
     final: str
     step: int
@@ -97,15 +97,17 @@ class DirectoryWriter:
         max_host_bytes: cap on the staging memory (None: no cap).
         coordinator: a :class:`ckptmgr.distributed.coordinator.Coordinator` in a multi-rank
             job (every rank has a writer and saves the same steps in the same order).
+        timeout: seconds the worker waits for a save's copies to land.
     """
 
     def __init__(self, *, slots: int = 1, copy_threads: int = 4, io_threads: int = 8, chunk_size: int = 64 << 20,
-                 max_host_bytes: int | None = None, coordinator: Any = None) -> None:
+                 max_host_bytes: int | None = None, coordinator: Any = None, timeout: float = 600.0) -> None:
         self._pool = SlotPool(slots, tier=None, max_host_bytes=max_host_bytes)
         self._copy_threads = copy_threads
         self._io_threads = io_threads
         self.chunk_size = chunk_size
         self.coordinator = coordinator
+        self.timeout = timeout
         self._mu = threading.Lock()  # guards everything below
         self._stager: Stager | None = None
         self._io: ThreadPoolExecutor | None = None
@@ -284,8 +286,7 @@ class DirectoryWriter:
     def _write_files(self, op: _Save) -> dict[str, FileRecord]:
         """This rank's files in the temporary directory, written (or, for the library's own
         files, checksummed) and fsynced."""
-        if op.pending._job is not None:
-            op.pending._job.wait()
+        op.pending.wait_staged(self.timeout)
         records: dict[str, FileRecord] = {}
         try:
             segments = op.slot.segments if op.slot is not None else []

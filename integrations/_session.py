@@ -72,6 +72,7 @@ class Session:
     the first save (every rank saves the same steps, so collectives line up there)."""
 
     def __init__(self, options: AsyncSaveOptions) -> None:
+        # every field belongs to the training thread (the writer's own state has its own lock)
         self.options = options
         self.writer: DirectoryWriter | None = None
         self.fence = StagingFence()
@@ -86,7 +87,7 @@ class Session:
             o = self.options
             self.writer = DirectoryWriter(slots=o.slots, copy_threads=o.copy_threads, io_threads=o.io_threads,
                                           chunk_size=o.chunk_size, max_host_bytes=o.max_host_bytes,
-                                          coordinator=coord)
+                                          coordinator=coord, timeout=o.timeout)
             if coord is not None:  # one temporary directory per save for all ranks
                 self._pid, self._nonce = coord.broadcast((os.getpid(), secrets.token_hex(6)), "checkpoint naming")
         return self.writer

@@ -210,3 +210,23 @@ def test_stale_temporaries_of_dead_writers_are_removed(tmp_path):
         d.mkdir()
     assert _dirrecord.remove_stale_temps(str(tmp_path)) == [dead.name]
     assert mine.exists() and foreign.exists()
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_checkpoint_holds_the_live_state(tmp_path):
+    """On a GPU (bf16 mixed precision): the files copied off the GPU by the staging stream hold
+    exactly the model and optimizer state at the checkpoint's step."""
+    trainer = _train(CkptmgrTrainer, tmp_path, max_steps=4, save_steps=4, use_cpu=False, bf16=True)
+    d = tmp_path / "checkpoint-4"
+    with safe_open(d / "model.safetensors", "pt") as f:
+        live = trainer.model.state_dict()
+        for k in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            assert torch.equal(f.get_tensor(k), live[k].cpu()), k
+    saved = torch.load(d / "optimizer.pt", weights_only=True, map_location="cpu")
+    live_opt = trainer.optimizer.state_dict()
+    for i, st in live_opt["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(saved["state"][i][k], v.cpu()), (i, k)
+            else:
+                assert saved["state"][i][k] == v, (i, k)
