@@ -115,8 +115,8 @@ def _one(a: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for the JSON (default $OUT)")
-    p.add_argument("--steps", type=int, default=160)
-    p.add_argument("--save-steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--save-steps", type=int, default=50)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--hidden", type=int, default=1024)
