@@ -8,7 +8,7 @@ Training thread: :meth:`DirectoryWriter.begin` makes the temporary directory and
 pinned where CUDA is), lays each staged file out in it and enqueues the copies. It returns
 with the copies in flight (:meth:`Pending.wait_staged` says when the tensors may change).
 
-Worker thread (one per writer, saves and removals in the order they were made): waits for
+Worker thread (one per writer, saves in the order they were made): waits for
 the copies, writes each file into the temporary directory (chunks in parallel, CRC32C on the
 way, fsync), checksums the files the library wrote itself, writes ``ckptmgr.json`` and
 renames the directory to its final name, then runs the caller's ``after`` hook (retention).
@@ -80,14 +80,8 @@ class _Save:  # made on the training thread, owned by the worker once enqueued
     staged: list[Any] = field(default_factory=list)
 
 
-@dataclass
-class _Remove:
-    path: str
-    done: Future[None]
-
-
 class DirectoryWriter:
-    """Saves (and removals) of checkpoint directories, in order, on one worker thread.
+    """Saves of checkpoint directories, in order, on one worker thread.
 
     Args:
         slots: saves staged or in flight at once; a save waits for a free one.
@@ -112,7 +106,7 @@ class DirectoryWriter:
         self._stager: Stager | None = None
         self._io: ThreadPoolExecutor | None = None
         self._thread: threading.Thread | None = None
-        self._queue: queue.Queue[_Save | _Remove | None] = queue.Queue()
+        self._queue: queue.Queue[_Save | None] = queue.Queue()
         self._pending = 0  # operations enqueued and not finished
         self._idle = threading.Condition(self._mu)
         self._errors: list[BaseException] = []  # background failures nobody has been told of
@@ -184,13 +178,6 @@ class DirectoryWriter:
         self._enqueue(_Save(fs, pending.final, step, dict(metadata or {}), slot, pending, after))
         return pending
 
-    def remove(self, path: str) -> Future[None]:
-        """Delete the committed directory ``path`` once every save enqueued before has committed."""
-        done: Future[None] = Future()
-        self._start()
-        self._enqueue(_Remove(os.path.abspath(path), done))
-        return done
-
     def in_flight(self) -> dict[str, int]:
         """``{final path: step}`` of the saves not committed yet."""
         with self._mu:
@@ -251,7 +238,7 @@ class DirectoryWriter:
                 self._thread = threading.Thread(target=self._run, name="ckptmgr-dir-writer", daemon=True)
                 self._thread.start()
 
-    def _enqueue(self, op: _Save | _Remove) -> None:
+    def _enqueue(self, op: _Save) -> None:
         with self._mu:
             self._pending += 1
         self._queue.put(op)
@@ -262,24 +249,16 @@ class DirectoryWriter:
             if op is None:
                 return
             try:
-                if isinstance(op, _Save):
-                    self._save(op)
-                else:
-                    if self.is_leader:
-                        delete_dir(op.path)
-                    op.done.set_result(None)
+                self._save(op)
             except BaseException as exc:  # told at the next save, wait or close
-                log.error("checkpoint %s: %s: %s", op.final if isinstance(op, _Save) else op.path,
-                          type(exc).__name__, exc)
-                fut = op.pending.committed if isinstance(op, _Save) else op.done
-                if not fut.done():
-                    fut.set_exception(exc)
+                log.error("checkpoint %s: %s: %s", op.final, type(exc).__name__, exc)
+                if not op.pending.committed.done():
+                    op.pending.committed.set_exception(exc)
                 with self._mu:
                     self._errors.append(exc)
             finally:
                 with self._idle:
-                    if isinstance(op, _Save):
-                        self._in_flight.pop(op.final, None)
+                    self._in_flight.pop(op.final, None)
                     self._pending -= 1
                     self._idle.notify_all()
 
