@@ -1,0 +1,216 @@
+"""Checkpoint directories in a library's own naming (``checkpoint-500/``, ``step-500/``): the
+commit record inside each, discovery, verification, temporaries and deletion.
+
+A directory ckptmgr commits holds, besides the library's files, ``ckptmgr.json``: the step,
+the commit time, the library version, and every file's size and per-chunk CRC32C. It is
+written last into the temporary directory, which is then renamed to its final name, so a
+directory under a final name is complete. Directories without a record (written by the
+library's own code) are listed and loaded as the library would, unverified.
+
+Temporary names are ``.ckptmgr-<pid>-<hex>.partial``: hidden, and matching no library's
+checkpoint pattern (the Trainer's ``checkpoint-*`` glob, accelerate's ``checkpoint_<n>``,
+torchtitan's ``step-<n>``). A temporary whose writer process is gone is removed at the next
+start. Deletion renames the directory to such a name first: a crash mid-delete never leaves
+a partly deleted checkpoint under its final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+
+from ckptmgr import __version__
+from ckptmgr.errors import CheckpointCorruptError
+from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
+
+from ._fileset import FileRecord
+
+__all__ = ["RECORD_NAME", "TEMP_RE", "committed_dirs", "delete_dir", "fsync_dir", "newest_verified", "read_record",
+           "remove_stale_temps", "temp_name", "verify_dir", "write_record"]
+
+RECORD_NAME = "ckptmgr.json"
+TEMP_RE = re.compile(r"^\.ckptmgr-(\d+)-([0-9a-f]{8,40})\.partial$")
+_FORMAT = "ckptmgr-directory"
+_MAX_RECORD = 16 << 20  # a record larger than this is refused before it is parsed
+_MAX_FILES = 100_000
+
+
+def temp_name(pid: int | None = None, token: str | None = None) -> str:
+    """A fresh temporary directory name (``pid`` and ``token`` fixed for multi-rank saves)."""
+    return f".ckptmgr-{os.getpid() if pid is None else pid}-{token or secrets.token_hex(8)}.partial"
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temps(parent: str) -> list[str]:
+    """Remove the temporaries in ``parent`` whose writer process no longer runs."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        m = TEMP_RE.match(name)
+        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(parent, name)
+        if os.path.islink(path):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+def committed_dirs(parent: str, pattern: re.Pattern[str]) -> dict[int, str]:
+    """``{step: path}`` of the directories in ``parent`` whose names ``pattern`` matches
+    (its first group is the step); symlinks are not followed."""
+    out: dict[int, str] = {}
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        m = pattern.fullmatch(name)
+        path = os.path.join(parent, name)
+        if m is not None and os.path.isdir(path) and not os.path.islink(path):
+            out[int(m.group(1))] = path
+    return out
+
+
+def delete_dir(path: str) -> None:
+    """Delete a committed directory: renamed away first, then removed."""
+    parent = os.path.dirname(path)
+    away = os.path.join(parent, temp_name())
+    try:
+        os.rename(path, away)
+    except FileNotFoundError:
+        return
+    fsync_dir(parent)
+    shutil.rmtree(away, ignore_errors=True)
+
+
+def write_record(directory: str, *, step: int, files: dict[str, FileRecord], chunk_size: int,
+                 metadata: dict[str, Any] | None = None) -> None:
+    """Write the commit record into ``directory`` (fsynced)."""
+    doc = {"format": _FORMAT, "version": 1, "step": step, "time": time.time(), "library": f"ckptmgr {__version__}",
+           "chunk_size": chunk_size, "metadata": metadata or {},
+           "files": {name: {"size": r.size, "crc32c": list(r.crc32c)} for name, r in sorted(files.items())}}
+    path = os.path.join(directory, RECORD_NAME)
+    with open(path, "x", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _safe_name(name: Any) -> bool:
+    if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name:
+        return False
+    return all(part not in ("", ".", "..") for part in name.split("/"))
+
+
+def read_record(directory: str) -> dict[str, Any] | None:
+    """The validated record of ``directory``; None when it has none.
+
+    Raises:
+        CheckpointCorruptError: the record is damaged or names files outside the directory.
+    """
+    path = os.path.join(directory, RECORD_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{path}: cannot be opened ({exc})") from None
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(_MAX_RECORD + 1)
+    if len(raw) > _MAX_RECORD:
+        raise CheckpointCorruptError(f"{path}: larger than {_MAX_RECORD} bytes; not a ckptmgr record")
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointCorruptError(f"{path}: not JSON ({exc})") from None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    chunk = doc.get("chunk_size") if isinstance(doc, dict) else None
+    if (not isinstance(doc, dict) or doc.get("format") != _FORMAT or doc.get("version") != 1
+            or type(doc.get("step")) is not int or type(chunk) is not int or chunk <= 0
+            or not isinstance(files, dict) or len(files) > _MAX_FILES):
+        raise CheckpointCorruptError(f"{path}: not a ckptmgr directory record of version 1")
+    for name, rec in files.items():
+        if not _safe_name(name) or not isinstance(rec, dict) or type(rec.get("size")) is not int \
+                or rec["size"] < 0 or not isinstance(rec.get("crc32c"), list) \
+                or len(rec["crc32c"]) != len(chunk_ranges(rec["size"], chunk)) \
+                or not all(isinstance(c, str) and re.fullmatch(r"[0-9a-f]{8}", c) for c in rec["crc32c"]):
+            raise CheckpointCorruptError(f"{path}: bad entry for file {name!r}")
+    return doc
+
+
+def verify_dir(directory: str) -> bool:
+    """Check every file the record lists: present, inside the directory, of its size and
+    checksums. True when verified; False when the directory has no record (not ckptmgr's).
+
+    Raises:
+        CheckpointCorruptError: naming the file and the byte range that differ.
+    """
+    doc = read_record(directory)
+    if doc is None:
+        return False
+    chunk = doc["chunk_size"]
+    real = os.path.realpath(directory)
+    for name, rec in doc["files"].items():
+        path = os.path.join(directory, *name.split("/"))
+        if not os.path.realpath(path).startswith(real + os.sep):
+            raise CheckpointCorruptError(f"{directory}: {name} leads outside the checkpoint")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as exc:
+            raise CheckpointCorruptError(f"{directory}: {name} is listed in {RECORD_NAME} but cannot be read "
+                                         f"({exc}); the checkpoint is damaged") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != rec["size"]:
+                raise CheckpointCorruptError(f"{directory}: {name} has {size} bytes, the record says {rec['size']}")
+            for (b, e), want in zip(chunk_ranges(size, chunk), rec["crc32c"], strict=True):
+                data = os.pread(fd, e - b, b)
+                got = crc32c_hex(np.frombuffer(data, dtype=np.uint8))
+                if len(data) != e - b or got != want:
+                    raise CheckpointCorruptError(f"{directory}: {name} bytes {b}-{e} fail their CRC32C "
+                                                 f"(stored {want}, computed {got}); the file is damaged")
+        finally:
+            os.close(fd)
+    return True
+
+
+def newest_verified(candidates: dict[int, str], log: Any) -> tuple[int, str] | None:
+    """The newest ``(step, path)`` of ``candidates`` that verifies (or has no record)."""
+    for step in sorted(candidates, reverse=True):
+        try:
+            verify_dir(candidates[step])
+        except CheckpointCorruptError as exc:
+            log.warning("skipping damaged checkpoint %s: %s", candidates[step], exc)
+            continue
+        return step, candidates[step]
+    return None
+

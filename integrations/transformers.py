@@ -1,0 +1,225 @@
+"""Hugging Face ``transformers.Trainer``: checkpoints saved in the background, committed atomically.
+
+The Trainer writes each checkpoint synchronously (``torch.save`` of the optimizer, scheduler
+and RNG states, ``save_pretrained`` of the weights) straight into ``checkpoint-<step>/``, and
+resumes with ``get_last_checkpoint``, which takes the highest ``checkpoint-<step>`` whether
+it is complete or not. With :class:`CkptmgrTrainer` (or :class:`CkptmgrTrainerMixin` in
+front of any Trainer subclass):
+
+* the Trainer's own code still decides what a checkpoint holds; its big writes are captured
+  and their tensors copied into reused host memory (pinned where CUDA is), and the files
+  are written in the background by ckptmgr's writer threads, while training goes on. The
+  copy is waited for right before the next ``optimizer.step()``;
+* files go to ``.ckptmgr-<pid>-<hex>.partial/`` beside the checkpoints, which becomes
+  ``checkpoint-<step>/`` by one rename once every file is written, fsynced and listed with
+  its checksums in ``ckptmgr.json``. A checkpoint under its final name is complete, so the
+  stock Trainer's ``resume_from_checkpoint=True`` is safe too; the files are the ones it
+  writes (``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``,
+  ``trainer_state.json``, ...) and it loads them unchanged, ``weights_only=True``;
+* ``train(resume_from_checkpoint=True)`` picks the newest checkpoint whose checksums match
+  and skips damaged ones;
+* ``save_total_limit`` is applied after each commit (or a ckptmgr retention policy instead),
+  never to the newest or the best checkpoint, nor to one still being written.
+
+DDP and FSDP through accelerate: every rank writes its files (``rng_state_<rank>.pth``,
+FSDP shards) into one temporary directory; the ranks agree that all are durable and rank 0
+commits. DeepSpeed, XLA and SageMaker model parallelism keep the stock synchronous save.
+
+Example:
+    >>> from ckptmgr import KeepLatest
+    >>> from ckptmgr.integrations.transformers import AsyncSaveOptions, CkptmgrTrainer
+    >>> trainer = CkptmgrTrainer(model=model, args=args, train_dataset=ds,  # doctest: +SKIP
+    ...                          checkpointing=AsyncSaveOptions(retention=KeepLatest(3)))
+    >>> trainer.train(resume_from_checkpoint=True)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from typing import TYPE_CHECKING, Any
+
+try:
+    import transformers
+    from transformers.trainer_callback import ExportableState
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    from transformers.utils.import_utils import is_sagemaker_mp_enabled, is_torch_xla_available
+except ImportError as exc:  # pragma: no cover - exercised where transformers is absent
+    raise ImportError(f"ckptmgr.integrations.transformers needs transformers ({exc}): "
+                      "pip install 'ckptmgr[transformers]'") from exc
+
+from ckptmgr.errors import ConfigError
+
+from ._capture import capturing
+from ._session import (
+    AsyncSaveOptions,
+    Session,
+    apply_retention,
+    check_checkpoint,
+    default_policy,
+    latest_checkpoint,
+)
+
+__all__ = ["AsyncSaveOptions", "CkptmgrTrainer", "CkptmgrTrainerMixin", "get_last_checkpoint"]
+
+log = logging.getLogger("ckptmgr")
+TRAINER_STATE_NAME = "trainer_state.json"
+CHECKPOINT_RE = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
+
+
+def get_last_checkpoint(folder: str, *, verify: bool = True) -> str | None:
+    """The newest complete ``checkpoint-<step>`` in ``folder``: like transformers'
+    ``get_last_checkpoint``, but a checkpoint ckptmgr wrote is checked against its checksums
+    first, and a damaged one is skipped (with a warning) for the one before."""
+    return latest_checkpoint(folder, CHECKPOINT_RE, verify=verify)
+
+
+def _metrics(trainer: Any) -> dict[str, Any]:
+    """What retention policies may use: the step, the epoch, the newest evaluation metrics."""
+    out: dict[str, Any] = {"global_step": trainer.state.global_step}
+    if trainer.state.epoch is not None:
+        out["epoch"] = float(trainer.state.epoch)
+    for entry in reversed(trainer.state.log_history):
+        evals = {k: v for k, v in entry.items() if k.startswith("eval_") and isinstance(v, (int, float))}
+        if evals:
+            out.update(evals)
+            break
+    return out
+
+
+if TYPE_CHECKING:  # the mixin goes in front of a Trainer: type-check it as one
+    _TrainerBase = transformers.Trainer
+else:
+    _TrainerBase = object
+
+
+class CkptmgrTrainerMixin(_TrainerBase):
+    """Put in front of ``transformers.Trainer`` (or a subclass such as TRL's ``SFTTrainer``):
+    ``class MyTrainer(CkptmgrTrainerMixin, SFTTrainer): ...``.
+
+    Args:
+        checkpointing: how checkpoints are saved (:class:`AsyncSaveOptions`); the defaults
+            overlap the copy with the next step and keep what ``save_total_limit`` says.
+        *args, **kwargs: the Trainer's own.
+    """
+
+    def __init__(self, *args: Any, checkpointing: AsyncSaveOptions | None = None, **kwargs: Any) -> None:
+        if checkpointing is not None and not isinstance(checkpointing, AsyncSaveOptions):
+            raise ConfigError(f"checkpointing must be AsyncSaveOptions, got {type(checkpointing).__name__}")
+        super().__init__(*args, **kwargs)
+        self._ckpt = Session(checkpointing or AsyncSaveOptions())
+
+    # ------------------------------------------------------------------ public
+
+    def wait_for_checkpoints(self, timeout: float | None = None) -> None:
+        """Block until every checkpoint saved so far is committed; raise a failed save's error."""
+        self._ckpt.wait(timeout)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint=True`` resumes from the newest complete,
+        verified checkpoint. Every checkpoint is committed when it returns."""
+        opts = self._ckpt.options
+        if resume_from_checkpoint is True:
+            found = get_last_checkpoint(str(self.args.output_dir), verify=opts.verify_on_resume)
+            if found is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+            log.info("resuming from %s", found)
+            resume_from_checkpoint = found
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            check_checkpoint(os.fspath(resume_from_checkpoint), verify=opts.verify_on_resume)
+        ok = False
+        try:
+            out = super().train(resume_from_checkpoint, *args, **kwargs)
+            ok = True
+            return out
+        finally:
+            if ok:
+                self._ckpt.close(opts.timeout)
+            else:  # the training error is the one to see; a save's failure is logged
+                try:
+                    self._ckpt.close(opts.timeout)
+                except Exception as exc:
+                    log.error("while stopping after a training error: %s", exc)
+
+    # -------------------------------------------------------- Trainer overrides
+
+    def _ckptmgr_stock(self) -> bool:
+        """Setups whose checkpoints only their own engine can write."""
+        return bool(getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_xla_v1_enabled", False)
+                    or is_torch_xla_available() or is_sagemaker_mp_enabled())
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if self._ckptmgr_stock():
+            self._ckpt.wait(self._ckpt.options.timeout)
+            super()._save_checkpoint(model, trial)
+            return
+        state, args = self.state, self.args
+        step = state.global_step
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        writer = self._ckpt.start()
+        fs = writer.begin(run_dir, *self._ckpt.token(step))
+        tmp = fs.directory
+        self._ckpt.fence.wait()  # the previous save's copies have landed before this one starts
+        try:
+            with capturing(fs):
+                self.save_model(tmp, _internal_call=True)
+                if args.save_strategy in ("steps", "epoch", "best") and state.best_global_step:
+                    best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+                    if state.best_global_step == step or os.path.exists(best) or best in writer.in_flight():
+                        state.best_model_checkpoint = best
+                if not args.save_only_model:
+                    self._save_optimizer_and_scheduler(tmp)
+                    self._save_scaler(tmp)
+                    self._save_rng_state(tmp)
+            if args.should_save:
+                exportable = [*self.callback_handler.callbacks, self.control]
+                for cb in [c for c in exportable if isinstance(c, ExportableState)]:
+                    name = cb.__class__.__name__
+                    saved: Any = state.stateful_callbacks  # a dict by name (annotated otherwise upstream)
+                    if isinstance(saved[name], list):
+                        saved[name].append(cb.state())
+                    else:
+                        saved[name] = cb.state()
+                state.save_to_json(os.path.join(tmp, TRAINER_STATE_NAME))
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        best_step = None
+        if state.best_model_checkpoint:
+            m = CHECKPOINT_RE.fullmatch(os.path.basename(state.best_model_checkpoint))
+            best_step = int(m.group(1)) if m else None
+        policy = self._ckpt.options.retention or default_policy(args.save_total_limit)
+        after = functools.partial(self._ckptmgr_retention, run_dir, policy, best_step) if args.should_save else None
+        pending = writer.commit(fs, final, step=step, metadata=_metrics(self), after=after,
+                                timeout=self._ckpt.options.timeout)
+        self._ckpt.guard(pending)
+        if args.push_to_hub:  # the hub upload reads the files: only once they are committed
+            pending.result(self._ckpt.options.timeout)
+            self._push_from_checkpoint(final)
+
+    def _ckptmgr_retention(self, run_dir: str, policy: Any, best_step: int | None) -> None:
+        protect = {best_step} if best_step is not None else set()
+        writer = self._ckpt.writer
+        if writer is not None:
+            protect |= {s for p, s in writer.in_flight().items() if os.path.dirname(p) == run_dir}
+        apply_retention(run_dir, CHECKPOINT_RE, policy, protect)
+
+    def _load_best_model(self) -> None:
+        self._ckpt.wait(self._ckpt.options.timeout)  # the best checkpoint may still be in flight
+        super()._load_best_model()
+
+
+class CkptmgrTrainer(CkptmgrTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with checkpoints saved by ckptmgr (see the module docstring).
+
+    Args:
+        checkpointing: :class:`AsyncSaveOptions` (keyword only); everything else as
+            ``transformers.Trainer``.
+    """

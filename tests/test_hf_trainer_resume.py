@@ -1,0 +1,150 @@
+"""Hugging Face Trainer with ckptmgr: killed with SIGKILL mid-save, resumed, bit-identical.
+
+Every run is a real subprocess (tests/hf_trainer_run.py): a tiny Llama from a config, 12
+steps, a checkpoint every 4. The reference is an uninterrupted run; the stock Trainer must
+give the very same run (the integration changes how files travel, not the training). A run
+whose second checkpoint is stopped half-way through writing ``optimizer.pt`` and then
+SIGKILLed leaves that checkpoint as a hidden temporary only; resuming with
+``resume_from_checkpoint=True``, by CkptmgrTrainer or by the stock Trainer, ends with the
+reference's losses and weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from safetensors.torch import load_file
+
+RUN = os.path.join(os.path.dirname(__file__), "hf_trainer_run.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+       "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _run(out, result, trainer, *extra, check=True):
+    proc = subprocess.run([sys.executable, RUN, str(out), str(result), "--trainer", trainer, *extra],
+                          env=ENV, capture_output=True, text=True, timeout=240)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _losses(result):
+    with open(result) as f:
+        return {int(k): v for k, v in json.load(f)["losses"].items()}
+
+
+def _weights(result):
+    return load_file(str(result) + ".safetensors")
+
+
+def _assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("reference")
+    _run(d / "out", d / "r.json", "ckptmgr")
+    return _losses(d / "r.json"), _weights(d / "r.json"), d / "out"
+
+
+def _kill_mid_save(tmp_path):
+    """Start a run whose 2nd checkpoint hangs half-way through optimizer.pt; SIGKILL it there."""
+    out, marker = tmp_path / "out", tmp_path / "marker"
+    cmd = [sys.executable, RUN, str(out), str(tmp_path / "killed.json"), "--trainer", "ckptmgr",
+           "--hang-at-save", "2", "--hang-file", "optimizer.pt", "--marker", str(marker)]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not marker.exists():
+            assert proc.poll() is None, f"the run ended before the save hung: {proc.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "the save never reached the hang point"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+        proc.stderr.close()
+    half_written = marker.read_text()
+    assert os.path.getsize(half_written) > 0
+    return out
+
+
+def test_stock_trainer_run_is_the_reference(tmp_path, reference):
+    losses, weights, _ = reference
+    _run(tmp_path / "out", tmp_path / "s.json", "stock")
+    assert _losses(tmp_path / "s.json") == losses
+    _assert_same_weights(_weights(tmp_path / "s.json"), weights)
+
+
+def test_reference_checkpoints_are_complete(reference):
+    _, _, out = reference
+    assert sorted(os.listdir(out)) == ["checkpoint-12", "checkpoint-4", "checkpoint-8"]
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
+            "training_args.bin", "config.json", "ckptmgr.json"} <= set(os.listdir(out / "checkpoint-8"))
+
+
+@pytest.mark.parametrize("resumer", ["ckptmgr", "stock"])
+def test_sigkill_mid_save_then_resume_is_bit_identical(tmp_path, reference, resumer):
+    losses, weights, _ = reference
+    out = _kill_mid_save(tmp_path)
+    visible = sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
+    assert visible == ["checkpoint-4"], visible  # the interrupted checkpoint-8 is not visible
+    assert any(n.endswith(".partial") for n in os.listdir(out))
+    _run(out, tmp_path / "resumed.json", resumer, "--resume")
+    resumed = _losses(tmp_path / "resumed.json")
+    assert sorted(resumed) == list(range(5, 13))  # resumed from checkpoint-4
+    assert resumed == {s: losses[s] for s in resumed}
+    _assert_same_weights(_weights(tmp_path / "resumed.json"), weights)
+    names = os.listdir(out)
+    if resumer == "ckptmgr":  # the dead writer's temporaries are removed at the next start
+        assert not any(n.endswith(".partial") for n in names), names
+    assert {"checkpoint-8", "checkpoint-12"} <= set(names)
+
+
+def _ddp(out, result, trainer):
+    """A 2-rank DDP run (gloo, CPU)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, RUN, str(out), str(result), "--trainer", trainer, "--max-steps", "8"],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errs)
+
+
+def test_ddp_two_ranks_write_one_checkpoint(tmp_path):
+    """DDP: each rank's files (its RNG state) land in the one checkpoint that rank 0 commits,
+    and training is the stock Trainer's, bit for bit, on every rank."""
+    _ddp(tmp_path / "ours", tmp_path / "ours.json", "ckptmgr")
+    _ddp(tmp_path / "stock", tmp_path / "stock.json", "stock")
+    for r in range(2):
+        assert _losses(f"{tmp_path}/ours.json.{r}") == _losses(f"{tmp_path}/stock.json.{r}")
+        _assert_same_weights(_weights(f"{tmp_path}/ours.json.{r}"), _weights(f"{tmp_path}/stock.json.{r}"))
+    ours, stock = tmp_path / "ours", tmp_path / "stock"
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(stock)) == ["checkpoint-4", "checkpoint-8"]
+    for ckpt in ("checkpoint-4", "checkpoint-8"):
+        names = set(os.listdir(ours / ckpt))
+        assert names == set(os.listdir(stock / ckpt)) | {"ckptmgr.json"}
+        assert {"rng_state_0.pth", "rng_state_1.pth"} <= names
+        record = json.loads((ours / ckpt / "ckptmgr.json").read_text())
+        assert set(record["files"]) == names - {"ckptmgr.json"}
+        for name in ("rng_state_0.pth", "rng_state_1.pth", "optimizer.pt"):
+            a = torch.load(ours / ckpt / name, weights_only=False)
+            b = torch.load(stock / ckpt / name, weights_only=False)
+            assert repr(a) == repr(b), name
