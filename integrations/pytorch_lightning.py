@@ -26,3 +26,5 @@ __all__ = ["CkptmgrCheckpointIO"]
 class CkptmgrCheckpointIO(CkptmgrIOMixin, CheckpointIO):
     """:class:`ckptmgr.integrations.lightning.CkptmgrCheckpointIO` for ``pytorch_lightning``
     Trainers: the same plugin, arguments and behaviour."""
+
+    _namespace = "pytorch_lightning"
