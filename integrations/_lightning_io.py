@@ -129,7 +129,8 @@ class CkptmgrIOMixin:
                 f"for `{self.__class__.__name__}`; configure it through CkptmgrCheckpointIO(...) instead")
         self._raise_errors()
         p, fs = _url_fs(path)
-        background = self.async_direct_saves or self._from_checkpoint_callback()
+        callback, manual = self._caller()
+        background = self.async_direct_saves or callback
         writer = self._get_writer()
         self._fence.wait()  # a previous save's copies (its tensors may be these)
         done, staged = writer.save(checkpoint, p, fs)
@@ -138,7 +139,10 @@ class CkptmgrIOMixin:
             writer.take_errors()
             self._park_if_idle()
             return
-        if self.overlap:
+        # Overlap the device-to-host copies with the next step only where the fence sees every
+        # change to come: automatic optimization (Lightning orders the steps). CPU copies compete
+        # with the training thread for memory bandwidth anyway: they are waited for here.
+        if self.overlap and not manual and any(s.source.is_cuda for s in staged.image.spans):
             self._fence.arm(staged)
         else:
             staged.wait_staged()
@@ -220,23 +224,28 @@ class CkptmgrIOMixin:
         if writer is not None:
             writer.park()
 
-    def _from_checkpoint_callback(self) -> bool:
-        """Whether a ``Checkpoint`` callback (ModelCheckpoint, ...) asked for this save."""
+    def _caller(self) -> tuple[bool, bool]:
+        """Whether a ``Checkpoint`` callback (ModelCheckpoint, ...) of a running Trainer asked
+        for this save (its teardown then waits for it), and whether the module trains with
+        manual optimization."""
         callbacks = sys.modules.get(f"{self._namespace}.callbacks")
         kinds = getattr(callbacks, "Checkpoint", None)
-        if kinds is None:
-            return False
         frame = sys._getframe(2)
         for _ in range(_STACK_DEPTH):
-            if frame is None:
-                return False
+            if frame is None or kinds is None:
+                return False, False
             if isinstance(frame.f_locals.get("self"), kinds):
+                trainer = frame.f_locals.get("trainer")
+                status = getattr(getattr(trainer, "state", None), "status", None)
+                if getattr(status, "value", None) != "running":
+                    return False, False  # no run whose teardown would wait for it
                 model_checkpoint = getattr(callbacks, "ModelCheckpoint", None)
                 if model_checkpoint is not None:
                     install_in_flight_check(model_checkpoint)
-                return True
+                module = getattr(trainer, "lightning_module", None)
+                return True, not getattr(module, "automatic_optimization", True)
             frame = frame.f_back
-        return False
+        return False, False
 
     def _raise_errors(self) -> None:
         with self._mu:

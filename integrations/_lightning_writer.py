@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ckptmgr import _lifecycle as lifecycle
 from ckptmgr.errors import CkptTimeoutError
 from ckptmgr.format.layout import FilePlan, Plan, StoredTensor
 from ckptmgr.format.torchzip import TorchZipImage, plan_image, seal
@@ -43,8 +44,9 @@ log = logging.getLogger("ckptmgr")
 class Staged:
     """A save's copies, as :class:`~integrations._fence.StagingFence` waits for them."""
 
-    def __init__(self, job: StagingJob) -> None:
+    def __init__(self, job: StagingJob, image: TorchZipImage) -> None:
         self._job = job
+        self.image = image
 
     def staged(self) -> bool:
         return self._job.done()
@@ -145,14 +147,15 @@ class Writer:
             image.write_static(seg.numpy())
             stager = self._stager
             assert stager is not None
-            job = stager.stage(_plan(image), [seg])
+            plan = _plan(image)
+            job = stager.stage(plan, [seg][:len(plan.files)])
         except BaseException:
             self._pool.release(slot, step=None, durable=False)
             raise
         done: Future[None] = Future()
         IN_FLIGHT.add(path)
         self._enqueue(_Save(path, fs, image, slot, job, done))
-        return done, Staged(job)
+        return done, Staged(job, image)
 
     def remove(self, path: str, fs: Any) -> Future[None]:
         """Remove ``path`` once every save enqueued before has committed."""
@@ -203,6 +206,7 @@ class Writer:
             io.shutdown(wait=True)
         if stager is not None:
             stager.close()
+        lifecycle.forget(self)
 
     def close(self, timeout: float | None = None) -> None:
         """:meth:`park`, then free the slots."""
@@ -220,6 +224,7 @@ class Writer:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ckptmgr-lightning", daemon=False)
                 self._thread.start()
+                lifecycle.close_at_exit(self)  # a plugin never torn down must not hang the exit
 
     def _enqueue(self, op: _Save | _Remove) -> None:
         with self._mu:
@@ -269,6 +274,8 @@ class Writer:
 def _plan(image: TorchZipImage) -> Plan:
     """The stager's view of an image: the first static segment as the header, each storage as
     a ``U8`` tensor at its offset (the other static segments are in the slot already)."""
+    if not image.static:
+        return Plan([], [])
     head = image.static[0][1]
     assert image.static[0][0] == 0 and head
     tensors = [StoredTensor(f"data/{s.key}", "U8", (s.nbytes,), s.offset - len(head), s.offset - len(head) + s.nbytes,

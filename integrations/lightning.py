@@ -13,7 +13,7 @@ For the ``pytorch_lightning`` package use :mod:`ckptmgr.integrations.pytorch_lig
 from __future__ import annotations
 
 try:
-    from lightning.pytorch.plugins.io import CheckpointIO
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
 except ImportError as exc:  # pragma: no cover - exercised where lightning is absent
     raise ImportError(f"ckptmgr.integrations.lightning needs lightning ({exc}): "
                       "pip install 'ckptmgr[lightning]'") from exc
@@ -23,7 +23,7 @@ from ._lightning_io import CkptmgrIOMixin
 __all__ = ["CkptmgrCheckpointIO"]
 
 
-class CkptmgrCheckpointIO(CkptmgrIOMixin, CheckpointIO):
+class CkptmgrCheckpointIO(CkptmgrIOMixin, TorchCheckpointIO):
     """A Lightning ``CheckpointIO`` that saves through ckptmgr: the training step pays for a
     copy into reused pinned host memory (no GPU clone), the write and the commit run in the
     background, and a checkpoint path appears only once its checkpoint is complete.

@@ -61,6 +61,7 @@ __all__ = [
 
 CHECKSUM_RECORD = ".data/ckptmgr_checksums"
 _CHECKSUM_FORMAT = "ckptmgr.torchzip.checksums"
+_ALIGN = 64  # torch aligns every record's data to 64 bytes
 _PIECE = 4 << 20  # bytes hashed at a time: both CRCs of a piece run while it is in cache
 _MAX_RECORDS = 1 << 20  # a central directory claiming more entries is refused before reading it
 
@@ -87,16 +88,8 @@ def _u(fmt: str, buf: bytes, at: int) -> tuple[Any, ...]:
     return struct.unpack_from(fmt, buf, at)
 
 
-def read_records(read_at: Callable[[int, int], bytes], file_size: int) -> list[ZipRecord]:
-    """Parse the central directory of a zip archive of ``file_size`` bytes.
-
-    Args:
-        read_at: ``read_at(offset, n)`` returns the archive's bytes ``[offset, offset + n)``.
-        file_size: the archive's size.
-
-    Raises:
-        CheckpointCorruptError: not a zip archive, or one whose structure points outside it.
-    """
+def _locate_central_directory(read_at: Callable[[int, int], bytes], file_size: int) -> tuple[int, int, int]:
+    """``(records, size, offset)`` of the central directory, from the end records."""
     tail_len = min(file_size, 22 + 0xFFFF)
     tail = read_at(file_size - tail_len, tail_len)
     at = tail.rfind(b"PK\x05\x06")
@@ -116,6 +109,20 @@ def read_records(read_at: Callable[[int, int], bytes], file_size: int) -> list[Z
     if n_total > _MAX_RECORDS or cd_offset + cd_size > file_size:
         raise CheckpointCorruptError(f"central directory of {n_total} records at {cd_offset}+{cd_size} "
                                      f"does not fit a {file_size}-byte archive")
+    return n_total, cd_size, cd_offset
+
+
+def read_records(read_at: Callable[[int, int], bytes], file_size: int) -> list[ZipRecord]:
+    """Parse the central directory of a zip archive of ``file_size`` bytes.
+
+    Args:
+        read_at: ``read_at(offset, n)`` returns the archive's bytes ``[offset, offset + n)``.
+        file_size: the archive's size.
+
+    Raises:
+        CheckpointCorruptError: not a zip archive, or one whose structure points outside it.
+    """
+    n_total, cd_size, cd_offset = _locate_central_directory(read_at, file_size)
     cd = read_at(cd_offset, cd_size)
     out, pos = [], 0
     for _ in range(n_total):
@@ -185,13 +192,13 @@ class TorchZipImage:
     static: list[tuple[int, bytes]]  # (offset, bytes) in ascending offset order
     spans: list[StorageSpan]
     records: list[ZipRecord]
-    checksums: ZipRecord  # the record that holds the CRC32C chunks
+    checksums: ZipRecord | None  # the record that holds the CRC32C chunks (None: an empty image)
     chunk_size: int
 
     @property
     def covered(self) -> int:
         """The CRC32C chunks cover the image's bytes ``[0, covered)``."""
-        return self.checksums.header_offset
+        return self.checksums.header_offset if self.checksums is not None else 0
 
     def write_static(self, buf: np.ndarray[Any, Any]) -> None:
         """Copy the static segments into ``buf`` (a uint8 array of ``size`` bytes)."""
@@ -247,6 +254,45 @@ class _Recorder:
         return bytes(out)
 
 
+def _with_checksum_record(rec: _Recorder, chunk_size: int) -> _Recorder:
+    """The archive with the checksum record (its CRC32C list zeroed) appended after torch's
+    records: the central directory and the end records are rewritten behind it."""
+    n_total, cd_size, cd_offset = _locate_central_directory(rec.read_at, rec.pos)
+    cd = rec.read_at(cd_offset, cd_size)
+    first_name = cd[46:46 + struct.unpack_from("<H", cd, 28)[0]].decode("utf-8", "replace")
+    name = f"{first_name.split('/', 1)[0]}/{CHECKSUM_RECORD}".encode()
+    doc = _checksum_doc(chunk_size, cd_offset, ["00000000"] * len(chunk_ranges(cd_offset, chunk_size)))
+    pad = -(cd_offset + 30 + len(name) + 4) % _ALIGN  # data 64-byte aligned, as torch aligns its records
+    local = (struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0x21, 0, len(doc), len(doc), len(name), 4 + pad)
+             + name + struct.pack("<HH", 0x4246, pad) + b"Z" * pad)
+    lho, extra = cd_offset, b""
+    if lho >= 0xFFFFFFFF:
+        lho, extra = 0xFFFFFFFF, struct.pack("<HHQ", 0x0001, 8, cd_offset)
+    entry = (struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0x21, 0, len(doc), len(doc), len(name),
+                         len(extra), 0, 0, 0, 0, lho) + name + extra)
+    out = _Recorder()
+    for at, data in rec.parts:  # everything before the old central directory, as torch wrote it
+        if at < cd_offset:
+            out.seek(at)
+            out.write(data[:cd_offset - at])
+    out.seek(cd_offset)
+    out.write(local)
+    out.write(doc)
+    new_cd = out.pos
+    out.write(cd)
+    out.write(entry)
+    n, size = n_total + 1, cd_size + len(entry)
+    if n >= 0xFFFF or size >= 0xFFFFFFFF or new_cd >= 0xFFFFFFFF:
+        z64 = out.pos
+        out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, size, new_cd))
+        out.write(struct.pack("<IIQI", 0x07064B50, 0, z64, 1))
+        out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0))
+    else:
+        out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, size, new_cd, 0))
+    out.merge()
+    return out
+
+
 class _Null:
     def write(self, data: Any) -> int:
         return len(data)
@@ -292,13 +338,12 @@ def plan_image(obj: Any, *, chunk_size: int = 64 << 20) -> TorchZipImage:
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise UnsupportedValueError("checkpoint", f"torch.save cannot pickle it: {exc}") from exc
     rec = _Recorder()
-    with torch.serialization.skip_data(), torch.serialization._open_zipfile_writer(rec) as zf:
-        torch.serialization._save(obj, zf, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
-        covered = rec.pos
-        n_chunks = len(chunk_ranges(covered, chunk_size))
-        placeholder = _checksum_doc(chunk_size, covered, ["00000000"] * n_chunks)
-        zf.write_record(CHECKSUM_RECORD, placeholder, len(placeholder))
+    with torch.serialization.skip_data():
+        torch.save(obj, rec)  # type: ignore[arg-type]  # a write/seek stream is all torch.save needs
     rec.merge()
+    if rec.pos == 0:  # torch.save wrote nothing (replaced, as tests do): an empty file, as Lightning writes then
+        return TorchZipImage(0, [], [], [], None, chunk_size)
+    rec = _with_checksum_record(rec, chunk_size)
     records = read_records(rec.read_at, rec.pos)
     by_name = {r.name: r for r in records}
     storages = list(order.storages.values())
@@ -440,6 +485,8 @@ def seal(image: TorchZipImage, buf: np.ndarray[Any, Any], pool: Executor | None 
         hexes.append(f"{total or 0:08x}")
     doc = _checksum_doc(image.chunk_size, image.covered, hexes)
     rec = image.checksums
+    if rec is None:
+        return hexes
     if len(doc) != rec.size:
         raise AssertionError(f"checksum record size changed: {len(doc)} != {rec.size}")
     buf[rec.data_offset:rec.data_offset + rec.size] = np.frombuffer(doc, dtype=np.uint8)

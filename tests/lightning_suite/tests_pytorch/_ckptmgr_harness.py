@@ -80,7 +80,8 @@ def _local_legacy_checkpoint():
         "import tests_pytorch._ckptmgr_harness;"
         f"runpy.run_path({str(_SUITE / 'legacy' / 'simple_classif_training.py')!r}, run_name='__main__')"
     )
-    env = {**os.environ, "PYTHONPATH": str(_SUITE)}
+    # one intra-op thread: the model is tiny, and CI's two cores are shared with the test process
+    env = {**os.environ, "PYTHONPATH": str(_SUITE), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=str(_SUITE), env=env, capture_output=True, text=True,
                           timeout=600)
     if proc.returncode != 0:
