@@ -34,7 +34,7 @@ import torch
 
 from ckptmgr.errors import CheckpointCorruptError, ConfigError
 from ckptmgr.format.torchzip import verify_file
-from ckptmgr.options import StagingOptions, WriteOptions, option_or_default
+from ckptmgr.options import S3Options, StagingOptions, WriteOptions, option_or_default
 
 from ._fence import StagingFence
 from ._lightning_writer import IN_FLIGHT, Writer
@@ -48,13 +48,13 @@ def _cpu(storage: Any, location: Any) -> Any:
     return storage  # Lightning's default map_location: tensors stay on the CPU
 
 
-def _url_fs(path: Any) -> tuple[str, Any]:
-    """``(path, fs)``: an absolute local path and None, or an fsspec path and its filesystem."""
+def _url_fs(path: Any, storage_options: dict[str, Any] | None) -> tuple[str, Any]:
+    """``(path, fs)``: an absolute local path and None, or an fsspec URL and its filesystem."""
     p = os.fspath(path)
     if "://" in p and not p.startswith("file://"):
         import fsspec
 
-        fs, _ = fsspec.core.url_to_fs(p)
+        fs, _ = fsspec.core.url_to_fs(p, **(storage_options or {}))
         return p, fs
     if p.startswith("file://"):
         p = p[len("file://"):]
@@ -83,11 +83,14 @@ class CkptmgrIOMixin:
     _namespace = "lightning.pytorch"  # where the Checkpoint callback classes live
 
     def __init__(self, *, overlap: bool = True, async_direct_saves: bool = False,
-                 write_options: WriteOptions | None = None, staging: StagingOptions | None = None) -> None:
+                 write_options: WriteOptions | None = None, staging: StagingOptions | None = None,
+                 storage_options: dict[str, Any] | None = None, s3_options: S3Options | None = None) -> None:
         if not isinstance(overlap, bool) or not isinstance(async_direct_saves, bool):
             raise ConfigError(f"overlap and async_direct_saves must be bools, got {overlap!r}, {async_direct_saves!r}")
         self._write_options = option_or_default(write_options, WriteOptions, "write_options", WriteOptions)
         self._staging = option_or_default(staging, StagingOptions, "staging", lambda: StagingOptions(slots=2))
+        self._storage_options = option_or_default(storage_options, dict, "storage_options", None)
+        self._s3_options = option_or_default(s3_options, S3Options, "s3_options", None)
         if self._staging.local_tier:
             raise ConfigError("CkptmgrCheckpointIO writes .ckpt files; StagingOptions.local_tier does not apply")
         super().__init__()
@@ -128,7 +131,7 @@ class CkptmgrIOMixin:
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg is not supported "
                 f"for `{self.__class__.__name__}`; configure it through CkptmgrCheckpointIO(...) instead")
         self._raise_errors()
-        p, fs = _url_fs(path)
+        p, fs = _url_fs(path, self._storage_options)
         callback, manual = self._caller()
         background = self.async_direct_saves or callback
         writer = self._get_writer()
@@ -158,7 +161,7 @@ class CkptmgrIOMixin:
             FileNotFoundError: no such file.
             CheckpointCorruptError: the file fails its checksums.
         """
-        p, fs = _url_fs(path)
+        p, fs = _url_fs(path, self._storage_options)
         self.wait()
         opener = (lambda: open(p, "rb")) if fs is None else (lambda: fs.open(p, "rb"))
         if not (os.path.isfile(p) if fs is None else fs.isfile(p)):
@@ -176,7 +179,7 @@ class CkptmgrIOMixin:
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove ``path``, after every save enqueued before this call has been written."""
-        p, fs = _url_fs(path)
+        p, fs = _url_fs(path, self._storage_options)
         self._get_writer().remove(p, fs)
 
     def teardown(self) -> None:
@@ -215,7 +218,8 @@ class CkptmgrIOMixin:
                 w, s = self._write_options, self._staging
                 self._writer = Writer(slots=s.slots, copy_threads=s.copy_threads, io_threads=w.io_threads,
                                       chunk_size=max(w.chunk_size, 4 << 20), direct_io=w.direct_io,
-                                      max_host_bytes=s.max_host_bytes)
+                                      max_host_bytes=s.max_host_bytes, storage_options=self._storage_options,
+                                      s3_options=self._s3_options)
             return self._writer
 
     def _park_if_idle(self) -> None:

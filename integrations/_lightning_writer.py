@@ -34,7 +34,9 @@ from ckptmgr.format.layout import FilePlan, Plan, StoredTensor
 from ckptmgr.format.torchzip import TorchZipImage, plan_image, seal
 from ckptmgr.save.slots import Slot, SlotPool
 from ckptmgr.save.staging import Stager, StagingJob
-from ckptmgr.storage.onefile import remove_stale_temps, write_file_atomic, write_url_atomic
+from ckptmgr.options import S3Options
+from ckptmgr.storage import open_target
+from ckptmgr.storage.onefile import remove_stale_temps, write_file_atomic, write_s3_object, write_url_atomic
 
 __all__ = ["Staged", "Writer"]
 
@@ -109,10 +111,16 @@ class Writer:
         chunk_size: bytes per CRC32C chunk and per write task.
         direct_io: O_DIRECT for the aligned bulk of local files where the filesystem allows it.
         max_host_bytes: cap on the slots' host memory (None: none).
+        storage_options: fsspec options of remote paths (credentials, endpoints).
+        s3_options: multipart upload and retries of ``s3://`` paths.
     """
 
     def __init__(self, *, slots: int, copy_threads: int, io_threads: int, chunk_size: int, direct_io: bool,
-                 max_host_bytes: int | None) -> None:
+                 max_host_bytes: int | None, storage_options: dict[str, Any] | None = None,
+                 s3_options: S3Options | None = None) -> None:
+        self._storage_options = storage_options
+        self._s3_options = s3_options
+        self._s3: dict[str, Any] = {}  # directory URL -> S3Target; the worker thread's
         self._pool = SlotPool(slots, tier=None, max_host_bytes=max_host_bytes)
         self._copy_threads = copy_threads
         self._io_threads = io_threads
@@ -206,6 +214,9 @@ class Writer:
             io.shutdown(wait=True)
         if stager is not None:
             stager.close()
+        targets, self._s3 = self._s3, {}
+        for t in targets.values():
+            t.close()
         lifecycle.forget(self)
 
     def close(self, timeout: float | None = None) -> None:
@@ -264,6 +275,13 @@ class Writer:
                     self._cleaned.add(directory)
                     remove_stale_temps(directory)
                 write_file_atomic(op.path, buf, pool=self._io, chunk_size=self.chunk_size, direct_io=self._direct_io)
+            elif "s3" in _protocols(op.fs):
+                directory, name = op.path.rsplit("/", 1)
+                target = self._s3.get(directory)
+                if target is None:
+                    target = self._s3[directory] = open_target(directory, self._storage_options,
+                                                               io_threads=self._io_threads, s3_options=self._s3_options)
+                write_s3_object(target, f"{target.prefix}/{name}" if target.prefix else name, buf)
             else:
                 write_url_atomic(op.fs, op.path, buf)
         finally:
@@ -281,6 +299,11 @@ def _plan(image: TorchZipImage) -> Plan:
     tensors = [StoredTensor(f"data/{s.key}", "U8", (s.nbytes,), s.offset - len(head), s.offset - len(head) + s.nbytes,
                             s.source) for s in image.spans]
     return Plan([FilePlan("checkpoint", head, tensors)], [])
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
 
 
 def _remove(path: str, fs: Any) -> None:

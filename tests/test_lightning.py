@@ -132,3 +132,13 @@ def test_bad_arguments_are_refused(tmp_path):
         CkptmgrCheckpointIO().save_checkpoint({}, str(tmp_path / "x.ckpt"), storage_options={"a": 1})
     with pytest.raises(FileNotFoundError):
         CkptmgrCheckpointIO().load_checkpoint(str(tmp_path / "missing.ckpt"))
+
+
+def test_ddp_spawn_on_two_cpu_processes(tmp_path):
+    d = str(tmp_path / "ddp")
+    out = run(d, 2, str(tmp_path / "out.pt"), "--strategy", "ddp_spawn", "--devices", "2")
+    assert "finished" in out
+    names = ckpts(d)
+    assert "last.ckpt" in names and len(names) == 3
+    ckpt = torch.load(os.path.join(d, "last.ckpt"), weights_only=True)
+    assert ckpt["global_step"] == 10  # 320 samples, batch 32, split over 2 processes, 2 epochs

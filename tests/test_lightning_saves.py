@@ -59,6 +59,15 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class BigNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(1024, 2048)  # 8 MiB of weights: two 5 MiB parts
+
+    def training_step(self, batch, i):
+        return self.layer(torch.nn.functional.pad(batch[0], (0, 1016))).pow(2).mean()
+
+
 def data():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 8)), batch_size=4)
 
@@ -208,3 +217,34 @@ def test_memory_urls_are_written_through_fsspec(tmp_path, monkeypatch):
     t2.fit(Net(), data(), ckpt_path="memory://ckpts/run/last.ckpt")
     assert t2.global_step == 6
     fs.rm("/ckpts", recursive=True)
+
+
+def test_s3_urls_are_uploaded_in_parts_through_ckptmgrs_s3_target(s3_bucket, monkeypatch):
+    import fsspec
+    import s3fs
+
+    from ckptmgr import S3Options
+    from ckptmgr.storage import s3 as s3_module
+
+    bucket, opts = s3_bucket
+    monkeypatch.setitem(fsspec.config.conf, "s3", opts)  # ModelCheckpoint's own filesystem finds moto too
+    parts = []
+    real = s3_module.S3Target.call
+
+    def call(self, method, **kw):
+        parts.append(method)
+        return real(self, method, **kw)
+
+    monkeypatch.setattr(s3_module.S3Target, "call", call)
+    plugin = CkptmgrCheckpointIO(storage_options=opts, s3_options=S3Options(part_size=5 << 20))
+    t = trainer(f"s3://{bucket}/run", plugin, 4, every_n_train_steps=2, save_top_k=1, save_last=True)
+    model = BigNet()
+    t.fit(model, data())
+    fs = s3fs.S3FileSystem(**opts)
+    assert sorted(os.path.basename(p) for p in fs.ls(f"{bucket}/run")) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert parts.count("upload_part") >= 6 and "complete_multipart_upload" in parts  # 3 files of 2 parts
+    from lightning.fabric.utilities.cloud_io import _load as pl_load
+
+    ckpt = pl_load(f"s3://{bucket}/run/last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 4 and torch.equal(ckpt["state_dict"]["layer.weight"], model.layer.weight)
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
