@@ -88,7 +88,8 @@ def main() -> None:
 
     def route_reused() -> Callable[[], None]:
         if not host:
-            host.update({k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in state["state_dict"].items()})
+            host.update({k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin)
+                         for k, v in state["state_dict"].items()})
         for k, v in state["state_dict"].items():
             host[k].copy_(v, non_blocking=pin)
         _sync(dev)

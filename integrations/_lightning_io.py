@@ -163,10 +163,9 @@ class CkptmgrIOMixin:
         """
         p, fs = _url_fs(path, self._storage_options)
         self.wait()
-        opener = (lambda: open(p, "rb")) if fs is None else (lambda: fs.open(p, "rb"))
         if not (os.path.isfile(p) if fs is None else fs.isfile(p)):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        with opener() as f:
+        with open(p, "rb") if fs is None else fs.open(p, "rb") as f:
             try:
                 verify_file(f, what=str(path))
             except CheckpointCorruptError:

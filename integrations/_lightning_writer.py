@@ -32,9 +32,9 @@ from ckptmgr import _lifecycle as lifecycle
 from ckptmgr.errors import CkptTimeoutError
 from ckptmgr.format.layout import FilePlan, Plan, StoredTensor
 from ckptmgr.format.torchzip import TorchZipImage, plan_image, seal
+from ckptmgr.options import S3Options
 from ckptmgr.save.slots import Slot, SlotPool
 from ckptmgr.save.staging import Stager, StagingJob
-from ckptmgr.options import S3Options
 from ckptmgr.storage import open_target
 from ckptmgr.storage.onefile import remove_stale_temps, write_file_atomic, write_s3_object, write_url_atomic
 
@@ -295,7 +295,8 @@ def _plan(image: TorchZipImage) -> Plan:
     if not image.static:
         return Plan([], [])
     head = image.static[0][1]
-    assert image.static[0][0] == 0 and head
+    assert image.static[0][0] == 0
+    assert head
     tensors = [StoredTensor(f"data/{s.key}", "U8", (s.nbytes,), s.offset - len(head), s.offset - len(head) + s.nbytes,
                             s.source) for s in image.spans]
     return Plan([FilePlan("checkpoint", head, tensors)], [])

@@ -18,7 +18,7 @@ class _Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "ckptmgr" or name.startswith("ckptmgr."):
             raise ImportError(f"{name} is blocked in this process")
-        return None
+        return
 
 
 sys.meta_path.insert(0, _Block())
@@ -26,10 +26,9 @@ weights_only = "--weights-only" in sys.argv
 files = [a for a in sys.argv[1:] if not a.startswith("--")]
 sys.path.insert(0, os.path.dirname(__file__))
 
+import lightning_trainer  # noqa: E402
 import torch  # noqa: E402
 from lightning.fabric.utilities.cloud_io import _load as pl_load  # noqa: E402
-
-import lightning_trainer  # noqa: E402
 
 for f in files:
     assert zipfile.ZipFile(f).testzip() is None, f

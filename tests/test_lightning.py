@@ -114,10 +114,12 @@ def test_the_whole_checkpoint_dict_round_trips_and_damage_is_caught(tmp_path):
     assert os.path.isfile(path) and torch.load(path, weights_only=True)["global_step"] == 7
     assert_tree_equal(plugin.load_checkpoint(path), ckpt)
     plugin.teardown()
-    data = bytearray(open(path, "rb").read())
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
     image = torchzip.plan_image(ckpt)
     data[image.spans[0].offset + 10] ^= 0xFF
-    open(path, "wb").write(bytes(data))
+    with open(path, "wb") as f:
+        f.write(bytes(data))
     with pytest.raises(CheckpointCorruptError, match="CRC32C"):
         CkptmgrCheckpointIO().load_checkpoint(path)
     # a file saved by torch.save (Lightning's own plugin) loads as it is

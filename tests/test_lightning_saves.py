@@ -95,7 +95,7 @@ def gate(monkeypatch):
 
 def test_in_flight_saves_are_never_given_one_name(tmp_path, gate):
     # What Lightning's own plugin produces: every save kept, each under its own name.
-    names = dict(filename="fixed", save_top_k=-1, monitor="const", every_n_train_steps=1)
+    names = {"filename": "fixed", "save_top_k": -1, "monitor": "const", "every_n_train_steps": 1}
     trainer(tmp_path / "torch", TorchCheckpointIO(), 4, **names).fit(Net(), data())
     want = sorted(os.listdir(tmp_path / "torch"))
     assert want == ["fixed-v1.ckpt", "fixed-v2.ckpt", "fixed-v3.ckpt", "fixed.ckpt"]
@@ -138,7 +138,8 @@ def test_temporaries_are_invisible_to_lightnings_name_parsers(tmp_path, gate):
     assert mc._find_last_checkpoints(t) == set()
     gate.open()
     plugin.teardown()
-    assert _max_version(str(tmp_path), "hpc_ckpt_") == 4 and mc._find_last_checkpoints(t) == {str(tmp_path / "last.ckpt")}
+    assert _max_version(str(tmp_path), "hpc_ckpt_") == 4
+    assert mc._find_last_checkpoints(t) == {str(tmp_path / "last.ckpt")}
 
 
 def test_threads_run_only_between_the_first_save_and_teardown(tmp_path):
@@ -192,10 +193,10 @@ def test_a_failed_background_save_is_raised_at_the_next_save_and_at_teardown(tmp
     (tmp_path / "file").write_text("not a directory")
     plugin = CkptmgrCheckpointIO(async_direct_saves=True)
     plugin.save_checkpoint({"w": torch.ones(3)}, str(tmp_path / "file" / "a.ckpt"))
-    with pytest.raises(OSError):
+    with pytest.raises(FileExistsError, match="file"):  # the directory to create is a file
         plugin.wait(timeout=60)
     plugin.save_checkpoint({"w": torch.ones(3)}, str(tmp_path / "file" / "b.ckpt"))
-    with pytest.raises(OSError):
+    with pytest.raises(FileExistsError, match="file"):
         plugin.teardown()
     assert not [t for t in threading.enumerate() if t.name.startswith("ckptmgr")]
 

@@ -103,11 +103,12 @@ def test_python_objects_as_torch_save_pickles_them():
 def test_damage_anywhere_in_the_checksummed_bytes_is_caught():
     image, got = build(state(), chunk_size=4096)
     rng = random.Random(0)
-    spots = [s.offset + rng.randrange(s.nbytes) for s in image.spans] + [rng.randrange(image.covered) for _ in range(20)]
+    spots = [s.offset + rng.randrange(s.nbytes) for s in image.spans]
+    spots += [rng.randrange(image.covered) for _ in range(20)]
     for at in spots:
         bad = bytearray(got)
         bad[at] ^= 0x10
-        with pytest.raises(CheckpointCorruptError, match="CRC32C|zip|record"):
+        with pytest.raises(CheckpointCorruptError, match=r"CRC32C|zip|record"):
             torchzip.verify_file(io.BytesIO(bytes(bad)))
     with pytest.raises(CheckpointCorruptError):
         torchzip.verify_file(io.BytesIO(got[:-100]))  # truncated

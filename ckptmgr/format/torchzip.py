@@ -306,6 +306,7 @@ class _StorageOrder(pickle.Pickler):
         self.storages: dict[int, torch.UntypedStorage] = {}
 
     def persistent_id(self, obj: Any) -> Any:
+        s: Any
         if isinstance(obj, torch.storage.TypedStorage):
             s = obj._untyped_storage
         elif torch.is_storage(obj):

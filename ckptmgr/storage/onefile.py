@@ -49,7 +49,7 @@ def _alive(pid: int) -> bool:
 
 def remove_stale_temps(directory: str) -> list[str]:
     """Remove the temporaries that writers which no longer run left in ``directory``."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
