@@ -12,8 +12,6 @@ pl = pytest.importorskip("lightning.pytorch")
 
 
 def _fit(d, plugin, steps=6, every=2):
-    from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: F401
-
     class Net(pl.LightningModule):
         def __init__(self):
             super().__init__()
