@@ -91,6 +91,9 @@ class CkptmgrIOMixin:
         self._staging = option_or_default(staging, StagingOptions, "staging", lambda: StagingOptions(slots=2))
         self._storage_options = option_or_default(storage_options, dict, "storage_options", None)
         self._s3_options = option_or_default(s3_options, S3Options, "s3_options", None)
+        if self._staging.on_busy != "wait":
+            raise ConfigError("CkptmgrCheckpointIO never skips a save Lightning asked for: StagingOptions.on_busy "
+                              "must be 'wait'")
         if self._staging.local_tier:
             raise ConfigError("CkptmgrCheckpointIO writes .ckpt files; StagingOptions.local_tier does not apply")
         super().__init__()
@@ -136,11 +139,12 @@ class CkptmgrIOMixin:
         background = self.async_direct_saves or callback
         writer = self._get_writer()
         self._fence.wait()  # a previous save's copies (its tensors may be these)
-        done, staged = writer.save(checkpoint, p, fs)
+        done, staged = writer.save(checkpoint, p, fs, background=background)
         if not background:
-            done.result()  # on disk when this returns; the error, if any, is raised here
-            writer.take_errors()
-            self._park_if_idle()
+            try:
+                done.result()  # on disk when this returns; the error, if any, is raised here
+            finally:
+                self._park_if_idle()
             return
         # Overlap the device-to-host copies with the next step only where the fence sees every
         # change to come: automatic optimization (Lightning orders the steps). CPU copies compete
@@ -217,7 +221,8 @@ class CkptmgrIOMixin:
                 w, s = self._write_options, self._staging
                 self._writer = Writer(slots=s.slots, copy_threads=s.copy_threads, io_threads=w.io_threads,
                                       chunk_size=max(w.chunk_size, 4 << 20), direct_io=w.direct_io,
-                                      max_host_bytes=s.max_host_bytes, storage_options=self._storage_options,
+                                      max_host_bytes=s.max_host_bytes, busy_timeout=s.busy_timeout,
+                                      storage_options=self._storage_options,
                                       s3_options=self._s3_options)
             return self._writer
 

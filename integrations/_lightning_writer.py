@@ -65,6 +65,7 @@ class _Save:
     slot: Slot
     staging: StagingJob
     done: Future[None]
+    background: bool  # a failure is also reported at the next save, wait or teardown
 
 
 @dataclass
@@ -111,13 +112,15 @@ class Writer:
         chunk_size: bytes per CRC32C chunk and per write task.
         direct_io: O_DIRECT for the aligned bulk of local files where the filesystem allows it.
         max_host_bytes: cap on the slots' host memory (None: none).
+        busy_timeout: seconds a save waits for a free slot (None: no limit).
         storage_options: fsspec options of remote paths (credentials, endpoints).
         s3_options: multipart upload and retries of ``s3://`` paths.
     """
 
     def __init__(self, *, slots: int, copy_threads: int, io_threads: int, chunk_size: int, direct_io: bool,
-                 max_host_bytes: int | None, storage_options: dict[str, Any] | None = None,
-                 s3_options: S3Options | None = None) -> None:
+                 max_host_bytes: int | None, busy_timeout: float | None = None,
+                 storage_options: dict[str, Any] | None = None, s3_options: S3Options | None = None) -> None:
+        self._busy_timeout = busy_timeout
         self._storage_options = storage_options
         self._s3_options = s3_options
         self._s3: dict[str, Any] = {}  # directory URL -> S3Target; the worker thread's
@@ -138,14 +141,19 @@ class Writer:
 
     # ------------------------------------------------------------ training thread
 
-    def save(self, checkpoint: Any, path: str, fs: Any) -> tuple[Future[None], Staged]:
+    def save(self, checkpoint: Any, path: str, fs: Any, *, background: bool) -> tuple[Future[None], Staged]:
         """Start saving ``checkpoint`` at ``path`` (``fs``: an fsspec filesystem, None for a
         local path). Returns when the copies are enqueued: the tensors must not change until
-        :meth:`Staged.wait_staged` returns; the future completes when the file is committed."""
+        :meth:`Staged.wait_staged` returns; the future completes when the file is committed.
+        A ``background`` save's failure is also kept for :meth:`take_errors`.
+
+        Raises:
+            CkptTimeoutError: no staging slot became free within the busy timeout.
+        """
         image = plan_image(checkpoint, chunk_size=self.chunk_size)
         self._pool.check_capacity([image.size])
         self._start()
-        slot, waited = self._pool.acquire(wait=True, timeout=None)
+        slot, waited = self._pool.acquire(wait=True, timeout=self._busy_timeout)
         assert slot is not None
         if waited > 1e-3:
             log.info("checkpoint %s waited %.3f s for a free staging slot", path, waited)
@@ -162,24 +170,20 @@ class Writer:
             raise
         done: Future[None] = Future()
         IN_FLIGHT.add(path)
-        self._enqueue(_Save(path, fs, image, slot, job, done))
+        self._enqueue(_Save(path, fs, image, slot, job, done, background))
         return done, Staged(job, image)
 
-    def remove(self, path: str, fs: Any) -> Future[None]:
-        """Remove ``path`` once every save enqueued before has committed."""
-        done: Future[None] = Future()
+    def remove(self, path: str, fs: Any) -> None:
+        """Remove ``path`` once every save enqueued before has committed: now when none is in
+        flight (a failure is raised here), else on the worker thread (a failure is reported at
+        the next save, wait or teardown)."""
         with self._mu:
             direct = self._pending == 0
         if direct:  # nothing in flight: no thread needed
-            try:
-                _remove(path, fs)
-                done.set_result(None)
-            except BaseException as exc:
-                done.set_exception(exc)
-            return done
+            _remove(path, fs)
+            return
         self._start()
-        self._enqueue(_Remove(path, fs, done))
-        return done
+        self._enqueue(_Remove(path, fs, Future()))
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every enqueued operation has finished.
@@ -256,8 +260,9 @@ class Writer:
             except BaseException as exc:  # told at the next save, wait or teardown
                 log.error("checkpoint %s: %s: %s", op.path, type(exc).__name__, exc)
                 op.done.set_exception(exc)
-                with self._mu:
-                    self._errors.append(exc)
+                if not isinstance(op, _Save) or op.background:
+                    with self._mu:
+                        self._errors.append(exc)
             finally:
                 with self._idle:
                     self._pending -= 1

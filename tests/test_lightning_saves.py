@@ -199,6 +199,12 @@ def test_a_failed_background_save_is_raised_at_the_next_save_and_at_teardown(tmp
     with pytest.raises(FileExistsError, match="file"):
         plugin.teardown()
     assert not [t for t in threading.enumerate() if t.name.startswith("ckptmgr")]
+    # a direct save fails at the call, and only there
+    plugin = CkptmgrCheckpointIO()
+    with pytest.raises(FileExistsError, match="file"):
+        plugin.save_checkpoint({"w": torch.ones(3)}, str(tmp_path / "file" / "c.ckpt"))
+    plugin.save_checkpoint({"w": torch.ones(3)}, str(tmp_path / "c.ckpt"))
+    plugin.teardown()
 
 
 def test_memory_urls_are_written_through_fsspec(tmp_path, monkeypatch):

@@ -174,3 +174,17 @@ def test_a_replaced_torch_save_writes_an_empty_file():
     with mock.patch("torch.save") as save:
         image = torchzip.plan_image({"w": torch.ones(2)})
     assert save.call_count == 1 and image.size == 0 and not image.spans
+
+
+def test_fuzzed_archive_structure_gives_a_clear_error_or_passes():
+    image, got = build({"w": torch.arange(64.0), "b": torch.ones(3)})
+    tail = image.covered  # the checksum record, the central directory and the end records
+    rng = random.Random(2)
+    for _ in range(300):
+        bad = bytearray(got)
+        for _ in range(rng.randrange(1, 4)):
+            bad[rng.randrange(tail, len(bad))] = rng.randrange(256)
+        try:
+            torchzip.verify_file(io.BytesIO(bytes(bad)))
+        except CheckpointCorruptError:
+            pass

@@ -159,6 +159,8 @@ def _zip64_fields(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, 
     while pos + 4 <= len(extra):
         tag, n = struct.unpack_from("<HH", extra, pos)
         if tag == 0x0001:
+            if pos + 4 + n > len(extra):
+                raise CheckpointCorruptError("zip64 extra field runs past its entry")
             vals = list(struct.unpack_from(f"<{n // 8}Q", extra, pos + 4))
             if usize == 0xFFFFFFFF and vals:
                 usize = vals.pop(0)
@@ -266,9 +268,11 @@ def _with_checksum_record(rec: _Recorder, chunk_size: int) -> _Recorder:
     local = (struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0x21, 0, len(doc), len(doc), len(name), 4 + pad)
              + name + struct.pack("<HH", 0x4246, pad) + b"Z" * pad)
     lho, extra = cd_offset, b""
+    version = 20
     if lho >= 0xFFFFFFFF:
-        lho, extra = 0xFFFFFFFF, struct.pack("<HHQ", 0x0001, 8, cd_offset)
-    entry = (struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0x21, 0, len(doc), len(doc), len(name),
+        lho, extra, version = 0xFFFFFFFF, struct.pack("<HHQ", 0x0001, 8, cd_offset), 45
+    entry = (struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, 0, 0, 0, 0x21, 0, len(doc), len(doc),
+                         len(name),
                          len(extra), 0, 0, 0, 0, lho) + name + extra)
     out = _Recorder()
     for at, data in rec.parts:  # everything before the old central directory, as torch wrote it
