@@ -25,6 +25,7 @@ callbacks that hold the plugin can be pickled, deep-copied and sent to ``ddp_spa
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import threading
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ckptmgr.errors import CheckpointCorruptError, ConfigError
+from ckptmgr.errors import ConfigError
 from ckptmgr.format.torchzip import verify_file
 from ckptmgr.options import S3Options, StagingOptions, WriteOptions, option_or_default
 
@@ -42,16 +43,20 @@ from ._lightning_writer import IN_FLIGHT, Writer
 __all__ = ["CkptmgrIOMixin", "install_in_flight_check"]
 
 _STACK_DEPTH = 12  # frames searched for the Checkpoint callback that asked for a save
+_ZIP_MAGIC = b"PK\x03\x04"
 
 
 def _cpu(storage: Any, location: Any) -> Any:
     return storage  # Lightning's default map_location: tensors stay on the CPU
 
 
-def _url_fs(path: Any, storage_options: dict[str, Any] | None) -> tuple[str, Any]:
-    """``(path, fs)``: an absolute local path and None, or an fsspec URL and its filesystem."""
+def _url_fs(path: Any, storage_options: dict[str, Any] | None, *, resolve: bool = True) -> tuple[str, Any]:
+    """``(path, fs)``: an absolute local path and None, or an fsspec URL and its filesystem
+    (None without ``resolve``)."""
     p = os.fspath(path)
     if "://" in p and not p.startswith("file://"):
+        if not resolve:
+            return p, None
         import fsspec
 
         fs, _ = fsspec.core.url_to_fs(p, **(storage_options or {}))
@@ -68,7 +73,7 @@ def install_in_flight_check(model_checkpoint: type) -> None:
         return
 
     def file_exists(self: Any, filepath: Any, trainer: Any) -> bool:
-        if trainer.is_global_zero and os.path.abspath(os.fspath(filepath)) in IN_FLIGHT:
+        if trainer.is_global_zero and _url_fs(filepath, None, resolve=False)[0] in IN_FLIGHT:
             return bool(trainer.strategy.broadcast(True))
         return bool(original(self, filepath, trainer))
 
@@ -169,15 +174,18 @@ class CkptmgrIOMixin:
         self.wait()
         if not (os.path.isfile(p) if fs is None else fs.isfile(p)):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        with open(p, "rb") if fs is None else fs.open(p, "rb") as f:
-            try:
-                verify_file(f, what=str(path))
-            except CheckpointCorruptError:
-                raise
-            except Exception:  # not a zip archive (an old torch.save file, ...): torch.load decides
-                pass
-            f.seek(0)
-            loaded: dict[str, Any] = torch.load(f, map_location=map_location, weights_only=weights_only)
+        if fs is None:
+            with open(p, "rb") as f:
+                if f.read(4) == _ZIP_MAGIC:  # else a legacy torch.save file: torch.load decides
+                    verify_file(f, what=str(path))
+            loaded: dict[str, Any] = torch.load(p, map_location=map_location, weights_only=weights_only)
+            return loaded
+        with fs.open(p, "rb") as f:
+            data = io.BytesIO(f.read())  # read once: verified, then loaded
+        if data.getvalue()[:4] == _ZIP_MAGIC:
+            verify_file(data, what=str(path))
+        data.seek(0)
+        loaded = torch.load(data, map_location=map_location, weights_only=weights_only)
         return loaded
 
     def remove_checkpoint(self, path: Any) -> None:

@@ -144,3 +144,9 @@ def test_ddp_spawn_on_two_cpu_processes(tmp_path):
     assert "last.ckpt" in names and len(names) == 3
     ckpt = torch.load(os.path.join(d, "last.ckpt"), weights_only=True)
     assert ckpt["global_step"] == 10  # 320 samples, batch 32, split over 2 processes, 2 epochs
+
+
+def test_legacy_non_zip_torch_files_still_load(tmp_path):
+    path = tmp_path / "legacy.ckpt"
+    torch.save({"w": torch.ones(2), "epoch": 1}, path, _use_new_zipfile_serialization=False)
+    assert CkptmgrCheckpointIO().load_checkpoint(str(path))["epoch"] == 1
