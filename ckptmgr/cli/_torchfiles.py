@@ -106,7 +106,7 @@ def _inspect(ctx: Ctx, root: str, files: list[str], which: str | None) -> int:
 
 
 def _verify(ctx: Ctx, root: str, files: list[str]) -> int:
-    results = []
+    results: list[dict[str, Any]] = []
     for path in files:
         try:
             with open(path, "rb") as f:
