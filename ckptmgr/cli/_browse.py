@@ -10,6 +10,7 @@ from typing import Any
 from ..errors import CkptError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..storage.tier import tier_dir
+from . import _torchfiles as torchfiles
 from ._context import Ctx, manifests
 from ._render import human_bytes, plain_tree, print_json, table, tensor_bytes, text_tree, when
 
@@ -42,6 +43,8 @@ def _metadata(m: Manifest) -> dict[str, Any]:
 
 
 def cmd_ls(ctx: Ctx, args: argparse.Namespace) -> int:
+    if (done := torchfiles.handle(ctx, args)) is not None:  # a directory of .ckpt files
+        return done
     target = ctx.target(args.root)
     durable = target.list_steps()
     found = manifests(ctx, target, durable)
@@ -73,6 +76,8 @@ def cmd_ls(ctx: Ctx, args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(ctx: Ctx, args: argparse.Namespace) -> int:
+    if (done := torchfiles.handle(ctx, args)) is not None:  # STEP names the .ckpt file
+        return done
     target = ctx.target(args.root)
     step = ctx.step(target, args.step)
     m = ctx.manifest(target, step)

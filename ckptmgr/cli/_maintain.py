@@ -10,6 +10,7 @@ from ..errors import ConfigError
 from ..restore.verify import StepReport, verify_step
 from ..retention import AnyOf, KeepBest, KeepEvery, KeepEverySeconds, KeepLatest, RetentionPolicy
 from ..retention.deleter import Deleter, StepGuard
+from . import _torchfiles as torchfiles
 from ._context import CorruptFound, Ctx, manifests
 from ._render import human_bytes, print_json, progress
 
@@ -17,6 +18,8 @@ __all__ = ["cmd_prune", "cmd_verify", "policy_from_args"]
 
 
 def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> int:
+    if (done := torchfiles.handle(ctx, args)) is not None:  # a directory of .ckpt files
+        return done
     target = ctx.target(args.root)
     steps = [ctx.step(target, args.step)] if args.step is not None else target.list_steps()
     found = manifests(ctx, target, steps)
