@@ -29,6 +29,7 @@ import io
 import os
 import sys
 import threading
+from types import FrameType
 from typing import Any
 
 import torch
@@ -66,7 +67,7 @@ def _url_fs(path: Any, storage_options: dict[str, Any] | None, *, resolve: bool 
     return os.path.abspath(p), None
 
 
-def install_in_flight_check(model_checkpoint: type) -> None:
+def install_in_flight_check(model_checkpoint: Any) -> None:
     """Make ``model_checkpoint.file_exists`` count paths with a save in flight as existing."""
     original = model_checkpoint.file_exists
     if getattr(original, "_ckptmgr", False):
@@ -246,7 +247,7 @@ class CkptmgrIOMixin:
         manual optimization."""
         callbacks = sys.modules.get(f"{self._namespace}.callbacks")
         kinds = getattr(callbacks, "Checkpoint", None)
-        frame = sys._getframe(2)
+        frame: FrameType | None = sys._getframe(2)
         for _ in range(_STACK_DEPTH):
             if frame is None or kinds is None:
                 return False, False

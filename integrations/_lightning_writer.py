@@ -286,7 +286,8 @@ class Writer:
                 if target is None:
                     target = self._s3[directory] = open_target(directory, self._storage_options,
                                                                io_threads=self._io_threads, s3_options=self._s3_options)
-                write_s3_object(target, f"{target.prefix}/{name}" if target.prefix else name, buf)
+                prefix = getattr(target, "prefix", "")  # an S3Target
+                write_s3_object(target, f"{prefix}/{name}" if prefix else name, buf)
             else:
                 write_url_atomic(op.fs, op.path, buf)
         finally:
