@@ -27,6 +27,15 @@ from pathlib import Path
 import pytest
 
 MODE = os.environ.get("CKPTMGR_LIGHTNING_SUITE_IO", "ckptmgr")
+# Tests that fail with ckptmgr's plugin, and why (docs/LIGHTNING.md has the details); tests/conftest.py
+# marks them xfail(strict=True), so one that starts passing is reported.
+KNOWN_FAILURES = {
+    "checkpointing/test_model_checkpoint.py::test_none_monitor_not_alternating":
+        "lists the directory while the previous epoch's save is still being written (any asynchronous "
+        "save fails it; AsyncCheckpointIO too)",
+    "checkpointing/test_trainer_checkpoint.py::test_trainer_save_checkpoint_storage_options":
+        "asserts that TorchCheckpointIO.save_checkpoint itself is called (AsyncCheckpointIO fails it too)",
+}
 _SUITE = Path(__file__).resolve().parent.parent  # tests/lightning_suite
 
 
