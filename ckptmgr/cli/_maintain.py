@@ -6,12 +6,13 @@ import argparse
 import sys
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import CkptError, ConfigError, StepNotFoundError
+from ..format.manifest import Manifest
 from ..restore.verify import StepReport, verify_step
 from ..retention import AnyOf, KeepBest, KeepEvery, KeepEverySeconds, KeepLatest, RetentionPolicy
 from ..retention.deleter import Deleter, StepGuard
 from . import _torchfiles as torchfiles
-from ._context import CorruptFound, Ctx, manifests
+from ._context import EXIT, CorruptFound, Ctx, exit_code, manifests
 from ._render import human_bytes, print_json, progress
 
 __all__ = ["cmd_prune", "cmd_verify", "policy_from_args"]
@@ -24,9 +25,27 @@ def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> int:
     steps = [ctx.step(target, args.step)] if args.step is not None else target.list_steps()
     found = manifests(ctx, target, steps)
     reports: list[StepReport] = []
-    with progress(sum(m.total_bytes for m in found.values()), "verify", enabled=ctx.show_progress) as bar:
+    unreadable: dict[int, CkptError] = {}  # steps that failed for another reason than damage
+    total = sum(m.total_bytes for m in found.values() if isinstance(m, Manifest))
+    with progress(total, "verify", enabled=ctx.show_progress) as bar:
         for step in steps:
-            reports.append(verify_step(target, step, threads=args.threads, manifest=found[step], on_bytes=bar.update))
+            m = found[step]
+            if isinstance(m, StepNotFoundError) and args.step is None:
+                continue  # deleted (by retention) since the listing: nothing to verify
+            if isinstance(m, CkptError):  # a damaged manifest: this step fails, the others are checked
+                reports.append(StepReport(step, problems=[str(m)]))
+                if exit_code(m) != EXIT["corrupt"]:
+                    unreadable[step] = m
+                continue
+            try:
+                reports.append(verify_step(target, step, threads=args.threads, manifest=m, on_bytes=bar.update))
+            except StepNotFoundError:
+                if args.step is not None:
+                    raise
+            except CkptError as exc:  # the storage failed on this step: say so, go on
+                reports.append(StepReport(step, problems=[str(exc)]))
+                if exit_code(exc) != EXIT["corrupt"]:
+                    unreadable[step] = exc
     if ctx.json:
         print_json({"root": target.url, "ok": all(r.ok for r in reports),
                     "steps": [{"step": r.step, "ok": r.ok, "files": r.files, "bytes": r.bytes,
@@ -40,7 +59,10 @@ def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> int:
         if not reports:
             print(f"no committed checkpoints under {target.url}")
     if not all(r.ok for r in reports):
-        raise CorruptFound
+        # exit 1 when a step is damaged; when the only failures are of another kind (the
+        # storage failing, a newer format), their exit code
+        damaged = [r for r in reports if not r.ok and r.step not in unreadable]
+        raise CorruptFound(EXIT["corrupt"] if damaged else max(exit_code(e) for e in unreadable.values()))
     return 0
 
 
@@ -74,7 +96,7 @@ def cmd_prune(ctx: Ctx, args: argparse.Namespace) -> int:
     deleter = Deleter(target, policy, StepGuard())
     try:
         doomed = deleter.plan()
-        sizes = {s: m.total_bytes for s, m in manifests(ctx, target, doomed).items()}
+        sizes = {s: m.total_bytes if isinstance(m, Manifest) else 0 for s, m in manifests(ctx, target, doomed).items()}
         deleted = doomed if args.dry_run else deleter.delete(doomed)
     finally:
         deleter.close()
