@@ -146,8 +146,8 @@ def test_export_is_plain_safetensors_identical_to_restore(saved, tmp_path):
 
     dest = tmp_path / "export"
     out = cli_json("export", saved, "50", "--to", str(dest), "--only", "model/")
-    assert sorted(os.listdir(dest)) == sorted([*out["files"], "index.json", "state.json"])
-    index = json.loads((dest / "index.json").read_text())
+    assert sorted(os.listdir(dest)) == sorted([*out["files"], "model.safetensors.index.json", "state.json"])
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
     loaded = {}
     for f in set(index["weight_map"].values()):
         loaded.update(load_file(str(dest / f)))
@@ -220,7 +220,7 @@ pl.Trainer(max_steps=6, default_root_dir={str(tmp_path)!r}, logger=False, enable
     cli_json("export", root, "6", "--to", str(tmp_path / "exp"), "--only", "state_dict/")
     from safetensors.torch import load_file
 
-    index = json.loads((tmp_path / "exp" / "index.json").read_text())
+    index = json.loads((tmp_path / "exp" / "model.safetensors.index.json").read_text())
     (f,) = set(index["weight_map"].values())
     exported = load_file(str(tmp_path / "exp" / f))
     assert sorted(exported) == sorted(orig["state_dict"])

@@ -29,7 +29,7 @@ from ..options import S3Options
 from ..restore.verify import file_url
 from ..storage import Target, open_target
 
-__all__ = ["EXIT", "CorruptFound", "Ctx", "exit_code", "manifests", "require_root"]
+__all__ = ["EXIT", "CorruptFound", "Ctx", "damaged", "exit_code", "manifests", "require_root"]
 
 EXIT = {
     "ok": 0,
@@ -183,7 +183,13 @@ class Ctx:
             StepNotFoundError: the step is gone.
         """
         where = file_url(target, step, "manifest.json")
-        m = Manifest.from_bytes(target.read_manifest(step), where=where)
+        data = target.read_manifest(step)
+        try:
+            m = Manifest.from_bytes(data, where=where)
+        except CkptError:
+            raise
+        except Exception as exc:  # untrusted bytes: whatever they break, the step is damaged
+            raise damaged(target, step, exc) from exc
         if m.step != step:
             raise CheckpointCorruptError(f"{where}: the manifest is for step {m.step}")
         return m
@@ -192,6 +198,14 @@ class Ctx:
         if self._target is not None:
             self._target.close()
             self._target = None
+
+
+def damaged(target: Target, step: int, exc: Exception) -> CheckpointCorruptError:
+    """A failure that reading a step's untrusted contents raised, as that step's damage."""
+    err = CheckpointCorruptError(f"{file_url(target, step, 'manifest.json')}: cannot be read "
+                                 f"({type(exc).__name__}: {exc})")
+    err.__cause__ = exc
+    return err
 
 
 def manifests(ctx: Ctx, target: Target, steps: list[int]) -> dict[int, Manifest | CkptError]:
@@ -208,6 +222,10 @@ def manifests(ctx: Ctx, target: Target, steps: list[int]) -> dict[int, Manifest 
             raise
         except CkptError as exc:
             return exc
+        except OSError as exc:  # this step's files only (permissions, a vanished file...)
+            err = StorageError(f"{file_url(target, step, 'manifest.json')}: cannot be read: {exc}")
+            err.__cause__ = exc
+            return err
 
     with ThreadPoolExecutor(8, thread_name_prefix="ckptmgr-cli") as pool:
         return dict(zip(steps, pool.map(one, steps), strict=True))

@@ -12,7 +12,7 @@ from ..restore.verify import StepReport, verify_step
 from ..retention import AnyOf, KeepBest, KeepEvery, KeepEverySeconds, KeepLatest, RetentionPolicy
 from ..retention.deleter import Deleter, StepGuard
 from . import _torchfiles as torchfiles
-from ._context import EXIT, CorruptFound, Ctx, exit_code, manifests
+from ._context import EXIT, CorruptFound, Ctx, damaged, exit_code, manifests
 from ._render import human_bytes, print_json, progress
 
 __all__ = ["cmd_prune", "cmd_verify", "policy_from_args"]
@@ -46,6 +46,8 @@ def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> int:
                 reports.append(StepReport(step, problems=[str(exc)]))
                 if exit_code(exc) != EXIT["corrupt"]:
                     unreadable[step] = exc
+            except Exception as exc:  # untrusted contents broke the check: this step is damaged
+                reports.append(StepReport(step, problems=[str(damaged(target, step, exc))]))
     if ctx.json:
         print_json({"root": target.url, "ok": all(r.ok for r in reports),
                     "steps": [{"step": r.step, "ok": r.ok, "files": r.files, "bytes": r.bytes,
@@ -61,8 +63,8 @@ def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> int:
     if not all(r.ok for r in reports):
         # exit 1 when a step is damaged; when the only failures are of another kind (the
         # storage failing, a newer format), their exit code
-        damaged = [r for r in reports if not r.ok and r.step not in unreadable]
-        raise CorruptFound(EXIT["corrupt"] if damaged else max(exit_code(e) for e in unreadable.values()))
+        bad = [r for r in reports if not r.ok and r.step not in unreadable]
+        raise CorruptFound(EXIT["corrupt"] if bad else max(exit_code(e) for e in unreadable.values()))
     return 0
 
 
