@@ -95,3 +95,16 @@ def test_readme_resume_block_runs_twice_and_after_a_sigkill(tmp_path):
     first_step = int(resumed.split()[1])
     assert first_step in (501, 1001), resumed[:200]  # continued after a saved step, not at 0
     assert same(ref, str(tmp_path / "resumed.pt")), f"killed at step {kill_at}"
+
+
+def test_readme_first_command_needs_only_the_public_index():
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    match = re.search(r"## The two commands\n.*?```bash\n(.*?)\n```", text, re.S)
+    assert match is not None
+    first = match.group(1)
+    assert first.startswith("python3 -m venv .venv") and "examples/demo.py" in first
+    assert " install -q . " in first  # from the checkout: the package is not published
+    for local in (".ci/constraints.txt", "+cpu", "/opt/", "--find-links", "--index-url", "--extra-index-url"):
+        assert local not in first, local  # nothing that only our machines have
+    assert "pip install ckptmgr" not in text  # not on PyPI yet
