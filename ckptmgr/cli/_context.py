@@ -115,20 +115,18 @@ def require_root(root: str, storage_options: dict[str, Any] | None) -> None:
     except TypeError as exc:
         raise ConfigError(f"bad storage options for {root!r}: {exc}") from exc
     path = path.rstrip("/")
-    try:
-        fs.invalidate_cache()
-        if is_s3:
-            bucket = path.partition("/")[0]
-            if not fs.exists(bucket):
+    fs.invalidate_cache()
+    bucket = path.partition("/")[0]
+    for what in ([bucket] if is_s3 and bucket != path else []) + [path]:
+        try:  # info(), not exists(): exists() answers False when the storage cannot be reached
+            fs.info(what)
+        except FileNotFoundError:
+            if what == bucket and is_s3:
                 raise StepNotFoundError(f"no checkpoint root at {root!r}: bucket {bucket!r} does not exist "
-                                        "(or these credentials cannot see it)")
-        found = fs.exists(path)
-    except CkptError:
-        raise
-    except Exception as exc:  # the storage's client raises its own types (botocore, aiohttp, ...)
-        raise StorageError(f"cannot reach checkpoint root {root!r}: {type(exc).__name__}: {exc}") from exc
-    if not found:
-        raise StepNotFoundError(f"no checkpoint root at {root!r} (nothing under that prefix)")
+                                        "(or these credentials cannot see it)") from None
+            raise StepNotFoundError(f"no checkpoint root at {root!r} (nothing under that path)") from None
+        except Exception as exc:  # the storage's client raises its own types (botocore, aiohttp, ...)
+            raise StorageError(f"cannot reach checkpoint root {root!r}: {type(exc).__name__}: {exc}") from exc
 
 
 @dataclass
