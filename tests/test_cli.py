@@ -168,7 +168,7 @@ def test_export_is_plain_safetensors_identical_to_restore(saved, tmp_path):
 def test_export_stops_on_corruption_and_leaves_nothing(saved, tmp_path):
     data = os.path.join(saved, "step_000000000050", "data-00000.safetensors")
     with open(data, "r+b") as f:
-        f.seek(5000)
+        f.seek(8 + int.from_bytes(f.read(8), "little") + 100)  # into the data, past the header
         f.write(b"\xff\xff")
     r = cli("export", saved, "50", "--to", str(tmp_path / "x"))
     assert r.returncode == 1 and "fail their checksum" in r.stderr

@@ -61,12 +61,27 @@ def _edit_manifest(root: str, fn) -> None:
         f.write(fn(data))
 
 
+def _seal(obj: dict) -> bytes:
+    """The manifest's bytes as ckptmgr writes them, with its own checksum last: an edit that
+    keeps the checksum valid, so that the field checks themselves are exercised."""
+    import crc32c
+
+    obj.pop("manifest_crc32c", None)
+    head = json.dumps(obj, indent=1, ensure_ascii=False).encode()[:-2]
+    return head + f',\n "manifest_crc32c": "{crc32c.crc32c(head):08x}"\n}}'.encode()
+
+
 def _json_edit(edit):
     def fn(data: bytes) -> bytes:
         obj = json.loads(data)
         edit(obj)
-        return json.dumps(obj).encode()
+        return _seal(obj)
     return fn
+
+
+def _flip_a_digit(data: bytes) -> bytes:
+    i = data.index(b'"step": ') + len(b'"step": ')
+    return data[:i] + (b"3" if data[i:i + 1] != b"3" else b"4") + data[i + 1:]
 
 
 def _first_tensor(obj: dict) -> dict:
@@ -92,6 +107,7 @@ MUTATIONS = {
     "tensor names a missing file": _json_edit(lambda o: _first_tensor(o).update(file="data-00099.safetensors")),
     "file name escapes": _json_edit(lambda o: o.update(files={"../x": _first_file(o)})),
     "newer format": _json_edit(lambda o: o.update(format_version=99)),
+    "edited, checksum not updated": _flip_a_digit,
 }
 
 
@@ -161,9 +177,35 @@ def test_export_refuses_a_huge_claim_before_writing_anything(saved, tmp_path, ed
     before = shutil.disk_usage(tmp_path).used
     r = cli("export", saved, "20", "--to", str(tmp_path / "out"))
     assert r.returncode == 1 and STEP in r.stderr
-    assert "bytes" in r.stderr
     assert not (tmp_path / "out").exists() and not [p for p in os.listdir(tmp_path) if "partial" in p]
     assert shutil.disk_usage(tmp_path).used - before < 1 << 30
+
+
+def test_export_checks_every_data_file_header_before_writing(saved, tmp_path, capsys):
+    """A data file whose header no longer matches the manifest (its checksums updated to
+    match, so only the header comparison can catch it) is refused before the export writes."""
+    import crc32c
+
+    data = os.path.join(saved, STEP, "data-00000.safetensors")
+    with open(data, "rb") as f:
+        raw = bytearray(f.read())
+    n = int.from_bytes(raw[:8], "little")
+    header = raw[8:8 + n]
+    assert b'"F32"' in header
+    raw[8:8 + n] = header.replace(b'"F32"', b'"I32"', 1)  # same length: the file keeps its size
+    with open(data, "wb") as f:
+        f.write(raw)
+
+    def recrc(obj: dict) -> None:
+        rec = obj["files"]["data-00000.safetensors"]
+        size = rec["chunk_size"]
+        rec["crc32c"] = [f"{crc32c.crc32c(bytes(raw[i:i + size])):08x}" for i in range(0, len(raw), size)]
+
+    _edit_manifest(saved, _json_edit(recrc))
+    dest = tmp_path / "out"
+    code, _, err = run(capsys, "export", saved, "20", "--to", str(dest))
+    assert code == EXIT["corrupt"] and "data-00000.safetensors" in err and "header" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # neither the export nor its partial directory
 
 
 def _listing(path: str) -> dict[str, tuple[int, int]]:

@@ -5,11 +5,13 @@ the names Hugging Face's ``from_pretrained`` looks for: ``model.safetensors`` wh
 one file, else ``model-00001-of-0000N.safetensors``..., always with
 ``model.safetensors.index.json`` (``weight_map``: tensor -> file) and ``state.json`` (the
 whole state tree as plain JSON, each tensor naming its file). Before anything is written,
-every file is checked against its real size and every tensor against its file, so a
-manifest claiming a huge shape is refused; every byte read is then checked against the
-manifest's checksums. Views (tied weights, tensors sharing storage) are written as tensors
-of their own. The export is assembled in a hidden sibling directory and renamed into place,
-so a half-written export never looks done.
+every file is checked against the manifest (a regular file of the recorded size, with the
+header it records: the checks a restore runs before it allocates anything), so a manifest
+claiming a huge shape or file is refused, and the bytes to write are compared with the free
+space; every byte read is then checked against the manifest's checksums. Views (tied
+weights, tensors sharing storage) are written as tensors of their own. The export is
+assembled in a hidden sibling directory and renamed into place, so a half-written export
+never looks done.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.layout import ST_TO_DTYPE, StoredTensor, header_bytes
 from ..format.manifest import Manifest
 from ..restore.loaders.host import view_of
+from ..restore.preflight import preflight
 from ..restore.verify import file_url
 from ..storage import Target
 from ._context import Ctx
@@ -102,45 +105,28 @@ def _view(m: Manifest, name: str, bases: dict[str, np.ndarray[Any, Any]]) -> tor
     return view_of(torch.from_numpy(bases[e["view_of"]]), name, e, f"step {m.step}").contiguous()
 
 
-def _nbytes(e: dict[str, Any], what: str) -> int:
-    """Bytes of a tensor of the entry's dtype and shape."""
-    dtype = ST_TO_DTYPE.get(e.get("dtype"))  # type: ignore[arg-type]
-    shape = e.get("shape")
-    if dtype is None or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise CheckpointCorruptError(f"{what}: bad dtype or shape ({e.get('dtype')!r}, {shape!r})")
-    return math.prod(shape) * dtype.itemsize
+def _nbytes(e: dict[str, Any]) -> int:
+    """Bytes of a tensor of the (validated) entry's dtype and shape."""
+    return int(math.prod(e["shape"])) * ST_TO_DTYPE[e["dtype"]].itemsize
 
 
-def _check_sizes(target: Target, step: int, m: Manifest, files: list[str], stored: list[str],
-                 views: list[str]) -> int:
-    """Check, before anything is written, the files against their real sizes and every
-    stored tensor against its file; return the bytes the export will write.
+def _check_before_writing(target: Target, step: int, m: Manifest, views: list[str]) -> int:
+    """Check, before anything is written, every file of the step against the manifest (a
+    regular file of the recorded size, with the header it records); return the bytes the
+    export of ``views`` will add (views are written out as tensors of their own).
+
+    The manifest itself was validated on read: each stored tensor's bytes match its dtype
+    and shape and lie inside its file.
 
     Raises:
-        CheckpointCorruptError: a file is missing or of another size than recorded, or a
-            tensor's bytes do not fit its dtype and shape or lie outside its file.
+        CheckpointCorruptError: a file is missing, of another size, or not what it claims.
     """
-    for f in files:
-        rec = m.files[f]
-        try:
-            real = target.file_size(step, f)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"{file_url(target, step, f)}: missing") from None
-        if real != rec.size:
-            raise CheckpointCorruptError(f"{file_url(target, step, f)}: {real} bytes, the manifest records {rec.size}")
-    total = 0
-    for n in stored:
-        e = m.tensors[n]
-        rec = m.files[e["file"]]
-        what = f"{file_url(target, step, e['file'])}: tensor {n!r}"
-        begin, end = (e.get("offsets") or [None, None])[:2]
-        if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= rec.size - rec.header_size:
-            raise CheckpointCorruptError(f"{what}: bytes {e.get('offsets')!r} lie outside the file's "
-                                         f"{rec.size - rec.header_size} bytes of data")
-        if end - begin != _nbytes(e, what):
-            raise CheckpointCorruptError(f"{what}: {end - begin} bytes for dtype {e['dtype']} and shape {e['shape']}")
-        total += end - begin
-    return total + sum(_nbytes(m.tensors[v], f"step {step}: view {v!r}") for v in views)
+    where = file_url(target, step, "").rstrip("/")
+    try:
+        preflight(target, step, m, where)
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"{where}: a data file is missing ({exc})") from exc
+    return sum(_nbytes(m.tensors[v]) for v in views)
 
 
 def _write_file(path: str, header: bytes, pieces: list[bytes]) -> None:
@@ -159,7 +145,7 @@ def _write_views(path: str, m: Manifest, views: list[str], chosen: dict[str, str
     stored, off = [], 0
     for v in order:
         e = m.tensors[v]
-        size = _nbytes(e, v)
+        size = _nbytes(e)
         stored.append(StoredTensor(chosen[v], e["dtype"], tuple(e["shape"]), off, off + size, _EMPTY))
         off += size
     header = header_bytes(stored, {"format": "pt"})
@@ -195,8 +181,8 @@ def cmd_export(ctx: Ctx, args: argparse.Namespace) -> int:
             by_file.setdefault(e["file"], []).append((n, dst, e))
     bases = sorted({m.tensors[v]["view_of"] for v in views})
     needed = sorted(set(by_file) | {m.tensors[b]["file"] for b in bases})
-    stored = sorted({n for picks in by_file.values() for n, _, _ in picks} | set(bases))
-    planned = _check_sizes(target, step, m, needed, stored, views)
+    planned = _check_before_writing(target, step, m, views) + sum(
+        int(e["offsets"][1]) - int(e["offsets"][0]) for picks in by_file.values() for _, _, e in picks)
     parent = os.path.dirname(dest)
     free = shutil.disk_usage(parent if os.path.isdir(parent) else ".").free
     if planned > free:
