@@ -233,7 +233,8 @@ class CheckpointManager(Protection):
         with self._lock:
             if step in self._pending:
                 raise StepExistsError(f"step {step} is already being saved")
-        if step in self._committed_steps():
+        # (multi-rank: rank 0 checks; the others learn of a committed step at the commit)
+        if (self._coord is None or self._coord.is_leader) and step in self._committed_steps():
             raise StepExistsError(
                 f"step {step} is already committed under {self.root}; committed checkpoints are never overwritten")
         t0 = time.perf_counter()
@@ -356,8 +357,9 @@ class CheckpointManager(Protection):
         """
         self._check_open()
         self._check_writable("apply the retention policy")
-        self._deleter.schedule()
-        self._deleter.drain(None)
+        if self._coord is None or self._coord.is_leader:  # rank 0 decides retention
+            self._deleter.schedule()
+            self._deleter.drain(None)
         self._raise_unobserved()
 
     # ------------------------------------------------------------- discover

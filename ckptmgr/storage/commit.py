@@ -46,7 +46,7 @@ from ..format.naming import (
     temp_lock_name,
     temp_name,
 )
-from .lease import Lease, LeaseKeeper, current, writer_gone
+from .lease import Lease, LeaseKeeper, current, release, writer_gone
 from .posix import fsync_dir, open_dir, pwrite_all, remove_ours
 
 __all__ = ["CommitStrategy", "RenameCommit", "manifest_sizes", "remove_local_leftovers"]
@@ -108,7 +108,12 @@ class RenameCommit:
         name = temp_name(step)
         self.location = os.path.join(root, name)
         self._lock_path = os.path.join(root, temp_lock_name(name))
-        self._lock_fd = self._claim(current())
+        self._lease = current()
+        try:
+            self._lock_fd = self._claim(self._lease)
+        except BaseException:
+            release(self._lease)
+            raise
         try:
             os.mkdir(self.location, 0o755)
         except BaseException:
@@ -198,6 +203,7 @@ class RenameCommit:
 
     def close(self) -> None:
         self._keeper.remove(self)
+        release(self._lease)
         with self._mu:
             fd, self._lock_fd = self._lock_fd, -1
         if fd >= 0:

@@ -31,7 +31,8 @@ import weakref
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
-__all__ = ["LEASE_STALE_S", "Lease", "LeaseKeeper", "Refreshable", "current", "process_alive", "writer_gone"]
+__all__ = ["LEASE_STALE_S", "Lease", "LeaseKeeper", "Refreshable", "current", "process_alive", "release",
+           "writer_gone"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -117,12 +118,38 @@ class Lease:
         return Lease(self.host, self.machine, self.pid, self.start, self.token, time.time())
 
 
+_live_mu = threading.Lock()
+_live: set[str] = set()  # tokens of this process's writers that have not released their lease (_live_mu)
+
+
 def current() -> Lease:
-    """A fresh lease for a writer in this process (a new token every call)."""
+    """A fresh lease for a new writer in this process (a new token every call), live until
+    :func:`release`."""
     pid = os.getpid()
     start = _start_ticks(pid)
-    return Lease(socket.gethostname(), _machine(), pid, -1 if start is None else start, secrets.token_hex(8),
-                 time.time())
+    lease = Lease(socket.gethostname(), _machine(), pid, -1 if start is None else start, secrets.token_hex(8),
+                  time.time())
+    with _live_mu:
+        _live.add(lease.token)
+    return lease
+
+
+def release(lease: Lease) -> None:
+    """The writer holding ``lease`` is done (committed or aborted): from now on it is gone,
+    even where its lock or lease object could not be removed."""
+    with _live_mu:
+        _live.discard(lease.token)
+
+
+def _ours_and_live(lease: Lease) -> bool | None:
+    """For a lease of this very process: whether its writer is still working; else None."""
+    if lease.pid != os.getpid() or not lease.on_this_machine():
+        return None
+    start = _start_ticks(lease.pid)
+    if start is not None and lease.start >= 0 and start != lease.start:
+        return None
+    with _live_mu:
+        return lease.token in _live
 
 
 def process_alive(pid: int, start: int) -> bool:
@@ -144,7 +171,8 @@ def writer_gone(lease: Lease | None, heartbeat_age_s: float, stale_after_s: floa
     process no longer runs, or its heartbeat is ``stale_after_s`` old. ``lease`` None (no
     readable identity) is decided by the heartbeat's age alone."""
     if lease is not None and lease.on_this_machine():
-        return not process_alive(lease.pid, lease.start)
+        mine = _ours_and_live(lease)
+        return not process_alive(lease.pid, lease.start) if mine is None else not mine
     return heartbeat_age_s > stale_after_s
 
 

@@ -33,7 +33,7 @@ from ..errors import StepExistsError, StorageError
 from ..format.manifest import MANIFEST_NAME
 from ..format.naming import is_lease_name, is_our_file, lease_name, parse_step_name, step_name
 from .commit import manifest_sizes
-from .lease import Lease, LeaseKeeper, current, writer_gone
+from .lease import Lease, LeaseKeeper, current, release, writer_gone
 
 __all__ = ["ManifestLastCommit", "ObjectInfo", "ObjectStore", "remove_object_leftovers", "step_objects"]
 
@@ -110,9 +110,13 @@ class ManifestLastCommit:
         self._lease = current()
         self._lease_etag: str | None = None
         self._held = False
-        if store.exists(self._manifest):
-            raise StepExistsError(f"step {step} is already committed at {store.url}")
-        self._claim(stale_after_s)
+        try:
+            if store.exists(self._manifest):
+                raise StepExistsError(f"step {step} is already committed at {store.url}")
+            self._claim(stale_after_s)
+        except BaseException:
+            release(self._lease)
+            raise
         keeper.add(self)
 
     def _claim(self, stale_after_s: float) -> None:
@@ -120,6 +124,10 @@ class ManifestLastCommit:
             etag = self.store.put(self._lease_key, self._lease.to_bytes(), if_absent=True)
         except FileExistsError:
             other, age = self._read_lease()
+            if other is not None and other.token == self._lease.token:  # a retry after a lost answer
+                with self._mu:
+                    self._held = True
+                return
             if not writer_gone(other, age, stale_after_s):
                 who = f"{other.host} pid {other.pid}" if other is not None else "an unknown writer"
                 raise StepExistsError(
@@ -225,6 +233,7 @@ class ManifestLastCommit:
     def close(self) -> None:
         """Release the lease (delete it while it is still ours)."""
         self._keeper.remove(self)
+        release(self._lease)
         with self._mu:
             held, self._held = self._held, False
         if not held:
