@@ -1,6 +1,6 @@
 """One of several processes sharing a checkpoint root, for the shared-root tests.
 
-    python root_sharer.py ROOT WRITER ITERATIONS SEED BARRIER_DIR PEERS [STORAGE_OPTIONS_JSON]
+    python root_sharer.py ROOT WRITER ITERATIONS SEED BARRIER_DIR PEERS [STORAGE_OPTIONS_JSON PART_SIZE]
 
 After every peer has reached the barrier (a file each in BARRIER_DIR), each iteration opens a
 manager on ROOT (start-up clean-up), saves a step that the peers often pick too (the state
@@ -60,7 +60,7 @@ def main() -> None:
                 "write_options": WriteOptions(max_file_bytes=64 << 10, chunk_size=16 << 10, io_threads=4)}
     if so is not None:
         kw["storage_options"] = so
-        kw["s3_options"] = S3Options(part_size=32 << 10, concurrency=8, base_delay_s=0.01, max_delay_s=0.1)
+        kw["s3_options"] = S3Options(part_size=int(sys.argv[8]), concurrency=8, base_delay_s=0.01, max_delay_s=0.1)
     rng = random.Random(seed)
     out = {"writer": writer, "saved": [], "collided": 0, "restored": 0, "raced": 0}
     barrier(bdir, writer, peers)

@@ -42,6 +42,7 @@ class S3Server:
     version: str
     writer: dict[str, str]  # storage options with full access
     reader: dict[str, str] | None  # storage options with read and list access only (None: not enforced)
+    min_part: int  # the smallest multipart part (but the last) it accepts
     stop: Any = field(repr=False, default=None)
 
     def options(self, *, read_only: bool = False) -> dict[str, Any]:
@@ -55,7 +56,8 @@ def start_moto() -> S3Server:
 
     server, endpoint = s3_proxy.start_moto()
     creds = {"key": "testing", "secret": "testing"}
-    return S3Server("moto", endpoint, moto.__version__, creds, None, server.stop)
+    part = int(os.environ["S3_UPLOAD_PART_MIN_SIZE"])  # lowered for tests in s3_proxy
+    return S3Server("moto", endpoint, moto.__version__, creds, None, part, server.stop)
 
 
 def weed_binary() -> str | None:
@@ -106,7 +108,7 @@ def start_seaweedfs() -> S3Server:
            f"-filer.port={filer}", f"-filer.port.grpc={grpc[2]}",
            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={grpc[3]}", f"-s3.config={d}/identities.json",
            "-s3.autoCreateBucket=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
-           "-volume.max=16", "-master.volumeSizeLimitMB=1024", "-volume.preStopSeconds=0",
+           "-volume.max=300", "-master.volumeSizeLimitMB=64", "-volume.preStopSeconds=0",
            f"-filer.localSocket={d}/filer.sock", f"-s3.localSocket={d}/s3.sock"]
     log = open(os.path.join(d, "weed.log"), "wb")  # noqa: SIM115  (closed in stop())
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -124,7 +126,7 @@ def start_seaweedfs() -> S3Server:
         shutil.rmtree(d, ignore_errors=True)
 
     server = S3Server("seaweedfs", endpoint, version[version.index("version") + 2] if "version" in version
-                      else "?", dict(WRITER), dict(READER), stop)
+                      else "?", dict(WRITER), dict(READER), 5 << 20, stop)
     try:
         _wait_ready(server, proc, d)
     except BaseException:
