@@ -5,12 +5,13 @@ adaptive request window against a fixed one under throttling. Same bytes, one pr
     python benchmarks/bench_s3.py restore  --mib 256 --latency-ms 50 --jitter-ms 300
     python benchmarks/bench_s3.py throttle --mib 256 --part-mib 8 --concurrency 16 --capacity 10
 
-There is no real S3 here: moto's server on 127.0.0.1 stands in, behind tests/s3_proxy.py,
-which delays each request by ``latency`` plus a uniform ``jitter`` (moto itself is CPU-bound
-at roughly 100 MB/s on 2 cores, so latency is what separates the tools) and, for
-``throttle``, answers 503 SlowDown to requests arriving while ``capacity`` requests are being
-served (a store throttling past its capacity: the share of SlowDown answers depends on how
-hard the client pushes, as with S3's per-prefix request rates).
+There is no real S3 here: moto's server on 127.0.0.1 (in its own process) stands in, behind
+tests/s3_proxy.py, which delays each request by ``latency`` plus a uniform ``jitter``
+(moto itself is CPU-bound at roughly 100 MB/s on 2 cores, so latency is what separates the
+tools), optionally moves each request's bytes at ``--conn-mbps`` (a store serves each
+connection at tens of MB/s) and, for ``throttle``, answers 503 SlowDown to requests arriving
+while ``capacity`` requests are being served (a store throttling past its capacity: the share
+of SlowDown answers depends on how hard the client pushes, as with S3's per-prefix rates).
 
 * ``upload``: ckptmgr's S3 writer (its figure includes ``begin()``'s claim of the step and the
   commit's listing and manifest, as the peers' include their own set-up), s3fs's single
@@ -32,7 +33,9 @@ import concurrent.futures
 import json
 import os
 import platform
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,12 +45,41 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from s3_proxy import FaultyProxy, start_moto
+from s3_proxy import FaultyProxy
 
 from ckptmgr import S3Options
 from ckptmgr.storage import open_target
 
 NAME = "data-00000.safetensors"
+
+
+def start_moto_process() -> tuple[subprocess.Popen[bytes], str]:
+    """moto's server in a child process (it would otherwise share this process's GIL with the
+    tools being measured); returns (process, endpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("moto's server did not start in 60 s")
+
+
+def _proxy(args: argparse.Namespace, endpoint: str, **kw: Any) -> FaultyProxy:
+    return FaultyProxy(endpoint, latency_s=args.latency_ms / 1e3, jitter_s=args.jitter_ms / 1e3,
+                       conn_mbps=args.conn_mbps, **kw)
+
+
+def _net(args: argparse.Namespace) -> str:
+    cap = f", {args.conn_mbps:g} MB/s per connection" if args.conn_mbps else ""
+    return f"latency {args.latency_ms:g} ms + up to {args.jitter_ms:g} ms jitter per request{cap}"
 
 
 def _manifest(size: int) -> bytes:
@@ -86,7 +118,7 @@ def _table(title: str, times: dict[str, list[float]], size: int, base: str) -> l
 
 
 def upload(args: argparse.Namespace, endpoint: str, data: np.ndarray[Any, Any]) -> dict[str, Any]:
-    proxy = FaultyProxy(endpoint, latency_s=args.latency_ms / 1e3, jitter_s=args.jitter_ms / 1e3)
+    proxy = _proxy(args, endpoint)
     so = {"endpoint_url": proxy.endpoint, "key": "testing", "secret": "testing"}
     part = args.part_mib << 20
     target: Any = open_target("s3://bench/up", dict(so), io_threads=8,
@@ -109,8 +141,7 @@ def upload(args: argparse.Namespace, endpoint: str, data: np.ndarray[Any, Any]) 
     target.close()
     proxy.close()
     print("\n".join(_table(f"upload {args.mib} MiB, parts of {args.part_mib} MiB, concurrency {args.concurrency}, "
-                           f"latency {args.latency_ms:g} ms + up to {args.jitter_ms:g} ms jitter per request, "
-                           f"median of {args.repeat}", times, data.size, "s3fs open('wb')")))
+                           f"{_net(args)}, median of {args.repeat}", times, data.size, "s3fs open('wb')")))
     return {"times_s": times}
 
 
@@ -119,7 +150,7 @@ def restore(args: argparse.Namespace, endpoint: str, data: np.ndarray[Any, Any])
     setup: Any = open_target("s3://bench/rs", dict(direct), s3_options=S3Options(part_size=8 << 20))
     _save(setup, 1, data)  # written straight to moto, without the proxy
     setup.close()
-    proxy = FaultyProxy(endpoint, latency_s=args.latency_ms / 1e3, jitter_s=args.jitter_ms / 1e3)
+    proxy = _proxy(args, endpoint)
     so = {"endpoint_url": proxy.endpoint, "key": "testing", "secret": "testing"}
     chunk = args.chunk_mib << 20
     opts = S3Options(concurrency=args.concurrency)
@@ -161,14 +192,12 @@ def restore(args: argparse.Namespace, endpoint: str, data: np.ndarray[Any, Any])
     times = _rotate(tools, args.repeat)  # type: ignore[arg-type]
     proxy.close()
     print("\n".join(_table(f"restore {args.mib} MiB, ckptmgr: {args.io_threads} threads x {args.chunk_mib} MiB "
-                           f"ranges, latency {args.latency_ms:g} ms + up to {args.jitter_ms:g} ms jitter per "
-                           f"request, median of {args.repeat}", times, data.size, "s3fs cat_file")))
+                           f"ranges, {_net(args)}, median of {args.repeat}", times, data.size, "s3fs cat_file")))
     return {"times_s": times}
 
 
 def throttle(args: argparse.Namespace, endpoint: str, data: np.ndarray[Any, Any]) -> dict[str, Any]:
-    proxy = FaultyProxy(endpoint, latency_s=args.latency_ms / 1e3, jitter_s=args.jitter_ms / 1e3,
-                        max_inflight=args.capacity)
+    proxy = _proxy(args, endpoint, max_inflight=args.capacity)
     so = {"endpoint_url": proxy.endpoint, "key": "testing", "secret": "testing"}
     stats: dict[str, list[dict[str, float]]] = {"adaptive window": [], "fixed window": []}
 
@@ -192,9 +221,10 @@ def throttle(args: argparse.Namespace, endpoint: str, data: np.ndarray[Any, Any]
     times = _rotate({"adaptive window": run(True), "fixed window": run(False)}, args.repeat)
     proxy.close()
     lines = [f"throttle: {args.mib} MiB save, parts of {args.part_mib} MiB, concurrency {args.concurrency}, store "
-             f"capacity {args.capacity} requests in flight (503 SlowDown beyond), latency {args.latency_ms:g} ms "
-             f"+ up to {args.jitter_ms:g} ms, median of {args.repeat}", "",
-             "| window | s | requests | SlowDown answers | share SlowDown | smallest window |", "|---|---|---|---|---|---|"]
+             f"capacity {args.capacity} requests in flight (503 SlowDown beyond), {_net(args)}, "
+             f"median of {args.repeat}", "",
+             "| window | s | requests | SlowDown answers | share SlowDown | smallest window |",
+             "|---|---|---|---|---|---|"]
     for name, runs in stats.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         lines.append(f"| {name} | {med['s']:.2f} | {med['requests']:.0f} | {med['slowdown']:.0f} | "
@@ -214,17 +244,19 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=10, help="throttle: requests the store serves at once")
     ap.add_argument("--latency-ms", type=float, default=50)
     ap.add_argument("--jitter-ms", type=float, default=300)
+    ap.add_argument("--conn-mbps", type=float, default=0.0, help="bytes moved per connection (0: no cap)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     suffix = "" if args.mode == "upload" else f"_{args.mode}"
     out = args.out or os.path.join(os.path.dirname(__file__), "out", f"s3{suffix}.json")
-    server, endpoint = start_moto()
+    server, endpoint = start_moto_process()
     data = np.random.default_rng(0).integers(0, 255, size=args.mib << 20, dtype=np.uint8)
     try:
         result = {"upload": upload, "restore": restore, "throttle": throttle}[args.mode](args, endpoint, data)
     finally:
-        server.stop()
+        server.kill()
+        server.wait(30)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"mode": args.mode, "args": vars(args), "bytes": data.size, **result,

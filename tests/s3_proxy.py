@@ -50,11 +50,13 @@ class FaultyProxy:
     up to ``jitter_s`` (uniform), then fails with probability ``fail_rate`` (one of
     ``fail_kinds``) when its method and path match ``match``. With ``max_inflight``, a
     request arriving while that many are being served is answered 503 SlowDown (a store
-    throttling past its capacity). ``counts`` holds the requests received, by kind."""
+    throttling past its capacity). With ``conn_mbps``, each request's body and answer move
+    at that many MB/s (one connection's share of a store's bandwidth, as S3 serves each
+    connection at tens of MB/s). ``counts`` holds the requests received, by kind."""
 
     def __init__(self, upstream: str, *, latency_s: float = 0.0, jitter_s: float = 0.0, fail_rate: float = 0.0,
                  match: str = ".*", seed: int = 0, fail_kinds: tuple[Any, ...] = (500, 503, "reset"),
-                 max_inflight: int = 0) -> None:
+                 max_inflight: int = 0, conn_mbps: float = 0.0) -> None:
         self.upstream = upstream.removeprefix("http://")
         self.latency_s = latency_s
         self.jitter_s = jitter_s
@@ -62,6 +64,7 @@ class FaultyProxy:
         self.match = match
         self.fail_kinds = fail_kinds
         self.max_inflight = max_inflight
+        self.conn_mbps = conn_mbps
         self.rng = random.Random(seed)
         self.mu = threading.Lock()  # guards the counters and rng
         self.requests = 0
@@ -147,11 +150,15 @@ class FaultyProxy:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                if proxy.conn_mbps:
+                    time.sleep((len(body) + len(data)) / (proxy.conn_mbps * 1e6))
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # a HEAD answer carries the object's length, without the body
+                length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length)
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

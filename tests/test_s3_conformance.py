@@ -290,8 +290,8 @@ def _share_root(server, bucket, tmp_path, iterations: int) -> None:
     bdir.mkdir()
     so = json.dumps(server.options())
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "root_sharer.py"), url, str(w), str(iterations),
-                               str(w), str(bdir), "2", so, str(server.min_part)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for w in range(2)]
+                               str(w), str(bdir), "2", so, str(server.min_part)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, f"{out}\n{err[-3000:]}"

@@ -215,7 +215,7 @@ class FsspecTarget:
         check_step(step)
         self._check_writable(f"save step {step}")
         self.root_id(create=True)
-        return ManifestLastCommit(self, step, prefix, self.keeper, self.lease_stale_s)
+        return ManifestLastCommit(self, step, prefix, self.keeper, self.lease_stale_s, pool=self.io_pool)
 
     def begin(self, step: int, prefix: str = "") -> _FsspecStepWriter:
         return _FsspecStepWriter(self, self._strategy(step, prefix))

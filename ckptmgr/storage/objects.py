@@ -26,6 +26,7 @@ import logging
 import posixpath
 import threading
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -98,7 +99,8 @@ class ManifestLastCommit:
 
     location = ""  # files go straight to the step's prefix
 
-    def __init__(self, store: ObjectStore, step: int, prefix: str, keeper: LeaseKeeper, stale_after_s: float) -> None:
+    def __init__(self, store: ObjectStore, step: int, prefix: str, keeper: LeaseKeeper, stale_after_s: float,
+                 pool: Executor | None = None) -> None:
         self.store = store
         self.step = step
         self.dir = step_name(step)
@@ -110,10 +112,17 @@ class ManifestLastCommit:
         self._lease = current()
         self._lease_etag: str | None = None
         self._held = False
+        self._checked = False  # the commit's check found the lease ours
         try:
-            if store.exists(self._manifest):
+            # Whether the step is committed already, asked while the claim is made (one round trip).
+            committed = pool.submit(store.exists, self._manifest) if pool is not None else None
+            try:
+                self._claim(stale_after_s)
+            finally:
+                done = committed.result() if committed is not None else store.exists(self._manifest)
+            if done:
+                self.close()
                 raise StepExistsError(f"step {step} is already committed at {store.url}")
-            self._claim(stale_after_s)
         except BaseException:
             release(self._lease)
             raise
@@ -198,6 +207,8 @@ class ManifestLastCommit:
         if not ours:
             raise StorageError(f"the claim on step {self.step} under {self.store.url} was taken over by another "
                                "process (this writer stalled past the lease's lifetime): not committed")
+        with self._mu:
+            self._checked = True
 
     def commit(self, manifest: bytes) -> None:
         self.check(manifest_sizes(manifest))
@@ -236,12 +247,15 @@ class ManifestLastCommit:
         release(self._lease)
         with self._mu:
             held, self._held = self._held, False
+            checked = self._checked
         if not held:
             return
         try:
-            lease, _ = self._read_lease(with_age=False)
-            if lease is not None and lease.token == self._lease.token:
-                self.store.remove([self._lease_key])
+            if not checked:  # (the commit's check has just seen that the lease is ours)
+                lease, _ = self._read_lease(with_age=False)
+                if lease is None or lease.token != self._lease.token:
+                    return
+            self.store.remove([self._lease_key])
         except Exception as exc:
             log.info("could not release the lease %s/%s (%s); it expires", self.store.url, self._lease_key, exc)
 
