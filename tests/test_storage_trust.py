@@ -476,3 +476,93 @@ def test_the_root_identity_is_written_once_with_the_first_save(tmp_path):
     t = open_target(fresh, read_only=True)
     assert t.root_id(create=True) is None  # garbage is no identity; a reader writes none
     t.close()
+
+
+# --------------------------------------------------------- several processes, one root
+
+
+def test_two_processes_share_a_local_root(tmp_path):
+    root = str(tmp_path / "shared")
+    bdir = tmp_path / "barrier"
+    bdir.mkdir()
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "root_sharer.py"), root, str(w), "8", str(w),
+                               str(bdir), "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for w in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, f"{out}\n{err[-3000:]}"
+    from root_sharer import same, shared_state
+
+    reports = [json.loads(out.splitlines()[-1]) for out, _ in outs]
+    assert sum(r["collided"] for r in reports) > 0  # both saved the same step at least once
+    with mgr_of(root) as m:
+        steps = m.steps()
+        assert steps
+        for step in steps:
+            got = m.restore(step)
+            assert same(got, shared_state(step, got["writer"])), step
+    assert sorted(n for n in os.listdir(root) if not n.startswith("step_")) == [".ckptmgr-root-id"]
+
+
+class GatedFS:
+    """An in-memory fsspec filesystem whose writes of ``data-00001`` files wait for a gate."""
+
+    gate: threading.Event | None = None
+    inside = threading.Event()
+
+
+def _gated_fs():
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class _FS(MemoryFileSystem):
+        protocol = "gated"
+
+        def _open(self, path, mode="rb", **kw):
+            if "w" in mode and "data-00001" in path and GatedFS.gate is not None:
+                GatedFS.inside.set()
+                assert GatedFS.gate.wait(30)
+            return super()._open(path, mode, **kw)
+
+    fsspec.register_implementation("gated", _FS, clobber=True)
+    _FS.store.clear()
+    _FS.pseudo_dirs.clear()
+    _FS.pseudo_dirs.append("")
+    return _FS()
+
+
+def test_fsspec_a_second_manager_keeps_a_save_in_flight_and_the_commit_checks_files():
+    fs = _gated_fs()
+    two_files = WriteOptions(max_file_bytes=30_000, io_threads=2)
+    GatedFS.gate, GatedFS.inside = threading.Event(), threading.Event()
+    try:
+        with mgr_of("gated://run", write_options=two_files) as writer:
+            h = writer.save(1, state_of(1, n=20_000))
+            assert GatedFS.inside.wait(30)
+            deadline = time.monotonic() + 30
+            while not fs.exists("gated://run/step_000000000001/data-00000.safetensors"):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with mgr_of("gated://run") as evaluator:  # its start-up must leave the save alone
+                assert evaluator.steps() == []
+            assert fs.exists("gated://run/step_000000000001/data-00000.safetensors")
+            assert fs.exists("gated://run/step_000000000001/writer.lease")
+            GatedFS.gate.set()
+            h.result(timeout=30)
+            assert_tree_equal(writer.restore(1), state_of(1, n=20_000))
+        # now lose a file between its write and the commit: nothing is committed
+        GatedFS.gate, GatedFS.inside = threading.Event(), threading.Event()
+        with mgr_of("gated://run", write_options=two_files) as writer:
+            h = writer.save(2, state_of(2, n=20_000))
+            assert GatedFS.inside.wait(30)
+            deadline = time.monotonic() + 30
+            while not fs.exists("gated://run/step_000000000002/data-00000.safetensors"):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            fs.rm_file("gated://run/step_000000000002/data-00000.safetensors")
+            GatedFS.gate.set()
+            with pytest.raises(SaveError, match="missing"):
+                h.result(timeout=30)
+            assert writer.steps() == [1]
+    finally:
+        GatedFS.gate = None
