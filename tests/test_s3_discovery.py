@@ -21,8 +21,8 @@ WORLD = 4
 BOUNDS = {
     "start-up": 3,  # incomplete uploads and leftovers (clean-up), then the committed steps
     "steps": 1,
-    "save": 1,  # the commit's check of the step's objects
-    "save+retention": 1 + 3,  # the commit's check; retention: the steps, the deleted step's objects and uploads
+    "save": 3,  # rank 0: is the step committed; the commit's check of its objects; retention's listing
+    "save+retention": 3 + 2,  # the same, and the deletion of a step: its objects and its uploads
     "latest_step": 1,
     "restore": 1,
     "apply_retention": 1,

@@ -33,9 +33,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
+import fsspec.asyn
 import numpy as np
 
-from ..errors import StorageError
+from ..errors import CheckpointCorruptError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.naming import is_our_file, step_name
 from ..options import S3Options
@@ -297,9 +298,25 @@ class S3Target(FsspecTarget):
                 return out
             token = {"ContinuationToken": r["NextContinuationToken"]}
 
-    def get(self, rel: str) -> bytes:
-        data: bytes = self.fs.cat_file(f"{self.bucket}/{self._key(rel)}")
+    def _read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """One GET of ``key`` (bytes ``[start, end)`` when given): s3fs's ``cat_file`` asks for
+        the size first, and on a missing key LISTs to see whether it is a directory."""
+        fs = self.raw_fs
+        extra = {"Range": f"bytes={start or 0}-{end - 1}"} if end is not None else {}
+
+        async def get() -> bytes:
+            resp = await fs._call_s3("get_object", Bucket=self.bucket, Key=key, **extra)
+            try:
+                data: bytes = await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+            return data
+
+        data: bytes = self.retry(lambda: fsspec.asyn.sync(fs.loop, get), f"get_object {key}")
         return data
+
+    def get(self, rel: str) -> bytes:
+        return self._read(self._key(rel))
 
     def exists(self, rel: str) -> bool:
         try:
@@ -357,6 +374,29 @@ class S3Target(FsspecTarget):
 
     def begin(self, step: int, prefix: str = "") -> _S3StepWriter:
         return _S3StepWriter(self, self._strategy(step, prefix))
+
+    def file_size(self, step: int, name: str) -> int:
+        r = self.call("head_object", Key=self.key(step, name))
+        return int(r["ContentLength"])
+
+    def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
+        size = sum(a.size for a in out)
+        if size == 0:
+            return
+        try:
+            raw = self._read(self.key(step, name), offset, offset + size)
+        except OSError as exc:
+            if _status(exc) != 416 and not any(_code_and_status(e)[0] == "InvalidRange" for e in _chain(exc)):
+                raise
+            raw = b""  # the object ends before ``offset``
+        data = np.frombuffer(raw, dtype=np.uint8)
+        if data.size != size:
+            raise CheckpointCorruptError(f"{self.url}/{step_name(step)}/{name} ended early, at byte "
+                                         f"{offset + data.size}")
+        pos = 0
+        for a in out:
+            a[:] = data[pos:pos + a.size]
+            pos += a.size
 
     def delete(self, step: int) -> None:
         super().delete(step)
