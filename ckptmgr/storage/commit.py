@@ -30,6 +30,7 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -96,9 +97,11 @@ class RenameCommit:
     its mtime is the heartbeat, renewed by ``keeper``.
     """
 
-    def __init__(self, root: str, step: int, keeper: LeaseKeeper) -> None:
+    def __init__(self, root: str, step: int, keeper: LeaseKeeper,
+                 on_commit: Callable[[], object] | None = None) -> None:
         self.root = root
         self.step = step
+        self._on_commit = on_commit  # run once the files are checked, before the step becomes visible
         self.final = os.path.join(root, step_name(step))
         if os.path.lexists(self.final):
             raise StepExistsError(f"step {step} is already committed at {self.final}")
@@ -171,6 +174,8 @@ class RenameCommit:
 
     def commit(self, manifest: bytes) -> None:
         self.check(manifest_sizes(manifest))
+        if self._on_commit is not None:
+            self._on_commit()
         with open_dir(self.location) as dfd:
             fd = os.open(MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644,
                          dir_fd=dfd)
@@ -212,6 +217,8 @@ class RenameCommit:
             os.close(fd)
 
     def __del__(self) -> None:  # a writer dropped without commit/abort: let the lock go with it
+        if hasattr(self, "_lease"):
+            release(self._lease)
         fd = getattr(self, "_lock_fd", -1)
         if fd >= 0:
             with contextlib.suppress(OSError):

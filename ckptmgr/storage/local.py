@@ -254,8 +254,8 @@ class LocalTarget:
         # A directory of its own: a prefix changes nothing.
         check_step(step)
         self._check_writable(f"save step {step}")
-        self.root_id(create=True)
-        return _LocalStepWriter(self, RenameCommit(self.path, step, self.keeper))
+        return _LocalStepWriter(self, RenameCommit(self.path, step, self.keeper,
+                                                   on_commit=lambda: self.root_id(create=True)))
 
     def read_manifest(self, step: int) -> bytes:
         with self._open_step(step) as d:

@@ -26,6 +26,7 @@ import logging
 import posixpath
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
@@ -100,9 +101,10 @@ class ManifestLastCommit:
     location = ""  # files go straight to the step's prefix
 
     def __init__(self, store: ObjectStore, step: int, prefix: str, keeper: LeaseKeeper, stale_after_s: float,
-                 pool: Executor | None = None) -> None:
+                 pool: Executor | None = None, on_commit: Callable[[], object] | None = None) -> None:
         self.store = store
         self.step = step
+        self._on_commit = on_commit  # run once the files are checked, before the manifest is written
         self.dir = step_name(step)
         self._manifest = f"{self.dir}/{MANIFEST_NAME}"
         self._lease_key = f"{self.dir}/{lease_name(prefix)}"
@@ -212,6 +214,8 @@ class ManifestLastCommit:
 
     def commit(self, manifest: bytes) -> None:
         self.check(manifest_sizes(manifest))
+        if self._on_commit is not None:
+            self._on_commit()
         try:
             self.store.put(self._manifest, manifest, if_absent=True)
         except FileExistsError:
@@ -258,6 +262,11 @@ class ManifestLastCommit:
             self.store.remove([self._lease_key])
         except Exception as exc:
             log.info("could not release the lease %s/%s (%s); it expires", self.store.url, self._lease_key, exc)
+
+
+    def __del__(self) -> None:  # dropped without commit/abort/close: its lease (if left) is a gone writer's
+        if hasattr(self, "_lease"):
+            release(self._lease)
 
 
 def _lease_gone(store: ObjectStore, rel: str, info: ObjectInfo, now: float, stale_after_s: float) -> bool:

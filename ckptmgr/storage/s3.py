@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import fsspec.asyn
 import numpy as np
 
-from ..errors import CheckpointCorruptError, StorageError
+from ..errors import CheckpointCorruptError, CkptError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.naming import is_our_file, step_name
 from ..options import S3Options
@@ -265,7 +265,10 @@ class S3Target(FsspecTarget):
                 self.window.release(ticket, ok=False, throttled=is_throttle(exc))
                 delay = random.uniform(0, min(o.max_delay_s, o.base_delay_s * 2 ** (attempt - 1)))
                 if attempt == o.max_attempts or not is_retryable(exc) or time.monotonic() + delay > deadline:
-                    raise
+                    if isinstance(exc, (OSError, CkptError)):
+                        raise
+                    # the client's own types (botocore, aiohttp): a storage error naming the root
+                    raise StorageError(f"{self.url}: {what} failed: {type(exc).__name__}: {exc}") from exc
                 self.retries += 1
                 log.info("s3: %s failed (%s: %s); retry %d in %.2f s", what, type(exc).__name__, exc, attempt, delay)
                 time.sleep(delay)
