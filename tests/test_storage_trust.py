@@ -120,6 +120,14 @@ def test_data_files_and_manifests_that_are_links_are_refused(tmp_path):
         t.close()
     with mgr_of(root) as m, pytest.raises(CheckpointCorruptError):
         m.restore(2)
+    # the one link that is read: to a regular file of the same step directory
+    os.unlink(data_file(root, 2))
+    shutil.copy(copy, os.path.join(root, step_name(2), "renamed.bin"))
+    os.symlink("renamed.bin", data_file(root, 2))
+    with mgr_of(root) as m:
+        assert_tree_equal(m.restore(2), state_of(2))
+        m._target.delete(2)  # the link and our files go; the file we did not write stays
+    assert os.listdir(os.path.join(root, step_name(2))) == ["renamed.bin"]
 
 
 def test_fifos_in_a_step_are_refused_without_blocking(tmp_path):

@@ -18,10 +18,10 @@ A :class:`Target` is used by the manager in this order:
 is the writer's commit strategy (:mod:`ckptmgr.storage.commit`). A target opened read-only
 creates, writes and deletes nothing, and its write operations raise ConfigError.
 
-Symbolic links (local and NFS roots): nothing inside the root is followed. A step directory
-that is a link is not a step of this root; a manifest or data file that is a link, FIFO or
-device is refused with CheckpointCorruptError without being opened for reading; deleting and
-marking never act through a link.
+Symbolic links (local and NFS roots): a step directory that is a link is not a step of this
+root; a manifest or data file is read through a link only to a regular file of the same step
+directory, and one that is a FIFO or device is refused with CheckpointCorruptError without
+being opened for reading; deleting and marking never act through a link.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ renames the directory to ``step_<n>/`` (:class:`~ckptmgr.storage.commit.RenameCo
 crash at any moment leaves either the old state or the new step, plus a temporary that a
 later start removes once its writer is provably gone.
 
-Inside the root nothing is reached through a symbolic link (see :mod:`.posix`): a step
+Inside the root no symbolic link is followed out of a step (see :mod:`.posix`): a step
 directory that is a link is not a step of this root, and data files or manifests that are
-links, FIFOs or devices are refused (CheckpointCorruptError) without being opened for reading.
+links out of their step, FIFOs or devices are refused (CheckpointCorruptError) without being
+opened for reading.
 """
 
 from __future__ import annotations

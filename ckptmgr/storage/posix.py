@@ -1,11 +1,12 @@
-"""POSIX file access that never follows a symbolic link inside a root.
+"""POSIX file access that never follows a symbolic link out of a step directory.
 
 Everything below the root (step directories, their files, temporaries, markers) is reached
 relative to a directory file descriptor opened with ``O_NOFOLLOW``, so a link planted in
-place of a directory or file is refused, never followed, whichever moment it appears.
-Files are opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` before a byte is
-read: a FIFO, socket or device is refused without blocking on it. The root itself may be a
-link (the user named it).
+place of a directory is refused, never followed, whichever moment it appears. Files are
+opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` before a byte is read: a
+FIFO, socket or device is refused without blocking on it. The one link that is read is a
+file's link to another regular file of the same directory (one hop, by plain name); deleting
+and marking follow none. The root itself may be a link (the user named it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import errno
 import logging
 import os
+import posixpath
 import stat
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +25,7 @@ import numpy as np
 from ..errors import CheckpointCorruptError
 
 __all__ = ["NOT_REGULAR", "fsync_dir", "open_dir", "open_regular", "preadv_into", "pwrite_all",
-           "remove_ours", "stat_regular"]
+           "remove_ours", "sibling", "stat_regular"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -65,23 +67,44 @@ def open_dir(path: str, name: str | None = None, *, dir_fd: int | None = None) -
         os.close(fd)
 
 
-def open_regular(name: str, *, dir_fd: int | None = None, where: str | None = None) -> int:
-    """Open regular file ``name`` (relative to ``dir_fd``) for reading, without following a
-    link and without blocking on a FIFO; ``where`` names it in errors.
+def sibling(name: str, *, dir_fd: int | None, where: str) -> str:
+    """The file that link ``name`` points to, which must be another plain name in the same
+    directory (a link out of the directory, or to a link, is refused).
 
     Raises:
-        FileNotFoundError: it does not exist.
-        CheckpointCorruptError: it is a link, a FIFO, a device, a directory.
+        CheckpointCorruptError: the link leaves the directory.
+    """
+    target = posixpath.normpath(os.readlink(name, dir_fd=dir_fd))
+    if "/" in target or target in (".", "..") or "\0" in target:
+        raise CheckpointCorruptError(f"{where} is a symbolic link out of its step directory (to {target!r}); "
+                                     "ckptmgr reads step contents only from inside the step")
+    return target
+
+
+def open_regular(name: str, *, dir_fd: int | None = None, where: str | None = None) -> int:
+    """Open regular file ``name`` (relative to ``dir_fd``) for reading without blocking on a
+    FIFO; a link is followed only to a regular file of the same directory (one hop);
+    ``where`` names it in errors.
+
+    Raises:
+        FileNotFoundError: it (or the file its link names) does not exist.
+        CheckpointCorruptError: it is a link out of the directory, a FIFO, a device, a directory.
     """
     where = where or name
-    try:
-        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise CheckpointCorruptError(f"{where} is a symbolic link; ckptmgr never reads through links") from None
-        if exc.errno in (errno.ENXIO, errno.EISDIR):  # a socket, a directory
-            raise CheckpointCorruptError(f"{where} {NOT_REGULAR}") from None
-        raise
+    for hop in (0, 1):
+        try:
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP and hop == 0:
+                name = sibling(name, dir_fd=dir_fd, where=where)
+                continue
+            if exc.errno == errno.ELOOP:
+                raise CheckpointCorruptError(f"{where} is a link to a link; ckptmgr follows one link, to a "
+                                             "regular file of the same step") from None
+            if exc.errno in (errno.ENXIO, errno.EISDIR):  # a socket, a directory
+                raise CheckpointCorruptError(f"{where} {NOT_REGULAR}") from None
+            raise
+        break
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -95,16 +118,20 @@ def open_regular(name: str, *, dir_fd: int | None = None, where: str | None = No
 
 
 def stat_regular(name: str, *, dir_fd: int | None = None, where: str | None = None) -> os.stat_result:
-    """``lstat`` of ``name``, which must be a regular file.
+    """``lstat`` of regular file ``name``, or of the regular file of the same directory that its
+    link names (one hop). Nothing is opened.
 
     Raises:
         FileNotFoundError: it does not exist.
-        CheckpointCorruptError: it is not a regular file.
+        CheckpointCorruptError: it is not a regular file, or a link out of its directory.
     """
+    where = where or name
     st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if stat.S_ISLNK(st.st_mode):
+        st = os.stat(sibling(name, dir_fd=dir_fd, where=where), dir_fd=dir_fd, follow_symlinks=False)
     if not stat.S_ISREG(st.st_mode):
-        raise CheckpointCorruptError(f"{where or name} is {_kind(st.st_mode)}, not a regular file; "
-                                     "ckptmgr reads only regular files")
+        raise CheckpointCorruptError(f"{where} is {_kind(st.st_mode)}, not a regular file; "
+                                     "ckptmgr reads only regular files (or a link to one in the same step)")
     return st
 
 
@@ -147,9 +174,10 @@ def preadv_into(path: str, offset: int, out: list[np.ndarray[Any, Any]], *, dir_
 
 
 def remove_ours(path: str, is_ours: Any, *, keep_dir: bool = False) -> list[str]:
-    """Remove the regular files of directory ``path`` whose names ``is_ours`` accepts, then the
-    directory itself when it is empty (unless ``keep_dir``); never follows a link. Returns
-    the names left behind (not ours, or not regular files); ``[]`` when ``path`` is gone.
+    """Remove the entries of directory ``path`` whose names ``is_ours`` accepts (files, or links
+    themselves: never what they point to; never a directory), then the directory itself when
+    it is empty (unless ``keep_dir``). Returns the names left behind; ``[]`` when ``path`` is
+    gone.
 
     Raises:
         NotADirectoryError: ``path`` is a link or not a directory.
@@ -163,7 +191,7 @@ def remove_ours(path: str, is_ours: Any, *, keep_dir: bool = False) -> list[str]
                     st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                if is_ours(name) and stat.S_ISREG(st.st_mode):
+                if is_ours(name) and not stat.S_ISDIR(st.st_mode):  # (unlink never follows a link)
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(name, dir_fd=dfd)
                 else:
