@@ -174,14 +174,16 @@ class LocalTarget:
         """The directory fd of committed-or-not ``step``. Raises StepNotFoundError when there
         is no such directory, or it is a link (not a step of this root)."""
         d = self._step_dir(step)
+        opened = contextlib.ExitStack()
         try:
-            with open_dir(d) as dfd:
-                yield dfd
+            dfd = opened.enter_context(open_dir(d))
         except FileNotFoundError:
             raise StepNotFoundError(f"step {step} is not committed under {self.path}") from None
         except NotADirectoryError:
             raise StepNotFoundError(f"{d} is a symbolic link or not a directory: not a step of this root "
                                     "(ckptmgr never reads or deletes through links)") from None
+        with opened:  # what the body raises (a file missing from the step) passes as it is
+            yield dfd
 
     def list_steps(self) -> list[int]:
         try:
