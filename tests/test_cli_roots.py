@@ -279,7 +279,6 @@ def read_only(path: str):
                 os.chmod(p, modes[p])
 
 
-@pytest.mark.xfail(strict=True, reason="needs read-only targets: open_target(..., read_only=True)")
 def test_read_only_commands_work_on_a_read_only_root(saved, tmp_path):
     before = _listing(saved)
     with read_only(saved):

@@ -1,8 +1,9 @@
 """What every command shares: the opened root, step resolution, output mode, exit codes.
 
-Commands that only read (``ls``, ``inspect``, ``verify``, ``export``) never create anything
-under the root: a root that does not exist (a missing directory, a missing bucket, an S3
-prefix with nothing under it) is reported with exit code 3 before any target is opened.
+Commands that only read (``ls``, ``inspect``, ``verify``, ``export``, ``prune --dry-run``)
+open the root read-only, so storage creates, writes and cleans up nothing there, and they
+work on roots this process cannot write to. A root that does not exist (a missing directory,
+a missing bucket, an S3 prefix with nothing under it) is reported with exit code 3.
 """
 
 from __future__ import annotations
@@ -79,10 +80,9 @@ def _storage_options(text: str | None) -> dict[str, Any] | None:
 
 
 def require_root(root: str, storage_options: dict[str, Any] | None) -> None:
-    """Raise StepNotFoundError unless ``root`` exists; look only, create nothing.
-
-    A local root must be a directory; an object-store root must have its bucket and at
-    least one object under its prefix (object stores have no empty directories).
+    """Raise StepNotFoundError unless the object-store root ``root`` exists: its bucket and
+    at least one object under its prefix (object stores have no empty directories). Looks
+    only, creates nothing.
 
     Raises:
         StepNotFoundError: no such root.
@@ -91,11 +91,6 @@ def require_root(root: str, storage_options: dict[str, Any] | None) -> None:
     """
     if not isinstance(root, str) or not root:
         raise ConfigError(f"ROOT must be a non-empty path or URL, got {root!r}")
-    if "://" not in root or root.startswith("file://"):
-        path = root.removeprefix("file://")
-        if not os.path.isdir(path):
-            raise StepNotFoundError(f"no checkpoint root at {root!r} (not a directory)")
-        return
     import fsspec
 
     is_s3 = root.startswith(("s3://", "s3a://"))
@@ -147,11 +142,23 @@ class Ctx:
     def storage_options(self) -> dict[str, Any] | None:
         return _storage_options(getattr(self.args, "storage_options", None))
 
-    def target(self, root: str) -> Target:
-        """Open an existing ``root``; nothing is created (a missing root is StepNotFoundError)."""
+    def target(self, root: str, *, read_only: bool = True) -> Target:
+        """Open an existing ``root``, for reading only unless ``read_only=False``; nothing is
+        created (not the root, not a bucket).
+
+        A read-only target refuses a missing local root itself; an object store's bucket and
+        prefix are looked up first (a read-only object-store target does not look), and so
+        is a local root opened for writing (opening it would create it).
+
+        Raises:
+            StepNotFoundError: no such root (exit code 3).
+        """
         so = self.storage_options()
-        require_root(root, so)
-        self._target = open_target(root, so)
+        if "://" in root and not root.startswith("file://"):
+            require_root(root, so)
+        elif not read_only and not os.path.isdir(root.removeprefix("file://")):
+            raise StepNotFoundError(f"no checkpoint root at {root!r} (not a directory)")
+        self._target = open_target(root, so, read_only=read_only)
         return self._target
 
     def step(self, target: Target, text: str | None) -> int:
