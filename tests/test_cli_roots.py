@@ -301,3 +301,48 @@ def test_json_before_or_after_the_command(saved):
     assert cli("-q", "verify", saved).returncode == 0
     r = cli("--storage-options", "{not json", "ls", saved)
     assert r.returncode == 2 and "--storage-options" in r.stderr
+
+
+def test_each_step_reported_with_its_status_good_damaged_incomplete_and_local_only(saved, tmp_path):
+    """A root with a good step, a damaged one (manifest edited), an incomplete one (data
+    without a manifest) and a step a killed job committed only to its local tier: ``ls`` and
+    ``verify`` give each its status and none stops the others."""
+    local_dir = tmp_path / "shm"
+    local_dir.mkdir()
+    writer = os.path.join(os.path.dirname(__file__), "pending_writer.py")
+    proc = subprocess.Popen([sys.executable, writer, saved, str(local_dir), "hang"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:  # step 7 is committed in the local tier; its durable write hangs
+        assert proc.stdout.readline().strip() == "staged"
+        assert proc.stdout.readline().strip() == "local"
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+    _edit_manifest(saved, _flip_a_digit)  # step 20
+    incomplete = os.path.join(saved, "step_000000000035")
+    os.mkdir(incomplete)
+    shutil.copy(os.path.join(saved, "step_000000000030", "data-00000.safetensors"), incomplete)
+
+    r = cli("ls", saved, "--json", "--local-dir", str(local_dir))
+    assert r.returncode == 1
+    rows = {s["step"]: s for s in json.loads(r.stdout)["steps"]}
+    assert sorted(rows) == [7, 10, 20, 30]  # the incomplete step is not a checkpoint
+    assert [(rows[s]["tier"], rows[s]["ok"]) for s in (7, 10, 20, 30)] == [
+        ("local", True), ("durable", True), ("durable", False), ("durable", True)]
+    assert STEP in rows[20]["error"] and "manifest" in rows[20]["error"]
+    text = cli("ls", saved, "--local-dir", str(local_dir))
+    assert text.returncode == 1 and "DAMAGED" in text.stdout and "step 20: " in text.stderr
+    assert [ln.split()[0] for ln in text.stdout.splitlines()[1:]] == ["7", "10", "20", "30"]
+
+    r = cli("verify", saved, "--local-dir", str(local_dir))
+    assert r.returncode == 1
+    lines = r.stdout.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["step 7", "step 10", "step 20", "step 30"]
+    assert "local tier only" in lines[0] and "not verified" in lines[0]
+    assert lines[1].startswith("step 10: ok") and lines[2].startswith("step 20: CORRUPT")
+    assert lines[3].startswith("step 30: ok") and STEP in r.stderr
+    out = json.loads(cli("verify", saved, "--json", "--local-dir", str(local_dir)).stdout)
+    assert [(s["step"], s["tier"], s["ok"], s["verified"]) for s in out["steps"]] == [
+        (7, "local", True, False), (10, "durable", True, True), (20, "durable", False, True),
+        (30, "durable", True, True)]
+    assert not out["ok"]

@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("root")
     c.add_argument("step", nargs="?", help="one step (default: all)")
     c.add_argument("--threads", type=int, default=8, help="parallel reads (default 8)")
+    c.add_argument("--local-dir", default="/dev/shm",
+                   help="where the local tier lives: its steps not yet in the root are listed, not read "
+                        "(default /dev/shm; '' to skip it)")
     c = add("prune", cmd_prune, "delete the steps a retention policy does not keep")
     c.add_argument("root")
     c.add_argument("--keep-latest", type=int, metavar="N", help="keep the newest N steps")
