@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|report|dist|staging4|staging16|training|training25|restore4|restore16|restore10k|tier|parts4|lightning|hf]...
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|report|dist|staging4|staging16|training|training25|restore4|restore16|restore10k|tier|timeline|parts4|lightning|hf]...
 # Packages the GPU image lacks are installed from .whl/ when present.
 set -uo pipefail
 out="${1:?output directory}"; shift
@@ -45,6 +45,7 @@ for part in "${parts[@]}"; do
               2>&1 | tee "$out/distributed.txt"; rm -rf /var/tmp/ckptmgr-bench-dist ;;
     tier) python3 benchmarks/bench_tier_restore.py --gib 4.5 --tensors 192 --rounds 3 --disk-dir /var/tmp \
               --out "$out/tier_restore.json" 2>&1 | tee "$out/tier_restore.txt" ;;
+    timeline) python3 benchmarks/bench_timeline.py --dir /var/tmp --out "$out/timeline" 2>&1 | tee "$out/timeline.txt" ;;
     restore10k) python3 benchmarks/bench_restore.py --gib 1 --tensors 10000 --sources shm --repeat 3 \
               --tools "ckptmgr restore(device),ckptmgr restore(target),safetensors.load_file" \
               --out "$out/restore10k.json" 2>&1 | tee "$out/restore10k.txt" ;;
