@@ -190,10 +190,9 @@ def test_slots_are_made_once_and_reused(root, monkeypatch, local_tier):
         last = mgr.stats()
         assert last["slot_allocations"] == second["slot_allocations"]
         assert last["slot_registrations"] == second["slot_registrations"]
-        if local_tier:  # tmpfs files pinned in place
-            assert len(fake.registered) == last["slot_registrations"] > 0 and fake.pinned == 0
-        else:  # pinned memory, allocated pinned
-            assert fake.pinned == last["slot_allocations"] <= 2 and not fake.registered
+        # tmpfs files or anonymous memory, populated then pinned in place (never cudaHostAlloc)
+        assert last["slot_registrations"] == last["slot_allocations"] > 0 and fake.pinned == 0
+        assert len(fake.registered) >= last["slot_registrations"]
     # every registration is undone, at the exact pointer, when the manager closes
     assert sorted(fake.unregistered) == sorted(fake.registered)
 
@@ -324,7 +323,7 @@ def test_a_full_local_tier_falls_back_to_host_memory(root, tmp_path, monkeypatch
     with CheckpointManager(root, staging=StagingOptions(local_dir=local)) as mgr:
         info = mgr.save(1, state).result()
         assert "cannot live in" in caplog.text and info.local_s is None  # not in the tier
-        assert mgr._pool.slots[0].kind in ("memory", "pinned")
+        assert mgr._saver.pool.slots[0].kind == "memory"
         assert_tree_equal(mgr.restore(1), state)
 
 

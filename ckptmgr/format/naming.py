@@ -12,7 +12,9 @@ import re
 import secrets
 
 __all__ = [
+    "MAX_STEP",
     "PROTECT_NAME",
+    "ROOT_ID_NAME",
     "STEP_DIGITS",
     "is_our_file",
     "is_temp_name",
@@ -22,6 +24,8 @@ __all__ = [
 ]
 
 STEP_DIGITS = 12
+MAX_STEP = 10**STEP_DIGITS  # steps are ints in [0, MAX_STEP): what 12-digit names order
+ROOT_ID_NAME = ".ckptmgr-root-id"  # the root's random identity, written once with the first commit
 PROTECT_NAME = "protected"  # marker file: the step is kept whatever the retention policy says
 _OUR_FILE_RE = re.compile(r"manifest\.json|data-(r\d{5}-)?\d{5,}\.safetensors|protected")
 _STEP_RE = re.compile(rf"step_(\d{{{STEP_DIGITS},}})")

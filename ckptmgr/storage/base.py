@@ -17,7 +17,7 @@ A :class:`Target` is used by the manager in this order:
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Any, Protocol
 
 import numpy as np
@@ -54,13 +54,18 @@ class Target(Protocol):
     """A checkpoint root on some storage."""
 
     url: str
-    io_pool: ThreadPoolExecutor  # shared I/O threads; never submit to it from its own tasks
+    io_pool: Executor  # shared I/O threads; never submit to it from its own tasks
 
     def list_steps(self) -> list[int]:
         """Committed steps, ascending, read fresh from the storage (no stale cache)."""
 
     def cleanup(self) -> list[str]:
         """Remove our own leftovers of interrupted saves and deletes; return what was removed."""
+
+    def root_id(self, create: bool = False) -> str | None:
+        """The root's identity: a random id stored once in the root (``.ckptmgr-root-id``),
+        written with the first save and never overwritten; None when the root has none.
+        ``create`` writes one if there is none."""
 
     def begin(self, step: int, prefix: str = "") -> StepWriter:
         """Start writing ``step``; with ``prefix``, the writer's leftovers and aborts touch

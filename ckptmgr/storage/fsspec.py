@@ -10,15 +10,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import posixpath
-from concurrent.futures import ThreadPoolExecutor
+import secrets
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
 
+from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, StepExistsError, StepNotFoundError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import MANIFEST_NAME
-from ..format.naming import PROTECT_NAME, is_our_file, parse_step_name, step_name
+from ..format.naming import PROTECT_NAME, ROOT_ID_NAME, is_our_file, parse_step_name, step_name
 
 __all__ = ["FsspecTarget"]
 
@@ -82,7 +84,7 @@ class FsspecTarget:
             fs.makedirs(self.path, exist_ok=True)
         except OSError as exc:
             raise StorageError(f"cannot use checkpoint root {url!r}: {exc}") from exc
-        self.io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckptmgr-io")
+        self.io_pool: Executor = DaemonPool(io_threads, thread_name_prefix="ckptmgr-io")
 
     def _step_dir(self, step: int) -> str:
         return posixpath.join(self.path, step_name(step))
@@ -116,6 +118,19 @@ class FsspecTarget:
                 if self._remove_ours(d):
                     removed.append(d)
         return removed
+
+    def root_id(self, create: bool = False) -> str | None:
+        """The root's identity (written once, never overwritten); None when it has none."""
+        path = posixpath.join(self.path, ROOT_ID_NAME)
+        try:
+            data: bytes = self.fs.cat_file(path)
+            return data.decode("ascii", "replace").strip() or None
+        except FileNotFoundError:
+            if not create:
+                return None
+        new = secrets.token_hex(16)
+        self.fs.pipe_file(path, new.encode("ascii") + b"\n")
+        return new
 
     def begin(self, step: int, prefix: str = "") -> _FsspecStepWriter:
         return _FsspecStepWriter(self, step, prefix)

@@ -12,16 +12,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
 
+from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, StepExistsError, StepNotFoundError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import MANIFEST_NAME
-from ..format.naming import PROTECT_NAME, is_our_file, is_temp_name, parse_step_name, step_name, temp_name
+from ..format.naming import PROTECT_NAME, ROOT_ID_NAME, is_our_file, is_temp_name, parse_step_name, step_name, temp_name
 
 __all__ = ["LocalTarget", "fsync_dir", "preadv_into"]
 
@@ -167,7 +169,7 @@ class LocalTarget:
             raise StorageError(f"cannot create checkpoint root {self.path!r}: {exc.strerror}") from exc
         if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
             raise StorageError(f"checkpoint root {self.path!r} is not readable and writable by this process")
-        self.io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckptmgr-io")
+        self.io_pool: Executor = DaemonPool(io_threads, thread_name_prefix="ckptmgr-io")
         self.direct_io = direct_io
 
     def _step_dir(self, step: int) -> str:
@@ -211,6 +213,32 @@ class LocalTarget:
             log.warning("left %s in place: it holds files ckptmgr did not write (%s)", d, sorted(os.listdir(d)))
             return False
         return True
+
+    def root_id(self, create: bool = False) -> str | None:
+        """The root's identity (written once, never overwritten); None when it has none."""
+        path = os.path.join(self.path, ROOT_ID_NAME)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if not create:
+                return None
+            new = secrets.token_hex(16)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except FileExistsError:  # written by another process meanwhile
+                return self.root_id()
+            try:
+                _pwrite_all(fd, np.frombuffer(new.encode("ascii") + b"\n", dtype=np.uint8), 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_dir(self.path)
+            return new
+        try:
+            text = os.read(fd, 256).decode("ascii", "replace").strip()
+        finally:
+            os.close(fd)
+        return text or None
 
     def begin(self, step: int, prefix: str = "") -> _LocalStepWriter:
         return _LocalStepWriter(self, step)  # a directory of its own: a prefix changes nothing

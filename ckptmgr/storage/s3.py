@@ -28,11 +28,12 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from typing import Any, TypeVar
 
 import numpy as np
 
+from .._threads import DaemonPool
 from ..errors import StepExistsError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import MANIFEST_NAME
@@ -206,7 +207,7 @@ class S3Target(FsspecTarget):
         self.retries = 0  # retried requests, for telemetry and tests (counted from the first request)
         super().__init__(_Retrying(fs, self), path, url=url, io_threads=io_threads)
         self.bucket, _, self.prefix = self.path.partition("/")
-        self.upload_pool = ThreadPoolExecutor(opts.concurrency, thread_name_prefix="ckptmgr-s3")
+        self.upload_pool = DaemonPool(opts.concurrency, thread_name_prefix="ckptmgr-s3")
 
     def key(self, step: int, name: str) -> str:
         rel = posixpath.join(f"step_{step:012d}", name) if name else f"step_{step:012d}/"
