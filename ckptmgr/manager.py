@@ -148,10 +148,9 @@ class CheckpointManager:
         self._restorer = Restorer(self._target, self._tier, self._guard, self._ring, self._allow_pickle)
         lifecycle.close_at_exit(self)
         if self._tier is not None:  # slots an earlier process left committed: adopt, write out the newer
-            found = self._tier.scan(staging.slots, root_id=self._target.root_id())
-            self._saver.adopt(found, set(durable))
-            if not found:
-                self._saver.bind_root()  # this root's slots from now on
+            root_id = self._target.root_id()  # (read only: a root gets its identity with its first commit)
+            found = self._tier.scan(staging.slots, root_id=root_id, root_is_empty=not durable)
+            self._saver.adopt(found, set(durable), root_id)
 
     def _forget(self, step: int) -> None:
         self._saver.forget(step)

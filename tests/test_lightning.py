@@ -57,7 +57,8 @@ def test_killed_fit_resumed_from_last_ends_bitwise_identical(tmp_path):
     left = sorted(n for n in os.listdir(d) if n.endswith(".ckpt"))
     assert len(left) == 3 and "last.ckpt" in left
     named = {read_pointer(os.path.join(d, n)) for n in left}
-    assert set(os.listdir(os.path.join(d, ROOT_NAME))) == {f"step_{s:012d}" for s in named}
+    assert {n for n in os.listdir(os.path.join(d, ROOT_NAME)) if n.startswith("step_")} == {
+        f"step_{s:012d}" for s in named}
 
 
 def test_the_pytorch_lightning_namespace_has_its_own_plugin(tmp_path):
@@ -127,7 +128,8 @@ def test_removal_waits_for_the_saves_queued_before_it(tmp_path):
         CkptmgrCheckpointIO().load_checkpoint(str(d / "b.ckpt"))
     assert CkptmgrCheckpointIO().load_checkpoint(str(d / "a.ckpt"))["epoch"] == 2
     # only a.ckpt's step is left: the removed and replaced ones were deleted at teardown
-    assert os.listdir(d / ROOT_NAME) == [f"step_{read_pointer(str(d / 'a.ckpt')):012d}"]
+    assert [n for n in os.listdir(d / ROOT_NAME) if n.startswith("step_")] == [
+        f"step_{read_pointer(str(d / 'a.ckpt')):012d}"]
 
 
 @pytest.mark.parametrize("change", ["optimizer_step", "batchnorm_forward"])

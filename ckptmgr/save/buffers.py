@@ -76,6 +76,7 @@ class HostBuffer:
     path: str | None = None  # the tmpfs file, for the local tier
     piece: int = 0  # registered in pieces of this many bytes from the start (0: not pinned)
     registered: list[int] = field(default_factory=list)  # every pointer passed to cudaHostRegister
+    populated: bool = False
 
     @property
     def pinned(self) -> bool:
@@ -85,8 +86,12 @@ class HostBuffer:
         return [min(self.piece, self.nbytes - i * self.piece) for i in range(len(self.registered))]
 
     def populate(self) -> None:
-        """Fault every page in, writable, without CUDA. Idempotent."""
+        """Fault every page in, writable, without CUDA (when it will be pinned: pinning fresh
+        pages is what stalls). Idempotent."""
+        if self.populated or not _cuda.available() or PIN_MODE == "whole":
+            return
         _populate(self.tensor.data_ptr(), self.nbytes, self.tensor)
+        self.populated = True
 
     def pin(self, chunk_size: int, *, hurry: threading.Event | None = None,
             stop: threading.Event | None = None) -> bool:

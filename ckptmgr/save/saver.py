@@ -345,10 +345,11 @@ class Saver:
             self._settle(job, ticket, info, error)
 
     def bind_root(self) -> None:
-        """Record the root's identity in the tier (written in the root if it has none yet), so
-        that a later start adopts these slots only for this very root. Called at start-up and,
-        if that failed, before the first local commit; a failure is logged, not raised: the
-        local commits go on, but a tier that is not bound is never adopted."""
+        """Record the root's identity in the tier (written in the root if it has none yet:
+        this is the root's first commit), so that a later start adopts these slots only for
+        this very root. Called before the first local commit when the root had no identity at
+        start-up. A failure is logged, not raised: the local commits go on, and a tier never
+        bound is adopted only by a root that has neither an identity nor a committed step."""
         assert self._tier is not None
         try:
             root_id = self._target.root_id(create=True)
@@ -413,15 +414,18 @@ class Saver:
 
     # ------------------------------------------------------------ start and end
 
-    def adopt(self, found: dict[int, Manifest], durable: set[int]) -> None:
-        """Take over the slots an earlier process left committed in the tier; queue the
-        durable write of the steps that never reached the target."""
+    def adopt(self, found: dict[int, Manifest], durable: set[int], root_id: str | None) -> None:
+        """Take over the slots an earlier process left committed in the tier (those
+        :meth:`LocalTier.scan` found to belong to this root); queue the durable write of the
+        steps that never reached the target. ``root_id``: the root's identity, if it has one."""
         assert self._tier is not None
+        if root_id is not None:
+            self._tier.bind(root_id)
+            self._root_bound = True
         for index, m in sorted(found.items()):
             names = sorted(m.files)
             chunk = next(iter(m.files.values())).chunk_size if m.files else self._chunk_size
             slot = self.pool.adopt(index, m.step, [m.files[n].size for n in names], chunk, durable=m.step in durable)
-            self._root_bound = True  # the tier's identity matched the root's
             if m.step in durable:
                 continue
             log.warning("step %d exists only in the local tier %s (the last run stopped before writing it); "

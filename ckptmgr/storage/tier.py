@@ -266,15 +266,22 @@ class LocalTier:
 
     # ----------------------------------------------------------- commit state
 
-    def scan(self, slots: int, root_id: str | None) -> dict[int, Manifest]:
+    def scan(self, slots: int, root_id: str | None, *, root_is_empty: bool = False) -> dict[int, Manifest]:
         """Committed steps left by an earlier process, by slot index (< ``slots``), when they
         belong to the root whose identity is ``root_id``; everything else is reset.
+
+        The slots belong to the root when the identity recorded at their commit matches
+        ``root_id``. A tier that never recorded one (the root's identity could not be written
+        at its first commit) belongs only to a root that has no identity and no committed
+        step (``root_is_empty``): a root that was deleted or replaced since has one or the
+        other as soon as anything was committed to it.
 
         A slot that is not a private directory of this user, or has an unreadable manifest,
         or files that do not match it, is removed. So are slots beyond ``slots``.
         """
         recorded = self._recorded_root_id()
-        adopt = root_id is not None and recorded == root_id
+        adopt = (root_id is not None and recorded == root_id) or (recorded is None and root_id is None
+                                                                  and root_is_empty)
         if recorded is not None and not adopt:
             log.info("local tier %s: its slots belong to another root (deleted or replaced since); "
                      "discarding them", self.path)
@@ -297,7 +304,7 @@ class LocalTier:
             found[index] = m
             with self._mu:
                 self._steps[m.step] = index
-        if adopt:
+        if adopt and root_id is not None:
             with self._mu:
                 self._root_id = root_id
         return found
