@@ -340,6 +340,8 @@ class CheckpointManager:
         return sorted(self._committed_steps())
 
     def _committed_steps(self) -> set[int]:
+        # the tier first: a step leaves it only once durable or superseded by a newer commit,
+        # so the newest step listed never goes back while a save moves it between the two
         local = set(self._tier.steps()) if self._tier is not None else set()
         return set(self._target.list_steps()) | local
 

@@ -478,3 +478,36 @@ def test_a_manager_dropped_without_close_leaves_no_tier_directory(root, local_di
             "CheckpointManager(sys.argv[1], staging=StagingOptions(local_dir=sys.argv[2])).steps()")
     subprocess.run([sys.executable, "-c", code, root, local_dir], check=True, timeout=60)
     assert os.listdir(local_dir) == []
+
+
+def test_a_restore_holds_its_slot_and_a_waiting_save_goes_on_after(root, local_dir, monkeypatch):
+    """The local tier's read lease: a slot being restored is not reused under the reader,
+    and the save that waits for it is woken when the read ends."""
+    mgr = CheckpointManager(root, staging=StagingOptions(slots=1, local_dir=local_dir))
+    first = state(1)
+    mgr.save(1, first).result(timeout=30)
+    entered, gate = threading.Event(), threading.Event()
+    real = LocalTier.read_into
+
+    def held(self, *args):
+        entered.set()
+        gate.wait(30)
+        return real(self, *args)
+
+    monkeypatch.setattr(LocalTier, "read_into", held)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(mgr.restore(1)))
+    reader.start()
+    assert entered.wait(30)
+    saved = threading.Event()
+    writer = threading.Thread(target=lambda: (mgr.save(2, state(2)), saved.set()))
+    writer.start()
+    try:
+        assert not saved.wait(0.5), "the slot was taken while a restore read it"
+    finally:
+        gate.set()
+    reader.join(30)
+    writer.join(30)
+    assert saved.is_set()
+    assert torch.equal(got[0]["w"], first["w"])
+    mgr.close(timeout=30)

@@ -90,6 +90,12 @@ class SlotPool:
         self.registrations = 0
         self.counts: dict[str, float] = {"saves": 0, "skips": 0, "busy_waits": 0, "busy_wait_s": 0.0}
         self.newest_durable: int | None = None
+        if tier is not None:
+            tier.on_read_done = self._wake
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     # ------------------------------------------------------------ capacity
 

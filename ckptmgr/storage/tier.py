@@ -43,7 +43,7 @@ import stat
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any
 
@@ -191,6 +191,7 @@ class LocalTier:
         self._images: dict[int, dict[str, torch.Tensor]] = {}  # pinned mappings  (_mu)
         self._slot_fds: dict[int, int] = {}  # slot index -> directory fd          (_mu)
         self._root_id: str | None = None  # the root the slots belong to            (_mu)
+        self.on_read_done: Callable[[], None] | None = None  # told when a read lease ends (no lock held)
         self.io_pool: Executor = DaemonPool(4, thread_name_prefix="ckptmgr-local")  # checksums and reads
 
     def free_bytes(self) -> int:
@@ -412,6 +413,8 @@ class LocalTier:
         finally:
             with self._mu:
                 self._readers[index] -= 1
+            if self.on_read_done is not None:  # a save may be waiting for this slot
+                self.on_read_done()
 
     def remove_slot(self, index: int) -> None:
         """Delete the slot's files, its manifest first, then its directory."""
