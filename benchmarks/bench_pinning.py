@@ -37,7 +37,7 @@ from typing import Any
 VARIANTS = ["whole", "populate", "pieces", "pieces-noprepare"]
 
 
-def _run_variant(variant: str, work: str, layers: int, base_steps: int) -> dict[str, Any]:
+def _run_variant(variant: str, work: str, layers: int, base_steps: int, width: int, device: str) -> dict[str, Any]:
     import torch
 
     import ckptmgr.save.buffers as buffers
@@ -45,10 +45,11 @@ def _run_variant(variant: str, work: str, layers: int, base_steps: int) -> dict[
 
     buffers.PIN_MODE = variant.removesuffix("-noprepare")
     torch.manual_seed(0)
-    dev = torch.device("cuda")
-    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(layers)]).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    x = torch.randn(1024, 4096, device=dev)
+    dev = torch.device(device)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+    x = torch.randn(1024 if dev.type == "cuda" else 16, width, device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     state = {"model": model, "optim": opt}
 
     def step(before_opt: Any = None) -> float:
@@ -59,7 +60,7 @@ def _run_variant(variant: str, work: str, layers: int, base_steps: int) -> dict[
         if before_opt is not None:
             before_opt()
         opt.step()
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t
 
     for _ in range(15):  # warm-up: kernels, the optimizer state, the allocator
@@ -129,10 +130,13 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=VARIANTS, choices=VARIANTS)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--base", type=int, default=30, help="steps timed for the normal step")
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--device", default="cuda", help="cuda (the measurement); cpu runs the script through only")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:  # one variant, in its own process
-        print(json.dumps(_run_variant(args.child, args.dir, args.layers, args.base)), flush=True)
+        print(json.dumps(_run_variant(args.child, args.dir, args.layers, args.base, args.width, args.device)),
+              flush=True)
         return
     import torch
 
@@ -142,7 +146,8 @@ def main() -> None:
         try:
             t = time.perf_counter()
             done = subprocess.run([sys.executable, __file__, "--child", variant, "--dir", work, "--layers",
-                                   str(args.layers), "--base", str(args.base)],
+                                   str(args.layers), "--base", str(args.base), "--width", str(args.width),
+                                   "--device", args.device],
                                   capture_output=True, text=True, timeout=170)
             if done.returncode != 0:
                 results.append({"variant": variant, "error": done.stderr[-3000:]})

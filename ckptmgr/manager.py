@@ -137,7 +137,7 @@ class CheckpointManager:
             self._coord.barrier("start-up (leftover cleanup)")
         self._staging_opts = staging
         self._guard = StepGuard()
-        self._deleter = Deleter(self._target, retention, self._guard, on_deleted=self._forget)
+        self._deleter = Deleter(self._target, retention, self._guard, on_deleted=lambda s: self._saver.forget(s))
         self._tier = open_local_tier(staging, self.root)
         durable = self._target.list_steps()  # the last listing save() relies on (it lists nothing)
         self._saver = Saver(self._target, self._tier, staging, chunk_size=write_options.chunk_size,
@@ -151,9 +151,6 @@ class CheckpointManager:
             root_id = self._target.root_id()  # (read only: a root gets its identity with its first commit)
             found = self._tier.scan(staging.slots, root_id=root_id, root_is_empty=not durable)
             self._saver.adopt(found, set(durable), root_id)
-
-    def _forget(self, step: int) -> None:
-        self._saver.forget(step)
 
     def stats(self) -> dict[str, float]:
         """Counters since the manager was created.
@@ -467,10 +464,9 @@ class CheckpointManager:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             self._deleter.drain(left)
-            deleting = False
         except CkptTimeoutError:
-            deleting = True
-        deleting = not self._deleter.close(0 if deleting else left) or deleting
+            left = 0
+        deleting = not self._deleter.close(left)
         hung = self._saver.hung
         if not hung:
             self._ring.close()

@@ -404,3 +404,22 @@ def test_staging_copies_are_split_at_piece_boundaries():
         d.copy_(s)
     assert torch.equal(dst, src)
     assert _split_at(dst, src, begin, 0) == [(dst, src)]  # no pieces: one copy
+
+
+def test_a_failing_local_tier_does_not_fail_the_durable_save(root, tmp_path, monkeypatch, caplog):
+    from ckptmgr.storage.tier import LocalTier
+
+    local = str(tmp_path / "shm")
+    os.makedirs(local)
+
+    def broken(self, index, step, manifest):  # e.g. the tier directory was removed under the manager
+        raise FileNotFoundError(2, "No such file or directory (injected)")
+
+    monkeypatch.setattr(LocalTier, "commit", broken)
+    state = big_state()
+    with CheckpointManager(root, staging=StagingOptions(local_dir=local)) as mgr:
+        info = mgr.save(1, state).result(timeout=30)
+        assert info.local_s is None and "could not commit step 1" in caplog.text
+        assert mgr.steps() == [1]
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
+        assert_tree_equal(mgr.restore(1), state)  # verified: the checksums were computed all the same

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import FileRecord, Manifest
 from ..storage import StepWriter, Target
 from ..storage.tier import LocalTier
@@ -138,8 +139,14 @@ def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, side: Ex
         known_ahead = bool(m.files) or local is not None  # checksums computed once, not twice
         written = writer.write_files(files, chunk, checksum=not known_ahead)
         if local is not None:
-            m.files = local.result()
-        elif not m.files:
+            try:
+                m.files = local.result()
+            except Exception as exc:  # the local copy is lost; the durable one need not be
+                log.warning("the local tier could not commit step %d (%s: %s); it is written to %s only",
+                            m.step, type(exc).__name__, exc, target.url)
+                written = [tuple(crc32c_hex(a[b:e]) for b, e in chunk_ranges(a.size, chunk)) for _, a in files]
+                m.files = {}
+        if not m.files:
             m.files = {name: FileRecord(arr.size, chunk, crcs, hs)
                        for (name, arr), crcs, hs in zip(files, written, job.header_sizes, strict=True)}
         if job.coordinate is None:
@@ -157,7 +164,7 @@ def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, side: Ex
             writer.abort()  # (another rank's commit of this step is never undone)
         if local is not None:  # never leave it running on a slot about to be released
             concurrent.futures.wait([local])
-            if local.exception() is None and not m.files:
+            if not local.cancelled() and local.exception() is None and not m.files:
                 m.files = local.result()  # a retry writes with these
         raise
     t_end = time.perf_counter()

@@ -387,6 +387,9 @@ class Saver:
                                 type(error).__name__, error, delay)
                 else:
                     self._protect.discard(step)
+            if error is not None and ticket is None and not retry:
+                log.warning("the durable write of step %d is given up after %d attempts: %s: %s", step,
+                            job.attempts, type(error).__name__, error)
             if error is None and ticket is None:
                 log.info("step %d written to %s at attempt %d", step, self._target.url, job.attempts)
             if protect:

@@ -55,6 +55,9 @@ from ..errors import CheckpointCorruptError, CkptError, ConfigError, StepNotFoun
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..options import StagingOptions
+from .private import NOFOLLOW as _NOFOLLOW
+from .private import UnsafePathError as TierUnsafeError
+from .private import open_private_dir, read_small, write_small
 
 __all__ = ["LocalTier", "TierBusyError", "TierUnsafeError", "open_local_tier", "tier_dir"]
 
@@ -62,70 +65,16 @@ log = logging.getLogger("ckptmgr")
 
 _TMP_MANIFEST = ".manifest.json.tmp"
 _ROOT_ID = "root-id"
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class TierBusyError(OSError):
     """Another live process owns the local tier of this root."""
 
 
-class TierUnsafeError(OSError):
-    """The tier directory is not a private directory of this user (planted, or a symlink)."""
-
-
 def tier_dir(local_dir: str, root_url: str) -> str:
     """The tier directory of ``root_url`` for the current user."""
     key = hashlib.sha256(root_url.encode("utf-8")).hexdigest()[:16]
     return os.path.join(local_dir, f"ckptmgr-{os.getuid()}-{key}")
-
-
-def _check_private_dir(st: os.stat_result, what: str) -> None:
-    if stat.S_ISLNK(st.st_mode):
-        raise TierUnsafeError(f"{what} is a symlink")
-    if not stat.S_ISDIR(st.st_mode):
-        raise TierUnsafeError(f"{what} is not a directory")
-    if st.st_uid != os.geteuid():
-        raise TierUnsafeError(f"{what} belongs to uid {st.st_uid}, not to this user ({os.geteuid()})")
-    if st.st_mode & 0o077:
-        raise TierUnsafeError(f"{what} has mode {stat.S_IMODE(st.st_mode):o}; it must be private (0700)")
-
-
-def _open_private_dir(name: str, dir_fd: int | None, what: str) -> int:
-    """Create (mode 0700) or open the directory ``name``, verified before use; return its fd."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(name, 0o700, dir_fd=dir_fd)
-    _check_private_dir(os.lstat(name, dir_fd=dir_fd), what)
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=dir_fd)
-    try:  # the same directory that lstat saw (no swap in between)
-        st, lst = os.fstat(fd), os.lstat(name, dir_fd=dir_fd)
-        _check_private_dir(st, what)
-        if (st.st_dev, st.st_ino) != (lst.st_dev, lst.st_ino):
-            raise TierUnsafeError(f"{what} was replaced while it was opened")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _read_small(name: str, dir_fd: int, limit: int = 1 << 24) -> bytes:
-    fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            raise CheckpointCorruptError(f"{name} is not a regular file of at most {limit} bytes")
-        return os.read(fd, st.st_size + 1)[:limit]
-    finally:
-        os.close(fd)
-
-
-def _write_small(name: str, dir_fd: int, data: bytes) -> None:
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o600, dir_fd=dir_fd)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
 
 
 class _TierWriter:
@@ -173,7 +122,7 @@ class LocalTier:
         """
         self.path = tier_dir(local_dir, root_url)
         self.url = f"local tier {self.path}"
-        self._fd = _open_private_dir(self.path, None, self.path)
+        self._fd = open_private_dir(self.path, None, self.path)
         try:
             self._lock_fd = os.open("lock", os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600, dir_fd=self._fd)
             try:
@@ -181,7 +130,7 @@ class LocalTier:
             except BlockingIOError:
                 os.close(self._lock_fd)
                 raise TierBusyError(f"{self.path} is in use by another process") from None
-            _write_small("root", self._fd, (root_url + "\n").encode("utf-8"))
+            write_small("root", self._fd, (root_url + "\n").encode("utf-8"))
         except BaseException:
             os.close(self._fd)
             raise
@@ -202,7 +151,7 @@ class LocalTier:
         with self._mu:
             fd = self._slot_fds.get(index)
         if fd is None:
-            fd = _open_private_dir(f"slot-{index:02d}", self._fd, f"{self.path}/slot-{index:02d}")
+            fd = open_private_dir(f"slot-{index:02d}", self._fd, f"{self.path}/slot-{index:02d}")
             with self._mu:
                 if index in self._slot_fds:  # opened twice at once: keep one
                     os.close(fd)
@@ -250,7 +199,7 @@ class LocalTier:
         with self._mu:
             if self._root_id == root_id:
                 return
-        _write_small(_ROOT_ID, self._fd, root_id.encode("ascii"))
+        write_small(_ROOT_ID, self._fd, root_id.encode("ascii"))
         with self._mu:
             self._root_id = root_id
 
@@ -261,7 +210,7 @@ class LocalTier:
 
     def _recorded_root_id(self) -> str | None:
         try:
-            return _read_small(_ROOT_ID, self._fd, 256).decode("ascii").strip() or None
+            return read_small(_ROOT_ID, self._fd, 256).decode("ascii").strip() or None
         except (OSError, UnicodeDecodeError, CkptError):
             return None
 
@@ -313,7 +262,7 @@ class LocalTier:
     def _check_slot(self, index: int) -> Manifest | None:
         d = self._slot_fd(index)
         try:
-            raw = _read_small(MANIFEST_NAME, d)
+            raw = read_small(MANIFEST_NAME, d)
         except FileNotFoundError:
             return None
         where = f"{self.path}/slot-{index:02d}/{MANIFEST_NAME}"
@@ -343,17 +292,13 @@ class LocalTier:
         with self._mu:
             if self._readers[index]:
                 return False
-            for step, i in list(self._steps.items()):
-                if i == index:
-                    del self._steps[step]
+            self._steps = {s: i for s, i in self._steps.items() if i != index}
             return True
 
     def invalidate(self, index: int) -> None:
         """Forget the slot's step and remove its manifest (first, before its data changes)."""
         with self._mu:
-            for step, i in list(self._steps.items()):
-                if i == index:
-                    del self._steps[step]
+            self._steps = {s: i for s, i in self._steps.items() if i != index}
         d = self._slot_fd(index)
         for name in (MANIFEST_NAME, _TMP_MANIFEST):
             with contextlib.suppress(FileNotFoundError):
@@ -366,7 +311,7 @@ class LocalTier:
     def commit(self, index: int, step: int, manifest: bytes) -> None:
         """Record the slot's content as committed ``step`` (manifest written, then renamed)."""
         d = self._slot_fd(index)
-        _write_small(_TMP_MANIFEST, d, manifest)
+        write_small(_TMP_MANIFEST, d, manifest)
         os.rename(_TMP_MANIFEST, MANIFEST_NAME, src_dir_fd=d, dst_dir_fd=d)
         with self._mu:
             self._steps[step] = index
@@ -461,7 +406,7 @@ class LocalTier:
 
     def read_manifest(self, step: int) -> bytes:
         try:
-            return _read_small(MANIFEST_NAME, self._slot_fd(self._slot_of(step)))
+            return read_small(MANIFEST_NAME, self._slot_fd(self._slot_of(step)))
         except FileNotFoundError:
             raise StepNotFoundError(f"step {step} is not in the {self.url}") from None
 
