@@ -88,6 +88,9 @@ def test_a_tier_directory_planted_by_another_user_is_not_used(tmp_path, shared_d
     os.makedirs(root)
     url = os.path.abspath(root)
     attacker(PLANT_SLOT, tier_dir(shared_dir, url), _committed_step_files(shared_dir, 99), url)
+    from ckptmgr.cli._browse import local_tier_steps
+
+    assert local_tier_steps(shared_dir, url) == {}  # `ckptmgr ls` does not list it either
     with caplog.at_level(logging.WARNING, "ckptmgr"):
         mgr = CheckpointManager(root, staging=StagingOptions(local_dir=shared_dir))
     assert "not using the local tier" in caplog.text and "belongs to uid" in caplog.text

@@ -143,6 +143,7 @@ class Saver:
         self._tickets: list[Ticket] = []
         self._closing = False
         self._root_bound = False  # (persist thread) the tier recorded the root's identity
+        self._waiting_told = True  # a save waiting for a held slot has been explained in the log
         if durable:
             self.pool.note_durable(max(durable))
         self.pool.on_wait = self._save_waits
@@ -178,13 +179,20 @@ class Saver:
         if waited > 1e-3:
             log.info("step %d waited %.3f s for a free staging slot", step, waited)
         made = self.pool.allocations
+        job: StagingJob | None = None
         try:
             self.pool.fit(slot, sizes)
             job = self._stager.stage(plan, slot.segments, slot.piece)
             if block:
                 job.wait()
         except BaseException:
-            self.pool.release(slot, step=None, durable=False)
+            try:  # (interrupted while copies run: they must land before the slot is free again)
+                if job is not None:
+                    job.wait(timeout=60)
+            except BaseException:
+                pass
+            finally:
+                self.pool.release(slot, step=None, durable=False)
             raise
         if self.pool.allocations != made and any(s.kind == "none" for s in self.pool.slots):
             self.prepare(sizes)  # the first save made its slot; make the others in the background
@@ -199,16 +207,15 @@ class Saver:
 
     def _save_waits(self) -> None:
         """A save waits for a slot: retry held writes after the shortest delay, not the grown
-        one (the training loop is waiting for them). Called with the pool's lock held."""
+        one (the training loop is waiting for them). Called with the pool's lock held: no I/O
+        here, the persist thread says it in the log."""
         with self._mu:
             if not self._retries:
                 return
             soon = time.monotonic() + RETRY_FIRST_S
             self._retries = [(min(at, soon), job) for at, job in self._retries]
+            self._waiting_told = False
             self._mu.notify_all()
-        log.warning("a save waits for a staging slot: %s", "the slots hold steps whose durable write failed and "
-                    "is being retried (the newest checkpoint is never given up); set StagingOptions(slots=2) to "
-                    "keep saving meanwhile, or busy_timeout/on_busy='skip' to not wait")
 
     def _enqueue(self, job: PersistJob, ticket: Ticket) -> None:
         with self._mu:
@@ -308,6 +315,12 @@ class Saver:
         """The next job to write: the oldest queued save, else a retry that is due; None once
         the saver closes. (This is the one place that decides the order of durable writes.)"""
         while True:
+            with self._mu:
+                tell, self._waiting_told = not self._waiting_told, True
+            if tell:
+                log.warning("a save waits for a staging slot: the slots hold steps whose durable write failed and is "
+                            "being retried (the newest checkpoint is never given up); set StagingOptions(slots=2) "
+                            "to keep saving meanwhile, or busy_timeout / on_busy='skip' not to wait")
             with self._mu:
                 if self._queue:
                     job, ticket = self._queue.popleft()

@@ -57,9 +57,9 @@ from ..format.manifest import MANIFEST_NAME, Manifest
 from ..options import StagingOptions
 from .private import NOFOLLOW as _NOFOLLOW
 from .private import UnsafePathError as TierUnsafeError
-from .private import open_private_dir, read_small, write_small
+from .private import check_private_dir, open_private_dir, read_small, write_small
 
-__all__ = ["LocalTier", "TierBusyError", "TierUnsafeError", "open_local_tier", "tier_dir"]
+__all__ = ["LocalTier", "TierBusyError", "TierUnsafeError", "open_local_tier", "read_tier", "tier_dir"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -435,6 +435,37 @@ class LocalTier:
                     views[0] = views[0][n:]
         finally:
             os.close(fd)
+
+
+def read_tier(local_dir: str, root_url: str) -> dict[int, Manifest]:
+    """The steps committed in this user's tier of ``root_url``, read only (the tier may belong
+    to a running job), by step. Empty when there is no tier, or it is not a private directory
+    of this user: another user's planted tier is never listed."""
+    path = tier_dir(local_dir, root_url)
+    found: dict[int, Manifest] = {}
+    try:
+        check_private_dir(os.lstat(path), path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+    except OSError:
+        return found
+    try:
+        check_private_dir(os.fstat(fd), path)
+        for name in sorted(os.listdir(fd)):
+            if not (name.startswith("slot-") and name[5:].isdigit()):
+                continue
+            try:
+                check_private_dir(os.lstat(name, dir_fd=fd), name)
+                slot = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
+                try:
+                    m = Manifest.from_bytes(read_small(MANIFEST_NAME, slot), where=f"{path}/{name}/{MANIFEST_NAME}")
+                finally:
+                    os.close(slot)
+            except (OSError, CkptError, ValueError):
+                continue  # a slot being written, or reset: not a committed step
+            found[m.step] = m
+    finally:
+        os.close(fd)
+    return found
 
 
 def open_local_tier(opts: StagingOptions, root: str) -> LocalTier | None:
