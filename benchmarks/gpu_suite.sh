@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|report|dist|staging4|staging16|training|training25|restore4|restore16|restore10k|parts4|lightning|hf]...
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|pinning|report|dist|staging4|staging16|training|training25|restore4|restore16|restore10k|parts4|lightning|hf]...
 # Packages the GPU image lacks are installed from .whl/ when present.
 set -uo pipefail
 out="${1:?output directory}"; shift
@@ -37,6 +37,7 @@ for part in "${parts[@]}"; do
               --out "$out/training25.json" 2>&1 | tee "$out/training25.txt" ;;
     hf) python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_hf_trainer.py 2>&1 | tee "$out/hf-tests.txt"
         python3 benchmarks/bench_hf_trainer.py --workdir /var/tmp --out "$out" 2>&1 | tee "$out/hf.txt" ;;
+    pinning) python3 benchmarks/bench_pinning.py --dir /var/tmp --out "$out/pinning.json" 2>&1 | tee "$out/pinning.txt" ;;
     lightning) python3 benchmarks/bench_lightning.py --steps 40 --every 10 --out "$out/lightning.json" 2>&1 | tee "$out/lightning.txt" ;;
     report) python3 benchmarks/run.py --out "$out/report" --scratch /var/tmp/ckptmgr-bench-run \
               --commit "${CKPTMGR_COMMIT:?set CKPTMGR_COMMIT to the commit of this tree (the GPU copy has no current git HEAD)}" 2>&1 | tee "$out/report.txt" ;;

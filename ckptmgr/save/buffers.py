@@ -101,10 +101,17 @@ class HostBuffer:
         ``stop`` set: give up between two pieces (returns False; :meth:`unpin` undoes it).
 
         Raises:
-            RuntimeError: a registration failed (what is registered stays recorded).
+            RuntimeError: a registration failed (the pieces registered before are undone).
         """
         if not _cuda.available() or self.registered:
             return True
+        try:
+            return self._pin(chunk_size, hurry, stop)
+        except BaseException:
+            self.unpin()  # all or nothing: a copy may not span registered and unregistered pages
+            raise
+
+    def _pin(self, chunk_size: int, hurry: threading.Event | None, stop: threading.Event | None) -> bool:
         mode = PIN_MODE
         if mode == "whole":
             self.piece = self.nbytes
