@@ -109,7 +109,7 @@ def test_wait_and_close_time_out_then_finish(faulty):
         h.result(timeout=0.05)
     with pytest.raises(CkptTimeoutError):
         mgr.wait(timeout=0.05)
-    with pytest.raises(CkptTimeoutError, match="step 1 is (kept in the local tier|lost)"):
+    with pytest.raises(CkptTimeoutError, match=r"step 1 is (kept in the local tier|lost)"):
         mgr.close(timeout=0.05)  # bounded: the manager is closed, the write goes on
     assert not h.done()
     mgr.close(timeout=10)  # closed already: nothing to do
