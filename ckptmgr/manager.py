@@ -208,10 +208,7 @@ class CheckpointManager:
             raise ConfigError(f"block must be a bool, got {block!r}")
         self._raise_unobserved()
         self._saver.check_new(step)
-        try:
-            meta_json = encode_plain(metadata or {}, what="metadata")
-        except RecursionError:
-            raise ConfigError("metadata is nested too deeply to be stored") from None
+        meta_json = encode_plain(metadata or {}, what="metadata")
         skeleton, plan, sizes, fps = self._plan(state)
         manifest = Manifest(step=step, state=skeleton, tensors=plan.tensor_index(), files={},
                             metadata=meta_json, library_version=__version__)

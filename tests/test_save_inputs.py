@@ -41,7 +41,7 @@ METADATA = [
     ({"a": {1, 2}}, UnsupportedValueError, "metadata"),
     ({"f": lambda: 0}, UnsupportedValueError, "metadata"),
     ({"t": torch.ones(2)}, UnsupportedValueError, "metadata"),
-    (_deep(100_000), ConfigError, "nested too deeply"),
+    (_deep(100_000), UnsupportedValueError, "nested deeper"),
 ]
 
 BLOCKS = [None, 1, 0, "yes", np.bool_(True)]
