@@ -45,6 +45,8 @@ from .buffers import HostBuffer, anonymous_buffer, file_buffer
 __all__ = ["Slot", "SlotPool", "slot_bytes"]
 
 log = logging.getLogger("ckptmgr")
+_NOW = threading.Event()  # always set: pin without pauses (the caller itself waits for it)
+_NOW.set()
 
 
 def slot_bytes(sizes: list[int]) -> int:
@@ -321,7 +323,7 @@ class SlotPool:
         for b in slot.buffers:
             if b.registered:
                 continue
-            done = b.pin(self.chunk_size, hurry=None if hurry else self.hurry, stop=self.stop)
+            done = b.pin(self.chunk_size, hurry=_NOW if hurry else self.hurry, stop=self.stop)
             if not done:
                 b.unpin()
                 return
