@@ -385,6 +385,9 @@ def test_slots_are_populated_then_pinned_in_pieces_with_pauses_only_in_the_backg
         assert background and set(background) == {"ckptmgr-prepare"}  # pauses between pieces
         mgr.save(1, state).result(timeout=30)
         assert sleeps == []  # nothing new to pin, and a save never pauses
+    assert sorted(fake.unregistered) == sorted(fake.registered)
+    fake.registered.clear()
+    fake.unregistered.clear()
     with CheckpointManager(root + "2", write_options=opts, staging=StagingOptions(slots=1, local_tier=False)) as mgr:
         mgr.save(1, state).result(timeout=30)  # no prepare(): the save pins its slot itself
         assert mgr.stats()["slot_registrations"] > 0 and sleeps == []  # the training thread waits: no pauses
