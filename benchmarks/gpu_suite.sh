@@ -22,7 +22,7 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests staging4 training)
 for part in "${parts[@]}"; do
   case "$part" in
-    tests) python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py 2>&1 | tee "$out/tests.txt" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_lightning_cuda.py 2>&1 | tee "$out/tests.txt" ;;
     staging4) python3 benchmarks/bench_staging.py --gib 4 --out "$out/staging4.json" 2>&1 | tee "$out/staging4.txt" ;;
     staging16) python3 benchmarks/bench_staging.py --gib 16 --out "$out/staging16.json" 2>&1 | tee "$out/staging16.txt" ;;
     training) python3 benchmarks/bench_training.py --repeat 3 --dir /var/tmp/ckptmgr-bench-train \
@@ -38,7 +38,8 @@ for part in "${parts[@]}"; do
     hf) python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_hf_trainer.py 2>&1 | tee "$out/hf-tests.txt"
         python3 benchmarks/bench_hf_trainer.py --workdir /var/tmp --out "$out" 2>&1 | tee "$out/hf.txt" ;;
     pinning) python3 benchmarks/bench_pinning.py --dir /var/tmp --out "$out/pinning.json" 2>&1 | tee "$out/pinning.txt" ;;
-    lightning) python3 benchmarks/bench_lightning.py --steps 40 --every 10 --out "$out/lightning.json" 2>&1 | tee "$out/lightning.txt" ;;
+    lightning) python3 benchmarks/bench_lightning.py --steps 60 --every 20 --repeat 3 --out "$out/lightning.json" 2>&1 | tee "$out/lightning.txt"
+               python3 benchmarks/bench_torchzip.py --mib 4096 --tensors 150 --out "$out/torchzip.json" 2>&1 | tee "$out/torchzip.txt" ;;
     report) python3 benchmarks/run.py --out "$out/report" --scratch /var/tmp/ckptmgr-bench-run \
               --commit "${CKPTMGR_COMMIT:?set CKPTMGR_COMMIT to the commit of this tree (the GPU copy has no current git HEAD)}" 2>&1 | tee "$out/report.txt" ;;
     dist) python3 benchmarks/bench_distributed.py --commit "${CKPTMGR_COMMIT:-unknown}" --out "$out/distributed.json" \

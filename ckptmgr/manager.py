@@ -82,6 +82,12 @@ class CheckpointManager:
             exit) waits for pending writes before giving up on them (default 600; None: no
             limit). What was given up is logged step by step; a hung write never keeps the
             process alive.
+        read_only: True opens the root for reading only: ``steps``, ``metadata`` and
+            ``restore`` work, nothing is created, cleaned up or written (not even a bucket),
+            and ``save``, ``protect``, ``unprotect`` and ``apply_retention`` raise
+            :class:`ConfigError`. None (the default) opens a local root that exists but is
+            not writable by this process read-only, and any other root for writing (on an
+            object store, pass True for read-only credentials). False always opens for writing.
 
     Example:
         >>> import torch
@@ -108,6 +114,7 @@ class CheckpointManager:
         process_group: Any = None,
         coordination_timeout: float = 600.0,
         close_timeout: float | None = CLOSE_TIMEOUT_S,
+        read_only: bool | None = None,
     ) -> None:
         retention = option_or_default(retention, RetentionPolicy, "retention", KeepAll)
         write_options = option_or_default(write_options, WriteOptions, "write_options", WriteOptions)
@@ -123,23 +130,21 @@ class CheckpointManager:
         self._closed = False
         self._target = open_target(str(root) if hasattr(root, "__fspath__") else root,
                                    storage_options, io_threads=write_options.io_threads,
-                                   direct_io=write_options.direct_io, s3_options=s3_options)
+                                   direct_io=write_options.direct_io, s3_options=s3_options,
+                                   read_only=read_only)
         self.root = self._target.url
-        if write_options.gds:
+        self.read_only = self._target.read_only
+        if write_options.gds and not self.read_only:
             enable_writer(self._target, self.root)
         self._coord = coordinator_for(process_group, coordination_timeout)
-        if self._coord is not None:  # one tier per node would be shared by its ranks: none
+        if self._coord is not None or self.read_only:
+            # one tier per node would be shared by its ranks; a reader writes nothing: none
             staging = dataclasses.replace(staging, local_tier=False)
-        removed = self._target.cleanup() if self._coord is None or self._coord.is_leader else []
-        if removed:
-            log.info("removed %d leftovers of interrupted saves under %s", len(removed), self.root)
-        if self._coord is not None:
-            self._coord.barrier("start-up (leftover cleanup)")
+        durable = self._start_up()  # the last listing save() relies on (it lists nothing)
         self._staging_opts = staging
         self._guard = StepGuard()
         self._deleter = Deleter(self._target, retention, self._guard, on_deleted=lambda s: self._saver.forget(s))
         self._tier = open_local_tier(staging, self.root)
-        durable = self._target.list_steps()  # the last listing save() relies on (it lists nothing)
         self._saver = Saver(self._target, self._tier, staging, chunk_size=write_options.chunk_size,
                             deleter=self._deleter, guard=self._guard, durable=durable,
                             retention=self._coord is None or self._coord.is_leader)  # rank 0 decides retention
@@ -151,6 +156,25 @@ class CheckpointManager:
             root_id = self._target.root_id()  # (read only: a root gets its identity with its first commit)
             found = self._tier.scan(staging.slots, root_id=root_id, root_is_empty=not durable)
             self._saver.adopt(found, set(durable), root_id)
+
+    def _start_up(self) -> list[int]:
+        """Remove leftovers of interrupted saves whose writers are gone, then list the
+        committed steps; in a multi-rank job rank 0 does both and the others receive the
+        listing (one LIST per start, whatever the number of ranks)."""
+        c = self._coord
+        durable: list[int] = []
+        if c is None or c.is_leader:
+            removed = self._target.cleanup()
+            if removed:
+                log.info("removed %d leftovers of interrupted saves under %s", len(removed), self.root)
+            durable = self._target.list_steps()
+        if c is not None:
+            durable = c.broadcast(durable, "start-up (leftover cleanup and listing)")
+        return durable
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise ConfigError(f"cannot {what}: the CheckpointManager for {self.root} is read-only")
 
     def stats(self) -> dict[str, float]:
         """Counters since the manager was created.
@@ -191,7 +215,8 @@ class CheckpointManager:
 
         Raises:
             ConfigError: ``step`` is not an int in ``[0, 10**12)`` (a bool is not a step),
-                ``metadata`` is not a dict or ``block`` not a bool; nothing has been staged.
+                ``metadata`` is not a dict or ``block`` not a bool, or the manager is
+                read-only; nothing has been staged.
             StepExistsError: ``step`` is committed or being saved.
             UnsupportedValueError: a value in ``state`` or ``metadata`` cannot be stored;
                 nothing has been written.
@@ -201,6 +226,7 @@ class CheckpointManager:
         """
         t0 = time.perf_counter()  # SaveInfo.blocked_s counts everything from here
         self._check_open()
+        self._check_writable(f"save step {step!r}")
         _check_step(step)
         if metadata is not None and not isinstance(metadata, dict):
             raise ConfigError(f"metadata must be a dict, got {type(metadata).__name__}")
@@ -277,16 +303,20 @@ class CheckpointManager:
 
         Raises:
             StorageError: a deletion failed.
+            ConfigError: the manager is read-only.
         """
         self._check_open()
-        self._deleter.schedule()
-        self._deleter.drain(None)
+        self._check_writable("apply the retention policy")
+        if self._coord is None or self._coord.is_leader:  # rank 0 decides retention
+            self._deleter.schedule()
+            self._deleter.drain(None)
         self._raise_unobserved()
 
     # ---------------------------------------------------------- protection
 
     def _set_protection(self, step: int, protected: bool) -> None:
         self._check_open()
+        self._check_writable(f"{'protect' if protected else 'unprotect'} step {step!r}")
         _check_step(step)
         if self._saver.defer_protection(step, protected):  # applied when it commits
             return

@@ -3,7 +3,8 @@
     python examples/lightning_resume.py /tmp/lightning-run --epochs 5
 
 Run it twice: the second run finds ``last.ckpt`` and continues where the first stopped
-(``ckpt_path="last"``), also after a kill -9 in the middle of a save.
+(``ckpt_path="last"``), also after a kill -9 in the middle of a save. Every ``.ckpt`` in DIR is a
+standard PyTorch checkpoint file: ``torch.load(path, weights_only=True)`` reads it anywhere.
 """
 
 import argparse
@@ -47,3 +48,5 @@ trainer = pl.Trainer(
 )
 trainer.fit(Regressor(), data, ckpt_path="last")  # a fresh start when there is no last.ckpt yet
 print(f"finished at global step {trainer.global_step}", flush=True)
+last = torch.load(f"{args.dir}/last.ckpt", weights_only=True)  # plain torch: no ckptmgr needed to read it
+print(f"last.ckpt: epoch {last['epoch']}, global step {last['global_step']}", flush=True)

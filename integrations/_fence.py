@@ -12,27 +12,33 @@ fire waits for the copy, and both are removed at once. Nothing is hooked between
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ckptmgr import SaveHandle
-
 __all__ = ["StagingFence"]
+
+
+class Staged(Protocol):
+    """A save's copies in flight (a :class:`~ckptmgr.SaveHandle` is one)."""
+
+    def staged(self) -> bool: ...
+
+    def wait_staged(self, timeout: float | None = None) -> None: ...
 
 
 class StagingFence:
     """Waits for the pending copy right before the saved tensors can change."""
 
     def __init__(self) -> None:
-        self._handle: SaveHandle | None = None
+        self._handle: Staged | None = None
         self._hooks: list[Any] = []
         self._mu = threading.Lock()
 
-    def arm(self, handle: SaveHandle) -> None:
+    def arm(self, handle: Staged) -> None:
         """Guard ``handle``'s copy until it has landed (a previous one is waited for first)."""
         self.wait()
         if handle.staged():
@@ -52,7 +58,7 @@ class StagingFence:
             self.wait()
 
     def wait(self) -> None:
-        """Block until the guarded copy has landed; then unhook. Raises the copy's SaveError."""
+        """Block until the guarded copy has landed; then unhook. Raises the copy's error."""
         with self._mu:
             handle, self._handle = self._handle, None
             hooks, self._hooks = self._hooks, []

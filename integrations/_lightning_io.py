@@ -1,242 +1,276 @@
 """The body of the Lightning CheckpointIO plugins, shared by the ``lightning.pytorch`` and the
 ``pytorch_lightning`` classes (each Trainer accepts only plugins of its own namespace).
 
-Lightning names checkpoints by path (``epoch=3-step=400.ckpt``, ``last.ckpt``); ckptmgr by
-step. Each directory Lightning writes to gets one manager, rooted in ``<dir>/.ckptmgr``, and
-each save becomes the next step there. The path Lightning asked for becomes a small pointer
-file naming that step, written (atomically) only once the step has committed: a path that
-exists always names a complete checkpoint, and ``ckpt_path="last"``, which picks the newest
-``last*.ckpt``, finds the newest complete one. Removals run on the same ordered queue as
-the commits, so ``remove_checkpoint`` never overtakes a save still in flight; a step no
-pointer names any more is deleted by the manager's retention run after the next commit.
+Every ``.ckpt`` is a standard PyTorch checkpoint file, the file ``torch.save`` would write
+for the same dict plus one record of CRC32C checksums that torch ignores: ``torch.load``,
+Lightning's ``pl_load``, ``Model.load_from_checkpoint`` and LightningCLI read it with no
+ckptmgr installed. What differs from Lightning's own plugin is when the work happens: the
+training step pays for a copy into reused host memory (no GPU clone), and the file is
+written, fsynced and renamed into place by a background thread (:mod:`._lightning_writer`).
+
+Which saves run in the background: those a ``Checkpoint`` callback (ModelCheckpoint) makes,
+which Lightning waits for at teardown. Any other ``trainer.save_checkpoint(path)`` returns
+once ``path`` is on disk (unless ``async_direct_saves=True``), as with Lightning's own
+plugin: the next line may copy, load or upload it.
+
+ModelCheckpoint picks a versioned name (``-v1``) when its file exists; a file still being
+written does not exist yet. So while a plugin has saves in flight, ``ModelCheckpoint.file_exists``
+also answers True for their paths (the one change this module makes to Lightning, installed
+at the first background save), and no two saves ever get the same name.
+
+The plugin holds nothing but its options until the first save: the writer (threads, staging
+slots) is created then, dropped by ``teardown`` and never pickled, so Trainers, strategies and
+callbacks that hold the plugin can be pickled, deep-copied and sent to ``ddp_spawn`` workers.
 """
 
 from __future__ import annotations
 
-import json
-import logging
+import io
 import os
-import queue
+import sys
 import threading
-from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 import torch
 
-from ckptmgr import CheckpointManager, ConfigError, SaveHandle
-from ckptmgr.retention import RetentionPolicy, StepInfo
+from ckptmgr.errors import ConfigError
+from ckptmgr.format.torchzip import verify_file
+from ckptmgr.options import S3Options, StagingOptions, WriteOptions, option_or_default
 
 from ._fence import StagingFence
+from ._lightning_writer import IN_FLIGHT, Writer
 
-__all__ = ["ROOT_NAME", "CkptmgrIOMixin", "read_pointer"]
+__all__ = ["CkptmgrIOMixin", "install_in_flight_check"]
 
-log = logging.getLogger("ckptmgr")
-ROOT_NAME = ".ckptmgr"
-_FORMAT = "ckptmgr-lightning-pointer"
-
-
-def read_pointer(path: str) -> int | None:
-    """The step a pointer file names; None when ``path`` is not a pointer (e.g. a torch file).
-
-    Raises:
-        FileNotFoundError: no such file.
-    """
-    with open(path, "rb") as f:
-        head = f.read(4096)
-    try:
-        doc = json.loads(head)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != _FORMAT or type(doc.get("step")) is not int:
-        return None
-    return int(doc["step"])
+_STACK_DEPTH = 12  # frames searched for the Checkpoint callback that asked for a save
+_ZIP_MAGIC = b"PK\x03\x04"
 
 
-def _write_pointer(path: str, step: int) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"format": _FORMAT, "root": ROOT_NAME, "step": step}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _cpu(storage: Any, location: Any) -> Any:
+    return storage  # Lightning's default map_location: tensors stay on the CPU
 
 
-class _Unreferenced(RetentionPolicy):
-    """Keeps every step but those the plugin has marked dead (no pointer names them)."""
+def _url_fs(path: Any, storage_options: dict[str, Any] | None, *, resolve: bool = True) -> tuple[str, Any]:
+    """``(path, fs)``: an absolute local path and None, or an fsspec URL and its filesystem
+    (None without ``resolve``)."""
+    p = os.fspath(path)
+    if "://" in p and not p.startswith("file://"):
+        if not resolve:
+            return p, None
+        import fsspec
 
-    def __init__(self) -> None:
-        self.dead: set[int] = set()
-        self._mu = threading.Lock()
-
-    def mark(self, step: int) -> None:
-        with self._mu:
-            self.dead.add(step)
-
-    def keep(self, steps: Sequence[StepInfo]) -> list[bool]:
-        with self._mu:
-            return [s.step not in self.dead for s in steps]
-
-    def __repr__(self) -> str:
-        return "_Unreferenced()"
+        fs, _ = fsspec.core.url_to_fs(p, **(storage_options or {}))
+        return p, fs
+    if p.startswith("file://"):
+        p = p[len("file://"):]
+    return os.path.abspath(p), None
 
 
-class _Directory:
-    """One checkpoint directory: its manager, its pointers and its dead steps."""
+def install_in_flight_check(model_checkpoint: Any) -> None:
+    """Make ``model_checkpoint.file_exists`` count paths with a save in flight as existing."""
+    original = model_checkpoint.file_exists
+    if getattr(original, "_ckptmgr", False):
+        return
 
-    def __init__(self, path: str, options: dict[str, Any]) -> None:
-        self.path = path
-        self.policy = _Unreferenced()
-        self.manager = CheckpointManager(os.path.join(path, ROOT_NAME), retention=self.policy, allow_pickle=True,
-                                         **options)
-        self.pointers: dict[str, int] = {}
-        for name in os.listdir(path):
-            p = os.path.join(path, name)
-            step = read_pointer(p) if name.endswith(".ckpt") and os.path.isfile(p) else None
-            if step is not None:
-                self.pointers[p] = step
-        named = set(self.pointers.values())
-        steps = self.manager.steps()
-        for s in steps:  # left by an earlier run: removed, replaced, or never pointed to (killed)
-            if s not in named:
-                self.policy.mark(s)
-        self.next_step = steps[-1] + 1 if steps else 0
+    def file_exists(self: Any, filepath: Any, trainer: Any) -> bool:
+        if trainer.is_global_zero and _url_fs(filepath, None, resolve=False)[0] in IN_FLIGHT:
+            return bool(trainer.strategy.broadcast(True))
+        return bool(original(self, filepath, trainer))
+
+    file_exists._ckptmgr = True  # type: ignore[attr-defined]
+    file_exists.__doc__ = original.__doc__
+    model_checkpoint.file_exists = file_exists
 
 
 class CkptmgrIOMixin:
     """See :class:`ckptmgr.integrations.lightning.CkptmgrCheckpointIO`."""
 
-    def __init__(self, *, overlap: bool = True, **manager_options: Any) -> None:
-        for bad in ("retention", "allow_pickle"):
-            if bad in manager_options:
-                raise ConfigError(f"CkptmgrCheckpointIO manages {bad!r} itself (Lightning's ModelCheckpoint "
-                                  "decides what to keep)")
+    _namespace = "lightning.pytorch"  # where the Checkpoint callback classes live
+
+    def __init__(self, *, overlap: bool = True, async_direct_saves: bool = False,
+                 write_options: WriteOptions | None = None, staging: StagingOptions | None = None,
+                 storage_options: dict[str, Any] | None = None, s3_options: S3Options | None = None) -> None:
+        if not isinstance(overlap, bool) or not isinstance(async_direct_saves, bool):
+            raise ConfigError(f"overlap and async_direct_saves must be bools, got {overlap!r}, {async_direct_saves!r}")
+        self._write_options = option_or_default(write_options, WriteOptions, "write_options", WriteOptions)
+        self._staging = option_or_default(staging, StagingOptions, "staging", lambda: StagingOptions(slots=2))
+        self._storage_options = option_or_default(storage_options, dict, "storage_options", None)
+        self._s3_options = option_or_default(s3_options, S3Options, "s3_options", None)
+        if self._staging.on_busy != "wait":
+            raise ConfigError("CkptmgrCheckpointIO never skips a save Lightning asked for: StagingOptions.on_busy "
+                              "must be 'wait'")
+        if self._staging.local_tier:
+            raise ConfigError("CkptmgrCheckpointIO writes .ckpt files; StagingOptions.local_tier does not apply")
         super().__init__()
-        self.overlap = bool(overlap)
-        self._options = manager_options
-        self._dirs: dict[str, _Directory] = {}
-        self._mu = threading.Lock()
+        self.overlap = overlap
+        self.async_direct_saves = async_direct_saves
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self._mu = threading.Lock()  # guards _writer
+        self._writer: Writer | None = None
         self._fence = StagingFence()
-        self._queue: queue.Queue[tuple[str, str, int, SaveHandle | None] | None] = queue.Queue()
-        self._errors: list[BaseException] = []
-        self._worker: threading.Thread | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("_mu", "_writer", "_fence"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
 
     # ------------------------------------------------------------ Lightning API
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Start saving ``checkpoint``; ``path`` appears once it has committed."""
-        if storage_options is not None:
-            raise TypeError("CkptmgrCheckpointIO.save_checkpoint takes no storage_options; configure the "
-                            f"manager through CkptmgrCheckpointIO(...) instead (got {storage_options!r})")
-        self._raise_errors()
-        path = os.path.abspath(os.fspath(path))
-        d = self._directory(os.path.dirname(path))
-        with self._mu:
-            step, d.next_step = d.next_step, d.next_step + 1
-        handle = d.manager.save(step, checkpoint, metadata={"lightning_path": os.path.basename(path)},
-                                block=not self.overlap)
-        self._fence.arm(handle)
-        self._enqueue((path, d.path, step, handle))
+        """Write ``checkpoint`` to ``path`` as a torch checkpoint file.
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+        A save by a ``Checkpoint`` callback returns once the copy off the training tensors is
+        enqueued; the file appears, complete, when it has been written. Any other save returns
+        once the file is on disk (see ``async_direct_saves``).
+
+        Raises:
+            TypeError: ``storage_options`` were given (as Lightning's own plugin).
+            Exception: an earlier background save or removal failed.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg is not supported "
+                f"for `{self.__class__.__name__}`; configure it through CkptmgrCheckpointIO(...) instead")
+        self._raise_errors()
+        p, fs = _url_fs(path, self._storage_options)
+        callback, manual = self._caller()
+        background = self.async_direct_saves or callback
+        writer = self._get_writer()
+        self._fence.wait()  # a previous save's copies (its tensors may be these)
+        done, staged = writer.save(checkpoint, p, fs, background=background)
+        if not background:
+            try:
+                done.result()  # on disk when this returns; the error, if any, is raised here
+            finally:
+                self._park_if_idle()
+            return
+        # Overlap the device-to-host copies with the next step only where the fence sees every
+        # change to come: automatic optimization (Lightning orders the steps). CPU copies compete
+        # with the training thread for memory bandwidth anyway: they are waited for here.
+        if self.overlap and not manual and any(s.source.is_cuda for s in staged.image.spans):
+            self._fence.arm(staged)
+        else:
+            staged.wait_staged()
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = _cpu, weights_only: bool | None = None
                         ) -> dict[str, Any]:
-        """The checkpoint ``path`` names (a pointer written by this plugin, or a file saved
-        by Lightning's own ``torch.save``)."""
-        path = os.path.abspath(os.fspath(path))
-        self._drain()
-        if not os.path.exists(path):
+        """Load a checkpoint file (this plugin's, or any ``torch.save`` file), after the saves
+        in flight have finished; a file of this plugin's has its checksums verified first.
+
+        ``weights_only`` is passed to ``torch.load`` as given (None: torch's default, True).
+
+        Raises:
+            FileNotFoundError: no such file.
+            CheckpointCorruptError: the file fails its checksums.
+        """
+        p, fs = _url_fs(path, self._storage_options)
+        self.wait()
+        if not (os.path.isfile(p) if fs is None else fs.isfile(p)):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        step = read_pointer(path)
-        if step is None:
-            # a file from Lightning's own CheckpointIO: trusted as Lightning trusts it
-            loaded: dict[str, Any] = torch.load(path, map_location=map_location, weights_only=bool(weights_only))
+        if fs is None:
+            with open(p, "rb") as f:
+                if f.read(4) == _ZIP_MAGIC:  # else a legacy torch.save file: torch.load decides
+                    verify_file(f, what=str(path))
+            loaded: dict[str, Any] = torch.load(p, map_location=map_location, weights_only=weights_only)
             return loaded
-        d = self._directory(os.path.dirname(path))
-        device = map_location if isinstance(map_location, (str, torch.device)) else None
-        out: dict[str, Any] = d.manager.restore(step, device=device)
-        return out
+        with fs.open(p, "rb") as f:
+            data = io.BytesIO(f.read())  # read once: verified, then loaded
+        if data.getvalue()[:4] == _ZIP_MAGIC:
+            verify_file(data, what=str(path))
+        data.seek(0)
+        loaded = torch.load(data, map_location=map_location, weights_only=weights_only)
+        return loaded
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove ``path``, after every save queued before this call has committed."""
-        path = os.path.abspath(os.fspath(path))
-        if os.path.isdir(os.path.dirname(path)):
-            self._directory(os.path.dirname(path))
-        self._enqueue((path, os.path.dirname(path), -1, None))
+        """Remove ``path``, after every save enqueued before this call has been written."""
+        p, fs = _url_fs(path, self._storage_options)
+        self._get_writer().remove(p, fs)
 
     def teardown(self) -> None:
-        """Wait until every save has committed and every removal is done; raise the first
-        error of any of them."""
+        """Wait for every save and removal; stop the threads and free the staging memory.
+
+        Raises:
+            Exception: the first error of a background save or removal not yet reported.
+        """
+        with self._mu:
+            writer, self._writer = self._writer, None
         try:
             self._fence.wait()
-            self._drain()
-            with self._mu:
-                dirs = list(self._dirs.values())
-            for d in dirs:
-                d.manager.wait()
-                d.manager.apply_retention()  # steps no pointer names any more
-                d.manager.close()
         finally:
-            with self._mu:
-                self._dirs = {}
-            self._raise_errors()
+            if writer is not None:
+                writer.close()
+                self._raise(writer.take_errors())
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save and removal so far has finished (the threads stay).
+
+        Raises:
+            CkptTimeoutError: still busy after ``timeout`` seconds.
+            Exception: the first error of a background save or removal not yet reported.
+        """
+        with self._mu:
+            writer = self._writer
+        if writer is not None:
+            writer.wait(timeout)
+            self._raise(writer.take_errors())
 
     # ------------------------------------------------------------- internals
 
-    def _directory(self, path: str) -> _Directory:
+    def _get_writer(self) -> Writer:
         with self._mu:
-            d = self._dirs.get(path)
-            if d is None:
-                os.makedirs(path, exist_ok=True)
-                d = self._dirs[path] = _Directory(path, self._options)
-            return d
+            if self._writer is None:
+                w, s = self._write_options, self._staging
+                self._writer = Writer(slots=s.slots, copy_threads=s.copy_threads, io_threads=w.io_threads,
+                                      chunk_size=max(w.chunk_size, 4 << 20), direct_io=w.direct_io,
+                                      max_host_bytes=s.max_host_bytes, busy_timeout=s.busy_timeout,
+                                      storage_options=self._storage_options,
+                                      s3_options=self._s3_options)
+            return self._writer
 
-    def _enqueue(self, item: tuple[str, str, int, SaveHandle | None]) -> None:
+    def _park_if_idle(self) -> None:
         with self._mu:
-            if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(target=self._work, name="ckptmgr-lightning", daemon=True)
-                self._worker.start()
-        self._queue.put(item)
+            writer = self._writer
+        if writer is not None:
+            writer.park()
 
-    def _drain(self) -> None:
-        self._queue.join()
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                self._apply(*item)
-            except BaseException as exc:
-                log.error("lightning checkpoint %s: %s", item[0] if item else "?", exc)
-                with self._mu:
-                    self._errors.append(exc)
-            finally:
-                self._queue.task_done()
-
-    def _apply(self, path: str, dirpath: str, step: int, handle: SaveHandle | None) -> None:
-        d = self._dirs.get(dirpath)
-        if handle is not None:
-            handle.result()  # committed; a failure leaves the path as it was
-            assert d is not None
-            _write_pointer(path, step)
-        elif os.path.exists(path):
-            os.remove(path)
-        if d is None:
-            return
-        old = d.pointers.pop(path, None)
-        if handle is not None:
-            d.pointers[path] = step
-        if old is not None and old not in d.pointers.values():
-            d.policy.mark(old)
+    def _caller(self) -> tuple[bool, bool]:
+        """Whether a ``Checkpoint`` callback (ModelCheckpoint, ...) of a running Trainer asked
+        for this save (its teardown then waits for it), and whether the module trains with
+        manual optimization."""
+        callbacks = sys.modules.get(f"{self._namespace}.callbacks")
+        kinds = getattr(callbacks, "Checkpoint", None)
+        frame: FrameType | None = sys._getframe(2)
+        for _ in range(_STACK_DEPTH):
+            if frame is None or kinds is None:
+                return False, False
+            if isinstance(frame.f_locals.get("self"), kinds):
+                trainer = frame.f_locals.get("trainer")
+                status = getattr(getattr(trainer, "state", None), "status", None)
+                if getattr(status, "value", None) != "running":
+                    return False, False  # no run whose teardown would wait for it
+                model_checkpoint = getattr(callbacks, "ModelCheckpoint", None)
+                if model_checkpoint is not None:
+                    install_in_flight_check(model_checkpoint)
+                module = getattr(trainer, "lightning_module", None)
+                return True, not getattr(module, "automatic_optimization", True)
+            frame = frame.f_back
+        return False, False
 
     def _raise_errors(self) -> None:
         with self._mu:
-            errors, self._errors = self._errors, []
+            writer = self._writer
+        if writer is not None:
+            self._raise(writer.take_errors())
+
+    @staticmethod
+    def _raise(errors: list[BaseException]) -> None:
         if errors:
             raise errors[0]

@@ -101,7 +101,7 @@ class Session:
     def guard(self, pending: Pending) -> None:
         """Hold the next optimizer step until ``pending``'s copies have landed (or wait now)."""
         if self.options.overlap:
-            self.fence.arm(pending)  # type: ignore[arg-type]  # the fence needs staged()/wait_staged() only
+            self.fence.arm(pending)  # the fence needs staged()/wait_staged() only
         else:
             pending.wait_staged(self.options.timeout)
 

@@ -13,7 +13,7 @@ For the ``pytorch_lightning`` package use :mod:`ckptmgr.integrations.pytorch_lig
 from __future__ import annotations
 
 try:
-    from lightning.pytorch.plugins.io import CheckpointIO
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
 except ImportError as exc:  # pragma: no cover - exercised where lightning is absent
     raise ImportError(f"ckptmgr.integrations.lightning needs lightning ({exc}): "
                       "pip install 'ckptmgr[lightning]'") from exc
@@ -23,28 +23,36 @@ from ._lightning_io import CkptmgrIOMixin
 __all__ = ["CkptmgrCheckpointIO"]
 
 
-class CkptmgrCheckpointIO(CkptmgrIOMixin, CheckpointIO):
-    """A Lightning ``CheckpointIO`` that saves through ckptmgr: the training step pays for a
-    copy into reused pinned host memory (no GPU clone), the write and the commit run in the
-    background, and a checkpoint path appears only once its checkpoint is complete.
+class CkptmgrCheckpointIO(CkptmgrIOMixin, TorchCheckpointIO):
+    """A Lightning ``CheckpointIO`` that writes standard PyTorch checkpoint files without
+    stalling training: the step pays for a copy into reused pinned host memory (no GPU clone);
+    a background thread writes the file beside its destination, fsyncs it and renames it into
+    place, so a ``.ckpt`` that exists is always complete.
 
-    Each directory Lightning writes to gets a :class:`~ckptmgr.CheckpointManager` rooted in
-    ``<dir>/.ckptmgr``; the ``.ckpt`` paths are small pointer files naming a committed step.
-    ModelCheckpoint decides what to keep (``save_top_k``, ``save_last``): a removed path's
-    step is deleted after the saves queued before the removal have committed.
-    ``trainer.fit(..., ckpt_path="last")`` resumes from the newest complete checkpoint;
-    files saved earlier by Lightning's own ``torch.save`` still load.
+    Each ``.ckpt`` is the file ``torch.save`` would write for the same dict, plus a record of
+    CRC32C checksums that torch ignores: ``torch.load(path, weights_only=True)``,
+    ``Model.load_from_checkpoint`` and LightningCLI read it with no ckptmgr installed, and
+    ``load_checkpoint`` verifies the checksums first. Saves by a ``Checkpoint`` callback
+    (ModelCheckpoint) of a running Trainer run in the background and are waited for at
+    teardown; any other ``trainer.save_checkpoint(path)`` returns once ``path`` is on disk.
+    Removals run after the saves before them; ModelCheckpoint never gives a save in flight's
+    name to another save. Local paths, fsspec URLs (``memory://``, ...) and ``s3://`` (through
+    ckptmgr's multipart uploader) are supported. The plugin pickles at any time (``ddp_spawn``).
+    docs/LIGHTNING.md has the details.
 
     Args:
-        overlap: True (the default) lets the copy off the training tensors run on into the
-            next step; it is waited for right before the next ``optimizer.step()`` or the
-            next forward of a layer with running statistics (BatchNorm), whichever comes
-            first. False waits inside ``save_checkpoint``.
-        **manager_options: passed to each :class:`~ckptmgr.CheckpointManager`
-            (``write_options``, ``staging``, ``storage_options``, ``s3_options``).
+        overlap: True (the default) lets the device-to-host copy run on into the next step; it
+            is waited for right before the next ``optimizer.step()`` or the next forward of a
+            layer with running statistics (BatchNorm), whichever comes first. CPU tensors, and
+            modules with manual optimization, are always copied before the save returns.
+        async_direct_saves: also run saves that no Checkpoint callback made in the background.
+        write_options: ``chunk_size`` (checksum chunk and write task), ``io_threads``,
+            ``direct_io``.
+        staging: ``slots`` (default 2), ``copy_threads``, ``max_host_bytes``, ``busy_timeout``.
+        storage_options: fsspec options for URL paths (credentials, endpoints).
+        s3_options: multipart part size, concurrency and retries for ``s3://`` paths.
 
     Raises:
-        ConfigError: ``retention`` or ``allow_pickle`` was passed (the plugin sets both:
-            Lightning decides what to keep, and its checkpoints hold pickled
-            hyper-parameters, trusted as Lightning trusts them).
+        ConfigError: a bad option (``StagingOptions.on_busy="skip"``: Lightning's saves are
+            never skipped; ``local_tier``: does not apply to ``.ckpt`` files).
     """

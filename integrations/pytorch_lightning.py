@@ -13,7 +13,7 @@ For ``lightning.pytorch`` use :mod:`ckptmgr.integrations.lightning`.
 from __future__ import annotations
 
 try:
-    from pytorch_lightning.plugins.io import CheckpointIO
+    from pytorch_lightning.plugins.io import TorchCheckpointIO
 except ImportError as exc:  # pragma: no cover - exercised where lightning is absent
     raise ImportError(f"ckptmgr.integrations.pytorch_lightning needs pytorch_lightning ({exc}): "
                       "pip install pytorch-lightning") from exc
@@ -23,6 +23,8 @@ from ._lightning_io import CkptmgrIOMixin
 __all__ = ["CkptmgrCheckpointIO"]
 
 
-class CkptmgrCheckpointIO(CkptmgrIOMixin, CheckpointIO):
+class CkptmgrCheckpointIO(CkptmgrIOMixin, TorchCheckpointIO):
     """:class:`ckptmgr.integrations.lightning.CkptmgrCheckpointIO` for ``pytorch_lightning``
     Trainers: the same plugin, arguments and behaviour."""
+
+    _namespace = "pytorch_lightning"

@@ -96,13 +96,18 @@ def assert_tree_equal(a, b, path="state"):
 
 
 def _tier_in_use(path: str) -> bool:
-    """True when a live process holds the tier's lock (it may be another test run's)."""
+    """True when a live process holds the tier's lock (it may be another test run's), or
+    may be about to (a tier made in the last minute, its lock not taken yet)."""
     import fcntl
+    import time
 
     try:
         fd = os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_NOFOLLOW)
     except OSError:
-        return False
+        try:
+            return time.time() - os.lstat(path).st_mtime < 60
+        except OSError:
+            return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -152,3 +157,19 @@ def s3_bucket(s3_endpoint):
     opts = {"endpoint_url": s3_endpoint, "key": "testing", "secret": "testing"}
     s3fs.S3FileSystem(**opts).mkdir(name)
     return name, opts
+
+
+def pytest_collection_modifyitems(config, items):
+    """Lightning's own tests (tests/lightning_suite) that fail with ckptmgr's plugin as the
+    default CheckpointIO, for the reasons docs/LIGHTNING.md gives: expected failures, strictly."""
+    if os.environ.get("CKPTMGR_LIGHTNING_SUITE_IO", "ckptmgr") != "ckptmgr":
+        return
+    known = None
+    for item in items:
+        if "lightning_suite" not in item.nodeid:
+            continue
+        if known is None:
+            from tests_pytorch._ckptmgr_harness import KNOWN_FAILURES as known
+        rel = item.nodeid.split("tests_pytorch/", 1)[-1]
+        if rel in known:
+            item.add_marker(pytest.mark.xfail(reason=known[rel], strict=True))

@@ -34,7 +34,8 @@ def test_plain_loop_example_resumes(tmp_path):
 def test_lightning_example_resumes(tmp_path):
     d = str(tmp_path / "run")
     assert "global step 16" in example("lightning_resume.py", d, "--epochs", "2")
-    assert "global step 32" in example("lightning_resume.py", d, "--epochs", "4")
+    out = example("lightning_resume.py", d, "--epochs", "4")
+    assert "finished at global step 32" in out and "last.ckpt: epoch 3, global step 32" in out
 
 
 def test_s3_example_against_a_real_endpoint(s3_bucket):

@@ -1,9 +1,10 @@
-"""The Lightning CheckpointIO plugin with real Trainers on CPU: a fit SIGKILLed mid-run and
-resumed with ckpt_path="last" ends bitwise identical to one never interrupted; ModelCheckpoint's
-removals never overtake saves in flight; tensors changed right after a save (optimizer step,
-BatchNorm forward) never tear it; a path that exists always names a complete checkpoint."""
+"""The Lightning CheckpointIO plugin with real Trainers on CPU: every .ckpt is a torch
+checkpoint file that loads with no ckptmgr installed, wherever it is copied; a fit SIGKILLed
+mid-run and resumed with ckpt_path="last" ends bitwise identical to one never interrupted;
+direct saves are on disk when they return; hyper-parameters of any type round-trip."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,11 +13,13 @@ import pytest
 import torch
 from conftest import assert_tree_equal
 
-from ckptmgr import ConfigError
-from ckptmgr.integrations._lightning_io import ROOT_NAME, read_pointer
+from ckptmgr import CheckpointCorruptError, ConfigError
+from ckptmgr.format import torchzip
 from ckptmgr.integrations.lightning import CkptmgrCheckpointIO
 
-TRAINER = os.path.join(os.path.dirname(__file__), "lightning_trainer.py")
+HERE = os.path.dirname(__file__)
+TRAINER = os.path.join(HERE, "lightning_trainer.py")
+LOADER = os.path.join(HERE, "load_without_ckptmgr.py")
 
 
 def run(d, epochs, out, *extra):
@@ -26,8 +29,41 @@ def run(d, epochs, out, *extra):
     return proc.stdout
 
 
-def final(out):
-    return torch.load(out, weights_only=False)
+def load_elsewhere(files, *flags):
+    proc = subprocess.run([sys.executable, LOADER, *flags, *files], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def ckpts(d):
+    return sorted(n for n in os.listdir(d) if n.endswith(".ckpt"))
+
+
+def test_every_ckpt_loads_without_ckptmgr_also_copied_elsewhere(tmp_path):
+    d = str(tmp_path / "run")
+    run(d, 3, str(tmp_path / "out.pt"))
+    names = ckpts(d)
+    assert "last.ckpt" in names and len(names) == 3  # top 2 + last
+    assert not [n for n in os.listdir(d) if not n.endswith(".ckpt")]  # no temporaries, no hidden directories
+    out = load_elsewhere([os.path.join(d, n) for n in names], "--weights-only")
+    assert f"ok {len(names)}" in out
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(d, moved)
+    shutil.rmtree(d)
+    assert f"ok {len(names)}" in load_elsewhere([str(moved / n) for n in names], "--weights-only")
+
+
+def test_hyper_parameters_with_modules_dataclasses_and_namespaces_round_trip(tmp_path):
+    d = str(tmp_path / "run")
+    run(d, 2, str(tmp_path / "out.pt"), "--hparams", "rich")
+    out = load_elsewhere([os.path.join(d, "last.ckpt")])
+    assert "['extra', 'loss', 'optim', 'width']" in out
+    ckpt = CkptmgrCheckpointIO().load_checkpoint(os.path.join(d, "last.ckpt"), weights_only=False)
+    hp = ckpt["hyper_parameters"]
+    assert type(hp["loss"]) is torch.nn.MSELoss and hp["optim"].lr == 0.05 and hp["extra"].tag == "run"
+    # weights_only stays torch's default (True) unless asked: such a file is refused, as Lightning's own
+    with pytest.raises(Exception, match="weights_only"):
+        CkptmgrCheckpointIO().load_checkpoint(os.path.join(d, "last.ckpt"))
 
 
 def test_killed_fit_resumed_from_last_ends_bitwise_identical(tmp_path):
@@ -40,25 +76,22 @@ def test_killed_fit_resumed_from_last_ends_bitwise_identical(tmp_path):
             break
     proc.send_signal(signal.SIGKILL)  # mid-epoch 3, with a save possibly in flight
     proc.wait()
-    # every path that exists names a complete checkpoint
-    plugin = CkptmgrCheckpointIO()
-    names = sorted(n for n in os.listdir(d) if n.endswith(".ckpt"))
+    # every .ckpt that exists is complete: it loads and passes its checksums
+    names = ckpts(d)
     assert "last.ckpt" in names
     for n in names:
-        assert plugin.load_checkpoint(os.path.join(d, n))["epoch"] >= 0
-    plugin.teardown()
+        with open(os.path.join(d, n), "rb") as f:
+            assert torchzip.verify_file(f)
+        assert torch.load(os.path.join(d, n), weights_only=True)["epoch"] >= 0
     out = run(d, 6, str(tmp_path / "resumed.pt"), "--resume")
     assert "finished" in out
-    ref, got = final(str(tmp_path / "ref.pt")), final(str(tmp_path / "resumed.pt"))
+    ref, got = torch.load(tmp_path / "ref.pt", weights_only=False), torch.load(tmp_path / "resumed.pt",
+                                                                               weights_only=False)
     assert got["global_step"] == ref["global_step"] == 60
     assert_tree_equal(got["model"], ref["model"])
     assert_tree_equal(got["optim"], ref["optim"])
-    # ModelCheckpoint's choices are all that is left: top 2 + last, and only their steps
-    left = sorted(n for n in os.listdir(d) if n.endswith(".ckpt"))
-    assert len(left) == 3 and "last.ckpt" in left
-    named = {read_pointer(os.path.join(d, n)) for n in left}
-    assert {n for n in os.listdir(os.path.join(d, ROOT_NAME)) if n.startswith("step_")} == {
-        f"step_{s:012d}" for s in named}
+    # ModelCheckpoint's choices are all that is left, and the killed run's temporaries are gone
+    assert sorted(os.listdir(d)) == ckpts(d) and len(ckpts(d)) == 3
 
 
 def test_the_pytorch_lightning_namespace_has_its_own_plugin(tmp_path):
@@ -66,106 +99,54 @@ def test_the_pytorch_lightning_namespace_has_its_own_plugin(tmp_path):
     run(d, 2, str(tmp_path / "out.pt"), "--namespace", "pytorch_lightning")
     from ckptmgr.integrations.pytorch_lightning import CkptmgrCheckpointIO as PLCheckpointIO
 
-    plugin = PLCheckpointIO()
-    ckpt = plugin.load_checkpoint(os.path.join(d, "last.ckpt"))
+    ckpt = PLCheckpointIO().load_checkpoint(os.path.join(d, "last.ckpt"))
     assert ckpt["global_step"] == 20 and "state_dict" in ckpt and ckpt["hyper_parameters"]["width"] == 64
-    plugin.teardown()
 
 
-def _lightning_checkpoint(tmp_path):
-    """A whole checkpoint dict of a real fit, as Lightning's own CheckpointIO wrote it."""
-    d = str(tmp_path / "torchio")
-    import lightning.pytorch as pl
-
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
-
-    class M(pl.LightningModule):
-        def __init__(self, lr=0.1):
-            super().__init__()
-            self.save_hyperparameters()
-            self.m = model
-
-        def training_step(self, batch, i):
-            return self.m(batch[0]).pow(2).mean()
-
-        def configure_optimizers(self):
-            opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
-            return [opt], [torch.optim.lr_scheduler.StepLR(opt, 2)]
-
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4)
-    trainer = pl.Trainer(max_epochs=1, default_root_dir=d, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, accelerator="cpu")
-    trainer.fit(M(), data)
-    path = os.path.join(d, "x.ckpt")
-    trainer.save_checkpoint(path)
-    return torch.load(path, weights_only=False)
-
-
-def test_the_whole_checkpoint_dict_round_trips(tmp_path):
-    ckpt = _lightning_checkpoint(tmp_path)
-    assert {"loops", "callbacks", "optimizer_states", "lr_schedulers", "hyper_parameters"} <= set(ckpt)
+def test_the_whole_checkpoint_dict_round_trips_and_damage_is_caught(tmp_path):
+    torch.manual_seed(0)
+    ckpt = {"state_dict": {"w": torch.randn(1000), "b": torch.zeros(3)}, "epoch": 2, "global_step": 7,
+            "optimizer_states": [{"state": {0: {"exp_avg": torch.ones(1000)}}, "param_groups": [{"lr": 0.1}]}],
+            "loops": {"x": {"y": 1}}, "hparams_name": "kwargs", "hyper_parameters": {"lr": 0.1}}
     plugin = CkptmgrCheckpointIO()
     path = str(tmp_path / "ckpts" / "a.ckpt")
-    plugin.save_checkpoint(ckpt, path)
+    plugin.save_checkpoint(ckpt, path)  # a direct save: on disk when it returns
+    assert os.path.isfile(path) and torch.load(path, weights_only=True)["global_step"] == 7
+    assert_tree_equal(plugin.load_checkpoint(path), ckpt)
     plugin.teardown()
-    assert_tree_equal(CkptmgrCheckpointIO().load_checkpoint(path), ckpt)
-    # and a file saved by Lightning's own CheckpointIO still loads through the plugin
-    assert_tree_equal(CkptmgrCheckpointIO().load_checkpoint(str(tmp_path / "torchio" / "x.ckpt")), ckpt)
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    image = torchzip.plan_image(ckpt)
+    data[image.spans[0].offset + 10] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match="CRC32C"):
+        CkptmgrCheckpointIO().load_checkpoint(path)
+    # a file saved by torch.save (Lightning's own plugin) loads as it is
+    torch.save(ckpt, tmp_path / "plain.ckpt")
+    assert_tree_equal(CkptmgrCheckpointIO().load_checkpoint(str(tmp_path / "plain.ckpt")), ckpt)
 
 
-def test_removal_waits_for_the_saves_queued_before_it(tmp_path):
-    d = tmp_path / "ckpts"
-    plugin = CkptmgrCheckpointIO()
-    big = {"w": torch.randn(4 << 20), "epoch": 0}
-    plugin.save_checkpoint(big, str(d / "a.ckpt"))
-    plugin.remove_checkpoint(str(d / "a.ckpt"))  # while a's save is most likely still in flight
-    plugin.save_checkpoint({"w": torch.ones(3), "epoch": 1}, str(d / "b.ckpt"))
-    plugin.save_checkpoint({"w": torch.zeros(3), "epoch": 2}, str(d / "a.ckpt"))  # the name again
-    plugin.remove_checkpoint(str(d / "b.ckpt"))
-    plugin.teardown()
-    assert sorted(n for n in os.listdir(d) if n.endswith(".ckpt")) == ["a.ckpt"]
-    with pytest.raises(FileNotFoundError):
-        CkptmgrCheckpointIO().load_checkpoint(str(d / "b.ckpt"))
-    assert CkptmgrCheckpointIO().load_checkpoint(str(d / "a.ckpt"))["epoch"] == 2
-    # only a.ckpt's step is left: the removed and replaced ones were deleted at teardown
-    assert [n for n in os.listdir(d / ROOT_NAME) if n.startswith("step_")] == [
-        f"step_{read_pointer(str(d / 'a.ckpt')):012d}"]
-
-
-@pytest.mark.parametrize("change", ["optimizer_step", "batchnorm_forward"])
-def test_tensors_changed_right_after_a_save_do_not_tear_it(tmp_path, change):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.BatchNorm1d(2048), torch.nn.Linear(2048, 2048)).train()
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    model(torch.randn(8, 2048)).sum().backward()
-    want = {k: v.clone() for k, v in model.state_dict().items()}
-    plugin = CkptmgrCheckpointIO()
-    path = str(tmp_path / "c" / "x.ckpt")
-    # a large tensor first keeps the copy threads busy: the model's tensors are copied last
-    ckpt = {"optimizer_states": [torch.randn(32 << 20)], "state_dict": model.state_dict()}
-    plugin.save_checkpoint(ckpt, path)  # returns with the copy in flight
-    if change == "optimizer_step":
-        opt.step()  # the fence waits for the copy before the weights change
-    else:
-        model(torch.randn(8, 2048) * 5)  # running statistics change in this forward
-    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])]
-    assert changed
-    plugin.teardown()
-    assert_tree_equal(dict(CkptmgrCheckpointIO().load_checkpoint(path)["state_dict"]), want)
-
-
-def test_a_pointer_to_a_step_that_never_committed_is_refused(tmp_path):
-    d = tmp_path / "c"
-    plugin = CkptmgrCheckpointIO()
-    plugin.save_checkpoint({"x": torch.ones(2)}, str(d / "a.ckpt"))
-    plugin.teardown()
-    (d / "b.ckpt").write_text('{"format": "ckptmgr-lightning-pointer", "root": ".ckptmgr", "step": 99}')
-    with pytest.raises(Exception, match="step 99"):
-        CkptmgrCheckpointIO().load_checkpoint(str(d / "b.ckpt"))
-
-
-def test_bad_arguments_are_refused():
-    with pytest.raises(ConfigError, match="retention"):
-        CkptmgrCheckpointIO(retention=None)
+def test_bad_arguments_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="overlap"):
+        CkptmgrCheckpointIO(overlap=1)
     with pytest.raises(TypeError, match="storage_options"):
-        CkptmgrCheckpointIO().save_checkpoint({}, "/tmp/x.ckpt", storage_options={"a": 1})
+        CkptmgrCheckpointIO().save_checkpoint({}, str(tmp_path / "x.ckpt"), storage_options={"a": 1})
+    with pytest.raises(FileNotFoundError):
+        CkptmgrCheckpointIO().load_checkpoint(str(tmp_path / "missing.ckpt"))
+
+
+def test_ddp_spawn_on_two_cpu_processes(tmp_path):
+    d = str(tmp_path / "ddp")
+    out = run(d, 2, str(tmp_path / "out.pt"), "--strategy", "ddp_spawn", "--devices", "2")
+    assert "finished" in out
+    names = ckpts(d)
+    assert "last.ckpt" in names and len(names) == 3
+    ckpt = torch.load(os.path.join(d, "last.ckpt"), weights_only=True)
+    assert ckpt["global_step"] == 10  # 320 samples, batch 32, split over 2 processes, 2 epochs
+
+
+def test_legacy_non_zip_torch_files_still_load(tmp_path):
+    path = tmp_path / "legacy.ckpt"
+    torch.save({"w": torch.ones(2), "epoch": 1}, path, _use_new_zipfile_serialization=False)
+    assert CkptmgrCheckpointIO().load_checkpoint(str(path))["epoch"] == 1

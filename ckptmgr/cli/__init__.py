@@ -7,7 +7,9 @@
     ckptmgr export ROOT STEP --to DIR       plain safetensors + JSON, readable without ckptmgr
     ckptmgr import FILE ROOT [--step N]     a torch.save / Lightning .ckpt / safetensors file
 
-ROOT is a path or an fsspec URL (``s3://bucket/prefix``); ``--storage-options JSON`` (or the
+ROOT is a path or an fsspec URL (``s3://bucket/prefix``); for ``ls``, ``inspect`` and ``verify``
+it may also be a directory of torch checkpoint files (Lightning's ModelCheckpoint directory,
+``inspect DIR FILE`` then names the file) or one such file; ``--storage-options JSON`` (or the
 environment variable ``CKPTMGR_STORAGE_OPTIONS``) passes credentials and endpoints. STEP is a
 step number or ``latest``. ``--json`` prints one JSON document for scripts; progress bars show
 on a terminal only.

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..format.manifest import Manifest
 from ..storage.tier import read_tier
+from . import _torchfiles as torchfiles
 from ._context import Ctx, manifests
 from ._render import human_bytes, plain_tree, print_json, table, tensor_bytes, text_tree, when
 
@@ -26,6 +27,8 @@ def _metadata(m: Manifest) -> dict[str, Any]:
 
 
 def cmd_ls(ctx: Ctx, args: argparse.Namespace) -> int:
+    if (done := torchfiles.handle(ctx, args)) is not None:  # a directory of .ckpt files
+        return done
     target = ctx.target(args.root)
     durable = target.list_steps()
     found = manifests(ctx, target, durable)
@@ -57,6 +60,8 @@ def cmd_ls(ctx: Ctx, args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(ctx: Ctx, args: argparse.Namespace) -> int:
+    if (done := torchfiles.handle(ctx, args)) is not None:  # STEP names the .ckpt file
+        return done
     target = ctx.target(args.root)
     step = ctx.step(target, args.step)
     m = ctx.manifest(target, step)

@@ -10,6 +10,7 @@ from ..errors import ConfigError
 from ..restore.verify import StepReport, verify_step
 from ..retention import AnyOf, KeepBest, KeepEvery, KeepEverySeconds, KeepLatest, RetentionPolicy
 from ..retention.deleter import Deleter, StepGuard
+from . import _torchfiles as torchfiles
 from ._context import CorruptFound, Ctx, manifests
 from ._render import human_bytes, print_json, progress
 
@@ -17,6 +18,8 @@ __all__ = ["cmd_prune", "cmd_verify", "policy_from_args"]
 
 
 def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> int:
+    if (done := torchfiles.handle(ctx, args)) is not None:  # a directory of .ckpt files
+        return done
     target = ctx.target(args.root)
     steps = [ctx.step(target, args.step)] if args.step is not None else target.list_steps()
     found = manifests(ctx, target, steps)
@@ -67,7 +70,7 @@ def policy_from_args(args: argparse.Namespace) -> RetentionPolicy:
 
 def cmd_prune(ctx: Ctx, args: argparse.Namespace) -> int:
     policy = policy_from_args(args)  # bad flags fail before the root is touched
-    target = ctx.target(args.root)
+    target = ctx.target(args.root, read_only=args.dry_run)
     deleter = Deleter(target, policy, StepGuard())
     try:
         doomed = deleter.plan()

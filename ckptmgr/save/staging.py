@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
@@ -116,8 +116,12 @@ class StagingJob:
 class Stager:
     """Copies plans into slots. Create and call it from the training (main) thread."""
 
-    def __init__(self, copy_threads: int) -> None:
-        self._pool = DaemonPool(copy_threads, thread_name_prefix="ckptmgr-copy")
+    def __init__(self, copy_threads: int, *, daemon: bool = True) -> None:
+        # daemon=False: ordinary worker threads, for owners that stop them at a known point
+        # (a Lightning plugin's teardown) and must leave no daemon thread behind
+        self._pool: DaemonPool | ThreadPoolExecutor = (
+            DaemonPool(copy_threads, thread_name_prefix="ckptmgr-copy") if daemon
+            else ThreadPoolExecutor(copy_threads, thread_name_prefix="ckptmgr-copy"))
         self._threads = copy_threads
         self._streams: dict[torch.device, Any] = {}
 
@@ -172,4 +176,7 @@ class Stager:
         return StagingJob(done, futures, keepalive=(plan, gpu))
 
     def close(self, timeout: float | None = None) -> None:
-        self._pool.stop(timeout=timeout)
+        if isinstance(self._pool, DaemonPool):
+            self._pool.stop(timeout=timeout)
+        else:
+            self._pool.shutdown(wait=True)

@@ -107,6 +107,9 @@ class _TierWriter:
         with contextlib.suppress(OSError):
             self.tier.invalidate(self.index)
 
+    def close(self) -> None:
+        """Nothing to release: the slot is this process's own (its flock covers the tier)."""
+
 
 class LocalTier:
     """The tmpfs directory holding the slots of one checkpoint root: a target whose writes
