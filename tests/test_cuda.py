@@ -179,3 +179,38 @@ def test_kvikio_writes_and_reads_for_real(root):
         assert torch.equal(target[k], state[k]), k
     with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:  # standard, verified files
         mgr.restore(device="cuda", loader="ring")
+
+
+@pytest.mark.parametrize("mode", ["pieces", "populate", "whole"])
+def test_slots_pinned_in_pieces_take_copies_split_at_the_boundaries(root, monkeypatch, mode):
+    """A copy across two registrations fails with cudaErrorInvalidValue: staging splits its
+    device-to-host copies at the piece boundaries, restores copy chunk by chunk."""
+    import ckptmgr.save.buffers as buffers
+    from ckptmgr import WriteOptions
+
+    monkeypatch.setattr(buffers, "PIN_MODE", mode)
+    monkeypatch.setattr(buffers, "PIN_PIECE_BYTES", 1 << 20)  # pieces of 1 MiB: most tensors straddle one
+    g = torch.Generator(device="cuda").manual_seed(7)
+    state = {f"p{i}": torch.randn(300_000 + 1000 * i, device="cuda", generator=g) for i in range(6)}
+    state["t"] = torch.randn(700, 900, device="cuda", generator=g).t()  # non-contiguous, straddling
+    state["h"] = torch.randn(3_000_000, device="cuda", generator=g).bfloat16()
+    opts = WriteOptions(chunk_size=256 << 10, max_file_bytes=8 << 20)
+    with CheckpointManager(root, write_options=opts, staging=StagingOptions(slots=2)) as mgr:
+        mgr.prepare(state)
+        mgr.wait()
+        for step in range(3):
+            mgr.save(step, state, block=step % 2 == 0).wait_staged()
+            mgr.wait()
+            for loader in ("auto", "inplace", "ring"):
+                got = mgr.restore(step, device="cuda", loader=loader)
+                for k, v in state.items():
+                    assert torch.equal(got[k], v), (mode, step, loader, k)
+            target = {k: torch.zeros_like(v) for k, v in state.items()}
+            mgr.restore(step, target=target)
+            for k, v in state.items():
+                assert torch.equal(target[k], v), (mode, step, k)
+            for v in state.values():
+                v.add_(1)
+        if mode == "pieces":
+            slot = mgr._saver.pool.slots[0]
+            assert slot.piece == 1 << 20 and all(len(b.registered) > 1 for b in slot.buffers if b.nbytes > 1 << 20)
