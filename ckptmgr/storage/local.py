@@ -22,11 +22,12 @@ import os
 import secrets
 import stat
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
 
+from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import MANIFEST_NAME
@@ -42,7 +43,7 @@ from ..format.naming import (
 from .commit import RenameCommit, remove_local_leftovers
 from .fsspec import check_step
 from .lease import LEASE_STALE_S, LeaseKeeper
-from .posix import fsync_dir, open_dir, open_regular, preadv_into, pwrite_all, remove_ours, stat_regular
+from .posix import fsync_dir, open_dir, open_regular, pread_chunk, preadv_into, pwrite_all, remove_ours, stat_regular
 
 __all__ = ["LocalTarget", "fsync_dir", "preadv_into"]
 
@@ -156,7 +157,7 @@ class LocalTarget:
             if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
                 raise StorageError(f"checkpoint root {self.path!r} is not readable and writable by this process "
                                    "(open it with read_only=True to restore from it)")
-        self.io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckptmgr-io")
+        self.io_pool: Executor = DaemonPool(io_threads, thread_name_prefix="ckptmgr-io")
         self.direct_io = direct_io
         self.keeper = LeaseKeeper(self.path, self.lease_stale_s / 5)
         self._mu = threading.Lock()  # guards _root_id
@@ -284,6 +285,13 @@ class LocalTarget:
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
         with self._open_step(step) as d:
             preadv_into(_plain(name), offset, out, dir_fd=d)
+
+    def read_chunk(self, step: int, name: str, offset: int, buf: np.ndarray[Any, Any], length: int) -> str:
+        """``read_into`` for one buffer, reading what the page cache lacks with O_DIRECT when
+        ``offset`` and ``buf`` allow it (see :func:`~ckptmgr.storage.posix.pread_chunk`);
+        ``buf`` may be written up to ``length`` rounded up to 4096 bytes."""
+        with self._open_step(step) as d:
+            return pread_chunk(_plain(name), offset, buf, length, dir_fd=d)
 
     def path_of(self, step: int, name: str) -> str:
         """Where data file ``name`` of committed ``step`` lies (for the in-place loader),

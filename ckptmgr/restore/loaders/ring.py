@@ -84,8 +84,7 @@ class PinnedRing:
     def buffers(self) -> list[torch.Tensor]:
         with self._mu:
             if not self._buffers:
-                make = _cuda.pinned_empty if _cuda.available() else (
-                    lambda n: torch.empty(n, dtype=torch.uint8))
+                make = _cuda.pinned_empty if _cuda.available() else _page_aligned
                 self._buffers = [make(self.slot_bytes) for _ in range(self.slots)]
             return self._buffers
 
@@ -116,6 +115,14 @@ class PinnedRing:
             with self._mu:
                 self._free.append(index)
                 self._returned.notify()
+
+
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    """Host memory starting on a page boundary (as pinned buffers do), so that direct reads
+    can fill it."""
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 4096
+    return raw[skip:skip + nbytes]
 
 
 def file_entries(manifest: Manifest, fname: str, where: str) -> list[Entry]:
@@ -215,6 +222,7 @@ def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: tor
     """
     where = f"{source.url}: step {step}"
     bufs = ring.buffers()
+    read_chunk = getattr(source, "read_chunk", None)
 
     def fetch_for(fname: str, rec: FileRecord) -> Fetch:
         if rec.chunk_size > ring.slot_bytes:
@@ -224,7 +232,10 @@ def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: tor
         def fetch(slot: int, b: int, e: int) -> tuple[torch.Tensor, str | None]:
             buf = bufs[slot][:e - b]
             arr = buf.numpy()
-            source.read_into(step, fname, b, [arr])
+            if read_chunk is not None:  # a cold file is read with O_DIRECT into the pinned buffer
+                read_chunk(step, fname, b, bufs[slot].numpy(), e - b)
+            else:
+                source.read_into(step, fname, b, [arr])
             return buf, crc32c_hex(arr)
         return fetch
 
