@@ -73,8 +73,8 @@ for step in range(start, args.steps):
     if step == args.kill_at:
         manager.wait()  # the checkpoints so far are durable; the kill then hits mid-run
         os.kill(os.getpid(), signal.SIGKILL)
-ckpt.close()
+manager.wait()
 print(f"rank {rank}: committed steps {manager.steps()}")
-manager.close()
+ckpt.close()  # and the manager with it
 if distributed:
     dist.destroy_process_group()

@@ -4,7 +4,8 @@ SIGTERM, or kill -9), run it again.
     python examples/plain_loop_resume.py /tmp/plain-run --steps 200
 
 Checkpoints every 20 steps (the copy overlaps the next step), keeps the newest 3 plus every
-100th, and on SIGTERM saves the current step and stops.
+100th, and on SIGTERM saves the current step and stops. Checkpoint s holds the state after
+step s: a restart continues at s + 1.
 """
 
 import argparse
@@ -41,7 +42,7 @@ state = {"model": model, "optim": opt, "sched": sched, "data": GeneratorState()}
 
 manager = CheckpointManager(args.root, retention=AnyOf(KeepLatest(3), KeepEvery(100)))
 ckpt = CheckpointCallback(manager, state, every_n_steps=20, save_on_signals=(signal.SIGTERM,))
-start = ckpt.resume()  # 0 on a fresh start
+start = ckpt.resume()  # 0 on a fresh start, else the restored step + 1
 print(f"starting at step {start}", flush=True)
 for step in range(start, args.steps):
     x = torch.randn(64, 32, generator=data)
@@ -54,5 +55,6 @@ for step in range(start, args.steps):
     if ckpt.after_step(step):  # SIGTERM: this step is durable, stop
         print(f"stopped at step {step}", flush=True)
         break
-ckpt.close()
-print(f"done; checkpoints at steps {CheckpointManager(args.root).steps()}", flush=True)
+ckpt.close()  # waits for the last save and closes the manager
+with CheckpointManager(args.root) as manager:
+    print(f"done; checkpoints at steps {manager.steps()}", flush=True)

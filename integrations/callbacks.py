@@ -1,5 +1,9 @@
 """Checkpointing for plain training loops: resume, save on a schedule, save on preemption.
 
+Checkpoint ``s`` holds the state after step ``s`` has run, so a resumed loop continues at
+``s + 1``: :meth:`CheckpointCallback.resume` returns that step, and a restart never trains a
+step twice or saves a committed step again.
+
 Example:
     >>> from ckptmgr import CheckpointManager
     >>> from ckptmgr.integrations.callbacks import CheckpointCallback
@@ -13,7 +17,7 @@ Example:
     ...     opt.step(); opt.zero_grad(); sched.step()
     ...     if ckpt.after_step(step):  # saved because of a preemption signal: stop
     ...         break
-    >>> ckpt.close()  # doctest: +SKIP
+    >>> ckpt.close()  # waits for the saves, then closes the manager  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import logging
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
-from ckptmgr import CheckpointManager, ConfigError, SaveHandle
+from ckptmgr import CheckpointCorruptError, CheckpointManager, ConfigError, SaveHandle, StepNotFoundError
 
 __all__ = ["CheckpointCallback"]
 
@@ -36,8 +41,10 @@ log = logging.getLogger("ckptmgr")
 class CheckpointCallback:
     """Drives a :class:`~ckptmgr.CheckpointManager` from a plain training loop.
 
+    The callback owns the manager: :meth:`close` (or leaving a ``with`` block) closes it.
+
     Args:
-        manager: where checkpoints go.
+        manager: where checkpoints go; closed by :meth:`close`.
         state: the training state (a dict of modules, optimizers, schedulers, RNG holders,
             plain values...). It is saved as is and restored into in place.
         every_n_steps: save after every step that is a multiple of this.
@@ -73,6 +80,7 @@ class CheckpointCallback:
         self.every_n_seconds = every_n_seconds
         self.block = bool(block)
         self.stop_requested = False
+        self.resumed_step: int | None = None  # the step resume() restored, if any
         self._signalled: int | None = None
         self._pending: SaveHandle | None = None
         self._last_save = time.monotonic()
@@ -86,14 +94,30 @@ class CheckpointCallback:
         self._signalled = signum  # acted on at the end of the current step, never mid-step
 
     def resume(self) -> int:
-        """Restore the newest committed checkpoint into ``state``; the step to run next (0 on a
-        fresh start)."""
-        latest = self.manager.latest_step()
-        if latest is None:
-            return 0
-        self.manager.restore(latest, target=self.state)
-        log.info("resumed from step %d", latest)
-        return latest + 1
+        """Restore the newest checkpoint that verifies into ``state``; return the step to run
+        next: ``s + 1`` after restoring step ``s``, 0 on a fresh start.
+
+        A newer checkpoint that fails verification is skipped with a warning, as
+        :meth:`CheckpointManager.restore` does; :attr:`resumed_step` says which step was
+        restored.
+
+        Raises:
+            StepNotFoundError: there are checkpoints, but none verifies.
+            StateMismatchError: ``state`` does not match the checkpoint; nothing was changed.
+        """
+        steps = self.manager.steps()
+        for step in reversed(steps):
+            try:
+                self.manager.restore(step, target=self.state)
+            except (CheckpointCorruptError, StepNotFoundError) as exc:
+                warnings.warn(f"skipping step {step}: {exc}", RuntimeWarning, stacklevel=2)
+                continue
+            log.info("resumed from step %d", step)
+            self.resumed_step = step
+            return step + 1
+        if steps:
+            raise StepNotFoundError(f"no checkpoint under {self.manager.root} verifies (tried steps {steps})")
+        return 0
 
     def before_optimizer_step(self, step: int) -> None:
         """Call right before ``optimizer.step()``: the last save's copy must have landed
@@ -127,9 +151,28 @@ class CheckpointCallback:
         return False
 
     def close(self) -> None:
-        """Wait for pending saves (raising a failure), put the signal handlers back."""
+        """Wait for pending saves, put the signal handlers back, and close the manager.
+
+        Raises:
+            SaveError: a save failed and nobody has been told yet (the manager is closed all
+                the same).
+        """
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
-        self.before_optimizer_step(-1)
-        self.manager.wait()
+        try:
+            self.before_optimizer_step(-1)
+        finally:
+            self.manager.close()
+
+    def __enter__(self) -> CheckpointCallback:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # failing already: close, but do not replace the exception
+            self.close()
+        except Exception as close_exc:
+            log.error("while handling %s: %s", getattr(exc_type, "__name__", exc_type), close_exc)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from ckptmgr import CheckpointManager, ConfigError
+from ckptmgr import CheckpointManager, ConfigError, StagingOptions, StepNotFoundError
 from ckptmgr.integrations.callbacks import CheckpointCallback
 
 TRAINER = os.path.join(os.path.dirname(__file__), "callback_trainer.py")
@@ -77,14 +77,67 @@ def test_bad_arguments(root):
 
 def test_every_n_seconds_and_resume_on_a_fresh_root(root):
     state = {"w": torch.zeros(3)}
-    with CheckpointManager(root) as mgr:
-        ckpt = CheckpointCallback(mgr, state, every_n_seconds=1e-9, block=True)
-        assert ckpt.resume() == 0
+    with CheckpointCallback(CheckpointManager(root), state, every_n_seconds=1e-9, block=True) as ckpt:
+        assert ckpt.resume() == 0 and ckpt.resumed_step is None
         for step in range(3):
             state["w"] += 1
             ckpt.before_optimizer_step(step)
             assert not ckpt.after_step(step)
-        ckpt.close()
-        assert mgr.steps() == [0, 1, 2]
-        state["w"].zero_()
-        assert ckpt.resume() == 3 and torch.equal(state["w"], torch.full((3,), 3.0))
+        ckpt.manager.wait()
+        assert ckpt.manager.steps() == [0, 1, 2]
+    state["w"].zero_()
+    with CheckpointCallback(CheckpointManager(root), state, every_n_steps=1) as ckpt:
+        assert ckpt.resume() == 3 and ckpt.resumed_step == 2 and torch.equal(state["w"], torch.full((3,), 3.0))
+
+
+def _corrupt_newest(root: str, step: int) -> None:
+    path = os.path.join(root, f"step_{step:012d}", "data-00000.safetensors")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 1)
+        last = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+def test_resume_skips_a_corrupt_newest_step_like_restore(root):
+    state = {"w": torch.zeros(3)}
+    with CheckpointCallback(CheckpointManager(root, staging=StagingOptions(local_tier=False)), state,
+                            every_n_steps=1, block=True) as ckpt:
+        for step in range(3):
+            state["w"] += 1
+            ckpt.before_optimizer_step(step)
+            ckpt.after_step(step)
+    _corrupt_newest(root, 2)
+    state["w"].zero_()
+    with CheckpointCallback(CheckpointManager(root), state, every_n_steps=1) as ckpt:
+        with pytest.warns(RuntimeWarning, match="skipping step 2"):
+            assert ckpt.resume() == 2  # step 1 restored: continue at 2
+        assert ckpt.resumed_step == 1 and torch.equal(state["w"], torch.full((3,), 2.0))
+    _corrupt_newest(root, 1)
+    _corrupt_newest(root, 0)
+    with CheckpointCallback(CheckpointManager(root), state, every_n_steps=1) as ckpt, pytest.warns(RuntimeWarning), \
+            pytest.raises(StepNotFoundError, match=r"no checkpoint .* verifies"):
+        ckpt.resume()
+
+
+def test_close_closes_the_manager_so_the_next_one_gets_the_local_tier(root, caplog):
+    ckpt = CheckpointCallback(CheckpointManager(root), {"w": torch.ones(2)}, every_n_steps=1)
+    ckpt.after_step(0)
+    ckpt.close()
+    with pytest.raises(ConfigError, match="closed"):
+        ckpt.manager.steps()
+    with caplog.at_level("WARNING", logger="ckptmgr"), CheckpointManager(root) as mgr:
+        assert mgr.steps() == [0]
+    assert "in use by another process" not in caplog.text
+
+
+def test_the_fallback_warning_is_printed_once(tmp_path):
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((4,), float(step))}).result()
+    _corrupt_newest(root, 2)
+    code = f"from ckptmgr import CheckpointManager; print(CheckpointManager({root!r}).restore()['w'][0].item())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "1.0", out.stderr
+    assert out.stderr.count("skipping step 2") == 1, out.stderr

@@ -149,8 +149,8 @@ def test_export_is_plain_safetensors_identical_to_restore(saved, tmp_path):
 
     dest = tmp_path / "export"
     out = cli_json("export", saved, "50", "--to", str(dest), "--only", "model/")
-    assert sorted(os.listdir(dest)) == sorted([*out["files"], "index.json", "state.json"])
-    index = json.loads((dest / "index.json").read_text())
+    assert sorted(os.listdir(dest)) == sorted([*out["files"], "model.safetensors.index.json", "state.json"])
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
     loaded = {}
     for f in set(index["weight_map"].values()):
         loaded.update(load_file(str(dest / f)))
@@ -171,7 +171,7 @@ def test_export_is_plain_safetensors_identical_to_restore(saved, tmp_path):
 def test_export_stops_on_corruption_and_leaves_nothing(saved, tmp_path):
     data = os.path.join(saved, "step_000000000050", "data-00000.safetensors")
     with open(data, "r+b") as f:
-        f.seek(5000)
+        f.seek(8 + int.from_bytes(f.read(8), "little") + 100)  # into the data, past the header
         f.write(b"\xff\xff")
     r = cli("export", saved, "50", "--to", str(tmp_path / "x"))
     assert r.returncode == 1 and "fail their checksum" in r.stderr
@@ -194,7 +194,7 @@ def test_import_torch_save_and_refuses_unsafe_pickles(tmp_path, root):
     r = cli("import", str(tmp_path / "unsafe.pt"), root, "--step", "8")
     assert r.returncode == 2 and "weights_only" in r.stderr and "StepInfo" in r.stderr
     r = cli("import", str(tmp_path / "unsafe.pt"), root, "--step", "8", "--safe-global", "ckptmgr.retention.StepInfo")
-    assert r.returncode == 2 and "allow_pickle" in r.stderr  # loadable now, but not storable natively
+    assert r.returncode == 2 and "--allow-pickle" in r.stderr  # loadable now, but not storable natively
     assert cli("import", str(tmp_path / "missing.pt"), root, "--step", "9").returncode == 3
     with CheckpointManager(root) as mgr:
         assert mgr.steps() == [7]  # nothing of the refused imports was committed
@@ -223,7 +223,7 @@ pl.Trainer(max_steps=6, default_root_dir={str(tmp_path)!r}, logger=False, enable
     cli_json("export", root, "6", "--to", str(tmp_path / "exp"), "--only", "state_dict/")
     from safetensors.torch import load_file
 
-    index = json.loads((tmp_path / "exp" / "index.json").read_text())
+    index = json.loads((tmp_path / "exp" / "model.safetensors.index.json").read_text())
     (f,) = set(index["weight_map"].values())
     exported = load_file(str(tmp_path / "exp" / f))
     assert sorted(exported) == sorted(orig["state_dict"])
@@ -292,3 +292,68 @@ def test_progress_bar_only_on_a_terminal(saved):
     assert b"verify:" in b"".join(chunks)  # tqdm's bar, drawn on the terminal
     p = subprocess.run([sys.executable, "-m", "ckptmgr", "verify", saved, "-q"], capture_output=True, env=ENV)
     assert p.returncode == 0 and b"verify:" not in p.stderr
+
+
+def test_inspect_summarizes_long_sequences_and_all_shows_them(root):
+    import random
+
+    class PyRNG:
+        def state_dict(self):
+            return {"python": random.getstate()}
+
+        def load_state_dict(self, sd):
+            random.setstate(sd["python"])
+
+    losses = [float(i) for i in range(40)]
+    groups = [{"lr": 0.1, "w": torch.zeros(2)} for _ in range(20)]
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": torch.nn.Linear(4, 2), "rng": PyRNG(), "losses": losses, "groups": groups,
+                     "short": (1, 2, 3)}).result()
+    text = cli("inspect", root)
+    assert text.returncode == 0
+    lines = text.stdout.splitlines()
+    assert len(lines) < 60, len(lines)  # the RNG state alone is 625 numbers
+    assert any("tuple[625] of int: [" in ln and "--all" in ln for ln in lines)
+    assert any(ln.strip().startswith("losses: list[40] of float: [0.0, 1.0, 2.0, 3.0, ...]") for ln in lines)
+    assert any(ln.strip() == "groups: list[20]" for ln in lines)
+    assert any(ln.strip() == "... 12 more (--all shows every item)" for ln in lines)
+    assert any(ln.strip() == "short: tuple[3]" for ln in lines)  # short ones in full
+    full = cli("inspect", root, "--all").stdout.splitlines()
+    assert len(full) > 625 + 40 + 20 * 3 and not any("--all" in ln for ln in full)
+
+
+def test_export_uses_hugging_face_names(saved, root, tmp_path):
+    from safetensors import safe_open
+
+    try:  # the names transformers' from_pretrained looks for
+        from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+    except ImportError:
+        SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME = "model.safetensors", "model.safetensors.index.json"
+    single = str(tmp_path / "single")
+    with CheckpointManager(single) as mgr:
+        mgr.save(5, {"model": torch.nn.Linear(8, 4).state_dict(), "step": 5}).result()
+    out = cli_json("export", single, "5", "--to", str(tmp_path / "one"), "--only", "model/")
+    assert out["files"] == [SAFE_WEIGHTS_NAME]
+    assert sorted(os.listdir(tmp_path / "one")) == sorted([SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, "state.json"])
+    with safe_open(str(tmp_path / "one" / SAFE_WEIGHTS_NAME), "pt") as f:
+        assert sorted(f.keys()) == ["bias", "weight"]
+    # tied weights: the views get a file of their own, so the export is sharded
+    out = cli_json("export", saved, "50", "--to", str(tmp_path / "two"), "--only", "model/")
+    assert out["files"] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = json.loads((tmp_path / "two" / SAFE_WEIGHTS_INDEX_NAME).read_text())
+    assert set(index["weight_map"].values()) == set(out["files"]) and index["metadata"]["total_size"] > 0
+    for name, fname in index["weight_map"].items():
+        with safe_open(str(tmp_path / "two" / fname), "pt") as f:
+            assert name in set(f.keys())
+
+
+def test_import_names_foreign_files_and_its_own_flags(tmp_path, root):
+    (tmp_path / "garbage.pt").write_bytes(bytes(range(256)) * 8)
+    (tmp_path / "notes.pt").write_text("hello world\n")
+    for name in ("garbage.pt", "notes.pt"):
+        r = cli("import", str(tmp_path / name), root, "--step", "1")
+        assert r.returncode == 2 and "is not a file torch.load can read" in r.stderr, r.stderr
+        assert "--safe-global" not in r.stderr and "Traceback" not in r.stderr
+    torch.save({"w": torch.ones(2), "obj": StepInfo(1, 0.0)}, tmp_path / "unsafe.pt")
+    r = cli("import", str(tmp_path / "unsafe.pt"), root, "--step", "8", "--safe-global", "ckptmgr.retention.StepInfo")
+    assert r.returncode == 2 and "--allow-pickle" in r.stderr and "allow_pickle=True" not in r.stderr

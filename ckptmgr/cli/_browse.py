@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
+from ..errors import CkptError, StepNotFoundError
 from ..format.manifest import Manifest
 from ..storage.tier import read_tier
 from . import _torchfiles as torchfiles
-from ._context import Ctx, manifests
-from ._render import human_bytes, plain_tree, print_json, table, tensor_bytes, text_tree, when
+from ._context import EXIT, CorruptFound, Ctx, exit_code, manifests
+from ._render import SEQUENCE_LIMIT, human_bytes, plain_tree, print_json, table, tensor_bytes, text_tree, when
 
 __all__ = ["cmd_inspect", "cmd_ls", "local_tier_steps"]
 
@@ -30,32 +32,39 @@ def cmd_ls(ctx: Ctx, args: argparse.Namespace) -> int:
     if (done := torchfiles.handle(ctx, args)) is not None:  # a directory of .ckpt files
         return done
     target = ctx.target(args.root)
-    durable = target.list_steps()
-    found = manifests(ctx, target, durable)
+    found = manifests(ctx, target, target.list_steps())
+    # a step deleted (by retention) between the listing and the read is simply not there
+    found = {s: m for s, m in found.items() if not isinstance(m, StepNotFoundError)}
     local = local_tier_steps(args.local_dir, target.url) if args.local_dir else {}
     rows: list[dict[str, Any]] = []
     for step in sorted(set(found) | set(local)):
-        m = found.get(step) or local[step]
+        durable = found.get(step)
+        m = durable if isinstance(durable, Manifest) else local.get(step)
         tier = "durable+local" if step in found and step in local else ("durable" if step in found else "local")
-        rows.append({
-            "step": step,
-            "tier": tier,
-            "bytes": m.total_bytes,
-            "files": len(m.files),
-            "tensors": len(m.tensors),
-            "time": m.time,
-            "protected": step in found and target.is_protected(step),
-            "metadata": _metadata(m),
-        })
+        row: dict[str, Any] = {"step": step, "tier": tier, "ok": not isinstance(durable, CkptError)}
+        if isinstance(durable, CkptError):
+            row["error"] = str(durable)
+        if m is not None:
+            row.update({"bytes": m.total_bytes, "files": len(m.files), "tensors": len(m.tensors), "time": m.time,
+                        "metadata": _metadata(m)})
+        row["protected"] = step in found and target.is_protected(step)
+        rows.append(row)
+    bad = [r for r in rows if not r["ok"]]
     if ctx.json:
-        print_json({"root": target.url, "steps": rows})
-        return 0
-    if not rows:
+        print_json({"root": target.url, "ok": not bad, "steps": rows})
+    elif not rows:
         print(f"no committed checkpoints under {target.url}")
-        return 0
-    print(table([[str(r["step"]), r["tier"], human_bytes(r["bytes"]), when(r["time"]),
-                  "yes" if r["protected"] else "", json.dumps(r["metadata"], ensure_ascii=False)[:80]]
-                 for r in rows], ["STEP", "TIER", "SIZE", "COMMITTED", "PROTECTED", "METADATA"]))
+    else:
+        print(table([[str(r["step"]), r["tier"] if r["ok"] else f"{r['tier']} DAMAGED",
+                      human_bytes(r["bytes"]) if "bytes" in r else "-", when(r["time"]) if "time" in r else "-",
+                      "yes" if r["protected"] else "",
+                      json.dumps(r["metadata"], ensure_ascii=False)[:80] if "metadata" in r else "-"]
+                     for r in rows], ["STEP", "TIER", "SIZE", "COMMITTED", "PROTECTED", "METADATA"]))
+        for r in bad:
+            print(f"step {r['step']}: {r['error']}", file=sys.stderr)
+    if bad:
+        codes = [exit_code(e) for e in found.values() if isinstance(e, CkptError)]
+        raise CorruptFound(EXIT["corrupt"] if EXIT["corrupt"] in codes else max(codes))
     return 0
 
 
@@ -85,7 +94,7 @@ def cmd_inspect(ctx: Ctx, args: argparse.Namespace) -> int:
     if meta:
         print(f"metadata: {json.dumps(meta, ensure_ascii=False)}")
     print()
-    for line in text_tree(m.state, m.tensors):
+    for line in text_tree(m.state, m.tensors, limit=None if args.all else SEQUENCE_LIMIT):
         print(line)
     if args.tensors:
         print()

@@ -1,4 +1,10 @@
-"""What every command shares: the opened root, step resolution, output mode, exit codes."""
+"""What every command shares: the opened root, step resolution, output mode, exit codes.
+
+Commands that only read (``ls``, ``inspect``, ``verify``, ``export``, ``prune --dry-run``)
+open the root read-only, so storage creates, writes and cleans up nothing there, and they
+work on roots this process cannot write to. A root that does not exist (a missing directory,
+a missing bucket, an S3 prefix with nothing under it) is reported with exit code 3.
+"""
 
 from __future__ import annotations
 
@@ -9,26 +15,54 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError, StepNotFoundError
+from ..errors import (
+    CheckpointCorruptError,
+    CkptError,
+    ConfigError,
+    FormatVersionError,
+    StepExistsError,
+    StepNotFoundError,
+    StorageError,
+    UnsupportedValueError,
+)
 from ..format.manifest import Manifest
+from ..options import S3Options
 from ..restore.verify import file_url
 from ..storage import Target, open_target
 
-__all__ = ["EXIT", "CorruptFound", "Ctx", "manifests"]
+__all__ = ["EXIT", "CorruptFound", "Ctx", "damaged", "exit_code", "manifests", "require_root"]
 
 EXIT = {
     "ok": 0,
-    "corrupt": 1,  # verify found a fault, or a read failed its checksum
+    "corrupt": 1,  # verify found a fault, a read failed its checksum, a manifest is damaged
     "usage": 2,  # bad arguments or input (argparse uses 2 as well)
     "not_found": 3,  # no such root, step or file
     "exists": 4,  # the step or export directory already exists
     "storage": 5,  # the storage failed (I/O, permissions, network)
+    "internal": 70,  # a bug in ckptmgr (CKPTMGR_DEBUG=1 shows the traceback)
     "interrupted": 130,
 }
 
 
 class CorruptFound(Exception):
-    """Verification found faults; they have been reported already."""
+    """Faults were found and reported already; carries the exit code they call for."""
+
+    def __init__(self, code: int = EXIT["corrupt"]) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def exit_code(exc: BaseException) -> int:
+    """The documented exit code for an error."""
+    if isinstance(exc, CheckpointCorruptError):
+        return EXIT["corrupt"]
+    if isinstance(exc, StepExistsError):
+        return EXIT["exists"]
+    if isinstance(exc, (StepNotFoundError, FileNotFoundError)):
+        return EXIT["not_found"]
+    if isinstance(exc, (ConfigError, UnsupportedValueError, FormatVersionError)):
+        return EXIT["usage"]
+    return EXIT["storage"]
 
 
 def _storage_options(text: str | None) -> dict[str, Any] | None:
@@ -45,6 +79,51 @@ def _storage_options(text: str | None) -> dict[str, Any] | None:
     return opts
 
 
+def require_root(root: str, storage_options: dict[str, Any] | None) -> None:
+    """Raise StepNotFoundError unless the object-store root ``root`` exists: its bucket and
+    at least one object under its prefix (object stores have no empty directories). Looks
+    only, creates nothing.
+
+    Raises:
+        StepNotFoundError: no such root.
+        ConfigError: the URL or the storage options are unusable.
+        StorageError: the storage cannot be asked.
+    """
+    if not isinstance(root, str) or not root:
+        raise ConfigError(f"ROOT must be a non-empty path or URL, got {root!r}")
+    import fsspec
+
+    is_s3 = root.startswith(("s3://", "s3a://"))
+    so = dict(storage_options or {})
+    if is_s3:
+        try:
+            import s3fs  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"{root!r} needs s3fs: pip install 'ckptmgr[s3]'") from None
+        from ..storage.s3 import s3_storage_options
+
+        so = s3_storage_options(so, S3Options())
+    try:
+        fs, path = fsspec.core.url_to_fs(root, **so)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"cannot open checkpoint root {root!r}: {exc}") from exc
+    except TypeError as exc:
+        raise ConfigError(f"bad storage options for {root!r}: {exc}") from exc
+    path = path.rstrip("/")
+    fs.invalidate_cache()
+    bucket = path.partition("/")[0]
+    for what in ([bucket] if is_s3 and bucket != path else []) + [path]:
+        try:  # info(), not exists(): exists() answers False when the storage cannot be reached
+            fs.info(what)
+        except FileNotFoundError:
+            if what == bucket and is_s3:
+                raise StepNotFoundError(f"no checkpoint root at {root!r}: bucket {bucket!r} does not exist "
+                                        "(or these credentials cannot see it)") from None
+            raise StepNotFoundError(f"no checkpoint root at {root!r} (nothing under that path)") from None
+        except Exception as exc:  # the storage's client raises its own types (botocore, aiohttp, ...)
+            raise StorageError(f"cannot reach checkpoint root {root!r}: {type(exc).__name__}: {exc}") from exc
+
+
 @dataclass
 class Ctx:
     """One command's view of its checkpoint root."""
@@ -54,21 +133,32 @@ class Ctx:
 
     @property
     def json(self) -> bool:
-        return bool(self.args.json)
+        return bool(getattr(self.args, "json", False))
 
     @property
     def show_progress(self) -> bool:
-        return not (self.args.quiet or self.args.json)
+        return not (getattr(self.args, "quiet", False) or self.json)
 
     def storage_options(self) -> dict[str, Any] | None:
-        return _storage_options(self.args.storage_options)
+        return _storage_options(getattr(self.args, "storage_options", None))
 
-    def target(self, root: str, *, must_exist: bool = True, read_only: bool = True) -> Target:
-        """Open ``root``, for reading only unless ``read_only=False`` (a reading command
-        creates nothing, not even a bucket); a local root that does not exist is an error."""
-        if "://" not in root and must_exist and not os.path.isdir(root):
+    def target(self, root: str, *, read_only: bool = True) -> Target:
+        """Open an existing ``root``, for reading only unless ``read_only=False``; nothing is
+        created (not the root, not a bucket).
+
+        A read-only target refuses a missing local root itself; an object store's bucket and
+        prefix are looked up first (a read-only object-store target does not look), and so
+        is a local root opened for writing (opening it would create it).
+
+        Raises:
+            StepNotFoundError: no such root (exit code 3).
+        """
+        so = self.storage_options()
+        if "://" in root and not root.startswith("file://"):
+            require_root(root, so)
+        elif not read_only and not os.path.isdir(root.removeprefix("file://")):
             raise StepNotFoundError(f"no checkpoint root at {root!r} (not a directory)")
-        self._target = open_target(root, self.storage_options(), read_only=read_only)
+        self._target = open_target(root, so, read_only=read_only)
         return self._target
 
     def step(self, target: Target, text: str | None) -> int:
@@ -90,7 +180,24 @@ class Ctx:
         return step
 
     def manifest(self, target: Target, step: int) -> Manifest:
-        return Manifest.from_bytes(target.read_manifest(step), where=file_url(target, step, "manifest.json"))
+        """The validated manifest of ``step``.
+
+        Raises:
+            CheckpointCorruptError: it is damaged, or belongs to another step.
+            FormatVersionError: written by a newer format.
+            StepNotFoundError: the step is gone.
+        """
+        where = file_url(target, step, "manifest.json")
+        data = target.read_manifest(step)
+        try:
+            m = Manifest.from_bytes(data, where=where)
+        except CkptError:
+            raise
+        except Exception as exc:  # untrusted bytes: whatever they break, the step is damaged
+            raise damaged(target, step, exc) from exc
+        if m.step != step:
+            raise CheckpointCorruptError(f"{where}: the manifest is for step {m.step}")
+        return m
 
     def close(self) -> None:
         if self._target is not None:
@@ -98,7 +205,32 @@ class Ctx:
             self._target = None
 
 
-def manifests(ctx: Ctx, target: Target, steps: list[int]) -> dict[int, Manifest]:
-    """The manifests of ``steps``, read in parallel (one request each on object stores)."""
+def damaged(target: Target, step: int, exc: Exception) -> CheckpointCorruptError:
+    """A failure that reading a step's untrusted contents raised, as that step's damage."""
+    err = CheckpointCorruptError(f"{file_url(target, step, 'manifest.json')}: cannot be read "
+                                 f"({type(exc).__name__}: {exc})")
+    err.__cause__ = exc
+    return err
+
+
+def manifests(ctx: Ctx, target: Target, steps: list[int]) -> dict[int, Manifest | CkptError]:
+    """Each step's manifest, or the error that reading it raised (so that one damaged step
+    does not hide the others), read in parallel (one request each on object stores).
+
+    Raises:
+        StorageError: the storage failed (not a problem of one step).
+    """
+    def one(step: int) -> Manifest | CkptError:
+        try:
+            return ctx.manifest(target, step)
+        except StorageError:
+            raise
+        except CkptError as exc:
+            return exc
+        except OSError as exc:  # this step's files only (permissions, a vanished file...)
+            err = StorageError(f"{file_url(target, step, 'manifest.json')}: cannot be read: {exc}")
+            err.__cause__ = exc
+            return err
+
     with ThreadPoolExecutor(8, thread_name_prefix="ckptmgr-cli") as pool:
-        return dict(zip(steps, pool.map(lambda s: ctx.manifest(target, s), steps), strict=True))
+        return dict(zip(steps, pool.map(one, steps), strict=True))

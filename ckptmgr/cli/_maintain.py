@@ -6,12 +6,14 @@ import argparse
 import sys
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import CkptError, ConfigError, StepNotFoundError
+from ..format.manifest import Manifest
 from ..restore.verify import StepReport, verify_step
 from ..retention import AnyOf, KeepBest, KeepEvery, KeepEverySeconds, KeepLatest, RetentionPolicy
 from ..retention.deleter import Deleter, StepGuard
 from . import _torchfiles as torchfiles
-from ._context import CorruptFound, Ctx, manifests
+from ._browse import local_tier_steps
+from ._context import EXIT, CorruptFound, Ctx, damaged, exit_code, manifests
 from ._render import human_bytes, print_json, progress
 
 __all__ = ["cmd_prune", "cmd_verify", "policy_from_args"]
@@ -23,24 +25,57 @@ def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> int:
     target = ctx.target(args.root)
     steps = [ctx.step(target, args.step)] if args.step is not None else target.list_steps()
     found = manifests(ctx, target, steps)
+    # steps committed in this node's local tier but not (yet) in the root: listed, not read
+    # (the tier may belong to a running job, whose slots are reused under a reader)
+    local_only = sorted(set(local_tier_steps(args.local_dir, target.url)) - set(steps)) \
+        if args.step is None and args.local_dir else []
     reports: list[StepReport] = []
-    with progress(sum(m.total_bytes for m in found.values()), "verify", enabled=ctx.show_progress) as bar:
+    unreadable: dict[int, CkptError] = {}  # steps that failed for another reason than damage
+    total = sum(m.total_bytes for m in found.values() if isinstance(m, Manifest))
+    with progress(total, "verify", enabled=ctx.show_progress) as bar:
         for step in steps:
-            reports.append(verify_step(target, step, threads=args.threads, manifest=found[step], on_bytes=bar.update))
+            m = found[step]
+            if isinstance(m, StepNotFoundError) and args.step is None:
+                continue  # deleted (by retention) since the listing: nothing to verify
+            if isinstance(m, CkptError):  # a damaged manifest: this step fails, the others are checked
+                reports.append(StepReport(step, problems=[str(m)]))
+                if exit_code(m) != EXIT["corrupt"]:
+                    unreadable[step] = m
+                continue
+            try:
+                reports.append(verify_step(target, step, threads=args.threads, manifest=m, on_bytes=bar.update))
+            except StepNotFoundError:
+                if args.step is not None:
+                    raise
+            except CkptError as exc:  # the storage failed on this step: say so, go on
+                reports.append(StepReport(step, problems=[str(exc)]))
+                if exit_code(exc) != EXIT["corrupt"]:
+                    unreadable[step] = exc
+            except Exception as exc:  # untrusted contents broke the check: this step is damaged
+                reports.append(StepReport(step, problems=[str(damaged(target, step, exc))]))
     if ctx.json:
+        rows = [{"step": r.step, "tier": "durable", "ok": r.ok, "verified": True, "files": r.files, "bytes": r.bytes,
+                 "problems": r.problems} for r in reports]
+        rows += [{"step": s, "tier": "local", "ok": True, "verified": False, "files": 0, "bytes": 0, "problems": []}
+                 for s in local_only]
         print_json({"root": target.url, "ok": all(r.ok for r in reports),
-                    "steps": [{"step": r.step, "ok": r.ok, "files": r.files, "bytes": r.bytes,
-                               "problems": r.problems} for r in reports]})
+                    "steps": sorted(rows, key=lambda r: r["step"])})
     else:
-        for r in reports:
-            state = "ok" if r.ok else f"CORRUPT ({len(r.problems)} problem(s))"
-            print(f"step {r.step}: {state}: {r.files} file(s), {human_bytes(r.bytes)} checked")
-            for p in r.problems:
+        lines = [(r.step, f"step {r.step}: {'ok' if r.ok else f'CORRUPT ({len(r.problems)} problem(s))'}: "
+                          f"{r.files} file(s), {human_bytes(r.bytes)} checked", r.problems) for r in reports]
+        lines += [(s, f"step {s}: in the local tier only (not yet written to the root): not verified", [])
+                  for s in local_only]
+        for _, line, problems in sorted(lines, key=lambda x: x[0]):
+            print(line)
+            for p in problems:
                 print(f"  {p}", file=sys.stderr)
-        if not reports:
+        if not lines:
             print(f"no committed checkpoints under {target.url}")
     if not all(r.ok for r in reports):
-        raise CorruptFound
+        # exit 1 when a step is damaged; when the only failures are of another kind (the
+        # storage failing, a newer format), their exit code
+        bad = [r for r in reports if not r.ok and r.step not in unreadable]
+        raise CorruptFound(EXIT["corrupt"] if bad else max(exit_code(e) for e in unreadable.values()))
     return 0
 
 
@@ -74,7 +109,7 @@ def cmd_prune(ctx: Ctx, args: argparse.Namespace) -> int:
     deleter = Deleter(target, policy, StepGuard())
     try:
         doomed = deleter.plan()
-        sizes = {s: m.total_bytes for s, m in manifests(ctx, target, doomed).items()}
+        sizes = {s: m.total_bytes if isinstance(m, Manifest) else 0 for s, m in manifests(ctx, target, doomed).items()}
         deleted = doomed if args.dry_run else deleter.delete(doomed)
     finally:
         deleter.close()

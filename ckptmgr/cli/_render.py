@@ -16,8 +16,8 @@ from typing import Any
 
 from ..format.tree import decode_plain
 
-__all__ = ["Progress", "Tensors", "human_bytes", "plain_tree", "print_json", "progress", "table", "text_tree",
-           "when"]
+__all__ = ["SEQUENCE_LIMIT", "Progress", "Tensors", "human_bytes", "plain_tree", "print_json", "progress", "table",
+           "text_tree", "when"]
 
 Tensors = dict[str, dict[str, Any]]  # tensor name -> its manifest index entry
 
@@ -64,6 +64,8 @@ def plain_tree(node: Any, leaf: Callable[[str, str], Any]) -> Any:
         return node
     if isinstance(node, list):
         return [plain_tree(v, leaf) for v in node]
+    if not isinstance(node, dict) or not node:
+        return str(node)
     tag, val = next(iter(node.items()))
     if tag == "$dict":
         items = val.items() if isinstance(val, dict) else ((decode_plain(k), v) for k, v in val)
@@ -81,38 +83,45 @@ def plain_tree(node: Any, leaf: Callable[[str, str], Any]) -> Any:
     return val if tag in ("$float", "$device", "$size") else str(node)
 
 
-def text_tree(node: Any, tensors: Tensors, name: str = "state", depth: int = 0) -> Iterator[str]:
+SEQUENCE_LIMIT = 16  # longer lists, tuples and int-keyed dicts are summarized unless --all
+
+
+def text_tree(node: Any, tensors: Tensors, name: str = "state", depth: int = 0, *,
+              limit: int | None = SEQUENCE_LIMIT) -> Iterator[str]:
     """The state skeleton as indented lines: containers with their type, tensors with dtype,
-    shape and bytes, other values with their (shortened) repr."""
+    shape and bytes, other values with their (shortened) repr. A list, tuple or int-keyed
+    dict of more than ``limit`` items shows its first items and a count (a sequence of
+    plain values, such as Python's RNG state, one line); ``limit=None`` shows everything."""
     pad = "  " * depth
     if node is None or isinstance(node, (bool, int, float, str)):
         yield f"{pad}{name}: {_short(node)}"
         return
     if isinstance(node, list):
-        yield f"{pad}{name}: list[{len(node)}]"
-        for i, v in enumerate(node):
-            yield from text_tree(v, tensors, str(i), depth + 1)
+        yield from _items(f"{pad}{name}: list", list(enumerate(node)), tensors, depth, limit)
+        return
+    if not isinstance(node, dict) or not node:
+        yield f"{pad}{name}: {_short(str(node))}"
         return
     tag, val = next(iter(node.items()))
-    if tag == "$dict":
-        items = list(val.items()) if isinstance(val, dict) else [(repr(decode_plain(k)), v) for k, v in val]
-        yield f"{pad}{name}: {node.get('type', 'dict')}[{len(items)}]"
-        for k, v in items:
-            yield from text_tree(v, tensors, str(k), depth + 1)
+    if tag == "$dict" and isinstance(val, dict):
+        yield f"{pad}{name}: {node.get('type', 'dict')}[{len(val)}]"
+        for k, v in val.items():
+            yield from text_tree(v, tensors, str(k), depth + 1, limit=limit)
+    elif tag == "$dict":
+        items = [(repr(decode_plain(k)), v) for k, v in val]
+        yield from _items(f"{pad}{name}: {node.get('type', 'dict')}", items, tensors, depth, limit)
     elif tag == "$tuple":
-        yield f"{pad}{name}: tuple[{len(val)}]"
-        for i, v in enumerate(val):
-            yield from text_tree(v, tensors, str(i), depth + 1)
+        yield from _items(f"{pad}{name}: tuple", list(enumerate(val)), tensors, depth, limit)
     elif tag == "$stateful":
         yield f"{pad}{name}: {val}"
-        state = node["state"]
-        if isinstance(state, dict) and "$dict" in state and isinstance(state["$dict"], dict):
+        state = node.get("state")
+        if isinstance(state, dict) and isinstance(state.get("$dict"), dict):
             for k, v in state["$dict"].items():
-                yield from text_tree(v, tensors, k, depth + 1)
+                yield from text_tree(v, tensors, k, depth + 1, limit=limit)
         else:
-            yield from text_tree(state, tensors, "state", depth + 1)
+            yield from text_tree(state, tensors, "state", depth + 1, limit=limit)
     elif tag in ("$tensor", "$ndarray", "$npscalar"):
-        e = tensors.get(val, {})
+        e = tensors.get(val, {}) if isinstance(val, str) else {}
         where = f"view of {e['view_of']}" if "view_of" in e else human_bytes(tensor_bytes(e))
         kind = "" if tag == "$tensor" else f" ({tag[1:]})"
         yield f"{pad}{name}: {e.get('dtype', '?')} {e.get('shape', '?')} {where}{kind}"
@@ -120,6 +129,36 @@ def text_tree(node: Any, tensors: Tensors, name: str = "state", depth: int = 0) 
         yield f"{pad}{name}: {val}"
     else:
         yield f"{pad}{name}: {_short(plain_tree(node, lambda k, n: n))}"
+
+
+def _plain_value(node: Any) -> str | None:
+    """The type name of a plain (non-container) skeleton value, None for anything else."""
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return "None" if node is None else type(node).__name__
+    if isinstance(node, dict) and len(node) == 1 and "$float" in node:
+        return "float"
+    return None
+
+
+def _items(head: str, items: list[tuple[Any, Any]], tensors: Tensors, depth: int,
+           limit: int | None) -> Iterator[str]:
+    """A container's header line, then its items (summarized past ``limit``)."""
+    n = len(items)
+    if limit is None or n <= limit:
+        yield f"{head}[{n}]"
+        for k, v in items:
+            yield from text_tree(v, tensors, str(k), depth + 1, limit=limit)
+        return
+    kinds = {_plain_value(v) for _, v in items}
+    if None not in kinds:  # plain values: one line
+        preview = ", ".join(_short(plain_tree(v, lambda k, n: n), 20) for _, v in items[:4])
+        yield f"{head}[{n}] of {'/'.join(sorted(k for k in kinds if k))}: [{preview}, ...] (--all shows every item)"
+        return
+    shown = limit // 2
+    yield f"{head}[{n}]"
+    for k, v in items[:shown]:
+        yield from text_tree(v, tensors, str(k), depth + 1, limit=limit)
+    yield f"{'  ' * (depth + 1)}... {n - shown} more (--all shows every item)"
 
 
 def _short(value: Any, limit: int = 60) -> str:

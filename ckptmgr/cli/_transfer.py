@@ -1,17 +1,24 @@
 """``ckptmgr export`` and ``ckptmgr import``: checkpoints to and from files anyone can read.
 
-Export writes plain safetensors files (loadable with ``safetensors.torch.load_file``), an
-``index.json`` in the Hugging Face sharded-checkpoint form (``weight_map``: tensor -> file)
-and ``state.json`` (the whole state tree as plain JSON, each tensor naming its file). Every
-byte read is checked against the manifest's checksums on the way; views (tied weights,
-tensors sharing storage) are written as tensors of their own. The export is assembled in a
-hidden sibling directory and renamed into place, so a half-written export never looks done.
+Export writes plain safetensors files (loadable with ``safetensors.torch.load_file``) under
+the names Hugging Face's ``from_pretrained`` looks for: ``model.safetensors`` when there is
+one file, else ``model-00001-of-0000N.safetensors``..., always with
+``model.safetensors.index.json`` (``weight_map``: tensor -> file) and ``state.json`` (the
+whole state tree as plain JSON, each tensor naming its file). Before anything is written,
+every file is checked against the manifest (a regular file of the recorded size, with the
+header it records: the checks a restore runs before it allocates anything), so a manifest
+claiming a huge shape or file is refused, and the bytes to write are compared with the free
+space; every byte read is then checked against the manifest's checksums. Views (tied
+weights, tensors sharing storage) are written as tensors of their own. The export is
+assembled in a hidden sibling directory and renamed into place, so a half-written export
+never looks done.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pickle
 import re
@@ -22,19 +29,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointCorruptError, ConfigError, StepExistsError
+from ..errors import CheckpointCorruptError, ConfigError, StepExistsError, StorageError, UnsupportedValueError
 from ..format.checksum import chunk_ranges, crc32c_hex
-from ..format.layout import StoredTensor, header_bytes
+from ..format.layout import ST_TO_DTYPE, StoredTensor, header_bytes
 from ..format.manifest import Manifest
 from ..restore.loaders.host import view_of
+from ..restore.preflight import preflight
 from ..restore.verify import file_url
 from ..storage import Target
 from ._context import Ctx
 from ._render import Progress, human_bytes, plain_tree, print_json, progress
 
-__all__ = ["cmd_export", "cmd_import"]
+__all__ = ["SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_NAME", "cmd_export", "cmd_import"]
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+SAFE_WEIGHTS_NAME = "model.safetensors"  # the names transformers' from_pretrained looks for
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
 
 class _Out:
@@ -95,6 +105,30 @@ def _view(m: Manifest, name: str, bases: dict[str, np.ndarray[Any, Any]]) -> tor
     return view_of(torch.from_numpy(bases[e["view_of"]]), name, e, f"step {m.step}").contiguous()
 
 
+def _nbytes(e: dict[str, Any]) -> int:
+    """Bytes of a tensor of the (validated) entry's dtype and shape."""
+    return int(math.prod(e["shape"])) * ST_TO_DTYPE[e["dtype"]].itemsize
+
+
+def _check_before_writing(target: Target, step: int, m: Manifest, views: list[str]) -> int:
+    """Check, before anything is written, every file of the step against the manifest (a
+    regular file of the recorded size, with the header it records); return the bytes the
+    export of ``views`` will add (views are written out as tensors of their own).
+
+    The manifest itself was validated on read: each stored tensor's bytes match its dtype
+    and shape and lie inside its file.
+
+    Raises:
+        CheckpointCorruptError: a file is missing, of another size, or not what it claims.
+    """
+    where = file_url(target, step, "").rstrip("/")
+    try:
+        preflight(target, step, m, where)
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"{where}: a data file is missing ({exc})") from exc
+    return sum(_nbytes(m.tensors[v]) for v in views)
+
+
 def _write_file(path: str, header: bytes, pieces: list[bytes]) -> None:
     with open(path, "wb") as f:
         f.write(header)
@@ -102,6 +136,31 @@ def _write_file(path: str, header: bytes, pieces: list[bytes]) -> None:
             f.write(p)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _write_views(path: str, m: Manifest, views: list[str], chosen: dict[str, str],
+                 bases: dict[str, np.ndarray[Any, Any]]) -> list[str]:
+    """The views as tensors of their own in one file (each materialized in turn); their names."""
+    order = sorted(views, key=lambda v: -ST_TO_DTYPE[m.tensors[v]["dtype"]].itemsize)
+    stored, off = [], 0
+    for v in order:
+        e = m.tensors[v]
+        size = _nbytes(e)
+        stored.append(StoredTensor(chosen[v], e["dtype"], tuple(e["shape"]), off, off + size, _EMPTY))
+        off += size
+    header = header_bytes(stored, {"format": "pt"})
+    with open(path, "wb") as f:
+        f.write(header)
+        for v in order:
+            f.write(_view(m, v, bases).reshape(-1).view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    return [s.name for s in stored]
+
+
+def _file_names(n: int) -> list[str]:
+    """Hugging Face's names: ``model.safetensors``, or ``model-00001-of-00002.safetensors``..."""
+    return [SAFE_WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
 def cmd_export(ctx: Ctx, args: argparse.Namespace) -> int:
@@ -120,21 +179,30 @@ def cmd_export(ctx: Ctx, args: argparse.Namespace) -> int:
         e = m.tensors[n]
         if "file" in e:
             by_file.setdefault(e["file"], []).append((n, dst, e))
+    bases = sorted({m.tensors[v]["view_of"] for v in views})
+    needed = sorted(set(by_file) | {m.tensors[b]["file"] for b in bases})
+    planned = _check_before_writing(target, step, m, views) + sum(
+        int(e["offsets"][1]) - int(e["offsets"][0]) for picks in by_file.values() for _, _, e in picks)
+    parent = os.path.dirname(dest)
+    free = shutil.disk_usage(parent if os.path.isdir(parent) else ".").free
+    if planned > free:
+        raise StorageError(f"exporting step {step} writes {human_bytes(planned)}; {parent} has "
+                           f"{human_bytes(free)} free")
     base_bufs = {b: np.empty(int(m.tensors[b]["offsets"][1]) - int(m.tensors[b]["offsets"][0]), dtype=np.uint8)
-                 for b in {m.tensors[v]["view_of"] for v in views}}
-    needed = sorted(set(by_file) | {m.tensors[b]["file"] for b in base_bufs})
-    work = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.partial-{os.getpid()}")
+                 for b in bases}
+    work = os.path.join(parent, f".{os.path.basename(dest)}.partial-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     weight_map: dict[str, str] = {}
     outs = [f for f in needed if f in by_file]
-    names = {f: f"model-{i + 1:05d}-of-{len(outs) + bool(views):05d}.safetensors" for i, f in enumerate(outs)}
+    out_names = _file_names(len(outs) + bool(views))
+    names = dict(zip(outs, out_names, strict=False))
     try:
         with progress(sum(m.files[f].size for f in needed), "export", enabled=ctx.show_progress) as bar:
             for fname in needed:
                 out = _Out(names[fname], sorted(by_file[fname], key=lambda p: int(p[2]["offsets"][0])), step) \
                     if fname in by_file else None
-                fd = os.open(os.path.join(work, out.name), os.O_WRONLY | os.O_CREAT, 0o644) if out else None
+                fd = os.open(os.path.join(work, out.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644) if out else None
                 try:
                     if out is not None and fd is not None:
                         os.pwrite(fd, out.header, 0)
@@ -148,17 +216,9 @@ def cmd_export(ctx: Ctx, args: argparse.Namespace) -> int:
                 if out is not None:
                     weight_map.update({t.name: out.name for t in out.tensors})
         if views:
-            vname = f"model-{len(outs) + 1:05d}-of-{len(outs) + 1:05d}.safetensors"
-            data = [_view(m, v, base_bufs) for v in views]
-            stored, off = [], 0
-            for v, t in sorted(zip(views, data, strict=True), key=lambda p: -p[1].element_size()):
-                size = t.numel() * t.element_size()
-                stored.append((StoredTensor(chosen[v], m.tensors[v]["dtype"], tuple(t.shape), off, off + size, _EMPTY),
-                               t))
-                off += size
-            _write_file(os.path.join(work, vname), header_bytes([s for s, _ in stored], {"format": "pt"}),
-                        [t.reshape(-1).view(torch.uint8).numpy().tobytes() for _, t in stored])
-            weight_map.update({s.name: vname for s, _ in stored})
+            vname = out_names[-1]
+            written = _write_views(os.path.join(work, vname), m, views, chosen, base_bufs)
+            weight_map.update(dict.fromkeys(written, vname))
 
         def leaf(kind: str, name: str) -> dict[str, Any]:
             e = m.tensors.get(name, {})
@@ -167,7 +227,7 @@ def cmd_export(ctx: Ctx, args: argparse.Namespace) -> int:
                     "dtype": e.get("dtype"), "shape": e.get("shape"), "kind": kind}
 
         total = sum(os.path.getsize(os.path.join(work, f)) for f in set(weight_map.values()))
-        _write_json(os.path.join(work, "index.json"),
+        _write_json(os.path.join(work, SAFE_WEIGHTS_INDEX_NAME),
                     {"metadata": {"total_size": total, "step": step, "source": target.url, "format": "pt"},
                      "weight_map": dict(sorted(weight_map.items()))})
         _write_json(os.path.join(work, "state.json"),
@@ -178,12 +238,13 @@ def cmd_export(ctx: Ctx, args: argparse.Namespace) -> int:
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    result = {"step": step, "to": dest, "tensors": len(weight_map), "files": sorted(set(weight_map.values()))}
+    result = {"step": step, "to": dest, "tensors": len(weight_map), "files": sorted(set(weight_map.values())),
+              "index": SAFE_WEIGHTS_INDEX_NAME}
     if ctx.json:
         print_json(result)
     else:
-        print(f"exported step {step}: {len(weight_map)} tensors in {len(result['files'])} safetensors file(s), "
-              f"index.json and state.json to {dest}")
+        print(f"exported step {step}: {len(weight_map)} tensors in {', '.join(result['files'])}, "
+              f"{SAFE_WEIGHTS_INDEX_NAME} and state.json to {dest}")
     return 0
 
 
@@ -209,16 +270,30 @@ def _load(path: str, safe_globals: list[str]) -> tuple[Any, str]:
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        why = f"it holds {found.group(1)}, which is not an allowed type." if found else \
-            re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines()[0]
+        if found is None:  # not a class it refuses: the bytes are not a torch.save file at all
+            raise ConfigError(f"{path} is not a file torch.load can read ({_torch_reason(exc)}); ckptmgr "
+                              "imports torch.save, Lightning .ckpt and .safetensors files") from exc
         raise ConfigError(
-            f"{path}: torch.load(weights_only=True) refuses it: {why} "
-            "If you trust the file, allow the named class with --safe-global MODULE.NAME "
+            f"{path}: torch.load(weights_only=True) refuses it: it holds {found.group(1)}, which is not an allowed "
+            "type. If you trust the file, allow the named class with --safe-global MODULE.NAME "
             "(and --allow-pickle to store values ckptmgr cannot store natively)") from exc
-    except (RuntimeError, EOFError) as exc:
-        raise ConfigError(f"{path} is not a file torch.load can read: {exc}") from exc
+    except (KeyboardInterrupt, MemoryError):
+        raise
+    except Exception as exc:  # torch.load fails on foreign bytes with whatever the unpickler hit
+        raise ConfigError(f"{path} is not a file torch.load can read ({type(exc).__name__}: "
+                          f"{_torch_reason(exc)}); ckptmgr imports torch.save, Lightning .ckpt and .safetensors "
+                          "files") from exc
     kind = "lightning" if isinstance(obj, dict) and "state_dict" in obj and "global_step" in obj else "torch.save"
     return obj, kind
+
+
+def _torch_reason(exc: BaseException) -> str:
+    """The line of a torch.load error that says what it found (its messages are long)."""
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith(("Unsupported operand", "invalid load key", "Unsupported", "PytorchStreamReader")):
+            return ln
+    return lines[-1][:200] if lines else type(exc).__name__
 
 
 def cmd_import(ctx: Ctx, args: argparse.Namespace) -> int:
@@ -234,7 +309,11 @@ def cmd_import(ctx: Ctx, args: argparse.Namespace) -> int:
         step = int(state["global_step"])
     meta = {"imported_from": os.path.abspath(args.file), "source_format": kind}
     with CheckpointManager(args.root, storage_options=ctx.storage_options(), allow_pickle=args.allow_pickle) as mgr:
-        info = mgr.save(step, state, metadata=meta).result()
+        try:
+            info = mgr.save(step, state, metadata=meta).result()
+        except UnsupportedValueError as exc:  # the library's advice names its argument; here it is a flag
+            msg = str(exc).replace("pass allow_pickle=True to CheckpointManager", "pass --allow-pickle")
+            raise ConfigError(f"{args.file}: {msg}") from exc
     out = {"root": mgr.root, "step": step, "source_format": kind, "bytes": info.bytes}
     if ctx.json:
         print_json(out)

@@ -11,12 +11,19 @@ works in NCCL jobs too and never queues behind the job's GPU collectives:
 
 Every collective has the manager's timeout: a rank that died or never called ``save()``
 turns into :class:`~ckptmgr.CkptTimeoutError` on the others, never a hang.
+
+Before the groups are made, every rank checks in through the job's store, within
+``JOIN_TIMEOUT_S`` (or the manager's timeout, if shorter): a manager created on some ranks
+only (rank 0 listing steps, say) fails within that time with a :class:`~ckptmgr.ConfigError`
+naming the ranks that never came, rather than after the full coordination timeout.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -29,6 +36,47 @@ __all__ = ["Coordinator", "coordinator_for", "owner_of", "rank_file_prefix", "ra
 
 log = logging.getLogger("ckptmgr")
 T = TypeVar("T")
+JOIN_TIMEOUT_S = 60.0  # how long the first rank to create a manager waits for the others
+_joins: dict[str, int] = {}  # managers created so far per group, the key of the next check-in; under _joins_lock
+_joins_lock = threading.Lock()
+
+
+def _join(ranks: list[int], rank: int, timeout_s: float) -> None:
+    """Check in with the other ranks of a new manager, through the job's store.
+
+    Raises:
+        ConfigError: some ranks did not create a manager in time.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception as exc:  # no store to check in with: the groups' own timeout applies
+        log.debug("no store to check in with: %s", exc)
+        return
+    group_key = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:16]
+    with _joins_lock:
+        n = _joins[group_key] = _joins.get(group_key, 0) + 1
+    base = f"ckptmgr/join/{group_key}/{n}"
+    me = dist.get_rank()
+    store.set(f"{base}/rank{me}", "1")
+    window = min(timeout_s, JOIN_TIMEOUT_S)
+    try:
+        store.wait([f"{base}/rank{r}" for r in ranks], datetime.timedelta(seconds=window))
+        abandoned = store.check([f"{base}/abandoned"])
+    except RuntimeError:  # the store's timeout (DistStoreError)
+        store.set(f"{base}/abandoned", "1")  # ranks arriving later fail too, rather than hang
+        abandoned = True
+    if not abandoned:
+        return
+    missing = [r for r in ranks if not store.check([f"{base}/rank{r}"])]
+    what = (f"ranks {missing} of its process group did not create one within {window:g} s" if missing else
+            f"the other ranks stopped waiting for it: it came more than {window:g} s after the first")
+    raise ConfigError(
+        f"rank {rank} of {len(ranks)}: CheckpointManager was created on this rank, but {what}. "
+        "In a torch.distributed job, create the "
+        "manager on every rank of its process_group (default: every rank), at the same point of the program: "
+        "save(), steps() and restore() are collective. To use a manager on some ranks only (e.g. rank 0 listing "
+        "steps), make a group of them on every rank, g = torch.distributed.new_group([0]), and pass "
+        "process_group=g where you create it.")
 
 
 def rank_prefix(rank: int) -> str:
@@ -57,9 +105,12 @@ class Coordinator:
         self.world = dist.get_world_size(group)
         self.timeout_s = timeout_s
         ranks = dist.get_process_group_ranks(group)
+        _join(ranks, self.rank, timeout_s)
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.control = dist.new_group(ranks, backend="gloo", timeout=timeout)
-        self.commit = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        self.control = self._run("creating the coordination groups",
+                                 lambda: dist.new_group(ranks, backend="gloo", timeout=timeout))
+        self.commit = self._run("creating the coordination groups",
+                                lambda: dist.new_group(ranks, backend="gloo", timeout=timeout))
         self._global = ranks  # group rank -> global rank, for broadcast sources
 
     @property
