@@ -346,7 +346,7 @@ def test_a_fifo_as_a_data_file_is_refused_without_opening_it(two_steps, capsys):
 def test_a_fifo_as_the_manifest_is_refused_by_restore(two_steps):
     _fifo_in_place_of(manifest_path(two_steps, 2))
     with CheckpointManager(two_steps, staging=NO_TIER) as mgr:
-        with pytest.raises(CheckpointCorruptError, match=r"manifest\.json is not a regular file"):
+        with pytest.raises(CheckpointCorruptError, match=r"step 2: .*manifest\.json is a FIFO, not a regular file"):
             mgr.restore(2)
         assert_tree_equal(mgr.restore(), _state(1))  # not listed as committed, or skipped
 

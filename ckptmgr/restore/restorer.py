@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -126,11 +126,16 @@ class Restorer:
     def _read_step(self, source: Target | LocalTier, step: int, target: Any, device: torch.device | None,
                    loader: str, images: dict[str, torch.Tensor] | None) -> Any:
         """One read of ``step`` from ``source``, with every failure turned into one of our errors."""
-        manifest = self.manifest(step, source)  # StepNotFoundError: not committed there (any more)
+        try:
+            manifest = self.manifest(step, source)  # StepNotFoundError: not committed there (any more)
+        except CheckpointCorruptError as exc:
+            _raise_naming_step(exc, source.url, step)
         try:
             return self._restore_from(source, step, manifest, target, device, loader, images)
         except StepNotFoundError as exc:  # its directory went away after the manifest was read
             raise StepNotFoundError(f"step {step} under {source.url} was deleted while it was read") from exc
+        except CheckpointCorruptError as exc:  # (storage names files by path; the user asked for a step)
+            _raise_naming_step(exc, source.url, step)
         except CkptError:
             raise
         except FileNotFoundError as exc:  # a file vanished: deleted by someone, or never there
@@ -236,6 +241,14 @@ class Restorer:
         tensors = self._load(source, step, manifest, device or _CPU, loader, images, dests)
         tree = unflatten(manifest.state, tensors, allow_pickle=self.allow_pickle)
         return tree if target is None else apply_target(target, tree)
+
+
+def _raise_naming_step(exc: CheckpointCorruptError, url: str, step: int) -> NoReturn:
+    """Raise ``exc`` as it is when its message names ``step``, else the same error with the
+    root and the step in front."""
+    if f"step {step}" in str(exc):
+        raise exc
+    raise CheckpointCorruptError(f"{url}: step {step}: {exc}") from exc
 
 
 def _workers(pool: Any) -> int:
