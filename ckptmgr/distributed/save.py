@@ -98,8 +98,8 @@ def _replicated_view(node: Any) -> Any:
         return node
     if "$per_rank" in node:
         return {"$per_rank": None}
-    if "$dtensor" in node:
-        return {k: v for k, v in node.items() if k != "$dtensor"}
+    if "$dtensor" in node:  # each rank's own shard: its name and offsets differ
+        return {k: v for k, v in node.items() if k not in ("$dtensor", "offsets")}
     return {k: _replicated_view(v) for k, v in node.items()}
 
 

@@ -84,19 +84,21 @@ class Restorer:
             raise CheckpointCorruptError(f"{where}: manifest field step: the manifest is for step {m.step}")
         return m
 
-    def restore_newest(self, candidates: list[int], target: Any, device: torch.device | None, loader: str) -> Any:
+    def restore_newest(self, candidates: list[int], target: Any, device: torch.device | None, loader: str,
+                       rank_map: Any = None) -> Any:
         """The newest of ``candidates`` that verifies, warning once about each newer one that does not
         (damaged, or deleted by another process while it was read)."""
         if not candidates:
             raise StepNotFoundError(f"no committed checkpoint under {self.target.url}")
         for s in reversed(candidates):
             try:
-                return self.restore_step(s, target, device, loader)
+                return self.restore_step(s, target, device, loader, rank_map)
             except (CheckpointCorruptError, StepNotFoundError) as exc:
                 warnings.warn(f"skipping step {s}: {exc}", RuntimeWarning, stacklevel=3)
         raise StepNotFoundError(f"no checkpoint under {self.target.url} verifies (tried steps {candidates})")
 
-    def restore_step(self, step: int, target: Any, device: torch.device | None, loader: str) -> Any:
+    def restore_step(self, step: int, target: Any, device: torch.device | None, loader: str,
+                     rank_map: Any = None) -> Any:
         """Restore ``step``: from this process's local tier when it holds a copy that
         verifies, else from the durable target.
 
@@ -108,7 +110,7 @@ class Restorer:
         with self.pool.reading(step) as slot:
             if slot is not None and self.tier is not None:
                 try:
-                    return self._read_step(self.tier, step, target, device, loader, slot)
+                    return self._read_step(self.tier, step, target, device, loader, slot, rank_map)
                 except (CheckpointCorruptError, StepNotFoundError) as exc:
                     if step not in self.target.list_steps():
                         raise
@@ -116,17 +118,17 @@ class Restorer:
         with self.guard.reading(step) as ok:
             if not ok:
                 raise StepNotFoundError(f"step {step} under {self.target.url} is being deleted by the retention policy")
-            out = self._read_step(self.target, step, target, device, loader, None)
+            out = self._read_step(self.target, step, target, device, loader, None, rank_map)
         if tier_error is not None:
             log.warning("restore: the local tier copy of step %d does not verify (%s); read %s instead",
                         step, tier_error, self.target.url)
         return out
 
     def _read_step(self, source: Target | LocalTier, step: int, target: Any, device: torch.device | None,
-                   loader: str, slot: Slot | None) -> Any:
+                   loader: str, slot: Slot | None, rank_map: Any = None) -> Any:
         """One read of ``step`` from ``source``, with every failure turned into one of our errors."""
         try:
-            return self._restore_from(source, step, target, device, loader, slot)
+            return self._restore_from(source, step, target, device, loader, slot, rank_map)
         except CkptError:
             raise
         except FileNotFoundError as exc:  # a file vanished: deleted by someone, or never there
@@ -209,8 +211,12 @@ class Restorer:
         return "ring"
 
     def _restore_from(self, source: Target | LocalTier, step: int, target: Any, device: torch.device | None,
-                      loader: str, slot: Slot | None) -> Any:
+                      loader: str, slot: Slot | None, rank_map: Any = None) -> Any:
         manifest = self.manifest(step, source)
+        if manifest.world_size > 1:  # written by several ranks: assembled whole (docs/DISTRIBUTED.md)
+            from ..distributed.restore import restore_solo
+
+            return restore_solo(self, source, step, manifest, target, device, loader, rank_map)
         dests = None
         if target is not None:
             # every difference is reported before a byte lands in the target's tensors

@@ -46,7 +46,7 @@ def per_rank_value(rank: int) -> dict:
     return {"pos": 10 + rank, "rng": torch.arange(4, dtype=torch.uint8) + rank}
 
 
-def state_for(rank: int, mesh) -> dict:  # noqa: ANN001 (a DeviceMesh)
+def state_for(rank: int, mesh) -> dict:  # mesh: a DeviceMesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     g = global_tensors()
@@ -63,7 +63,7 @@ def state_for(rank: int, mesh) -> dict:  # noqa: ANN001 (a DeviceMesh)
     }
 
 
-def _per_rank(value):  # noqa: ANN001, ANN202
+def _per_rank(value):
     from ckptmgr import PerRank
 
     return PerRank(value)

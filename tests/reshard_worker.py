@@ -1,0 +1,307 @@
+"""One rank of a resharding job on gloo (CPU), for tests/test_distributed_reshard.py.
+
+    python tests/reshard_worker.py SCENARIO WORKDIR OUT_JSON   (RANK, WORLD_SIZE, MASTER_ADDR/PORT set)
+
+Every scenario runs several cases in one launch (process start-up dominates the test time)
+and reports ``checks``: case name -> True, or what went wrong.
+
+Scenarios:
+  save     (2 ranks) save the DTensor mix (WORKDIR/mix) and an FSDP2 model + AdamW trained
+           3 steps (WORKDIR/fsdp); at the same world size: a fresh optimizer gets DTensor
+           moments and trains on bit-identically, a dict target gets its DTensors back
+  restore  (any world) restore WORKDIR/mix into DTensors of every placement, PerRank with and
+           without rank_map, the FSDP2 model into a fresh model and AdamW trained on against
+           a single-process reference, the golden checkpoint (WORKDIR/golden) when present;
+           save the mix again at this world size (WORKDIR/mix<world>)
+  from3    (2 ranks) restore WORKDIR/mix3 (saved at 3)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+T0 = time.perf_counter()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
+
+from ckptmgr import CheckpointManager, ConfigError, PerRank, WriteOptions  # noqa: E402
+
+KEEP_STEPS, MORE_STEPS = 3, 3
+WRITE = WriteOptions(chunk_size=4096)  # small checksum chunks: ranged reads split files
+
+
+def global_mix() -> dict[str, torch.Tensor]:
+    """Every DTensor of the mix, whole; exact values."""
+    return {
+        "w": torch.arange(40, dtype=torch.float32).reshape(10, 4) / 4,       # even at 2
+        "u": torch.arange(15, dtype=torch.float64).reshape(5, 3) - 7,        # uneven everywhere
+        "c": torch.arange(24, dtype=torch.int32).reshape(4, 6),
+        "e": torch.tensor([[1.5, -2.5]], dtype=torch.bfloat16),              # empty shards
+        "r": torch.arange(3, dtype=torch.float32) * 3,
+        "x": torch.arange(67 * 130, dtype=torch.float32).reshape(67, 130),  # 9 checksum chunks
+    }
+
+
+SAVED = {"w": Shard(0), "u": Shard(0), "c": Shard(1), "e": Shard(0), "r": Replicate(), "x": Shard(1)}
+LAYOUTS: dict[str, Callable[[str], Any]] = {  # restored placement of each tensor, by name
+    "as saved": lambda k: SAVED[k],
+    "swapped": lambda k: {"w": Shard(1), "u": Shard(1), "c": Shard(0), "e": Shard(1), "r": Shard(0), "x": Shard(0)}[k],
+    "replicated": lambda k: Replicate(),
+}
+
+
+def mix_state(mesh: Any, place: Callable[[str], Any], rank: int, *, zeros: bool) -> dict[str, Any]:
+    g = global_mix()
+    b = torch.zeros(6) if zeros else torch.arange(6, dtype=torch.float32) - 1
+    return {
+        "model": {k: distribute_tensor(torch.zeros_like(v) if zeros else v, mesh, [place(k)]) for k, v in g.items()},
+        "b": b, "tied": b,
+        "rank": PerRank({"pos": -1 if zeros else 10 + rank, "rng": torch.zeros(4, dtype=torch.uint8) if zeros
+                         else torch.arange(4, dtype=torch.uint8) + rank}),
+        "step": 0 if zeros else 1,
+    }
+
+
+def fsdp_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 37), torch.nn.ReLU(), torch.nn.Linear(37, 5))
+    for module in (model[0], model[2], model):
+        fully_shard(module)
+        module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no PREMUL_SUM) ...
+        module.set_gradient_divide_factor(1.0)  # ... undivided: rank 0's gradient + exact zeros is rank 0's gradient
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def plain_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 37), torch.nn.ReLU(), torch.nn.Linear(37, 5))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range, contributes: bool = True) -> None:
+    """Rank 0 trains on batch i; the other ranks take part in FSDP's collectives with a zero loss."""
+    for i in steps:
+        g = torch.Generator().manual_seed(1000 + i)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 5, generator=g)
+        loss = (model(x) - y).pow(2).mean()
+        (loss if contributes else loss * 0).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Parameters and AdamW moments, whole (a collective for DTensors)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+        for k, v in opt.state[p].items():
+            out[f"{name}.{k}"] = v.full_tensor() if isinstance(v, DTensor) else v.clone()
+    return out
+
+
+def reference(steps: int) -> dict[str, torch.Tensor]:
+    model, opt = plain_model()
+    train(model, opt, range(steps))
+    return full_state(model, opt)
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool | str:
+    if sorted(a) != sorted(b):
+        return f"keys {sorted(a)} != {sorted(b)}"
+    bad = [k for k in a if not torch.equal(a[k].float(), b[k].float())]
+    return True if not bad else f"differ: {bad}"
+
+
+class Checks:
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {}
+        self.times: dict[str, float] = {}
+
+    def run(self, name: str, fn: Callable[[], Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+            self.results[name] = True if out is None else out
+        except Exception as exc:
+            self.results[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        self.times[name] = round(time.perf_counter() - t0, 2)
+
+
+def counting(mgr: CheckpointManager) -> list[int]:
+    """Count the bytes this rank reads from the manager's storage."""
+    box = [0]
+    target = mgr._target
+    real = target.read_into
+
+    def read_into(step: int, name: str, offset: int, out: list[Any]) -> None:
+        box[0] += sum(a.size for a in out)
+        real(step, name, offset, out)
+
+    target.read_into = read_into  # type: ignore[method-assign]
+    return box
+
+
+def check_mix(mgr: CheckpointManager, mesh: Any, layout: str, rank: int, world: int, saved_world: int,
+              read: list[int]) -> dict[str, Any]:
+    target = mix_state(mesh, LAYOUTS[layout], rank, zeros=True)
+    read[0] = 0
+    out = mgr.restore(target=target, rank_map=lambda r, n: (r + 1) % n)
+    problems = []
+    for k, v in global_mix().items():
+        got = out["model"][k]
+        if not isinstance(got, DTensor) or got is not target["model"][k]:
+            problems.append(f"{k} came back as {type(got).__name__}, not the target's DTensor")
+        if not torch.equal(got.full_tensor(), v):
+            problems.append(f"{k} has other values")
+    if not torch.equal(out["b"], torch.arange(6, dtype=torch.float32) - 1) or out["tied"] is not target["tied"]:
+        problems.append("the replicated tensors differ")
+    src = (rank + 1) % saved_world
+    if out["rank"]["pos"] != 10 + src or not torch.equal(out["rank"]["rng"], torch.arange(4, dtype=torch.uint8) + src):
+        problems.append(f"per-rank values {out['rank']} are not rank {src}'s")
+    if out["step"] != 1:
+        problems.append("step")
+    return {"ok": problems or True, "read": read[0]}
+
+
+def main() -> None:
+    scenario, work, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    checks = Checks()
+    report: dict[str, Any] = {"rank": rank, "world": world}
+    try:
+        if scenario == "save":
+            scenario_save(work, mesh, rank, checks, report)
+        elif scenario == "restore":
+            scenario_restore(work, mesh, rank, world, checks, report)
+        elif scenario == "from3":
+            with CheckpointManager(os.path.join(work, "mix3"), write_options=WRITE) as mgr:
+                read = counting(mgr)
+                for layout in LAYOUTS:
+                    checks.run(f"mix from 3 at {world}, {layout}",
+                               lambda layout=layout: check_mix(mgr, mesh, layout, rank, world, 3, read))
+    finally:
+        report["checks"] = checks.results
+        report["times"] = checks.times
+        report["total_s"] = round(time.perf_counter() - T0, 2)
+        with open(out_path, "w") as f:
+            json.dump(report, f)
+        dist.destroy_process_group()
+
+
+def scenario_save(work: str, mesh: Any, rank: int, checks: Checks, report: dict[str, Any]) -> None:
+    with CheckpointManager(os.path.join(work, "mix"), write_options=WRITE) as mgr:
+        mgr.save(1, mix_state(mesh, SAVED.__getitem__, rank, zeros=False)).result()
+    model, opt = fsdp_model()
+    train(model, opt, range(KEEP_STEPS), contributes=rank == 0)
+    with CheckpointManager(os.path.join(work, "fsdp"), write_options=WRITE) as mgr:
+        mgr.save(KEEP_STEPS, {"model": model, "optim": opt, "step": KEEP_STEPS}).result()
+
+        def fresh_optimizer() -> Any:
+            m2, o2 = fsdp_model(seed=5)
+            mgr.restore(target={"model": m2, "optim": o2, "step": 0})
+            for p in m2.parameters():
+                for k in ("exp_avg", "exp_avg_sq"):
+                    v = o2.state[p][k]
+                    if not isinstance(v, DTensor) or v.placements != p.placements or v.device_mesh != p.device_mesh:
+                        return f"{k} came back as {type(v).__name__}"
+            train(m2, o2, range(KEEP_STEPS, KEEP_STEPS + MORE_STEPS), contributes=rank == 0)
+            got = full_state(m2, o2)
+            return same(got, reference(KEEP_STEPS + MORE_STEPS)) if rank == 0 else None
+
+        def stepped_optimizer() -> Any:
+            m2, o2 = fsdp_model(seed=6)
+            train(m2, o2, range(50, 51), contributes=rank == 0)  # moments exist, with other values
+            mgr.restore(target={"model": m2, "optim": o2, "step": 0})
+            train(m2, o2, range(KEEP_STEPS, KEEP_STEPS + MORE_STEPS), contributes=rank == 0)
+            got = full_state(m2, o2)
+            return same(got, reference(KEEP_STEPS + MORE_STEPS)) if rank == 0 else None
+
+        def dict_target() -> Any:
+            m2, _ = fsdp_model(seed=7)
+            sd = m2.state_dict()
+            out = mgr.restore(target={"model": sd, "optim": {"state": {}, "param_groups": [{}]}, "step": 0})
+            if not all(isinstance(v, DTensor) and v is sd[k] for k, v in out["model"].items()):
+                return f"returned {[type(v).__name__ for v in out['model'].values()]}"
+            state = out["optim"]["state"]
+            if not all(isinstance(v, DTensor) for s in state.values() for k, v in s.items() if k != "step"):
+                return "optimizer moments are not DTensors"
+            return None
+
+        checks.run("fresh optimizer at the same world size", fresh_optimizer)
+        checks.run("stepped optimizer at the same world size", stepped_optimizer)
+        checks.run("dict target keeps its DTensors", dict_target)
+
+
+def scenario_restore(work: str, mesh: Any, rank: int, world: int, checks: Checks, report: dict[str, Any]) -> None:
+    with CheckpointManager(os.path.join(work, "mix"), write_options=WRITE) as mgr:
+        read = counting(mgr)
+        reads = {}
+        for layout in LAYOUTS:
+            def case(layout: str = layout) -> Any:
+                r = check_mix(mgr, mesh, layout, rank, world, 2, read)
+                reads[layout] = r["read"]
+                return r["ok"]
+            checks.run(f"mix from 2 at {world}, {layout}", case)
+        report["bytes_read"] = reads
+        report["checkpoint_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in
+                                         os.walk(os.path.join(work, "mix")) for f in fs if f.endswith(".safetensors"))
+
+        def no_rank_map() -> Any:
+            try:
+                mgr.restore(target=mix_state(mesh, SAVED.__getitem__, rank, zeros=True))
+            except ConfigError as exc:
+                return True if "state['rank']" in str(exc) and "rank_map" in str(exc) else str(exc)
+            return "restored per-rank values at another world size without rank_map"
+
+        checks.run("per-rank values need rank_map", no_rank_map)
+    with CheckpointManager(os.path.join(work, "fsdp"), write_options=WRITE) as mgr:
+        def fsdp() -> Any:
+            model, opt = fsdp_model(seed=3)
+            mgr.restore(target={"model": model, "optim": opt, "step": 0})
+            train(model, opt, range(KEEP_STEPS, KEEP_STEPS + MORE_STEPS), contributes=rank == 0)
+            got = full_state(model, opt)
+            return same(got, reference(KEEP_STEPS + MORE_STEPS)) if rank == 0 else None
+
+        checks.run(f"FSDP2 + AdamW from 2 at {world}, trained on", fsdp)
+    with CheckpointManager(os.path.join(work, f"mix{world}"), write_options=WRITE) as mgr:
+        mgr.save(1, mix_state(mesh, SAVED.__getitem__, rank, zeros=False)).result()
+    golden = os.path.join(work, "golden")
+    if os.path.isdir(golden):
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden"))
+        from make_golden_dist import PLACEMENTS, STEP, global_tensors
+
+        def legacy() -> Any:
+            g = global_tensors()
+            place = {k: Shard(d) if kind == "S" else Replicate() for k, (kind, d) in PLACEMENTS.items()}
+            dts = {k: distribute_tensor(torch.zeros_like(g[k]), mesh, [place[k]]) for k in place}
+            target = {"model": {**{k: dts[k] for k in ("w", "u", "c", "e", "r")}, "b": torch.zeros(6)},
+                      "tied": torch.zeros(6), "big": torch.zeros(300, dtype=torch.int64),
+                      "optim": {"state": {0: {"step": torch.tensor(0.0), "exp_avg": dts["m"]}},
+                                "param_groups": [{"lr": 0.0, "params": [0]}]},
+                      "rank": PerRank({"pos": 0, "rng": torch.zeros(4, dtype=torch.uint8)}), "step": 0}
+            with CheckpointManager(golden) as gm:
+                out = gm.restore(target=target, rank_map=lambda r, n: r % n)
+            bad = [k for k in place if not torch.equal(dts[k].full_tensor(), g[k])]
+            if out["step"] != STEP or out["rank"]["pos"] != 10 + rank % 2 or not torch.equal(out["model"]["b"], g["b"]):
+                bad.append("plain values")
+            return bad or None
+
+        checks.run(f"golden dist-v2 (saved at 2) at {world}", legacy)
+
+
+if __name__ == "__main__":
+    main()
