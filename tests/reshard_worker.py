@@ -33,7 +33,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 
-from ckptmgr import CheckpointManager, ConfigError, PerRank, WriteOptions  # noqa: E402
+from ckptmgr import CheckpointManager, ConfigError, PerRank, StateMismatchError, WriteOptions  # noqa: E402
 
 KEEP_STEPS, MORE_STEPS = 3, 3
 WRITE = WriteOptions(chunk_size=4096)  # small checksum chunks: ranged reads split files
@@ -57,13 +57,28 @@ LAYOUTS: dict[str, Callable[[str], Any]] = {  # restored placement of each tenso
     "swapped": lambda k: {"w": Shard(1), "u": Shard(1), "c": Shard(0), "e": Shard(1), "r": Shard(0), "x": Shard(0)}[k],
     "replicated": lambda k: Replicate(),
 }
+LAYOUTS_2D: dict[str, Callable[[str], Any]] = {  # on a 2 x 2 mesh
+    "2-D": lambda k: {"w": [Shard(0), Shard(1)], "u": [Shard(1), Shard(0)], "c": [Replicate(), Shard(1)],
+                      "e": [Shard(0), Shard(0)], "r": [Shard(0), Replicate()], "x": [Shard(1), Shard(1)]}[k],
+}
+
+
+def _placements(p: Any) -> list[Any]:
+    return p if isinstance(p, list) else [p]
+
+
+def replicated() -> dict[str, torch.Tensor]:
+    """Plain tensors, the same on every rank (a DDP model): dealt to the saving ranks."""
+    return {f"p{i}": torch.arange(n, dtype=torch.float32) * (i + 1) for i, n in enumerate((700, 300, 1100, 50, 90))}
 
 
 def mix_state(mesh: Any, place: Callable[[str], Any], rank: int, *, zeros: bool) -> dict[str, Any]:
     g = global_mix()
     b = torch.zeros(6) if zeros else torch.arange(6, dtype=torch.float32) - 1
     return {
-        "model": {k: distribute_tensor(torch.zeros_like(v) if zeros else v, mesh, [place(k)]) for k, v in g.items()},
+        "model": {k: distribute_tensor(torch.zeros_like(v) if zeros else v, mesh, _placements(place(k)))
+                  for k, v in g.items()},
+        "ddp": {k: torch.zeros_like(v) if zeros else v for k, v in replicated().items()},
         "b": b, "tied": b,
         "rank": PerRank({"pos": -1 if zeros else 10 + rank, "rng": torch.zeros(4, dtype=torch.uint8) if zeros
                          else torch.arange(4, dtype=torch.uint8) + rank}),
@@ -152,11 +167,13 @@ def counting(mgr: CheckpointManager) -> list[int]:
     return box
 
 
-def check_mix(mgr: CheckpointManager, mesh: Any, layout: str, rank: int, world: int, saved_world: int,
-              read: list[int]) -> dict[str, Any]:
-    target = mix_state(mesh, LAYOUTS[layout], rank, zeros=True)
+def check_mix(mgr: CheckpointManager, mesh: Any, place: Callable[[str], Any], rank: int, saved_world: int,
+              read: list[int], reads: dict[str, int], name: str) -> Any:
+    """Restore the mix into zeroed DTensors of the given layout and compare everything."""
+    target = mix_state(mesh, place, rank, zeros=True)
     read[0] = 0
     out = mgr.restore(target=target, rank_map=lambda r, n: (r + 1) % n)
+    reads[name] = read[0]
     problems = []
     for k, v in global_mix().items():
         got = out["model"][k]
@@ -166,12 +183,26 @@ def check_mix(mgr: CheckpointManager, mesh: Any, layout: str, rank: int, world: 
             problems.append(f"{k} has other values")
     if not torch.equal(out["b"], torch.arange(6, dtype=torch.float32) - 1) or out["tied"] is not target["tied"]:
         problems.append("the replicated tensors differ")
+    if any(not torch.equal(out["ddp"][k], v) or out["ddp"][k] is not target["ddp"][k] for k, v in replicated().items()):
+        problems.append("the replicated (DDP) tensors differ")
     src = (rank + 1) % saved_world
     if out["rank"]["pos"] != 10 + src or not torch.equal(out["rank"]["rng"], torch.arange(4, dtype=torch.uint8) + src):
         problems.append(f"per-rank values {out['rank']} are not rank {src}'s")
     if out["step"] != 1:
         problems.append("step")
-    return {"ok": problems or True, "read": read[0]}
+    return problems or None
+
+
+def rows_dtensor(mesh: Any, zeros: bool) -> Any:
+    """One 64 KiB tensor, Shard(0): 16 rows per 4 KiB checksum chunk."""
+    g = torch.arange(256 * 64, dtype=torch.float32).reshape(256, 64)
+    return distribute_tensor(torch.zeros_like(g) if zeros else g, mesh, [Shard(0)]), g
+
+
+def partial_dtensor(mesh: Any, rank: int) -> Any:
+    from torch.distributed.tensor import Partial
+
+    return DTensor.from_local(torch.full((3,), float(rank + 1)), mesh, [Partial()], run_check=False)
 
 
 def main() -> None:
@@ -184,15 +215,11 @@ def main() -> None:
     report: dict[str, Any] = {"rank": rank, "world": world}
     try:
         if scenario == "save":
-            scenario_save(work, mesh, rank, checks, report)
+            scenario_save(work, mesh, rank, checks)
         elif scenario == "restore":
             scenario_restore(work, mesh, rank, world, checks, report)
         elif scenario == "from3":
-            with CheckpointManager(os.path.join(work, "mix3"), write_options=WRITE) as mgr:
-                read = counting(mgr)
-                for layout in LAYOUTS:
-                    checks.run(f"mix from 3 at {world}, {layout}",
-                               lambda layout=layout: check_mix(mgr, mesh, layout, rank, world, 3, read))
+            scenario_from3(work, mesh, rank, world, checks, report)
     finally:
         report["checks"] = checks.results
         report["times"] = checks.times
@@ -202,9 +229,21 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def scenario_save(work: str, mesh: Any, rank: int, checks: Checks, report: dict[str, Any]) -> None:
+def scenario_save(work: str, mesh: Any, rank: int, checks: Checks) -> None:
     with CheckpointManager(os.path.join(work, "mix"), write_options=WRITE) as mgr:
         mgr.save(1, mix_state(mesh, SAVED.__getitem__, rank, zeros=False)).result()
+    with CheckpointManager(os.path.join(work, "rows"), write_options=WRITE) as mgr:
+        mgr.save(1, {"y": rows_dtensor(mesh, zeros=False)[0]}).result()
+    with CheckpointManager(os.path.join(work, "partial"), write_options=WRITE) as mgr:
+        mgr.save(1, {"p": partial_dtensor(mesh, rank)}).result()
+
+        def same_layout_partial() -> Any:
+            target = {"p": DTensor.from_local(torch.zeros(3), mesh, [partial_dtensor(mesh, rank).placements[0]],
+                                              run_check=False)}
+            out = mgr.restore(target=target)
+            return None if torch.equal(out["p"].to_local(), torch.full((3,), float(rank + 1))) else "other values"
+
+        checks.run("a Partial DTensor at the same world size", same_layout_partial)
     model, opt = fsdp_model()
     train(model, opt, range(KEEP_STEPS), contributes=rank == 0)
     with CheckpointManager(os.path.join(work, "fsdp"), write_options=WRITE) as mgr:
@@ -247,27 +286,62 @@ def scenario_save(work: str, mesh: Any, rank: int, checks: Checks, report: dict[
 
 
 def scenario_restore(work: str, mesh: Any, rank: int, world: int, checks: Checks, report: dict[str, Any]) -> None:
+    reads: dict[str, int] = {}
+    report["bytes_read"] = reads
     with CheckpointManager(os.path.join(work, "mix"), write_options=WRITE) as mgr:
         read = counting(mgr)
-        reads = {}
-        for layout in LAYOUTS:
-            def case(layout: str = layout) -> Any:
-                r = check_mix(mgr, mesh, layout, rank, world, 2, read)
-                reads[layout] = r["read"]
-                return r["ok"]
-            checks.run(f"mix from 2 at {world}, {layout}", case)
-        report["bytes_read"] = reads
-        report["checkpoint_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in
-                                         os.walk(os.path.join(work, "mix")) for f in fs if f.endswith(".safetensors"))
+        layouts: list[tuple[str, Any, Callable[[str], Any]]] = [(k, mesh, v) for k, v in LAYOUTS.items()]
+        if world == 4:
+            layouts += [(k, init_device_mesh("cpu", (2, 2)), v) for k, v in LAYOUTS_2D.items()]
+        for layout, m, place in layouts:
+            checks.run(f"mix from 2 at {world}, {layout}", lambda m=m, place=place, layout=layout:
+                       check_mix(mgr, m, place, rank, 2, read, reads, layout))
 
         def no_rank_map() -> Any:
             try:
                 mgr.restore(target=mix_state(mesh, SAVED.__getitem__, rank, zeros=True))
             except ConfigError as exc:
-                return True if "state['rank']" in str(exc) and "rank_map" in str(exc) else str(exc)
+                return None if "state['rank']" in str(exc) and "rank_map" in str(exc) else str(exc)
             return "restored per-rank values at another world size without rank_map"
 
+        def no_target() -> Any:
+            out = mgr.restore(rank_map=lambda r, n: 0)
+            bad = [k for k, v in global_mix().items() if not isinstance(out["model"][k], DTensor)
+                   or out["model"][k].placements != (SAVED[k],) or not torch.equal(out["model"][k].full_tensor(), v)]
+            return bad or None
+
+        def wrong_shape() -> Any:
+            target = mix_state(mesh, SAVED.__getitem__, rank, zeros=True)
+            target["model"]["w"] = distribute_tensor(torch.zeros(12, 4), mesh, [Shard(0)])
+            try:
+                mgr.restore(target=target, rank_map=lambda r, n: 0)
+            except StateMismatchError as exc:
+                return None if "state['model']['w']: the target's global shape is [12, 4], the checkpoint's [10, 4]" \
+                    in str(exc) else str(exc)
+            return "no error"
+
         checks.run("per-rank values need rank_map", no_rank_map)
+        checks.run("no target: DTensors of the saved placements on this world", no_target)
+        checks.run("a target of another global shape", wrong_shape)
+    with CheckpointManager(os.path.join(work, "rows"), write_options=WRITE) as mgr:
+        read = counting(mgr)
+
+        def rows() -> Any:
+            y, g = rows_dtensor(mesh, zeros=True)
+            mgr.restore(target={"y": y})
+            reads["rows"] = read[0]
+            return None if torch.equal(y.full_tensor(), g) else "other values"
+
+        checks.run(f"a Shard(0) tensor from 2 at {world}", rows)
+    with CheckpointManager(os.path.join(work, "partial"), write_options=WRITE) as mgr:
+        def partial() -> Any:
+            try:
+                mgr.restore(target={"p": distribute_tensor(torch.zeros(3), mesh, [Replicate()])})
+            except ConfigError as exc:
+                return None if "state['p'] was saved with placements ['P(sum)']" in str(exc) else str(exc)
+            return "no error"
+
+        checks.run("a Partial DTensor at another world size", partial)
     with CheckpointManager(os.path.join(work, "fsdp"), write_options=WRITE) as mgr:
         def fsdp() -> Any:
             model, opt = fsdp_model(seed=3)
@@ -279,28 +353,51 @@ def scenario_restore(work: str, mesh: Any, rank: int, world: int, checks: Checks
         checks.run(f"FSDP2 + AdamW from 2 at {world}, trained on", fsdp)
     with CheckpointManager(os.path.join(work, f"mix{world}"), write_options=WRITE) as mgr:
         mgr.save(1, mix_state(mesh, SAVED.__getitem__, rank, zeros=False)).result()
+    if world == 4:  # a 2-D mesh checkpoint, restored at 2 by "from3"
+        mesh2 = init_device_mesh("cpu", (2, 2))
+        with CheckpointManager(os.path.join(work, "mesh2d"), write_options=WRITE) as mgr:
+            mgr.save(1, mix_state(mesh2, LAYOUTS_2D["2-D"], rank, zeros=False)).result()
     golden = os.path.join(work, "golden")
     if os.path.isdir(golden):
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden"))
-        from make_golden_dist import PLACEMENTS, STEP, global_tensors
+        checks.run(f"golden dist-v2 (saved at 2) at {world}", lambda: legacy(golden, mesh, rank))
 
-        def legacy() -> Any:
-            g = global_tensors()
-            place = {k: Shard(d) if kind == "S" else Replicate() for k, (kind, d) in PLACEMENTS.items()}
-            dts = {k: distribute_tensor(torch.zeros_like(g[k]), mesh, [place[k]]) for k in place}
-            target = {"model": {**{k: dts[k] for k in ("w", "u", "c", "e", "r")}, "b": torch.zeros(6)},
-                      "tied": torch.zeros(6), "big": torch.zeros(300, dtype=torch.int64),
-                      "optim": {"state": {0: {"step": torch.tensor(0.0), "exp_avg": dts["m"]}},
-                                "param_groups": [{"lr": 0.0, "params": [0]}]},
-                      "rank": PerRank({"pos": 0, "rng": torch.zeros(4, dtype=torch.uint8)}), "step": 0}
-            with CheckpointManager(golden) as gm:
-                out = gm.restore(target=target, rank_map=lambda r, n: r % n)
-            bad = [k for k in place if not torch.equal(dts[k].full_tensor(), g[k])]
-            if out["step"] != STEP or out["rank"]["pos"] != 10 + rank % 2 or not torch.equal(out["model"]["b"], g["b"]):
-                bad.append("plain values")
-            return bad or None
 
-        checks.run(f"golden dist-v2 (saved at 2) at {world}", legacy)
+def legacy(golden: str, mesh: Any, rank: int) -> Any:
+    """The golden checkpoint of the format before shards recorded their offsets."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden"))
+    from make_golden_dist import PLACEMENTS, STEP, global_tensors
+
+    g = global_tensors()
+    place = {k: Shard(d) if kind == "S" else Replicate() for k, (kind, d) in PLACEMENTS.items()}
+    dts = {k: distribute_tensor(torch.zeros_like(g[k]), mesh, [place[k]]) for k in place}
+    target = {"model": {**{k: dts[k] for k in ("w", "u", "c", "e", "r")}, "b": torch.zeros(6)},
+              "tied": torch.zeros(6), "big": torch.zeros(300, dtype=torch.int64),
+              "optim": {"state": {0: {"step": torch.tensor(0.0), "exp_avg": dts["m"]}},
+                        "param_groups": [{"lr": 0.0, "params": [0]}]},
+              "rank": PerRank({"pos": 0, "rng": torch.zeros(4, dtype=torch.uint8)}), "step": 0}
+    with CheckpointManager(golden) as gm:
+        out = gm.restore(target=target, rank_map=lambda r, n: r % n)
+    bad = [k for k in place if not torch.equal(dts[k].full_tensor(), g[k])]
+    if out["step"] != STEP or out["rank"]["pos"] != 10 + rank % 2 or not torch.equal(out["model"]["b"], g["b"]) \
+            or not torch.equal(out["big"], g["big"]):
+        bad.append("plain values")
+    return bad or None
+
+
+def scenario_from3(work: str, mesh: Any, rank: int, world: int, checks: Checks, report: dict[str, Any]) -> None:
+    reads: dict[str, int] = {}
+    report["bytes_read"] = reads
+    with CheckpointManager(os.path.join(work, "mix3"), write_options=WRITE) as mgr:
+        read = counting(mgr)
+        for layout, place in LAYOUTS.items():
+            checks.run(f"mix from 3 at {world}, {layout}", lambda place=place, layout=layout:
+                       check_mix(mgr, mesh, place, rank, 3, read, reads, layout))
+    if os.path.isdir(os.path.join(work, "mesh2d")):
+        with CheckpointManager(os.path.join(work, "mesh2d"), write_options=WRITE) as mgr:
+            read = counting(mgr)
+            for layout, place in LAYOUTS.items():
+                checks.run(f"mix from a 2 x 2 mesh at {world}, {layout}", lambda place=place, layout=layout:
+                           check_mix(mgr, mesh, place, rank, 4, read, reads, "2-D " + layout))
 
 
 if __name__ == "__main__":
