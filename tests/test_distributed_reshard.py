@@ -23,7 +23,10 @@ import torch
 from safetensors.torch import load_file
 
 from ckptmgr import CheckpointCorruptError, CheckpointManager, ConfigError, StepNotFoundError
+from ckptmgr.distributed.ranged import sub_chunk_size
 from ckptmgr.distributed.shards import byte_runs, chunk_extent, derive_offsets, intersect, parse_placement
+from ckptmgr.restore.verify import verify_step
+from ckptmgr.storage import open_target
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "reshard_worker.py")
@@ -69,9 +72,11 @@ def test_same_world_size_fresh_and_stepped_optimizers_and_dict_targets(saved_at_
             "dict target keeps its DTensors", "a Partial DTensor at the same world size"} <= names
 
 
-def _rows_expected(world: int, saved: int = 2, rows: int = 256, row_bytes: int = 256, chunk: int = 4096) -> list[int]:
-    """Bytes each rank must read of the 256 x 64 float32 Shard(0) tensor: the 4 KiB checksum
-    chunks covering its rows in each saved shard (each saved shard alone in its file)."""
+def _rows_expected(world: int, saved: int = 2, rows: int = 256, row_bytes: int = 256,
+                   chunk: int = sub_chunk_size(4096)) -> list[int]:
+    """Bytes each rank must read of the 256 x 64 float32 Shard(0) tensor: the verifiable
+    pieces (256-byte sub-chunks of the 4 KiB checksum chunks the test writes) covering its rows
+    in each saved shard (each saved shard alone in its file)."""
     out = []
     for r in range(world):
         start, n = chunk_extent(rows, world, r)
@@ -94,8 +99,9 @@ def test_save_at_2_restore_at_3_and_4(request, work, world):
     assert f"FSDP2 + AdamW from 2 at {world}, trained on" in names
     assert f"golden dist-v2 (saved at 2) at {world}" in names
     assert (world == 4) == (f"mix from 2 at {world}, 2-D" in names)
-    # each rank reads the checksum chunks that cover its rows, nothing else
+    # each rank reads the verifiable pieces that cover its rows, nothing else
     assert [r["bytes_read"]["rows"] for r in reports] == _rows_expected(world)
+    assert _rows_expected(world) == [chunk_extent(256, world, r)[1] * 256 for r in range(world)]  # rows: exact
     ckpt = sum(p.stat().st_size for p in (work / "mix").rglob("*.safetensors"))
     for r in reports:  # no rank reads the whole checkpoint unless its layout needs every tensor whole
         assert r["bytes_read"]["as saved"] < ckpt and r["bytes_read"]["replicated"] < ckpt
@@ -184,14 +190,16 @@ def test_export_writes_whole_tensors_and_every_ranks_own(work, saved_at_2, tmp_p
 
 
 def _flip_beside(root: Path, name: str) -> None:
-    """Flip a byte of the checksum chunk that holds stored tensor ``name``, outside its bytes."""
+    """Flip a byte of the verifiable piece (sub-chunk) that holds stored tensor ``name``,
+    outside the tensor's bytes."""
     step = next(root.glob("step_*"))
     m = json.loads((step / "manifest.json").read_text())
     e = m["tensors"][name]
     rec = m["files"][e["file"]]
+    unit = rec["sub_chunk_size"]
     begin, end = rec["header_size"] + e["offsets"][0], rec["header_size"] + e["offsets"][1]
-    chunk = begin // rec["chunk_size"] * rec["chunk_size"]
-    at = next(i for i in range(chunk, chunk + rec["chunk_size"]) if not begin <= i < end and i >= rec["header_size"])
+    piece = begin // unit * unit
+    at = next(i for i in range(piece, piece + unit) if not begin <= i < end and i >= rec["header_size"])
     with open(step / e["file"], "r+b") as f:
         f.seek(at)
         b = f.read(1)
@@ -211,6 +219,24 @@ def test_a_read_of_part_of_a_chunk_still_verifies_the_whole_chunk(work, saved_at
             mgr.restore(1, rank_map=lambda rank, saved: 0)
         with pytest.warns(RuntimeWarning, match="skipping step 1"), pytest.raises(StepNotFoundError):
             mgr.restore(rank_map=lambda rank, saved: 0)
+
+
+def test_verify_checks_the_sub_chunk_checksums(work, saved_at_2, tmp_path):
+    root = tmp_path / "mix"
+    shutil.copytree(work / "mix", root)
+    path = next(root.glob("step_*")) / "manifest.json"
+    m = json.loads(path.read_text())
+    rec = m["files"]["data-r00001-00000.safetensors"]
+    assert rec["sub_chunk_size"] == 256 and len(rec["sub_crc32c"]) == 8 * -(-rec["size"] // 256)
+    rec["sub_crc32c"] = rec["sub_crc32c"][:16] + "00000000" + rec["sub_crc32c"][24:]
+    path.write_text(json.dumps(m))
+    target = open_target(str(root))
+    try:
+        report = verify_step(target, 1)
+    finally:
+        target.close()
+    assert len(report.problems) == 1, report.problems
+    assert "data-r00001-00000.safetensors: bytes [512, 768) fail their sub-chunk checksum" in report.problems[0]
 
 
 def test_rank_map_must_name_a_saved_rank(work, saved_at_2):
