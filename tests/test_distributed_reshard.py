@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckptmgr import CheckpointCorruptError, CheckpointManager, ConfigError, StepNotFoundError
+from ckptmgr import CheckpointCorruptError, CheckpointManager, ConfigError, StagingOptions, StepNotFoundError
 from ckptmgr.distributed.ranged import sub_chunk_size
 from ckptmgr.distributed.shards import byte_runs, chunk_extent, derive_offsets, intersect, parse_placement
 from ckptmgr.restore.verify import verify_step
@@ -239,10 +239,70 @@ def test_verify_checks_the_sub_chunk_checksums(work, saved_at_2, tmp_path):
     assert "data-r00001-00000.safetensors: bytes [512, 768) fail their sub-chunk checksum" in report.problems[0]
 
 
+@pytest.mark.parametrize(("offsets", "message"), [([8, 0], r"the shard of state\['model'\]\['w'\] saved by rank 1 "
+                                                             r"lies outside its global shape \[10, 4\]"),
+                                                  ([0, 0], r"the saved shards of state\['model'\]\['w'\] do not tile"),
+                                                  ([4, 0], r"the saved shards of state\['model'\]\['w'\] overlap"),
+                                                  ([5], r"the offsets of state\['model'\]\['w'\]|dims")])
+def test_shard_offsets_from_the_manifest_are_checked(work, saved_at_2, tmp_path, offsets, message):
+    root = tmp_path / "mix"
+    shutil.copytree(work / "mix", root)
+    path = next(root.glob("step_*")) / "manifest.json"
+    m = json.loads(path.read_text())
+    m["rank_states"][1]["$dict"]["model"]["$dict"]["w"]["offsets"] = offsets
+    path.write_text(json.dumps(m))
+    with CheckpointManager(str(root)) as mgr, pytest.raises(CheckpointCorruptError, match=message):
+        mgr.restore(1, rank_map=lambda rank, saved: 0)
+
+
+_GARBAGE = [None, 7, -1, "x", [], {}, [1], [[1]], {"$dict": 5}, {"$dict": [[1]]}, {"$dtensor": [1]},
+            {"$dtensor": "b", "shape": [6]}, {"$tensor": "nope"}, {"$per_rank": {"$tensor": "b"}}, 1e300, [10**30]]
+
+
+def _nodes(node, path=()):  # every (path, value) of a JSON tree
+    yield path, node
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        yield from _nodes(v, (*path, k))
+
+
+def test_a_mangled_multi_rank_manifest_raises_only_ckpt_errors(work, saved_at_2, tmp_path):
+    """Random nodes of rank 1's tree (its shards' nodes, compared with rank 0's), of the index and
+    of the file records replaced with garbage: the restore of whole tensors in one process fails
+    with a CkptError or restores. (Rank 0's tree is the one unflattened: the format's fuzzer
+    covers that.)"""
+    import random
+
+    from ckptmgr import CkptError
+
+    root = tmp_path / "mix"
+    shutil.copytree(work / "mix", root)
+    path = next(root.glob("step_*")) / "manifest.json"
+    original = json.loads(path.read_text())
+    rng = random.Random(0)
+    for _ in range(150):
+        m = json.loads(json.dumps(original))
+        tree = rng.choice([m["rank_states"][1], m["tensors"], m["files"]])
+        nodes = [p for p, _ in _nodes(tree) if p]
+        p = rng.choice(nodes)
+        parent = tree
+        for k in p[:-1]:
+            parent = parent[k]
+        parent[p[-1]] = rng.choice(_GARBAGE)  # type: ignore[index]
+        path.write_text(json.dumps(m))
+        with CheckpointManager(str(root), staging=StagingOptions(local_tier=False)) as mgr:
+            try:
+                mgr.restore(1, rank_map=lambda rank, saved: 0)
+            except CkptError:
+                pass
+
+
 def test_rank_map_must_name_a_saved_rank(work, saved_at_2):
-    with CheckpointManager(str(work / "mix")) as mgr, \
-            pytest.raises(ConfigError, match=r"rank_map\(0, 2\) returned 2; it must return a saved rank"):
-        mgr.restore(rank_map=lambda rank, saved: saved)
+    with CheckpointManager(str(work / "mix")) as mgr:
+        with pytest.raises(ConfigError, match=r"rank_map\(0, 2\) returned 2; it must return a saved rank"):
+            mgr.restore(1, rank_map=lambda rank, saved: saved)
+        with pytest.raises(ConfigError, match="rank_map must be a function"):
+            mgr.restore(1, rank_map=0)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- shard arithmetic (pure)

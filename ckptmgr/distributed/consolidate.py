@@ -24,7 +24,7 @@ from ..restore.loaders.host import Source
 from .coordinator import rank_prefix
 from .ranged import RangedReads
 from .reshard import Dest, Piece, fill, plan_dtensor, saved_boxes, stored, whole
-from .skeletons import rank_view, tensor_names
+from .skeletons import dict_values, rank_view, tensor_names
 
 __all__ = ["Exported", "write_whole"]
 
@@ -134,7 +134,7 @@ def _per_rank_values(states: list[Any]) -> list[list[Any]]:
             elif tag == "$tuple":
                 walk(val)
             elif tag == "$dict":
-                for v in (val.values() if isinstance(val, dict) else (p[1] for p in val)):
+                for v in dict_values(val):
                     walk(v)
 
         walk(state)

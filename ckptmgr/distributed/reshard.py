@@ -61,10 +61,11 @@ def stored(m: Manifest, name: str, where: str) -> Stored:
     Raises:
         CheckpointCorruptError: the index entry is malformed or points outside its file.
     """
-    e = m.tensors.get(name)
+    e = m.tensors.get(name) if isinstance(name, str) else None
     if not isinstance(e, dict):
         raise CheckpointCorruptError(f"{where}: the state names tensor {name!r}, which the index lacks")
-    dtype = ST_TO_DTYPE.get(e.get("dtype"))  # type: ignore[arg-type]
+    code = e.get("dtype")
+    dtype = ST_TO_DTYPE.get(code) if isinstance(code, str) else None
     if dtype is None:
         raise CheckpointCorruptError(f"{where}: tensor {name!r} has unknown dtype {e.get('dtype')!r}")
     shape = _ints(e.get("shape"), f"the shape of {name!r}", where)
@@ -82,10 +83,11 @@ def stored(m: Manifest, name: str, where: str) -> Stored:
         raise CheckpointCorruptError(f"{where}: tensor {name!r} is a view of {base_name!r}, which is not stored")
     b = stored(m, base_name, where)  # type: ignore[arg-type]
     base_bytes = math.prod(b.shape) * b.dtype.itemsize
-    stride = e.get("stride")
+    stride = _ints(e.get("stride"), f"the stride of {name!r}", where)
     offset = e.get("byte_offset")
-    if type(offset) is int and offset >= 0 and offset % dtype.itemsize == 0 and offset + nbytes <= base_bytes \
-            and _c_contiguous(shape, stride):
+    if len(stride) != len(shape) or type(offset) is not int or offset < 0:
+        raise CheckpointCorruptError(f"{where}: view {name!r} has a bad stride or byte offset")
+    if offset % dtype.itemsize == 0 and offset + nbytes <= base_bytes and _c_contiguous(shape, list(stride)):
         return Stored(name, b.file, b.begin + offset, dtype, shape)
     return Stored(name, b.file, b.begin, dtype, shape, end=b.begin + base_bytes, entry=e)
 
@@ -192,6 +194,9 @@ def saved_boxes(m: Manifest, saved: SavedDTensor, where: str) -> tuple[tuple[int
         box: Box | None
         if "offsets" in node:
             box = (_ints(node["offsets"], f"the offsets of {saved.path}", where), s.shape)
+            if len(box[0]) != len(shape):
+                raise CheckpointCorruptError(f"{where}: the offsets of {saved.path} saved by rank {rank} have "
+                                             f"{len(box[0])} dims, the tensor {len(shape)}")
         else:  # written before shards recorded their offsets
             box = derive_offsets(shape, placements, mesh_shape, rank)
             if box is not None and box[1] != s.shape:

@@ -106,6 +106,9 @@ class _Plan:
 
 
 def _rank_source(me: int, world: int, saved: int, rank_map: RankMap | None, paths: list[str], step: int) -> int:
+    """The saved rank whose PerRank values rank ``me`` takes (see docs/DISTRIBUTED.md)."""
+    if rank_map is not None and not callable(rank_map):
+        raise ConfigError(f"rank_map must be a function (rank, saved_world_size) -> saved rank, got {rank_map!r}")
     if rank_map is None:
         if world == saved or not paths:
             return me if me < saved else 0
@@ -134,7 +137,7 @@ def _plan(m: Manifest, coord: Coordinator | None, target: Any, device: torch.dev
     own_names = tensor_names(skel, per_rank=True)
     replicated = sorted({bases[n] for n in names if n not in own_names})
     per_rank = sorted({bases[n] for n in own_names})
-    for n in [*replicated, *per_rank]:
+    for n in sorted(names | set(replicated) | set(per_rank)):
         stored(m, n, where)  # every name the tree needs is in the index, inside its file
     originals: dict[str, torch.Tensor] = {}
     landing = target_tensors(target, skel, originals) if target is not None else {}

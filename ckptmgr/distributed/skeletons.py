@@ -19,7 +19,8 @@ import torch
 from ..errors import CheckpointCorruptError
 from ..format.tree import PerRank, decode_plain, is_stateful
 
-__all__ = ["RankView", "SavedDTensor", "optimizer_params", "per_rank_paths", "rank_view", "tensor_names"]
+__all__ = ["RankView", "SavedDTensor", "dict_values", "optimizer_params", "per_rank_paths", "rank_view",
+           "tensor_names"]
 
 _LEAVES = ("$tensor", "$ndarray", "$npscalar")
 
@@ -39,10 +40,6 @@ class RankView:
     skeleton: Any
     dtensors: dict[str, SavedDTensor] = field(default_factory=dict)  # key -> the saved DTensor
     per_rank: list[str] = field(default_factory=list)  # paths of the PerRank values
-
-
-def _key_repr(k: Any) -> str:
-    return repr(k)
 
 
 def rank_view(states: list[Any], per_rank_from: int, where: str) -> RankView:
@@ -109,6 +106,21 @@ def _plain_key(encoded: Any) -> str:
         return repr(encoded)
 
 
+def _dict_items(body: Any) -> list[tuple[Any, Any]]:
+    """The (key, node) pairs of a ``$dict`` body: a JSON object, or a list of [key, node] pairs
+    (malformed entries skipped: the restore reports them when it unflattens)."""
+    if isinstance(body, dict):
+        return list(body.items())
+    if isinstance(body, list):
+        return [(p[0], p[1]) for p in body if isinstance(p, list) and len(p) == 2]
+    return []
+
+
+def dict_values(body: Any) -> list[Any]:
+    """The nodes of a ``$dict`` body."""
+    return [v for _, v in _dict_items(body)]
+
+
 def per_rank_paths(skeleton: Any) -> list[str]:
     """Paths of the PerRank values in one saved rank's tree."""
     return rank_view([skeleton], 0, "").per_rank
@@ -137,7 +149,7 @@ def tensor_names(node: Any, *, per_rank: bool) -> set[str]:
         elif tag == "$tuple":
             walk(val, inside)
         elif tag == "$dict":
-            for v in (val.values() if isinstance(val, dict) else (p[1] for p in val if isinstance(p, list))):
+            for v in dict_values(val):
                 walk(v, inside)
 
     walk(node, False)
@@ -160,7 +172,7 @@ def optimizer_params(target: Any, skeleton: Any) -> dict[str, torch.Tensor]:
             if tag == "$dtensor":
                 found.append(val)
             elif tag == "$dict":
-                for v in (val.values() if isinstance(val, dict) else (p[1] for p in val if isinstance(p, list))):
+                for v in dict_values(val):
                     found += keys_under(v)
             elif tag == "$tuple":
                 found += keys_under(val)
@@ -172,18 +184,13 @@ def optimizer_params(target: Any, skeleton: Any) -> dict[str, torch.Tensor]:
                  for i, p in zip(g_sd["params"], g["params"], strict=False)}
         body = node.get("$dict") if isinstance(node, dict) else None
         state = body.get("state") if isinstance(body, dict) else None
-        pairs = state.get("$dict") if isinstance(state, dict) else None
-        if isinstance(pairs, dict):  # str keys
-            pairs = [[k, v] for k, v in pairs.items()]
-        for pair in pairs or []:
-            if not isinstance(pair, list) or len(pair) != 2:
-                continue
+        for k, v in _dict_items(state.get("$dict") if isinstance(state, dict) else None):
             try:
-                param = index.get(decode_plain(pair[0]))
+                param = index.get(decode_plain(k))
             except Exception:  # a key of no parameter
                 param = None
             if param is not None:
-                out.update(dict.fromkeys(keys_under(pair[1]), param))
+                out.update(dict.fromkeys(keys_under(v), param))
 
     def walk(t: Any, n: Any) -> None:
         if isinstance(t, PerRank):
@@ -203,7 +210,7 @@ def optimizer_params(target: Any, skeleton: Any) -> dict[str, torch.Tensor]:
         elif tag == "$tuple":
             walk(t, val)
         elif tag == "$dict" and isinstance(t, dict):
-            for k, v in (val.items() if isinstance(val, dict) else (p for p in val if isinstance(p, list))):
+            for k, v in _dict_items(val):
                 try:
                     key = k if isinstance(val, dict) else decode_plain(k)
                     found = key in t
