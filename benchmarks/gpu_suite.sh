@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|report|dist|staging4|staging16|training|training25|restore4|restore16|restore10k|parts4|lightning|hf]...
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|parts4|lightning|hf]...
 # Packages the GPU image lacks are installed from .whl/ when present.
 set -uo pipefail
 out="${1:?output directory}"; shift
@@ -43,6 +43,10 @@ for part in "${parts[@]}"; do
               --commit "${CKPTMGR_COMMIT:?set CKPTMGR_COMMIT to the commit of this tree (the GPU copy has no current git HEAD)}" 2>&1 | tee "$out/report.txt" ;;
     dist) python3 benchmarks/bench_distributed.py --commit "${CKPTMGR_COMMIT:-unknown}" --out "$out/distributed.json" \
               2>&1 | tee "$out/distributed.txt"; rm -rf /var/tmp/ckptmgr-bench-dist ;;
+    reshard) n=$(nvidia-smi -L | wc -l); spec="${CKPTMGR_RESHARD:-$([ "$n" -ge 4 ] && echo 4:2,4 || echo 2:1,2)}"
+              NCCL_NVLS_ENABLE=0 python3 benchmarks/bench_distributed.py --reshard "$spec" \
+              --commit "${CKPTMGR_COMMIT:-unknown}" --out "$out/reshard.json" 2>&1 | tee "$out/reshard.txt"
+              rm -rf /var/tmp/ckptmgr-bench-dist ;;
     restore10k) python3 benchmarks/bench_restore.py --gib 1 --tensors 10000 --sources shm --repeat 3 \
               --tools "ckptmgr restore(device),ckptmgr restore(target),safetensors.load_file" \
               --out "$out/restore10k.json" 2>&1 | tee "$out/restore10k.txt" ;;
