@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointCorruptError, CkptError, ConfigError, StateMismatchError, StepNotFoundError
-from ..format.layout import contiguous_stride
+from ..format.layout import ST_TO_DTYPE, contiguous_stride
 from ..format.manifest import Manifest
 from ..format.tree import unflatten
 from ..restore.apply import apply_target, check_target, local_tensor, target_tensors
@@ -132,9 +132,9 @@ def _plan(m: Manifest, coord: Coordinator | None, target: Any, device: torch.dev
     src = _rank_source(me, world, saved, rank_map, probe.per_rank, m.step)
     view = rank_view(states, src, where) if src else probe
     skel = view.skeleton
-    names = tensor_names(skel, per_rank=False) | tensor_names(skel, per_rank=True)
-    bases = {n: m.tensors.get(n, {}).get("view_of", n) for n in names}
     own_names = tensor_names(skel, per_rank=True)
+    names = tensor_names(skel, per_rank=False) | own_names
+    bases = {n: m.tensors.get(n, {}).get("view_of", n) for n in names}
     replicated = sorted({bases[n] for n in names if n not in own_names})
     per_rank = sorted({bases[n] for n in own_names})
     for n in sorted(names | set(replicated) | set(per_rank)):
@@ -171,8 +171,7 @@ def _plan(m: Manifest, coord: Coordinator | None, target: Any, device: torch.dev
 
 
 def _placeholder(e: dict[str, Any]) -> torch.Tensor:
-    from ..format.layout import ST_TO_DTYPE
-
+    """A stand-in with the stored tensor's dtype and shape and no memory behind it."""
     return torch.zeros((), dtype=ST_TO_DTYPE[e["dtype"]]).expand([int(x) for x in e["shape"]])
 
 
