@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import dist_launch
+import manifest_tools
 import numpy as np
 import pytest
 import torch
@@ -73,21 +74,22 @@ def test_same_world_size_fresh_and_stepped_optimizers_and_dict_targets(saved_at_
 
 
 def _rows_expected(world: int, saved: int = 2, rows: int = 256, row_bytes: int = 256,
-                   chunk: int = sub_chunk_size(4096)) -> list[int]:
-    """Bytes each rank must read of the 256 x 64 float32 Shard(0) tensor: the verifiable
-    pieces (256-byte sub-chunks of the 4 KiB checksum chunks the test writes) covering its rows
-    in each saved shard (each saved shard alone in its file)."""
+                   piece: int = sub_chunk_size(4096)) -> list[tuple[int, int]]:
+    """What each rank must read of the 256 x 64 float32 Shard(0) tensor: (the bytes of the
+    verifiable pieces -- 256-byte sub-chunks of the 4 KiB checksum chunks the test writes --
+    that cover its rows in each saved shard, the number of saved files it touches)."""
     out = []
     for r in range(world):
         start, n = chunk_extent(rows, world, r)
-        total = 0
+        total = files = 0
         for k in range(saved):
             s0, sn = chunk_extent(rows, saved, k)
             lo, hi = max(start, s0), min(start + n, s0 + sn)
             if lo < hi:
                 b, e = (lo - s0) * row_bytes, (hi - s0) * row_bytes
-                total += (math.ceil(e / chunk) - b // chunk) * chunk
-        out.append(total)
+                total += (math.ceil(e / piece) - b // piece) * piece
+                files += 1
+        out.append((total, files))
     return out
 
 
@@ -99,9 +101,11 @@ def test_save_at_2_restore_at_3_and_4(request, work, world):
     assert f"FSDP2 + AdamW from 2 at {world}, trained on" in names
     assert f"golden dist-v2 (saved at 2) at {world}" in names
     assert (world == 4) == (f"mix from 2 at {world}, 2-D" in names)
-    # each rank reads the verifiable pieces that cover its rows, nothing else
-    assert [r["bytes_read"]["rows"] for r in reports] == _rows_expected(world)
-    assert _rows_expected(world) == [chunk_extent(256, world, r)[1] * 256 for r in range(world)]  # rows: exact
+    # each rank reads the header of each file it touches (checked against the index) and the
+    # verifiable pieces that cover its rows, nothing else; here the pieces are rows: exact
+    expected = _rows_expected(world)
+    assert [r["bytes_read"]["rows"] for r in reports] == [data + 4096 * files for data, files in expected]
+    assert [data for data, _ in expected] == [chunk_extent(256, world, r)[1] * 256 for r in range(world)]
     ckpt = sum(p.stat().st_size for p in (work / "mix").rglob("*.safetensors"))
     for r in reports:  # no rank reads the whole checkpoint unless its layout needs every tensor whole
         assert r["bytes_read"]["as saved"] < ckpt and r["bytes_read"]["replicated"] < ckpt
@@ -224,12 +228,13 @@ def test_a_read_of_part_of_a_chunk_still_verifies_the_whole_chunk(work, saved_at
 def test_verify_checks_the_sub_chunk_checksums(work, saved_at_2, tmp_path):
     root = tmp_path / "mix"
     shutil.copytree(work / "mix", root)
-    path = next(root.glob("step_*")) / "manifest.json"
-    m = json.loads(path.read_text())
-    rec = m["files"]["data-r00001-00000.safetensors"]
-    assert rec["sub_chunk_size"] == 256 and len(rec["sub_crc32c"]) == 8 * -(-rec["size"] // 256)
-    rec["sub_crc32c"] = rec["sub_crc32c"][:16] + "00000000" + rec["sub_crc32c"][24:]
-    path.write_text(json.dumps(m))
+
+    def damage(m: dict) -> None:
+        rec = m["files"]["data-r00001-00000.safetensors"]
+        assert rec["sub_chunk_size"] == 256 and len(rec["sub_crc32c"]) == 8 * -(-rec["size"] // 256)
+        rec["sub_crc32c"] = rec["sub_crc32c"][:16] + "00000000" + rec["sub_crc32c"][24:]
+
+    manifest_tools.rewrite(str(root), 1, damage)  # re-signed: the sub-chunk checksum itself is what is wrong
     target = open_target(str(root))
     try:
         report = verify_step(target, 1)
@@ -247,10 +252,8 @@ def test_verify_checks_the_sub_chunk_checksums(work, saved_at_2, tmp_path):
 def test_shard_offsets_from_the_manifest_are_checked(work, saved_at_2, tmp_path, offsets, message):
     root = tmp_path / "mix"
     shutil.copytree(work / "mix", root)
-    path = next(root.glob("step_*")) / "manifest.json"
-    m = json.loads(path.read_text())
-    m["rank_states"][1]["$dict"]["model"]["$dict"]["w"]["offsets"] = offsets
-    path.write_text(json.dumps(m))
+    manifest_tools.rewrite(str(root), 1, lambda m: m["rank_states"][1]["$dict"]["model"]["$dict"]["w"].update(
+        offsets=offsets))
     with CheckpointManager(str(root)) as mgr, pytest.raises(CheckpointCorruptError, match=message):
         mgr.restore(1, rank_map=lambda rank, saved: 0)
 
@@ -289,7 +292,7 @@ def test_a_mangled_multi_rank_manifest_raises_only_ckpt_errors(work, saved_at_2,
         for k in p[:-1]:
             parent = parent[k]
         parent[p[-1]] = rng.choice(_GARBAGE)  # type: ignore[index]
-        path.write_text(json.dumps(m))
+        path.write_bytes(manifest_tools.signed_bytes(m))  # signed: the reshard path's own checks are tested
         with CheckpointManager(str(root), staging=StagingOptions(local_tier=False)) as mgr:
             try:
                 mgr.restore(1, rank_map=lambda rank, saved: 0)

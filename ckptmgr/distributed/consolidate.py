@@ -20,7 +20,7 @@ import torch
 
 from ..format.layout import DTYPE_TO_ST, StoredTensor, header_bytes
 from ..format.manifest import Manifest
-from ..restore.loaders.host import Source
+from ..restore.preflight import Source
 from .coordinator import rank_prefix
 from .ranged import RangedReads
 from .reshard import Dest, Piece, fill, plan_dtensor, saved_boxes, stored, whole

@@ -1,20 +1,23 @@
 """Verified reads of parts of a step's data files.
 
-A rank that restores at another layout needs byte ranges of files other ranks wrote. Every
-byte it hands out has been checked against a checksum of a piece of the file that it read
-whole: the file's *sub-chunks* (1 MiB, recorded by multi-rank saves, see
-:func:`sub_chunk_size`) or, for files without them, its checksum chunks (16 MiB by default).
-So a range costs at most one such piece more at each end (ranges that share a piece share
-the read). Measured on the layout of a Llama-7B FSDP2 state restored at other world sizes
-(benchmarks/reshard_reads.py), 16 MiB pieces made a rank read 1.6-7.3x the bytes of its new
-shards, 1 MiB pieces 1.1-1.6x. Runs of adjacent pieces are read in requests of up to 16 MiB
-on the source's I/O threads, straight into a buffer per run, and each piece is verified
-there.
+A rank that restores at another layout needs byte ranges of files other ranks wrote. Each
+file it reads is checked first like in every restore
+(:func:`~ckptmgr.restore.preflight.preflight`: a regular file, of its recorded size, its
+safetensors header the index's). Every byte it hands out has been checked against the
+checksum of a piece of the file that it read whole: the file's *sub-chunks* (1 MiB,
+recorded by multi-rank saves, see :func:`sub_chunk_size`) or, for files without them, its
+checksum chunks (16 MiB by default). So a range costs at most one such piece more at each
+end (ranges that share a piece share the read). Measured on the layout of a Llama-7B FSDP2
+state restored at other world sizes (benchmarks/reshard_reads.py), 16 MiB pieces made a rank
+read 1.6-7.3x the bytes of its new shards, 1 MiB pieces 1.1-1.6x. Runs of adjacent pieces
+are read in requests of up to 16 MiB on the source's I/O threads, straight into a buffer per
+run, and each piece is verified there.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +27,7 @@ import numpy as np
 from ..errors import CheckpointCorruptError
 from ..format.checksum import crc32c_hex
 from ..format.manifest import FileRecord, Manifest
-from ..restore.loaders.host import Source, check_file_size
+from ..restore.preflight import Source, preflight
 
 __all__ = ["RangedReads", "sub_chunk_size"]
 
@@ -76,13 +79,16 @@ class RangedReads:
         """Read and verify every registered piece.
 
         Raises:
-            CheckpointCorruptError: a file is missing, has another size than the manifest
-                records, or a piece fails its checksum.
+            CheckpointCorruptError: a file is not a regular file, has another size or header
+                than the manifest records, or a piece fails its checksum.
+            FileNotFoundError: a file is missing.
         """
+        files = {f: self.manifest.files[f] for f in self._chunks}
+        # every file to be read: regular, of its size, its header the index's; before any allocation
+        preflight(self.source, self.step, dataclasses.replace(self.manifest, files=files), self._where_step())
         tasks: list[tuple[str, int, np.ndarray[Any, Any], int, int, Callable[[int], str]]] = []
         for fname, idx in sorted(self._chunks.items()):
             rec = self.manifest.files[fname]
-            check_file_size(self.source, self.step, fname, rec.size)
             unit, crc = _pieces(rec)
             per_request = max(1, _REQUEST // unit)
             spans: list[tuple[int, np.ndarray[Any, Any]]] = []
@@ -132,6 +138,9 @@ class RangedReads:
 
     def _where(self, fname: str) -> str:
         return f"{self.source.url}: step {self.step}, file {fname}"
+
+    def _where_step(self) -> str:
+        return f"{self.source.url}: step {self.step}"
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:

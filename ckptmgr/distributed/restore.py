@@ -36,7 +36,8 @@ from ..format.layout import ST_TO_DTYPE, contiguous_stride
 from ..format.manifest import Manifest
 from ..format.tree import unflatten
 from ..restore.apply import apply_target, check_target, local_tensor, target_tensors
-from ..restore.loaders.host import Source, view_of
+from ..restore.loaders.host import view_of
+from ..restore.preflight import Source
 from .coordinator import Coordinator, owner_of
 from .ranged import RangedReads
 from .reshard import Dest, box_for, box_of, fill, parse_placements, plan_dtensor, saved_boxes, stored, whole
@@ -256,11 +257,16 @@ def _restore(restorer: Restorer, source: Source, step: int, m: Manifest, target:
     loaded: dict[str, torch.Tensor] = {}
     reads = RangedReads(source, step, m)
     try:
-        if plan.aligned:
-            loaded = _read_own(restorer, source, step, m, plan, me, dev, loader)
-        else:
-            _want(m, plan, me, reads, where)
-            reads.read()
+        try:
+            if plan.aligned:
+                loaded = _read_own(restorer, source, step, m, plan, me, dev, loader)
+            else:
+                _want(m, plan, me, reads, where)
+                reads.read()
+        except FileNotFoundError as exc:  # deleted while it was read, or never there
+            raise _vanished(source, step, where, exc) from exc
+        except (OSError, ValueError) as exc:  # not one of ours: a file that cannot be read
+            raise CheckpointCorruptError(f"{where} cannot be read: {exc}") from exc
     except CkptError as exc:
         error = exc
     _agree(coord, error, f"reading step {step}")
@@ -292,6 +298,17 @@ def _restore(restorer: Restorer, source: Source, step: int, m: Manifest, target:
         loaded[key] = _wrap(d, outs[key])
     tree = unflatten(plan.skeleton, loaded, allow_pickle=restorer.allow_pickle)
     return tree if target is None else apply_target(target, tree)
+
+
+def _vanished(source: Source, step: int, where: str, exc: FileNotFoundError) -> CkptError:
+    """A file of the step is missing: the step was deleted while it was read, or is damaged."""
+    try:
+        steps = source.steps() if hasattr(source, "steps") else source.list_steps()  # type: ignore[attr-defined]
+    except Exception:  # the listing failed too: call it gone
+        steps = []
+    if step in steps:
+        return CheckpointCorruptError(f"{where}: {exc.filename or exc} is missing")
+    return StepNotFoundError(f"{where} was deleted while it was read")
 
 
 def _read_own(restorer: Restorer, source: Source, step: int, m: Manifest, plan: _Plan, me: int,
