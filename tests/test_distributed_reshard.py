@@ -258,6 +258,26 @@ def test_shard_offsets_from_the_manifest_are_checked(work, saved_at_2, tmp_path,
         mgr.restore(1, rank_map=lambda rank, saved: 0)
 
 
+def _file_rec(m: dict) -> dict:
+    return m["files"]["data-r00000-00000.safetensors"]
+
+
+@pytest.mark.parametrize(("mutate", "field"), [
+    (lambda m: _file_rec(m).update(sub_chunk_size=300), r"sub_chunk_size: must divide chunk_size 4096, got 300"),
+    (lambda m: _file_rec(m).update(sub_chunk_size=128), r"sub_chunk_size: must be in \[256, 4096\]"),
+    (lambda m: _file_rec(m).update(sub_crc32c=_file_rec(m)["sub_crc32c"][:-8]), r"sub_crc32c: must be \d+ lowercase"),
+    (lambda m: _file_rec(m).update(sub_crc32c=_file_rec(m)["sub_crc32c"].upper()), r"sub_crc32c: must be"),
+    (lambda m: _file_rec(m).pop("sub_crc32c"), r"lacks sub_crc32c"),
+    (lambda m: m["rank_states"][1]["$dict"]["model"]["$dict"]["w"].update(offsets=["5", 0]), r"offsets"),
+])
+def test_the_schema_checks_the_resharding_fields(work, saved_at_2, tmp_path, mutate, field):
+    root = tmp_path / "mix"
+    shutil.copytree(work / "mix", root)
+    manifest_tools.rewrite(str(root), 1, mutate)
+    with CheckpointManager(str(root)) as mgr, pytest.raises(CheckpointCorruptError, match=field):
+        mgr.restore(1, rank_map=lambda rank, saved: 0)
+
+
 _GARBAGE = [None, 7, -1, "x", [], {}, [1], [[1]], {"$dict": 5}, {"$dict": [[1]]}, {"$dtensor": [1]},
             {"$dtensor": "b", "shape": [6]}, {"$tensor": "nope"}, {"$per_rank": {"$tensor": "b"}}, 1e300, [10**30]]
 
