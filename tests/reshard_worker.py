@@ -33,7 +33,14 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 
-from ckptmgr import CheckpointManager, ConfigError, PerRank, StateMismatchError, WriteOptions  # noqa: E402
+from ckptmgr import (  # noqa: E402
+    CheckpointCorruptError,
+    CheckpointManager,
+    ConfigError,
+    PerRank,
+    StateMismatchError,
+    WriteOptions,
+)
 
 KEEP_STEPS, MORE_STEPS = 3, 3
 WRITE = WriteOptions(chunk_size=4096)  # small checksum chunks: ranged reads split files
@@ -244,6 +251,31 @@ def scenario_save(work: str, mesh: Any, rank: int, checks: Checks) -> None:
             return None if torch.equal(out["p"].to_local(), torch.full((3,), float(rank + 1))) else "other values"
 
         checks.run("a Partial DTensor at the same world size", same_layout_partial)
+    with CheckpointManager(os.path.join(work, "damaged"), write_options=WRITE) as mgr:
+        mgr.save(1, mix_state(mesh, SAVED.__getitem__, rank, zeros=False)).result()
+
+        def one_rank_damaged() -> Any:
+            if rank == 0:  # a byte of rank 1's file: only rank 1's reads can see it
+                step_dir = os.path.join(work, "damaged", "step_000000000001")
+                with open(os.path.join(step_dir, "data-r00001-00000.safetensors"), "r+b") as f:
+                    f.seek(5000)
+                    b = f.read(1)
+                    f.seek(5000)
+                    f.write(bytes([b[0] ^ 0xFF]))
+            dist.barrier()
+            target = mix_state(mesh, SAVED.__getitem__, rank, zeros=True)
+            try:
+                mgr.restore(1, target=target)
+            except CheckpointCorruptError as exc:
+                if "data-r00001-00000.safetensors" not in str(exc):
+                    return f"the error does not name the file: {exc}"
+            else:
+                return "no error"
+            changed = [k for k, v in target["model"].items() if v.to_local().abs().sum()] + \
+                [k for k, v in target["ddp"].items() if v.abs().sum()]
+            return f"the target changed: {changed}" if changed else None
+
+        checks.run("one rank's damaged file: no rank's target changes", one_rank_damaged)
     model, opt = fsdp_model()
     train(model, opt, range(KEEP_STEPS), contributes=rank == 0)
     with CheckpointManager(os.path.join(work, "fsdp"), write_options=WRITE) as mgr:

@@ -22,9 +22,10 @@ raise the same error and fall back to the same older step together.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,7 @@ from ..format.manifest import Manifest
 from ..format.tree import unflatten
 from ..restore.apply import apply_target, check_target, local_tensor, target_tensors
 from ..restore.loaders.host import view_of
-from ..restore.preflight import Source
+from ..restore.preflight import Source, preflight, verify_files
 from .coordinator import Coordinator, owner_of
 from .ranged import RangedReads
 from .reshard import Dest, box_for, box_of, fill, parse_placements, plan_dtensor, saved_boxes, stored, whole
@@ -256,28 +257,32 @@ def _restore(restorer: Restorer, source: Source, step: int, m: Manifest, target:
         dev = torch.device("cuda", torch.cuda.current_device())
     loaded: dict[str, torch.Tensor] = {}
     reads = RangedReads(source, step, m)
-    try:
-        try:
-            if plan.aligned:
-                loaded = _read_own(restorer, source, step, m, plan, me, dev, loader)
+    own = _own_files(m, plan, me) if plan.aligned else None
+    try:  # read and verify everything this rank needs; nothing lands in the target yet
+        with _ours(source, step, where):
+            if own is not None:
+                _verify_own(restorer, source, step, own, plan, where)
             else:
                 _want(m, plan, me, reads, where)
                 reads.read()
-        except FileNotFoundError as exc:  # deleted while it was read, or never there
-            raise _vanished(source, step, where, exc) from exc
-        except (OSError, ValueError) as exc:  # not one of ours: a file that cannot be read
-            raise CheckpointCorruptError(f"{where} cannot be read: {exc}") from exc
     except CkptError as exc:
         error = exc
     _agree(coord, error, f"reading step {step}")
     outs: dict[str, torch.Tensor] = {}
+    try:  # every rank verified its part: land it
+        with torch.no_grad(), _ours(source, step, where):
+            if own is not None:
+                loaded = restorer._load(source, step, own, dev, loader, None, _own_dests(plan, own),  # type: ignore[arg-type]
+                                        verified=True)
+                outs = {key: loaded[d.own] for key, d in plan.dests.items()}
+            else:
+                loaded, outs = _assemble(m, plan, me, reads, dev, where)
+                log.info("%s: read %d bytes (%d needed) for this rank's part at world size %d (saved at %d)",
+                         where, reads.bytes_read, reads.requested, coord.world if coord else 1, m.world_size)
+    except CkptError as exc:
+        error = exc
+    _agree(coord, error, f"loading step {step}")
     with torch.no_grad():
-        if plan.aligned:
-            outs = {key: loaded[d.own] for key, d in plan.dests.items()}
-        else:
-            loaded, outs = _assemble(m, plan, me, reads, dev, where)
-            log.info("%s: read %d bytes (%d needed) for this rank's part at world size %d (saved at %d)",
-                     where, reads.bytes_read, reads.requested, coord.world if coord else 1, m.world_size)
         if coord is not None:
             group = coord.tensor_group(dev)
             for name in plan.replicated:
@@ -311,18 +316,41 @@ def _vanished(source: Source, step: int, where: str, exc: FileNotFoundError) -> 
     return StepNotFoundError(f"{where} was deleted while it was read")
 
 
-def _read_own(restorer: Restorer, source: Source, step: int, m: Manifest, plan: _Plan, me: int,
-              dev: torch.device, loader: str) -> dict[str, torch.Tensor]:
-    """This rank's own files, whole, through the manager's loaders (the layout is unchanged)."""
+@contextlib.contextmanager
+def _ours(source: Source, step: int, where: str) -> Iterator[None]:
+    """Turn a storage failure during a read into one of our errors (so that every rank can
+    agree on it): a vanished file is a deleted or a damaged step."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        raise _vanished(source, step, where, exc) from exc
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{where} cannot be read: {exc}") from exc
+
+
+def _own_files(m: Manifest, plan: _Plan, me: int) -> Manifest:
+    """The part of the manifest that is this rank's own files, whole (the layout is unchanged)."""
     mine = {f: rec for f, rec in m.files.items() if owner_of(f) == me}
     own = {n: e for n, e in m.tensors.items() if e.get("file") in mine}
     own.update({n: e for n, e in m.tensors.items() if e.get("view_of") in own})
-    sub = Manifest(step=step, state=plan.skeleton, tensors=own, files=mine, metadata=m.metadata, time=m.time)
-    dests = {n: t for n, t in plan.landing.items() if n in own}
+    return Manifest(step=m.step, state=plan.skeleton, tensors=own, files=mine, metadata=m.metadata, time=m.time)
+
+
+def _own_dests(plan: _Plan, own: Manifest) -> dict[str, torch.Tensor]:
+    """Stored name -> the target's tensor it lands in (DTensors: their local shards)."""
+    dests = {n: t for n, t in plan.landing.items() if n in own.tensors}
     for d in plan.dests.values():
         if d.target is not None:
             dests[d.own] = local_tensor(d.target)
-    return restorer._load(source, step, sub, dev, loader, None, dests)  # type: ignore[arg-type]
+    return dests
+
+
+def _verify_own(restorer: Restorer, source: Source, step: int, own: Manifest, plan: _Plan, where: str) -> None:
+    """This rank's own files: preflight, and when tensors will land in the target, every
+    checksum (so that no rank's target changes unless every rank's files verify)."""
+    preflight(source, step, own, where)
+    if plan.landing or any(d.target is not None for d in plan.dests.values()):
+        verify_files(source, step, own, source.io_pool, int(getattr(source.io_pool, "_max_workers", 8)), where)
 
 
 def _want(m: Manifest, plan: _Plan, me: int, reads: RangedReads, where: str) -> None:

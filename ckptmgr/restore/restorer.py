@@ -145,9 +145,11 @@ class Restorer:
         return step in steps
 
     def _load(self, source: Target | LocalTier, step: int, manifest: Manifest, device: torch.device,
-              loader: str, slot: Slot | None, dests: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+              loader: str, slot: Slot | None, dests: dict[str, torch.Tensor] | None,
+              verified: bool = False) -> dict[str, torch.Tensor]:
         """Read every tensor of ``step`` (preflight first); when any lands in ``dests``, every
-        checksum is verified before the first byte lands."""
+        checksum is verified before the first byte lands (``verified``: the caller did, as a
+        multi-rank restore does on every rank before any lands)."""
         where = f"{source.url}: step {step}"
         images = _pinned_images(slot)
         if loader == "auto":
@@ -161,7 +163,7 @@ class Restorer:
         use_images = loader == "inplace" and images is not None
         preflight(source, step, manifest, where, images if use_images else None)
         entries = [e for fname in manifest.files for e in file_entries(manifest, fname, where)]
-        direct = lands_in_target(entries, dests, _CPU if loader == "host" else device)
+        direct = lands_in_target(entries, dests, _CPU if loader == "host" else device) and not verified
         paths = {name: local_path(source, step, name) or "" for name in manifest.files}
         if use_images and images is not None:  # already pinned where it lies
             if direct:
