@@ -7,12 +7,15 @@ and reports ``checks``: case name -> True, or what went wrong.
 
 Scenarios:
   save     (2 ranks) save the DTensor mix (WORKDIR/mix) and an FSDP2 model + AdamW trained
-           3 steps (WORKDIR/fsdp); at the same world size: a fresh optimizer gets DTensor
-           moments and trains on bit-identically, a dict target gets its DTensors back
+           3 steps (WORKDIR/fsdp), the same with an optimizer of its own state_dict format
+           (WORKDIR/flat); at the same world size: a fresh optimizer gets DTensor moments and
+           trains on bit-identically, a dict target gets its DTensors back, one rank's damaged
+           file changes no rank's target
   restore  (any world) restore WORKDIR/mix into DTensors of every placement, PerRank with and
            without rank_map, the FSDP2 model into a fresh model and AdamW trained on against
            a single-process reference, the golden checkpoint (WORKDIR/golden) when present;
-           save the mix again at this world size (WORKDIR/mix<world>)
+           WORKDIR/flat likewise, (3 ranks) a damaged piece only one rank reads changes no
+           rank's target; save the mix again at this world size (WORKDIR/mix<world>)
   from3    (2 ranks) restore WORKDIR/mix3 (saved at 3)
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -103,6 +107,40 @@ def fsdp_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no PREMUL_SUM) ...
         module.set_gradient_divide_factor(1.0)  # ... undivided: rank 0's gradient + exact zeros is rank 0's gradient
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+class FlatContainer(torch.optim.Optimizer):
+    """An optimizer whose ``state_dict`` is its own format (like torchtitan's container): the
+    flattened optimizer state dict of the model, over an inner AdamW that does the steps."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        super().__init__(list(model.parameters()), {"lr": 1e-2})
+        self.state = self.inner.state  # type: ignore[assignment]  (full_state reads the moments here)
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.inner, options=StateDictOptions(
+            flatten_optimizer_state_dict=True))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.inner, state_dict, options=StateDictOptions(
+            flatten_optimizer_state_dict=True))
+
+
+def container_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model, _ = fsdp_model(seed)
+    return model, FlatContainer(model)
 
 
 def plain_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -276,6 +314,10 @@ def scenario_save(work: str, mesh: Any, rank: int, checks: Checks) -> None:
             return f"the target changed: {changed}" if changed else None
 
         checks.run("one rank's damaged file: no rank's target changes", one_rank_damaged)
+    model, opt = container_model()
+    train(model, opt, range(KEEP_STEPS), contributes=rank == 0)
+    with CheckpointManager(os.path.join(work, "flat"), write_options=WRITE) as mgr:
+        mgr.save(KEEP_STEPS, {"model": model, "optim": opt, "step": KEEP_STEPS}).result()
     model, opt = fsdp_model()
     train(model, opt, range(KEEP_STEPS), contributes=rank == 0)
     with CheckpointManager(os.path.join(work, "fsdp"), write_options=WRITE) as mgr:
@@ -313,8 +355,58 @@ def scenario_save(work: str, mesh: Any, rank: int, checks: Checks) -> None:
             return None
 
         checks.run("fresh optimizer at the same world size", fresh_optimizer)
+        checks.run("an optimizer of its own state_dict format at the same world size",
+                   lambda: container(os.path.join(work, "flat")))
         checks.run("stepped optimizer at the same world size", stepped_optimizer)
         checks.run("dict target keeps its DTensors", dict_target)
+
+
+def container(root: str) -> Any:
+    """Restore the FSDP2 model and an optimizer whose state_dict is its own (flattened) format
+    into fresh ones, train on, compare with the single-process reference."""
+    model, opt = container_model(seed=4)
+    with CheckpointManager(root) as mgr:
+        mgr.restore(target={"model": model, "optim": opt, "step": 0})
+    train(model, opt, range(KEEP_STEPS, KEEP_STEPS + MORE_STEPS), contributes=dist.get_rank() == 0)
+    got = full_state(model, opt)
+    return same(got, reference(KEEP_STEPS + MORE_STEPS)) if dist.get_rank() == 0 else None
+
+
+def damage(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def data_offset(path: str) -> int:
+    """Where a safetensors file's data begins."""
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def resharded_damaged(work: str, mesh: Any, rank: int, world: int) -> Any:
+    """A copy of WORKDIR/rows (saved at 2) with a byte of row 200 flipped: at 3 ranks only
+    rank 2 reads that row (rows 172-255); no rank's target may change."""
+    root = os.path.join(work, f"rows-damaged{world}")
+    if rank == 0:
+        shutil.copytree(os.path.join(work, "rows"), root)
+        f = os.path.join(root, "step_000000000001", "data-r00001-00000.safetensors")  # rows 128-255
+        damage(f, data_offset(f) + (200 - 128) * 256 + 3)
+    dist.barrier()
+    y, _ = rows_dtensor(mesh, zeros=True)
+    error: Exception | None = None
+    with CheckpointManager(root) as mgr:
+        try:
+            mgr.restore(1, target={"y": y})
+        except CheckpointCorruptError as exc:
+            error = exc
+    if y.to_local().abs().sum():
+        return "the target changed"
+    if error is None or "data-r00001-00000.safetensors" not in str(error):
+        return f"the error does not name the file: {error}"
+    return None
 
 
 def scenario_restore(work: str, mesh: Any, rank: int, world: int, checks: Checks, report: dict[str, Any]) -> None:
@@ -365,6 +457,9 @@ def scenario_restore(work: str, mesh: Any, rank: int, world: int, checks: Checks
             return None if torch.equal(y.full_tensor(), g) else "other values"
 
         checks.run(f"a Shard(0) tensor from 2 at {world}", rows)
+    if world == 3:
+        checks.run("one rank's damaged piece at another world size: no rank's target changes",
+                   lambda: resharded_damaged(work, mesh, rank, world))
     with CheckpointManager(os.path.join(work, "partial"), write_options=WRITE) as mgr:
         def partial() -> Any:
             try:
@@ -383,6 +478,8 @@ def scenario_restore(work: str, mesh: Any, rank: int, world: int, checks: Checks
             return same(got, reference(KEEP_STEPS + MORE_STEPS)) if rank == 0 else None
 
         checks.run(f"FSDP2 + AdamW from 2 at {world}, trained on", fsdp)
+    checks.run(f"an optimizer of its own state_dict format from 2 at {world}",
+               lambda: container(os.path.join(work, "flat")))
     with CheckpointManager(os.path.join(work, f"mix{world}"), write_options=WRITE) as mgr:
         mgr.save(1, mix_state(mesh, SAVED.__getitem__, rank, zeros=False)).result()
     if world == 4:  # a 2-D mesh checkpoint, restored at 2 by "from3"

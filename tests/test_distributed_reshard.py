@@ -71,7 +71,8 @@ def test_same_world_size_fresh_and_stepped_optimizers_and_dict_targets(saved_at_
     names = set(saved_at_2[0]["checks"])
     assert {"fresh optimizer at the same world size", "stepped optimizer at the same world size",
             "dict target keeps its DTensors", "a Partial DTensor at the same world size",
-            "one rank's damaged file: no rank's target changes"} <= names
+            "one rank's damaged file: no rank's target changes",
+            "an optimizer of its own state_dict format at the same world size"} <= names
 
 
 def _rows_expected(world: int, saved: int = 2, rows: int = 256, row_bytes: int = 256,
@@ -100,6 +101,8 @@ def test_save_at_2_restore_at_3_and_4(request, work, world):
     names = set(reports[0]["checks"])
     assert {f"mix from 2 at {world}, {layout}" for layout in ("as saved", "swapped", "replicated")} <= names
     assert f"FSDP2 + AdamW from 2 at {world}, trained on" in names
+    assert f"an optimizer of its own state_dict format from 2 at {world}" in names
+    assert (world == 3) == ("one rank's damaged piece at another world size: no rank's target changes" in names)
     assert f"golden dist-v2 (saved at 2) at {world}" in names
     assert (world == 4) == (f"mix from 2 at {world}, 2-D" in names)
     # each rank reads the header of each file it touches (checked against the index) and the

@@ -179,10 +179,14 @@ def optimizer_params(target: Any, skeleton: Any) -> dict[str, torch.Tensor]:
         return found
 
     def optimizer(opt: torch.optim.Optimizer, node: Any) -> None:
+        if type(opt).state_dict is not torch.optim.Optimizer.state_dict:  # its own format (torchtitan's
+            walk(opt.state_dict(), node.get("state") if isinstance(node, dict) else None)  # container): as a dict
+            return
         groups = opt.state_dict()["param_groups"]
         index = {i: p for g_sd, g in zip(groups, opt.param_groups, strict=False)
                  for i, p in zip(g_sd["params"], g["params"], strict=False)}
-        body = node.get("$dict") if isinstance(node, dict) else None
+        sd = node.get("state") if isinstance(node, dict) else None
+        body = sd.get("$dict") if isinstance(sd, dict) else None
         state = body.get("state") if isinstance(body, dict) else None
         for k, v in _dict_items(state.get("$dict") if isinstance(state, dict) else None):
             try:
@@ -204,7 +208,7 @@ def optimizer_params(target: Any, skeleton: Any) -> dict[str, torch.Tensor]:
             return
         tag, val = next(iter(n.items()))
         if tag == "$stateful" and isinstance(t, torch.optim.Optimizer):
-            optimizer(t, n.get("state"))
+            optimizer(t, n)
         elif tag == "$stateful" and is_stateful(t):
             walk(t.state_dict(), n.get("state"))
         elif tag == "$tuple":
