@@ -68,6 +68,12 @@ class CheckpointManager(Protection):
             are durable (see docs/DISTRIBUTED.md). Wrap per-rank values in :class:`PerRank`.
         coordination_timeout: seconds any agreement between ranks may take before
             :class:`CkptTimeoutError` (a dead rank never hangs the others).
+        read_only: True opens the root for reading only: ``steps``, ``metadata`` and
+            ``restore`` work, nothing is created, cleaned up or written (not even a bucket),
+            and ``save``, ``protect``, ``unprotect`` and ``apply_retention`` raise
+            :class:`ConfigError`. None (the default) opens a local root that exists but is
+            not writable by this process read-only, and any other root for writing (on an
+            object store, pass True for read-only credentials). False always opens for writing.
 
     Example:
         >>> import torch
@@ -93,6 +99,7 @@ class CheckpointManager(Protection):
         allow_pickle: bool = False,
         process_group: Any = None,
         coordination_timeout: float = 600.0,
+        read_only: bool | None = None,
     ) -> None:
         retention = option_or_default(retention, RetentionPolicy, "retention", KeepAll)
         write_options = option_or_default(write_options, WriteOptions, "write_options", WriteOptions)
@@ -104,18 +111,17 @@ class CheckpointManager(Protection):
         self._allow_pickle = bool(allow_pickle)
         self._target = open_target(str(root) if hasattr(root, "__fspath__") else root,
                                    storage_options, io_threads=write_options.io_threads,
-                                   direct_io=write_options.direct_io, s3_options=s3_options)
+                                   direct_io=write_options.direct_io, s3_options=s3_options,
+                                   read_only=read_only)
         self.root = self._target.url
-        if write_options.gds:
+        self.read_only = self._target.read_only
+        if write_options.gds and not self.read_only:
             enable_writer(self._target, self.root)
         self._coord = coordinator_for(process_group, coordination_timeout)
-        if self._coord is not None:  # one tier per node would be shared by its ranks: none
+        if self._coord is not None or self.read_only:
+            # one tier per node would be shared by its ranks; a reader writes nothing: none
             staging = dataclasses.replace(staging, local_tier=False)
-        removed = self._target.cleanup() if self._coord is None or self._coord.is_leader else []
-        if removed:
-            log.info("removed %d leftovers of interrupted saves under %s", len(removed), self.root)
-        if self._coord is not None:
-            self._coord.barrier("start-up (leftover cleanup)")
+        durable = self._start_up()
         self._guard = StepGuard()
         self._deleter = Deleter(self._target, retention, self._guard)
         self._protect_pending: set[int] = set()
@@ -133,13 +139,31 @@ class CheckpointManager(Protection):
         self._handles: list[SaveHandle] = []  # finished handles whose errors nobody saw yet
         self._closed = False
         self._threads: list[threading.Thread] = []
-        durable = self._target.list_steps()
         if durable:
             self._pool.note_durable(durable[-1])
         if self._tier is not None:  # slots an earlier process left committed: adopt, write out the newer
             for job in adopt_local_tier(self._tier, self._pool, set(durable), self.root):
                 self._submit(job)
         lifecycle.close_at_exit(self)
+
+    def _start_up(self) -> list[int]:
+        """Remove leftovers of interrupted saves whose writers are gone, then list the
+        committed steps; in a multi-rank job rank 0 does both and the others receive the
+        listing (one LIST per start, whatever the number of ranks)."""
+        c = self._coord
+        durable: list[int] = []
+        if c is None or c.is_leader:
+            removed = self._target.cleanup()
+            if removed:
+                log.info("removed %d leftovers of interrupted saves under %s", len(removed), self.root)
+            durable = self._target.list_steps()
+        if c is not None:
+            durable = c.broadcast(durable, "start-up (leftover cleanup and listing)")
+        return durable
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise ConfigError(f"cannot {what}: the CheckpointManager for {self.root} is read-only")
 
     def _submit(self, job: PersistJob) -> SaveHandle:
         step = job.manifest.step
@@ -191,7 +215,7 @@ class CheckpointManager(Protection):
             a handle with ``skipped=True``.
 
         Raises:
-            ConfigError: ``step`` is not a non-negative int.
+            ConfigError: ``step`` is not a non-negative int, or the manager is read-only.
             StepExistsError: ``step`` is committed or being saved.
             UnsupportedValueError: a value in ``state`` or ``metadata`` cannot be stored;
                 nothing has been written.
@@ -200,6 +224,7 @@ class CheckpointManager(Protection):
             SaveError: an earlier save failed and nobody has been told yet.
         """
         self._check_open()
+        self._check_writable(f"save step {step!r}")
         self._check_step(step)
         if metadata is not None and not isinstance(metadata, dict):
             raise ConfigError(f"metadata must be a dict, got {type(metadata).__name__}")
@@ -209,7 +234,8 @@ class CheckpointManager(Protection):
         with self._lock:
             if step in self._pending:
                 raise StepExistsError(f"step {step} is already being saved")
-        if step in self._committed_steps():
+        # (multi-rank: rank 0 checks; the others learn of a committed step at the commit)
+        if (self._coord is None or self._coord.is_leader) and step in self._committed_steps():
             raise StepExistsError(
                 f"step {step} is already committed under {self.root}; committed checkpoints are never overwritten")
         t0 = time.perf_counter()
@@ -328,10 +354,13 @@ class CheckpointManager(Protection):
 
         Raises:
             StorageError: a deletion failed.
+            ConfigError: the manager is read-only.
         """
         self._check_open()
-        self._deleter.schedule()
-        self._deleter.drain(None)
+        self._check_writable("apply the retention policy")
+        if self._coord is None or self._coord.is_leader:  # rank 0 decides retention
+            self._deleter.schedule()
+            self._deleter.drain(None)
         self._raise_unobserved()
 
     # ------------------------------------------------------------- discover

@@ -121,8 +121,12 @@ class S3Options:
     Attributes:
         part_size: bytes per multipart part (grown when a file would need over 10,000
             parts). S3 needs at least 5 MiB, except for the last part.
-        concurrency: parts in flight at once, over all files of a step; botocore's
-            connection pool is sized to match.
+        concurrency: requests in flight at once to the root (the parts of every file of a
+            step, the ranged reads of a restore); botocore's connection pool is sized to match.
+        adaptive_concurrency: when the store throttles (503 SlowDown, 429), shrink the number
+            of requests in flight (halved per throttled window, grown back by one per window
+            of successes, up to ``concurrency``) rather than retry at the same rate. False
+            keeps ``concurrency`` fixed.
         max_attempts: tries per request before it fails the save (1: no retries).
         retry_deadline_s: no retry starts once this many seconds have passed since the
             first try of a request.
@@ -137,6 +141,7 @@ class S3Options:
 
     part_size: int = 32 << 20
     concurrency: int = 16
+    adaptive_concurrency: bool = True
     max_attempts: int = 8
     retry_deadline_s: float = 120.0
     base_delay_s: float = 0.1
@@ -151,3 +156,5 @@ class S3Options:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"S3Options.{name} must be a number >= 0, got {value!r}")
+        if not isinstance(self.adaptive_concurrency, bool):
+            raise ConfigError(f"S3Options.adaptive_concurrency must be a bool, got {self.adaptive_concurrency!r}")

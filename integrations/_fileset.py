@@ -8,11 +8,12 @@ A :class:`FileSet` collects what a library would write (see :mod:`._capture`):
   own files) is laid out in a staging segment; the stager copies the tensors in; the
   segment is written as it is.
 * ``add_torch(name, obj)``: a file ``torch.load(..., weights_only=True)`` reads, as
-  ``torch.save`` writes it. With :mod:`ckptmgr.format.torchzip` (the torch-zip image
+  ``torch.save`` writes it. Through :mod:`ckptmgr.format.torchzip` (the torch-zip image
   writer), the file is laid out as the archive ``torch.save`` would write (pickled at once,
   the storages' bytes left for the stager), filled by the staging copies and written from
-  the segment as it is. Without it, tensors reached through dicts, lists and tuples are
-  staged and the file is serialized from the staged copies on the writer's thread; an
+  the segment as it is. When the image can take none of the object's storages, tensors
+  reached through dicts, lists and tuples are staged and the file is serialized from the
+  staged copies on the writer's thread; an
   object holding anything else (an arbitrary class, a tensor subclass) is serialized at once
   with ``torch.save`` (such objects are small: ``TrainingArguments``, a sampler), since only
   plain containers can be copied safely.
@@ -36,13 +37,9 @@ import numpy as np
 import torch
 
 from ckptmgr.errors import UnsupportedValueError
+from ckptmgr.format import torchzip
 from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
 from ckptmgr.format.layout import DTYPE_TO_ST, FilePlan, StoredTensor, header_bytes
-
-try:  # the torch-zip image writer (ckptmgr >= the release that ships it)
-    from ckptmgr.format import torchzip  # type: ignore[attr-defined, unused-ignore]
-except ImportError:  # pragma: no cover - depends on the ckptmgr version installed
-    torchzip = None
 
 __all__ = ["Entry", "FileRecord", "FileSet", "hash_file", "write_file"]
 
@@ -297,11 +294,10 @@ class FileSet:
         self._add(_Safetensors(name, tensors, metadata))
 
     def add_torch(self, name: str, obj: Any) -> None:
-        if torchzip is not None:
-            image = torchzip.plan_image(obj)
-            if image.spans:
-                self._add(_TorchZip(name, image))
-                return
+        image = torchzip.plan_image(obj)
+        if image.spans:
+            self._add(_TorchZip(name, image))
+            return
         w, keep = _Walk(), []  # type: ignore[var-annotated]
         skeleton = _walk(obj, w, keep)
         if not w.plain or not w.stored:  # nothing to overlap, or nothing we may copy: serialize now

@@ -61,8 +61,9 @@ def _hang_writes(save_index: int, name: str, marker: str) -> None:
                     f.write(arr[: arr.size // 2].tobytes())
                     f.flush()
                     os.fsync(f.fileno())
-                with open(marker, "w") as f:
+                with open(marker + ".tmp", "w") as f:  # renamed: the test never sees it half-written
                     f.write(path)
+                os.rename(marker + ".tmp", marker)
                 threading.Event().wait()  # until SIGKILL
         return original(path, data, pool, chunk_size)
 

@@ -64,7 +64,7 @@ def test_a_rank_killed_mid_save_commits_nothing_and_the_previous_step_restores(t
     assert "step_000000000004" not in os.listdir(root)
     rcs, restored = launch(tmp_path, "restore", root, 2)
     assert rcs == [0, 0] and [r["step"] for r in restored] == [3, 3]
-    assert [n for n in os.listdir(root) if n.startswith(".")] == []  # the dead rank's files: removed at start
+    assert [n for n in os.listdir(root) if n.startswith(".step_")] == []  # the dead rank's files: removed at start
 
 
 def test_retention_is_decided_once_and_every_rank_agrees(tmp_path):
@@ -72,7 +72,7 @@ def test_retention_is_decided_once_and_every_rank_agrees(tmp_path):
     rcs, outs = launch(tmp_path, "retain", root, 2)
     assert rcs == [0, 0]
     assert [o["steps"] for o in outs] == [[5, 6], [5, 6]]
-    assert sorted(os.listdir(root)) == ["step_000000000005", "step_000000000006"]
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000000000005", "step_000000000006"]
 
 
 def test_a_rank_that_never_saves_gives_a_clear_timeout(tmp_path):

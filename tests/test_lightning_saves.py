@@ -28,14 +28,14 @@ class Gate:
     def __init__(self, monkeypatch):
         self._open = threading.Event()
         self.started = threading.Semaphore(0)
-        real = onefile._pwrite_all
+        real = onefile.pwrite_all
 
         def gated(fd, data, offset):
             self.started.release()
             assert self._open.wait(60), "the test never opened the gate"
             return real(fd, data, offset)
 
-        monkeypatch.setattr(onefile, "_pwrite_all", gated)
+        monkeypatch.setattr(onefile, "pwrite_all", gated)
 
     def wait_started(self, n=1):
         for _ in range(n):

@@ -63,12 +63,12 @@ class Ctx:
     def storage_options(self) -> dict[str, Any] | None:
         return _storage_options(self.args.storage_options)
 
-    def target(self, root: str, *, must_exist: bool = True) -> Target:
-        """Open ``root`` for reading; a local root that does not exist is an error (opening
-        it would create it)."""
+    def target(self, root: str, *, must_exist: bool = True, read_only: bool = True) -> Target:
+        """Open ``root``, for reading only unless ``read_only=False`` (a reading command
+        creates nothing, not even a bucket); a local root that does not exist is an error."""
         if "://" not in root and must_exist and not os.path.isdir(root):
             raise StepNotFoundError(f"no checkpoint root at {root!r} (not a directory)")
-        self._target = open_target(root, self.storage_options())
+        self._target = open_target(root, self.storage_options(), read_only=read_only)
         return self._target
 
     def step(self, target: Target, text: str | None) -> int:

@@ -70,7 +70,7 @@ def policy_from_args(args: argparse.Namespace) -> RetentionPolicy:
 
 def cmd_prune(ctx: Ctx, args: argparse.Namespace) -> int:
     policy = policy_from_args(args)  # bad flags fail before the root is touched
-    target = ctx.target(args.root)
+    target = ctx.target(args.root, read_only=args.dry_run)
     deleter = Deleter(target, policy, StepGuard())
     try:
         doomed = deleter.plan()

@@ -208,4 +208,6 @@ def coordinated_commit(coord: Coordinator, target: Target, writer: StepWriter | 
     outcome = coord.broadcast(outcome, f"the commit outcome of step {m.step}", group=coord.commit)
     if outcome:
         raise SaveError(f"step {m.step} not committed: {outcome}")
+    if writer is not None and not coord.is_leader:
+        writer.close()  # rank 0 committed this rank's files: release the claim on them
     return merged

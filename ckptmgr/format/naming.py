@@ -1,9 +1,15 @@
 """Step naming: which names under a root are ours, and what they mean.
 
 A committed checkpoint lives in ``step_<step, zero-padded to 12 digits>/`` so that names
-sort. A local save in progress lives in ``.step_<step>.tmp-<hex>/`` beside it and becomes
-the step by an atomic rename. Only names that match these patterns are ever listed,
-cleaned up or deleted; anything else under the root is left alone.
+sort; valid steps are ``0 <= step < MAX_STEP``. A local save in progress lives in
+``.step_<step>.tmp-<16 hex>/`` beside it, held by the lock file
+``.step_<step>.tmp-<16 hex>.lock``, and becomes the step by an atomic rename. On object
+stores a save in progress is claimed by a lease object ``writer.lease`` (one per rank:
+``data-r<rank>-writer.lease``) inside the step's prefix. The root's identity is
+``.ckptmgr-root-id``.
+
+Only names that match these patterns exactly are ever listed, cleaned up or deleted;
+anything else under the root is left alone.
 """
 
 from __future__ import annotations
@@ -12,20 +18,37 @@ import re
 import secrets
 
 __all__ = [
+    "LEASE_NAME",
+    "MAX_STEP",
     "PROTECT_NAME",
+    "ROOT_ID_NAME",
     "STEP_DIGITS",
+    "is_lease_name",
     "is_our_file",
+    "is_root_id_temp",
+    "is_temp_lock_name",
     "is_temp_name",
+    "lease_name",
+    "new_root_id",
+    "parse_root_id",
     "parse_step_name",
     "step_name",
+    "temp_lock_name",
     "temp_name",
 ]
 
 STEP_DIGITS = 12
+MAX_STEP = 10**STEP_DIGITS  # steps are ints in [0, MAX_STEP): what 12-digit names order
 PROTECT_NAME = "protected"  # marker file: the step is kept whatever the retention policy says
-_OUR_FILE_RE = re.compile(r"manifest\.json|data-(r\d{5}-)?\d{5,}\.safetensors|protected")
-_STEP_RE = re.compile(rf"step_(\d{{{STEP_DIGITS},}})")
-_TEMP_RE = re.compile(rf"\.step_(\d{{{STEP_DIGITS},}})\.tmp-[0-9a-f]{{8,32}}")
+LEASE_NAME = "writer.lease"  # an object-store save in progress (its writer's identity and heartbeat)
+ROOT_ID_NAME = ".ckptmgr-root-id"  # the root's random identity, written once with the first commit
+_RANK = r"data-r\d{5}-"
+_OUR_FILE_RE = re.compile(rf"manifest\.json|data-(r\d{{5}}-)?\d{{5,}}\.safetensors|protected|({_RANK})?writer\.lease")
+_LEASE_RE = re.compile(rf"({_RANK})?writer\.lease")
+_STEP_RE = re.compile(rf"step_(\d{{{STEP_DIGITS}}})")
+_TEMP_RE = re.compile(rf"\.step_(\d{{{STEP_DIGITS}}})\.tmp-[0-9a-f]{{16}}")
+_ROOT_ID_TEMP_RE = re.compile(r"\.ckptmgr-root-id\.tmp-[0-9a-f]{16}")
+_TEMP_LOCK_RE = re.compile(rf"\.step_(\d{{{STEP_DIGITS}}})\.tmp-[0-9a-f]{{16}}\.lock")
 
 
 def step_name(step: int) -> str:
@@ -36,22 +59,61 @@ def step_name(step: int) -> str:
 def parse_step_name(name: str) -> int | None:
     """The step a directory name stands for, or None when the name is not ours."""
     m = _STEP_RE.fullmatch(name)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    return step if step_name(step) == name else None
+    return None if m is None else int(m.group(1))
 
 
 def temp_name(step: int) -> str:
-    """A fresh name for the temporary directory of a save in progress."""
+    """A fresh name for the temporary directory of a local save in progress."""
     return f".{step_name(step)}.tmp-{secrets.token_hex(8)}"
 
 
+def temp_lock_name(temp: str) -> str:
+    """The lock file that the writer of temporary directory ``temp`` holds while it lives."""
+    return temp + ".lock"
+
+
 def is_temp_name(name: str) -> bool:
-    """True for temporary directories that a save of ours created."""
+    """True for temporary directories that a save of ours created (exactly our pattern)."""
     return _TEMP_RE.fullmatch(name) is not None
+
+
+def is_temp_lock_name(name: str) -> bool:
+    """True for the lock file of one of our temporary directories."""
+    return _TEMP_LOCK_RE.fullmatch(name) is not None
+
+
+def is_root_id_temp(name: str) -> bool:
+    """True for the temporary file a root's identity is written to before it is linked in place."""
+    return _ROOT_ID_TEMP_RE.fullmatch(name) is not None
+
+
+def lease_name(prefix: str = "") -> str:
+    """The lease object of the writer of files named ``<prefix>...`` (``""`` or ``data-r00001-``)."""
+    name = f"{prefix}{LEASE_NAME}"
+    if _LEASE_RE.fullmatch(name) is None:
+        raise ValueError(f"no lease name for the file prefix {prefix!r}")
+    return name
+
+
+def is_lease_name(name: str) -> bool:
+    """True for the lease objects of object-store saves in progress."""
+    return _LEASE_RE.fullmatch(name) is not None
 
 
 def is_our_file(name: str) -> bool:
     """True for the names ckptmgr writes inside a step directory."""
     return _OUR_FILE_RE.fullmatch(name) is not None
+
+
+_ROOT_ID_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def new_root_id() -> str:
+    """A fresh random root identity (32 hex digits)."""
+    return secrets.token_hex(16)
+
+
+def parse_root_id(data: bytes) -> str | None:
+    """The identity stored in a root's ``.ckptmgr-root-id``; None when it is not one."""
+    text = data[:64].decode("ascii", "replace").strip()
+    return text if len(data) <= 64 and _ROOT_ID_RE.fullmatch(text) else None

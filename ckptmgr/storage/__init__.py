@@ -6,6 +6,8 @@ rename commit) or any other fsspec URL (manifest-last commit).
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from ..errors import CkptError, ConfigError, StorageError
@@ -14,14 +16,26 @@ from .base import StepWriter, Target
 
 __all__ = ["StepWriter", "Target", "open_target"]
 
+log = logging.getLogger("ckptmgr")
+
 
 def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
-                io_threads: int = 8, direct_io: bool = True, s3_options: S3Options | None = None) -> Target:
+                io_threads: int = 8, direct_io: bool = True, s3_options: S3Options | None = None,
+                read_only: bool | None = False) -> Target:
     """Resolve ``root`` (a path or fsspec URL) to a storage target.
+
+    Args:
+        read_only: True opens the root for reading only: nothing is created (not the root,
+            not a bucket), written, cleaned up or deleted, and write operations raise
+            ConfigError. None decides: a local root that exists but that this process cannot
+            write is opened read-only (logged); other roots are opened for writing (an
+            object store cannot tell write access without writing: pass True for read-only
+            credentials). False (the default) opens for writing.
 
     Raises:
         ConfigError: unknown protocol or bad storage options.
         StorageError: the root exists but cannot be used.
+        StepNotFoundError: a read-only local root that does not exist.
     """
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
@@ -47,12 +61,18 @@ def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
         raise ConfigError(f"bad storage_options for {root!r}: {exc}") from exc
     except OSError as exc:
         raise StorageError(f"cannot open checkpoint root {root!r}: {exc}") from exc
+    if read_only not in (None, True, False):
+        raise ConfigError(f"read_only must be None, True or False, got {read_only!r}")
     if isinstance(fs, LocalFileSystem):
         if storage_options:
             raise ConfigError(f"storage_options {sorted(storage_options)} have no meaning for the local root {root!r}")
         from .local import LocalTarget
 
-        return LocalTarget(path, io_threads=io_threads, direct_io=direct_io)
+        if read_only is None:
+            read_only = os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK)
+            if read_only:
+                log.info("opening %s read-only: this process cannot write to it", os.path.abspath(path))
+        return LocalTarget(path, io_threads=io_threads, direct_io=direct_io, read_only=read_only)
     from .fsspec import FsspecTarget
     from .s3 import S3Target, check_bucket_name
 
@@ -60,8 +80,9 @@ def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
         check_bucket_name(path, root)
     try:
         if is_s3:
-            return S3Target(fs, path, url=root, io_threads=io_threads, opts=s3_options or S3Options())
-        return FsspecTarget(fs, path, url=root, io_threads=io_threads)
+            return S3Target(fs, path, url=root, io_threads=io_threads, opts=s3_options or S3Options(),
+                            read_only=bool(read_only))
+        return FsspecTarget(fs, path, url=root, io_threads=io_threads, read_only=bool(read_only))
     except CkptError:
         raise
     except Exception as exc:  # the storage's client raises its own types (botocore, aiohttp, ...)

@@ -1,8 +1,13 @@
 """Any fsspec filesystem: files written in place, ``manifest.json`` written last as the commit.
 
 Object stores have no atomic directory rename, so a step's files go straight to
-``<root>/step_<n>/`` and the step exists only once its manifest does. A step prefix without
-a manifest is an interrupted save (or delete) and is removed at the next start.
+``<root>/step_<n>/`` and the step exists only once its manifest does; the
+:class:`~ckptmgr.storage.objects.ManifestLastCommit` strategy claims the step with a lease,
+checks the files and writes the manifest once. A step prefix without a manifest is an
+interrupted save (or delete), removed at a later start once its writer is provably gone.
+
+On a generic fsspec filesystem "write only if absent" is an existence check followed by the
+write (fsspec has no conditional write); the S3 target uses the store's own (``If-None-Match``).
 """
 
 from __future__ import annotations
@@ -10,35 +15,41 @@ from __future__ import annotations
 import contextlib
 import logging
 import posixpath
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointCorruptError, StepExistsError, StepNotFoundError, StorageError
+from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import MANIFEST_NAME
-from ..format.naming import PROTECT_NAME, is_our_file, parse_step_name, step_name
+from ..format.naming import MAX_STEP, PROTECT_NAME, ROOT_ID_NAME, is_our_file, new_root_id, parse_root_id, step_name
+from .lease import LEASE_STALE_S, LeaseKeeper
+from .objects import ManifestLastCommit, ObjectInfo, remove_object_leftovers, step_objects
 
-__all__ = ["FsspecTarget"]
+__all__ = ["FsspecTarget", "check_step"]
 
 log = logging.getLogger("ckptmgr")
 
 
-class _FsspecStepWriter:
-    location = ""  # files are written in place; the manifest alone makes them a step
+def check_step(step: object) -> int:
+    """``step`` as a valid step number. Raises ConfigError."""
+    if type(step) is not int or not 0 <= step < MAX_STEP:
+        raise ConfigError(f"step must be an int in [0, {MAX_STEP}), got {step!r}")
+    return step
 
-    def __init__(self, target: FsspecTarget, step: int, prefix: str = "") -> None:
+
+class _FsspecStepWriter:
+    """Writes a step's files with ``fs.open``; the strategy commits or aborts."""
+
+    def __init__(self, target: FsspecTarget, commit: ManifestLastCommit) -> None:
         self.target = target
-        self.step = step
-        self.prefix = prefix
-        self.dir = target._step_dir(step)
-        fs = target.fs
-        if fs.exists(posixpath.join(self.dir, MANIFEST_NAME)):
-            raise StepExistsError(f"step {step} is already committed at {target.url}")
-        if fs.exists(self.dir):  # leftovers of an interrupted save of this step (this rank's)
-            target._remove_ours(self.dir, prefix)
-        fs.makedirs(self.dir, exist_ok=True)
+        self.strategy = commit
+        self.step = commit.step
+        self.dir = target._step_dir(commit.step)
+        self.location = commit.location
 
     def adopt(self, parts: list[tuple[str, list[str]]]) -> None:
         pass  # every rank's files are in place already
@@ -56,76 +67,164 @@ class _FsspecStepWriter:
                 f.write(memoryview(chunk))  # type: ignore[arg-type]
                 if checksum:
                     crcs.append(crc32c_hex(chunk))
+        self.strategy.wrote(name, data.size)
         return tuple(crcs)
 
     def commit(self, manifest: bytes) -> None:
-        path = posixpath.join(self.dir, MANIFEST_NAME)
-        if self.target.fs.exists(path):
-            raise StepExistsError(f"step {self.step} is already committed at {self.target.url}")
-        self.target.fs.pipe_file(path, manifest)
+        self.strategy.commit(manifest)
 
     def abort(self) -> None:
-        try:
-            self.target._remove_ours(self.dir, self.prefix)
-        except Exception:
-            pass  # garbage without a manifest; removed at the next start
+        self.strategy.abort()
+
+    def close(self) -> None:
+        self.strategy.close()
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    for k in ("LastModified", "mtime", "created", "updated"):
+        v = info.get(k)
+        if isinstance(v, datetime):
+            return v.timestamp()
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
 
 
 class FsspecTarget:
-    """A checkpoint root on any fsspec filesystem (object stores, memory, ...)."""
+    """A checkpoint root on any fsspec filesystem (object stores, memory, ...).
 
-    def __init__(self, fs: Any, path: str, *, url: str, io_threads: int = 8) -> None:
+    Args:
+        read_only: never create, write or delete anything (not even the root or bucket);
+            write operations raise ConfigError.
+    """
+
+    lease_stale_s = LEASE_STALE_S  # a writer's heartbeat older than this proves it gone
+
+    def __init__(self, fs: Any, path: str, *, url: str, io_threads: int = 8, read_only: bool = False) -> None:
         self.fs = fs
         self.path = path.rstrip("/")
         self.url = url
-        try:
-            fs.makedirs(self.path, exist_ok=True)
-        except OSError as exc:
-            raise StorageError(f"cannot use checkpoint root {url!r}: {exc}") from exc
+        self.read_only = read_only
+        if not read_only:
+            self._make_root()
         self.io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckptmgr-io")
+        self.keeper = LeaseKeeper(url, self.lease_stale_s / 5)
+        self._mu = threading.Lock()  # guards _root_id
+        self._root_id: str | None = None
+
+    def _make_root(self) -> None:
+        try:
+            self.fs.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot use checkpoint root {self.url!r}: {exc}") from exc
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise ConfigError(f"cannot {what}: the checkpoint root {self.url} is open read-only")
 
     def _step_dir(self, step: int) -> str:
         return posixpath.join(self.path, step_name(step))
 
-    def _entries(self) -> dict[int, bool]:
-        """step -> has a manifest, for every step-named entry, listed without caches."""
+    # ------------------------------------------------------ the object store
+
+    def _full(self, rel: str) -> str:
+        return posixpath.join(self.path, rel)
+
+    def listing(self, prefix: str) -> dict[str, ObjectInfo]:
+        head = prefix.rpartition("/")[0]
+        search = self._full(head) if head else self.path
         self.fs.invalidate_cache(self.path)
         try:
-            found = self.fs.find(self.path, maxdepth=2, withdirs=True)
+            found = self.fs.find(search, maxdepth=None if head else 2, withdirs=True, detail=True)
         except FileNotFoundError:
             return {}
         except OSError as exc:
             raise StorageError(f"cannot list checkpoint root {self.url!r}: {exc}") from exc
-        out: dict[int, bool] = {}
-        prefix = self.path + "/"
-        for p in found:
-            rel = p.removeprefix(prefix).split("/")
-            step = parse_step_name(rel[0])
-            if step is not None:
-                out[step] = out.get(step, False) or rel[1:] == [MANIFEST_NAME]
+        out = {}
+        base = self.path + "/"
+        for p, info in found.items():
+            rel = p.rstrip("/").removeprefix(base)
+            if p.rstrip("/") == self.path or rel == p.rstrip("/"):
+                continue
+            if info.get("type") == "directory":
+                rel += "/"
+            if rel.startswith(prefix):
+                out[rel] = ObjectInfo(int(info.get("size") or 0), info.get("ETag"), _mtime(info))
         return out
 
+    def get(self, rel: str) -> bytes:
+        data: bytes = self.fs.cat_file(self._full(rel))
+        return data
+
+    def exists(self, rel: str) -> bool:
+        self.fs.invalidate_cache(posixpath.dirname(self._full(rel)))
+        return bool(self.fs.exists(self._full(rel)))
+
+    def put(self, rel: str, data: bytes, *, if_absent: bool = False) -> str | None:
+        if if_absent and self.exists(rel):
+            raise FileExistsError(f"{self.url}/{rel} exists")
+        self.fs.pipe_file(self._full(rel), data)
+        return None
+
+    def remove(self, rels: list[str]) -> None:
+        for rel in rels:
+            if rel.endswith("/"):  # a directory: only if empty, where the filesystem has them
+                with contextlib.suppress(OSError):
+                    self.fs.rmdir(self._full(rel).rstrip("/"))
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self._full(rel))
+
+    def uploads(self, prefix: str) -> list[tuple[str, str]]:
+        return []
+
+    def abort_upload(self, rel: str, upload_id: str) -> None:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------- the target
+
     def list_steps(self) -> list[int]:
-        return sorted(s for s, committed in self._entries().items() if committed)
+        return sorted(s for s, objs in step_objects(self.listing("step_")).items() if MANIFEST_NAME in objs)
 
     def cleanup(self) -> list[str]:
-        removed = []
-        for step, committed in self._entries().items():
-            if not committed:  # an interrupted save or delete of ours
-                d = self._step_dir(step)
-                if self._remove_ours(d):
-                    removed.append(d)
-        return removed
+        if self.read_only:
+            return []
+        return remove_object_leftovers(self, self.lease_stale_s)
+
+    def root_id(self, create: bool = False) -> str | None:
+        """The root's identity (written once, with the first commit); None when it has none."""
+        with self._mu:
+            if self._root_id is not None:
+                return self._root_id
+        try:
+            found = parse_root_id(self.get(ROOT_ID_NAME))
+        except FileNotFoundError:
+            found = None
+        if found is None and create and not self.read_only:
+            new = new_root_id()
+            try:
+                self.put(ROOT_ID_NAME, new.encode("ascii") + b"\n", if_absent=True)
+                found = new
+            except FileExistsError:  # written by another process meanwhile
+                found = parse_root_id(self.get(ROOT_ID_NAME))
+        with self._mu:
+            self._root_id = found
+        return found
+
+    def _strategy(self, step: int, prefix: str) -> ManifestLastCommit:
+        check_step(step)
+        self._check_writable(f"save step {step}")
+        return ManifestLastCommit(self, step, prefix, self.keeper, self.lease_stale_s, pool=self.io_pool,
+                                  on_commit=lambda: self.root_id(create=True))
 
     def begin(self, step: int, prefix: str = "") -> _FsspecStepWriter:
-        return _FsspecStepWriter(self, step, prefix)
+        return _FsspecStepWriter(self, self._strategy(step, prefix))
 
     def read_manifest(self, step: int) -> bytes:
         try:
-            data: bytes = self.fs.cat_file(posixpath.join(self._step_dir(step), MANIFEST_NAME))
+            return self.get(f"{step_name(check_step(step))}/{MANIFEST_NAME}")
         except FileNotFoundError:
             raise StepNotFoundError(f"step {step} is not committed under {self.url}") from None
-        return data
 
     def file_size(self, step: int, name: str) -> int:
         return int(self.fs.size(posixpath.join(self._step_dir(step), name)))
@@ -142,45 +241,30 @@ class FsspecTarget:
             pos += a.size
 
     def delete(self, step: int) -> None:
-        d = self._step_dir(step)
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(posixpath.join(d, MANIFEST_NAME))  # first: from here on the step is gone
-        self._remove_ours(d)
-
-    def _remove_ours(self, d: str, prefix: str = "") -> bool:
-        """Remove our objects under step prefix ``d`` (those starting with ``prefix``); True
-        when nothing else is left."""
-        try:
-            names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(d, detail=False)]
-        except FileNotFoundError:
-            return True
-        if prefix:
-            names = [n for n in names if n.startswith(prefix)]
-        ours = [posixpath.join(d, n) for n in names if is_our_file(n)]
-        if ours:
-            self.fs.rm(ours)
-        others = [n for n in names if not is_our_file(n)]
-        if others:
-            log.warning("left %s in place: it holds objects ckptmgr did not write (%s)", d, sorted(others))
-            return False
-        with contextlib.suppress(FileNotFoundError, OSError):
-            self.fs.rmdir(d)
-        return True
+        self._check_writable(f"delete step {step}")
+        d = step_name(check_step(step))
+        self.remove([f"{d}/{MANIFEST_NAME}"])  # first: from here on the step is gone
+        objs = step_objects(self.listing(d + "/")).get(step, {})
+        self.remove(sorted(f"{d}/{n}" for n in objs if is_our_file(n)))
+        foreign = sorted(n for n in objs if n and not is_our_file(n))
+        if foreign:
+            log.warning("left %s/%s in place: it holds objects ckptmgr did not write (%s)", self.url, d, foreign)
+        else:
+            self.remove([f"{d}/"])  # the directory marker, where the store keeps one
 
     def set_protected(self, step: int, protected: bool) -> None:
-        d = self._step_dir(step)
-        if not self.fs.exists(posixpath.join(d, MANIFEST_NAME)):
+        self._check_writable(f"change the protection of step {step}")
+        d = step_name(check_step(step))
+        if not self.exists(f"{d}/{MANIFEST_NAME}"):
             raise StepNotFoundError(f"step {step} is not committed under {self.url}")
-        marker = posixpath.join(d, PROTECT_NAME)
         if protected:
-            self.fs.pipe_file(marker, b"")
+            self.put(f"{d}/{PROTECT_NAME}", b"")
         else:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(marker)
+            self.remove([f"{d}/{PROTECT_NAME}"])
 
     def is_protected(self, step: int) -> bool:
-        self.fs.invalidate_cache(self._step_dir(step))
-        return bool(self.fs.exists(posixpath.join(self._step_dir(step), PROTECT_NAME)))
+        return self.exists(f"{step_name(check_step(step))}/{PROTECT_NAME}")
 
     def close(self) -> None:
+        self.keeper.close()
         self.io_pool.shutdown(wait=True)

@@ -1,27 +1,48 @@
 """Local and NFS target: POSIX files, parallel pwrite, fsync, atomic directory rename.
 
 A save writes ``.step_<n>.tmp-<hex>/`` beside the destination (never the system temp
-directory, so the rename never crosses filesystems), fsyncs every file and the directory,
-writes ``manifest.json`` inside it, and renames the directory to ``step_<n>/``. A crash at
-any moment leaves either the old state or the new step, plus a temporary that the next
-start removes.
+directory, so the rename never crosses filesystems), held by its lock file while the writer
+lives; it fsyncs every file and the directory, writes ``manifest.json`` inside it, and
+renames the directory to ``step_<n>/`` (:class:`~ckptmgr.storage.commit.RenameCommit`). A
+crash at any moment leaves either the old state or the new step, plus a temporary that a
+later start removes once its writer is provably gone.
+
+Inside the root no symbolic link is followed out of a step (see :mod:`.posix`): a step
+directory that is a link is not a step of this root, and data files or manifests that are
+links out of their step, FIFOs or devices are refused (CheckpointCorruptError) without being
+opened for reading.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
-import shutil
+import secrets
+import stat
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointCorruptError, StepExistsError, StepNotFoundError, StorageError
+from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import MANIFEST_NAME
-from ..format.naming import PROTECT_NAME, is_our_file, is_temp_name, parse_step_name, step_name, temp_name
+from ..format.naming import (
+    PROTECT_NAME,
+    ROOT_ID_NAME,
+    is_our_file,
+    new_root_id,
+    parse_root_id,
+    parse_step_name,
+    step_name,
+)
+from .commit import RenameCommit, remove_local_leftovers
+from .fsspec import check_step
+from .lease import LEASE_STALE_S, LeaseKeeper
+from .posix import fsync_dir, open_dir, open_regular, preadv_into, pwrite_all, remove_ours, stat_regular
 
 __all__ = ["LocalTarget", "fsync_dir", "preadv_into"]
 
@@ -29,60 +50,21 @@ log = logging.getLogger("ckptmgr")
 
 _DIRECT_ALIGN = 4096
 _DIRECT_MIN = 16 << 20  # smaller files gain nothing from O_DIRECT
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _pwrite_all(fd: int, data: np.ndarray[Any, Any], offset: int) -> None:
-    view = memoryview(data)  # type: ignore[arg-type]
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def preadv_into(path: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
-    """Fill the uint8 arrays in ``out``, in order, with ``path``'s bytes from ``offset``."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        views = [memoryview(a) for a in out if a.size]  # type: ignore[arg-type]
-        while views:
-            n = os.preadv(fd, views, offset)
-            if n == 0:
-                raise CheckpointCorruptError(f"{path} ended early, at byte {offset}")
-            offset += n
-            while views and n >= len(views[0]):
-                n -= len(views.pop(0))
-            if n:
-                views[0] = views[0][n:]
-    finally:
-        os.close(fd)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+MAX_MANIFEST_BYTES = 1 << 30  # refused before it is read: no checkpoint's manifest comes near
 
 
 class _LocalStepWriter:
-    def __init__(self, target: LocalTarget, step: int) -> None:
+    def __init__(self, target: LocalTarget, commit: RenameCommit) -> None:
         self.target = target
-        self.step = step
-        self.final = os.path.join(target.path, step_name(step))
-        self.tmp = os.path.join(target.path, temp_name(step))
-        if os.path.exists(self.final):
-            raise StepExistsError(f"step {step} is already committed at {self.final}")
-        os.mkdir(self.tmp)
-        self.location = self.tmp
+        self.strategy = commit
+        self.step = commit.step
+        self.tmp = commit.location
+        self.location = commit.location
 
     def adopt(self, parts: list[tuple[str, list[str]]]) -> None:
-        for where, names in parts:
-            if os.path.dirname(os.path.abspath(where)) != self.target.path:
-                raise StorageError(f"{where} is not under {self.target.path}: a rank writes to another root")
-            for name in names:
-                os.rename(os.path.join(where, name), os.path.join(self.tmp, name))
-            with contextlib.suppress(OSError):
-                os.rmdir(where)
+        self.strategy.adopt(parts)
 
     def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int, *,
                     checksum: bool = True) -> list[tuple[str, ...]]:
@@ -93,170 +75,292 @@ class _LocalStepWriter:
     def _write_file(self, name: str, data: np.ndarray[Any, Any], chunk_size: int,
                     checksum: bool = True) -> tuple[str, ...]:
         path = os.path.join(self.tmp, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
         dfd, direct_end = -1, 0
         try:
             if self.target.direct_io and data.size >= _DIRECT_MIN and data.ctypes.data % _DIRECT_ALIGN == 0:
                 try:  # O_DIRECT for the aligned bulk: no page-cache copy, no dirty-page flood
-                    dfd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0))
+                    dfd = os.open(path, os.O_WRONLY | _NOFOLLOW | _CLOEXEC | getattr(os, "O_DIRECT", 0))
                     direct_end = data.size // _DIRECT_ALIGN * _DIRECT_ALIGN
                 except OSError:  # tmpfs and some network filesystems refuse O_DIRECT
                     dfd = -1
             if self.target.gds:
-                return self._write_gds(path, fd, data, chunk_size, checksum)
-            crcs = []
-            for b, e in chunk_ranges(data.size, chunk_size):
-                chunk = data[b:e]
-                split = min(max(direct_end, b), e)
-                if split > b:
-                    _pwrite_all(dfd, data[b:split], b)
-                if e > split:
-                    _pwrite_all(fd, data[split:e], split)
-                if checksum:
-                    crcs.append(crc32c_hex(chunk))
-            os.fsync(fd)
+                crcs = self._write_gds(path, fd, data, chunk_size, checksum)
+            else:
+                crcs = []
+                for b, e in chunk_ranges(data.size, chunk_size):
+                    chunk = data[b:e]
+                    split = min(max(direct_end, b), e)
+                    if split > b:
+                        pwrite_all(dfd, data[b:split], b)
+                    if e > split:
+                        pwrite_all(fd, data[split:e], split)
+                    if checksum:
+                        crcs.append(crc32c_hex(chunk))
+                os.fsync(fd)
         finally:
             if dfd >= 0:
                 os.close(dfd)
             os.close(fd)
+        self.strategy.wrote(name, data.size)
         return tuple(crcs)
 
     @staticmethod
     def _write_gds(path: str, fd: int, data: np.ndarray[Any, Any], chunk_size: int,
-                   checksum: bool) -> tuple[str, ...]:
+                   checksum: bool) -> list[str]:
         """The file's chunks written through cuFile in parallel, checksummed meanwhile."""
-        from .cufile import pwrite_all
+        from .cufile import pwrite_all as cufile_pwrite_all
 
         ranges = chunk_ranges(data.size, chunk_size)
         os.ftruncate(fd, data.size)
-        crcs = pwrite_all(path, data, ranges, lambda: tuple(crc32c_hex(data[b:e]) for b, e in ranges) if checksum
-                          else ())
+        crcs = cufile_pwrite_all(path, data, ranges, lambda: [crc32c_hex(data[b:e]) for b, e in ranges] if checksum
+                                 else [])
         os.fsync(fd)
         return crcs
 
     def commit(self, manifest: bytes) -> None:
-        path = os.path.join(self.tmp, MANIFEST_NAME)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            _pwrite_all(fd, np.frombuffer(manifest, dtype=np.uint8), 0)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(self.tmp)
-        if os.path.exists(self.final):
-            raise StepExistsError(f"step {self.step} is already committed at {self.final}")
-        os.rename(self.tmp, self.final)
-        fsync_dir(self.target.path)
+        self.strategy.commit(manifest)
 
     def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.strategy.abort()
+
+    def close(self) -> None:
+        self.strategy.close()
 
 
 class LocalTarget:
-    """A checkpoint root on a local or network (NFS) filesystem."""
+    """A checkpoint root on a local or network (NFS) filesystem.
 
-    def __init__(self, path: str, *, io_threads: int = 8, direct_io: bool = True) -> None:
+    Args:
+        read_only: never create, write or delete anything; the root must exist. Write
+            operations raise ConfigError.
+    """
+
+    lease_stale_s = LEASE_STALE_S  # a writer on another machine is gone once its heartbeat is this old
+
+    def __init__(self, path: str, *, io_threads: int = 8, direct_io: bool = True, read_only: bool = False) -> None:
         self.gds = False  # write through cuFile (see ckptmgr.storage.cufile.enable_writer)
         self.path = os.path.abspath(path)
         self.url = self.path
-        try:
-            os.makedirs(self.path, exist_ok=True)
-        except FileExistsError:
-            raise StorageError(f"checkpoint root {self.path!r} exists and is not a directory") from None
-        except OSError as exc:
-            raise StorageError(f"cannot create checkpoint root {self.path!r}: {exc.strerror}") from exc
-        if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
-            raise StorageError(f"checkpoint root {self.path!r} is not readable and writable by this process")
+        self.read_only = read_only
+        if read_only:
+            if not os.path.isdir(self.path):
+                raise StepNotFoundError(f"no checkpoint root at {self.path!r} (not a directory)")
+        else:
+            try:
+                os.makedirs(self.path, exist_ok=True)
+            except FileExistsError:
+                raise StorageError(f"checkpoint root {self.path!r} exists and is not a directory") from None
+            except OSError as exc:
+                raise StorageError(f"cannot create checkpoint root {self.path!r}: {exc.strerror}") from exc
+            if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
+                raise StorageError(f"checkpoint root {self.path!r} is not readable and writable by this process "
+                                   "(open it with read_only=True to restore from it)")
         self.io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckptmgr-io")
         self.direct_io = direct_io
+        self.keeper = LeaseKeeper(self.path, self.lease_stale_s / 5)
+        self._mu = threading.Lock()  # guards _root_id
+        self._root_id: str | None = None
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise ConfigError(f"cannot {what}: the checkpoint root {self.path} is open read-only")
 
     def _step_dir(self, step: int) -> str:
-        return os.path.join(self.path, step_name(step))
+        return os.path.join(self.path, step_name(check_step(step)))
+
+    @contextlib.contextmanager
+    def _open_step(self, step: int) -> Any:
+        """The directory fd of committed-or-not ``step``. Raises StepNotFoundError when there
+        is no such directory, or it is a link (not a step of this root)."""
+        d = self._step_dir(step)
+        try:
+            with open_dir(d) as dfd:
+                yield dfd
+        except FileNotFoundError:
+            raise StepNotFoundError(f"step {step} is not committed under {self.path}") from None
+        except NotADirectoryError:
+            raise StepNotFoundError(f"{d} is a symbolic link or not a directory: not a step of this root "
+                                    "(ckptmgr never reads or deletes through links)") from None
 
     def list_steps(self) -> list[int]:
         try:
-            names = os.listdir(self.path)
+            with open_dir(self.path) as root:
+                steps = []
+                for name in os.listdir(root):
+                    step = parse_step_name(name)
+                    if step is None:
+                        continue
+                    try:
+                        st = os.stat(name, dir_fd=root, follow_symlinks=False)
+                        if stat.S_ISDIR(st.st_mode):
+                            os.stat(f"{name}/{MANIFEST_NAME}", dir_fd=root, follow_symlinks=False)
+                            steps.append(step)
+                    except (FileNotFoundError, NotADirectoryError):
+                        continue
         except OSError as exc:
             raise StorageError(f"cannot list checkpoint root {self.path!r}: {exc.strerror}") from exc
-        steps = []
-        for name in names:
-            step = parse_step_name(name)
-            if step is not None and os.path.isfile(os.path.join(self.path, name, MANIFEST_NAME)):
-                steps.append(step)
         return sorted(steps)
 
     def cleanup(self) -> list[str]:
-        removed = []
-        for name in os.listdir(self.path):
-            full = os.path.join(self.path, name)
-            if not os.path.isdir(full) or os.path.islink(full):
-                continue
-            if is_temp_name(name):  # a save in progress when the last run stopped: all ours
-                shutil.rmtree(full, ignore_errors=True)
-                removed.append(full)
-            elif (parse_step_name(name) is not None and not os.path.exists(os.path.join(full, MANIFEST_NAME))
-                  and self._remove_ours(full)):  # a delete interrupted after its manifest went
-                removed.append(full)
-        return removed
+        if self.read_only:
+            return []
+        return remove_local_leftovers(self.path, self.lease_stale_s)
 
-    def _remove_ours(self, d: str) -> bool:
-        """Remove our files from step directory ``d``, then ``d`` if nothing else is left."""
-        for name in os.listdir(d):
-            if is_our_file(name):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(d, name))
+    def root_id(self, create: bool = False) -> str | None:
+        """The root's identity (written once, with the first commit); None when it has none."""
+        with self._mu:
+            if self._root_id is not None:
+                return self._root_id
+        found = self._read_root_id()
+        if found is None and create and not self.read_only:
+            found = self._write_root_id()
+        with self._mu:
+            self._root_id = found
+        return found
+
+    def _read_root_id(self) -> str | None:
         try:
-            os.rmdir(d)
-        except OSError:
-            log.warning("left %s in place: it holds files ckptmgr did not write (%s)", d, sorted(os.listdir(d)))
-            return False
-        return True
+            with open_dir(self.path) as root:
+                fd = open_regular(ROOT_ID_NAME, dir_fd=root, where=os.path.join(self.path, ROOT_ID_NAME))
+        except (FileNotFoundError, CheckpointCorruptError):
+            return None
+        try:
+            return parse_root_id(os.pread(fd, 65, 0))
+        finally:
+            os.close(fd)
+
+    def _write_root_id(self) -> str | None:
+        """Write a new identity once (a temporary file linked into place: never overwritten,
+        never seen half-written); the one already there if another process was first."""
+        new = new_root_id()
+        tmp = f"{ROOT_ID_NAME}.tmp-{secrets.token_hex(8)}"
+        with open_dir(self.path) as root:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644, dir_fd=root)
+            try:
+                pwrite_all(fd, np.frombuffer(new.encode("ascii") + b"\n", dtype=np.uint8), 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, ROOT_ID_NAME, src_dir_fd=root, dst_dir_fd=root, follow_symlinks=False)
+            except FileExistsError:
+                return self._read_root_id()
+            finally:
+                os.unlink(tmp, dir_fd=root)
+            os.fsync(root)
+        return new
 
     def begin(self, step: int, prefix: str = "") -> _LocalStepWriter:
-        return _LocalStepWriter(self, step)  # a directory of its own: a prefix changes nothing
+        # A directory of its own: a prefix changes nothing.
+        check_step(step)
+        self._check_writable(f"save step {step}")
+        return _LocalStepWriter(self, RenameCommit(self.path, step, self.keeper,
+                                                   on_commit=lambda: self.root_id(create=True)))
 
     def read_manifest(self, step: int) -> bytes:
-        path = os.path.join(self._step_dir(step), MANIFEST_NAME)
+        with self._open_step(step) as d:
+            where = os.path.join(self._step_dir(step), MANIFEST_NAME)
+            try:
+                fd = open_regular(MANIFEST_NAME, dir_fd=d, where=where)
+            except FileNotFoundError:
+                raise StepNotFoundError(f"step {step} is not committed under {self.path}") from None
         try:
-            with open(path, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise StepNotFoundError(f"step {step} is not committed under {self.path}") from None
+            size = os.fstat(fd).st_size
+            if size > MAX_MANIFEST_BYTES:
+                raise CheckpointCorruptError(f"{where} is {size} bytes, more than any manifest "
+                                             f"({MAX_MANIFEST_BYTES}): step {step} is damaged")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                return f.read(size + 1)
+        finally:
+            os.close(fd)
 
     def file_size(self, step: int, name: str) -> int:
-        return os.stat(os.path.join(self._step_dir(step), name)).st_size
+        with self._open_step(step) as d:
+            return stat_regular(_plain(name), dir_fd=d, where=os.path.join(self._step_dir(step), name)).st_size
 
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
-        preadv_into(os.path.join(self._step_dir(step), name), offset, out)
+        with self._open_step(step) as d:
+            preadv_into(_plain(name), offset, out, dir_fd=d)
 
     def path_of(self, step: int, name: str) -> str:
-        """Where data file ``name`` of committed ``step`` lies (for the in-place loader)."""
-        return os.path.join(self._step_dir(step), name)
+        """Where data file ``name`` of committed ``step`` lies (for the in-place loader),
+        checked to be a regular file in a real step directory.
+
+        Raises:
+            StepNotFoundError: no such step directory (or it is a link).
+            CheckpointCorruptError: the file is a link, FIFO, device or directory.
+        """
+        path = os.path.join(self._step_dir(step), _plain(name))
+        with self._open_step(step) as d:
+            stat_regular(_plain(name), dir_fd=d, where=path)
+        return path
 
     def delete(self, step: int) -> None:
+        self._check_writable(f"delete step {step}")
         d = self._step_dir(step)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(d, MANIFEST_NAME))  # first: from here on the step is gone
-        fsync_dir(d)
-        self._remove_ours(d)
+        try:
+            with open_dir(d) as dfd:
+                try:
+                    stat_regular(MANIFEST_NAME, dir_fd=dfd, where=os.path.join(d, MANIFEST_NAME))
+                    os.unlink(MANIFEST_NAME, dir_fd=dfd)  # first: from here on the step is gone
+                except FileNotFoundError:
+                    pass
+                except CheckpointCorruptError as exc:
+                    raise StorageError(f"not deleting step {step}: {exc}") from None
+                os.fsync(dfd)
+        except FileNotFoundError:
+            return
+        except NotADirectoryError:
+            raise StorageError(f"not deleting {d}: it is a symbolic link or not a directory, and ckptmgr "
+                               "deletes only directories it created") from None
+        left = remove_ours(d, is_our_file)
+        if left:
+            log.warning("left %s in place: it holds files ckptmgr did not write (%s)", d, left)
         fsync_dir(self.path)
 
     def set_protected(self, step: int, protected: bool) -> None:
-        d = self._step_dir(step)
-        if not os.path.isfile(os.path.join(d, MANIFEST_NAME)):
-            raise StepNotFoundError(f"step {step} is not committed under {self.path}")
-        marker = os.path.join(d, PROTECT_NAME)
-        if protected:
-            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            os.fsync(fd)
-            os.close(fd)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(marker)
-        fsync_dir(d)
+        self._check_writable(f"change the protection of step {step}")
+        with self._open_step(step) as d:
+            try:
+                stat_regular(MANIFEST_NAME, dir_fd=d)
+            except (FileNotFoundError, CheckpointCorruptError):
+                raise StepNotFoundError(f"step {step} is not committed under {self.path}") from None
+            marker = os.path.join(self._step_dir(step), PROTECT_NAME)
+            if protected:
+                try:
+                    fd = os.open(PROTECT_NAME, os.O_WRONLY | os.O_CREAT | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK, 0o644,
+                                 dir_fd=d)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                        raise StorageError(f"cannot protect step {step}: {marker} exists and is not a regular file "
+                                           "(a link, directory or FIFO); remove it and try again") from None
+                    raise
+                try:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        raise StorageError(f"cannot protect step {step}: {marker} is not a regular file; remove it")
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(PROTECT_NAME, dir_fd=d)  # (a link is removed, never followed)
+            os.fsync(d)
 
     def is_protected(self, step: int) -> bool:
-        return os.path.exists(os.path.join(self._step_dir(step), PROTECT_NAME))
+        try:
+            with self._open_step(step) as d:
+                return stat.S_ISREG(os.stat(PROTECT_NAME, dir_fd=d, follow_symlinks=False).st_mode)
+        except (FileNotFoundError, StepNotFoundError):
+            return False
 
     def close(self) -> None:
+        self.keeper.close()
         self.io_pool.shutdown(wait=True)
+
+
+def _plain(name: str) -> str:
+    """A file name inside a step directory: no separators, no ``..``."""
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
+        raise CheckpointCorruptError(f"{name!r} is not a file name inside a step directory")
+    return name

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..format.checksum import chunk_ranges
-from .local import _pwrite_all, fsync_dir
+from .posix import fsync_dir, pwrite_all
 
 __all__ = ["TEMP_PATTERN", "remove_stale_temps", "write_file_atomic", "write_s3_object", "write_url_atomic"]
 
@@ -91,9 +91,9 @@ def write_file_atomic(path: str, data: np.ndarray[Any, Any], *, pool: Executor |
             b, e = rng
             split = min(max(direct_end, b), e)
             if split > b:
-                _pwrite_all(dfd, data[b:split], b)
+                pwrite_all(dfd, data[b:split], b)
             if e > split:
-                _pwrite_all(fd, data[split:e], split)
+                pwrite_all(fd, data[split:e], split)
 
         ranges = chunk_ranges(data.size, chunk_size)
         if pool is None or len(ranges) <= 1:

@@ -1,4 +1,5 @@
-"""S3 target (s3fs): parallel multipart uploads, bounded retries, write-once manifest commit.
+"""S3 target (s3fs): parallel multipart uploads, bounded retries, a throttling-aware request
+window, and the write-once manifest commit.
 
 What it adds to the generic fsspec target:
 
@@ -11,10 +12,12 @@ What it adds to the generic fsspec target:
   (SlowDown, 503, 429), other 5xx, timeouts and dropped connections, bounded in attempts and
   in time; s3fs's and botocore's own retries are turned off (unless the caller set them), so
   this is the one retry policy;
-* a failed step aborts its multipart uploads (no parts left behind); start-up and deletion
-  abort incomplete uploads under this root's step prefixes only, never the bucket's;
-* ``manifest.json`` is written last with ``If-None-Match: *`` (write-once), and discovery is
-  one uncached, paginated LIST under the root.
+* the requests in flight to the root are bounded by an :class:`~.throttle.AdaptiveWindow`:
+  throttled answers shrink it (multiplicatively), successes grow it back (additively);
+* the object-store primitives of the commit (:mod:`.objects`) are single S3 requests: an
+  uncached paginated LIST, conditional PUTs (``If-None-Match: *``), batched deletes, and the
+  listing and abort of incomplete multipart uploads under this root's step prefixes only,
+  never the bucket's. A failed step aborts its multipart uploads (no parts left behind).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import posixpath
 import random
 import re
 import threading
@@ -31,22 +33,25 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
+import fsspec.asyn
 import numpy as np
 
-from ..errors import StepExistsError, StorageError
+from ..errors import CheckpointCorruptError, CkptError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
-from ..format.manifest import MANIFEST_NAME
-from ..format.naming import is_our_file, parse_step_name
+from ..format.naming import is_our_file, step_name
 from ..options import S3Options
 from .fsspec import FsspecTarget, _FsspecStepWriter
+from .objects import ManifestLastCommit, ObjectInfo
+from .throttle import AdaptiveWindow
 
-__all__ = ["S3Target", "is_retryable", "s3_storage_options"]
+__all__ = ["S3Target", "is_retryable", "is_throttle", "s3_storage_options"]
 
 log = logging.getLogger("ckptmgr")
 T = TypeVar("T")
 MAX_PARTS = 10_000
-_RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-                "InternalError", "ServiceUnavailable", "503", "500", "502", "504", "RequestLimitExceeded"}
+_THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+                   "ServiceUnavailable", "503"}
+_RETRY_CODES = _THROTTLE_CODES | {"RequestTimeout", "RequestTimeTooSkewed", "InternalError", "500", "502", "504"}
 _RETRY_NAMES = {"ServerDisconnectedError", "ClientConnectorError", "ClientOSError", "ClientPayloadError",
                 "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
                 "IncompleteRead", "ResponseParserError", "ServerTimeoutError", "TimeoutError", "FSTimeoutError"}
@@ -73,35 +78,59 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return out
 
 
-def is_retryable(exc: BaseException) -> bool:
-    """Throttling, 5xx, timeouts and dropped connections: worth another try."""
-    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError)):
-        return False
+def _code_and_status(e: BaseException) -> tuple[str, int]:
+    response = getattr(e, "response", None)
+    if not isinstance(response, dict):
+        return "", 0
+    return (str(response.get("Error", {}).get("Code", "")),
+            int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0))
+
+
+def is_throttle(exc: BaseException) -> bool:
+    """The store asked to slow down (SlowDown, 503, 429, ...)."""
     for e in _chain(exc):
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            code = str(response.get("Error", {}).get("Code", ""))
-            status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            if code in _RETRY_CODES or status >= 500 or status == 429:
-                return True
-        if type(e).__name__ in _RETRY_NAMES or isinstance(e, (ConnectionError, TimeoutError)):
+        code, status = _code_and_status(e)
+        if code in _THROTTLE_CODES or status in (503, 429):
             return True
         if "SlowDown" in str(e) or "reduce your request rate" in str(e):
             return True
     return False
 
 
+def is_retryable(exc: BaseException) -> bool:
+    """Throttling, 5xx, timeouts and dropped connections: worth another try."""
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError)):
+        return False
+    if is_throttle(exc):
+        return True
+    for e in _chain(exc):
+        code, status = _code_and_status(e)
+        if code in _RETRY_CODES or status >= 500:
+            return True
+        if type(e).__name__ in _RETRY_NAMES or isinstance(e, (ConnectionError, TimeoutError)):
+            return True
+    return False
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """A conditional write found the key taken (412; s3fs maps it to FileExistsError only
+    when the answer names the condition, which not every server does)."""
+    if isinstance(exc, FileExistsError):
+        return True
+    return any(_code_and_status(e)[0] == "PreconditionFailed" or _code_and_status(e)[1] == 412 for e in _chain(exc))
+
+
 def _status(exc: BaseException) -> int:
     for e in _chain(exc):
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        status = _code_and_status(e)[1]
+        if status:
+            return status
     return 0
 
 
 class _Retrying:
     """The s3fs filesystem with every method call going through the target's retry policy,
-    so the generic fsspec code paths (listing, existence checks, deletes) retry too."""
+    so the generic fsspec code paths (reads, sizes) retry too."""
 
     def __init__(self, fs: Any, target: S3Target) -> None:
         self._fs = fs
@@ -109,7 +138,7 @@ class _Retrying:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._fs, name)
-        if not callable(attr):
+        if not callable(attr) or name == "invalidate_cache":
             return attr
 
         def call(*args: Any, **kw: Any) -> Any:
@@ -121,11 +150,10 @@ class _Retrying:
 class _S3StepWriter(_FsspecStepWriter):
     target: S3Target
 
-    def __init__(self, target: S3Target, step: int, prefix: str = "") -> None:
-        target.abort_uploads(target.key(step, prefix))  # leftovers of an interrupted save of this step
-        super().__init__(target, step, prefix)
+    def __init__(self, target: S3Target, commit: ManifestLastCommit) -> None:
+        super().__init__(target, commit)
         self._uploads: dict[str, str] = {}  # key -> upload id, while open
-        self._mu = threading.Lock()
+        self._mu = threading.Lock()  # guards _uploads
 
     def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int, *,
                     checksum: bool = True) -> list[tuple[str, ...]]:
@@ -136,20 +164,21 @@ class _S3StepWriter(_FsspecStepWriter):
 
         crc_futures = [t.io_pool.submit(crcs, data) for _, data in files] if checksum else []
         tasks: list[Callable[[], None]] = []
-        multipart: list[tuple[str, str, list[dict[str, Any]]]] = []
+        multipart: list[tuple[str, str, str, int, list[dict[str, Any]]]] = []
         for name, data in files:
             key = t.key(self.step, name)
             part = t.part_size(data.size)
             if data.size <= part:
-                def put(key: str = key, data: np.ndarray[Any, Any] = data) -> None:
-                    t.call("put_object", Key=key, Body=data.tobytes())
+                def put(key: str = key, name: str = name, data: np.ndarray[Any, Any] = data) -> None:
+                    r = t.call("put_object", Key=key, Body=data.tobytes())
+                    self.strategy.wrote(name, data.size, r.get("ETag"))
                 tasks.append(put)
                 continue
             upload_id = t.call("create_multipart_upload", Key=key)["UploadId"]
             with self._mu:
                 self._uploads[key] = upload_id
             etags: list[dict[str, Any]] = []
-            multipart.append((key, upload_id, etags))
+            multipart.append((key, name, upload_id, data.size, etags))
             for i, b in enumerate(range(0, data.size, part)):
                 def send(key: str = key, uid: str = upload_id, n: int = i + 1,
                          piece: np.ndarray[Any, Any] = data[b:b + part], etags: list[dict[str, Any]] = etags) -> None:
@@ -164,27 +193,13 @@ class _S3StepWriter(_FsspecStepWriter):
         failed = next((f.exception() for f in futures if f.exception() is not None), None)
         if failed is not None:
             raise failed
-        for key, upload_id, etags in multipart:
-            t.call("complete_multipart_upload", Key=key, UploadId=upload_id,
-                   MultipartUpload={"Parts": sorted(etags, key=lambda p: p["PartNumber"])})
+        for key, name, upload_id, size, etags in multipart:
+            r = t.call("complete_multipart_upload", Key=key, UploadId=upload_id,
+                       MultipartUpload={"Parts": sorted(etags, key=lambda p: p["PartNumber"])})
             with self._mu:
                 self._uploads.pop(key, None)
+            self.strategy.wrote(name, size, r.get("ETag"))
         return [f.result() for f in crc_futures] if checksum else [() for _ in files]
-
-    def commit(self, manifest: bytes) -> None:
-        t = self.target
-        key = t.key(self.step, MANIFEST_NAME)
-        try:
-            t.call("put_object", Key=key, Body=manifest, IfNoneMatch="*")
-        except FileExistsError:
-            # 412: written already. By us, when an earlier attempt succeeded but its answer
-            # was lost; by someone else otherwise.
-            if t.fs.cat_file(f"{t.bucket}/{key}") != manifest:
-                raise StepExistsError(f"step {self.step} is already committed at {t.url}") from None
-        except OSError as exc:
-            if _status(exc) != 501:
-                raise
-            super().commit(manifest)  # a store without conditional writes
 
     def abort(self) -> None:
         with self._mu:
@@ -199,17 +214,38 @@ class _S3StepWriter(_FsspecStepWriter):
 class S3Target(FsspecTarget):
     """A checkpoint root under ``s3://bucket/prefix``."""
 
-    def __init__(self, fs: Any, path: str, *, url: str, io_threads: int, opts: S3Options) -> None:
+    def __init__(self, fs: Any, path: str, *, url: str, io_threads: int, opts: S3Options,
+                 read_only: bool = False) -> None:
         self.opts = opts
         self.raw_fs = fs
         fs.retries = 1  # s3fs's own retry loop off: one policy, bounded by S3Options
         self.retries = 0  # retried requests, for telemetry and tests (counted from the first request)
-        super().__init__(_Retrying(fs, self), path, url=url, io_threads=io_threads)
-        self.bucket, _, self.prefix = self.path.partition("/")
+        self.window = AdaptiveWindow(opts.concurrency, adaptive=opts.adaptive_concurrency)
+        self.bucket, _, self.prefix = path.rstrip("/").partition("/")
+        super().__init__(_Retrying(fs, self), path, url=url, io_threads=io_threads, read_only=read_only)
         self.upload_pool = ThreadPoolExecutor(opts.concurrency, thread_name_prefix="ckptmgr-s3")
 
+    def _make_root(self) -> None:
+        try:
+            self.call("head_bucket")
+            return
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            if _status(exc) != 404:
+                raise StorageError(f"cannot use checkpoint root {self.url!r}: {type(exc).__name__}: {exc}") from exc
+        try:  # a missing bucket is created for a writing manager (never for a reading one)
+            self.raw_fs.mkdir(self.bucket)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise StorageError(f"cannot create the bucket of {self.url!r}: {exc}") from exc
+
     def key(self, step: int, name: str) -> str:
-        rel = posixpath.join(f"step_{step:012d}", name) if name else f"step_{step:012d}/"
+        rel = f"{step_name(step)}/{name}"
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+    def _key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}" if self.prefix else rel
 
     def part_size(self, size: int) -> int:
@@ -217,19 +253,28 @@ class S3Target(FsspecTarget):
         return max(self.opts.part_size, math.ceil(size / MAX_PARTS))
 
     def retry(self, fn: Callable[[], T], what: str) -> T:
-        """Run ``fn``, retrying retryable failures with exponential backoff and full jitter."""
+        """Run ``fn`` inside the request window, retrying retryable failures with exponential
+        backoff and full jitter; throttled answers also shrink the window."""
         o = self.opts
         deadline = time.monotonic() + o.retry_deadline_s
         for attempt in range(1, o.max_attempts + 1):
+            ticket = self.window.acquire(deadline)
             try:
-                return fn()
+                result = fn()
             except Exception as exc:
+                self.window.release(ticket, ok=False, throttled=is_throttle(exc))
                 delay = random.uniform(0, min(o.max_delay_s, o.base_delay_s * 2 ** (attempt - 1)))
                 if attempt == o.max_attempts or not is_retryable(exc) or time.monotonic() + delay > deadline:
-                    raise
+                    if isinstance(exc, (OSError, CkptError)):
+                        raise
+                    # the client's own types (botocore, aiohttp): a storage error naming the root
+                    raise StorageError(f"{self.url}: {what} failed: {type(exc).__name__}: {exc}") from exc
                 self.retries += 1
                 log.info("s3: %s failed (%s: %s); retry %d in %.2f s", what, type(exc).__name__, exc, attempt, delay)
                 time.sleep(delay)
+                continue
+            self.window.release(ticket, ok=True)
+            return result
         raise AssertionError("unreachable")
 
     def call(self, method: str, **kw: Any) -> Any:
@@ -237,50 +282,132 @@ class S3Target(FsspecTarget):
         return self.retry(lambda: self.raw_fs.call_s3(method, Bucket=self.bucket, **kw),
                           f"{method} {kw.get('Key', '')}")
 
-    def _list(self, prefix: str) -> list[str]:
-        keys: list[str] = []
+    # ------------------------------------------------------ the object store
+
+    def listing(self, prefix: str) -> dict[str, ObjectInfo]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        out: dict[str, ObjectInfo] = {}
         token: dict[str, Any] = {}
         while True:
-            r = self.call("list_objects_v2", Prefix=prefix, **token)
-            keys.extend(o["Key"] for o in r.get("Contents", []))
+            try:
+                r = self.call("list_objects_v2", Prefix=base + prefix, **token)
+            except FileNotFoundError:  # no such bucket
+                return out
+            for o in r.get("Contents", []):
+                when = o.get("LastModified")
+                out[o["Key"][len(base):]] = ObjectInfo(int(o.get("Size", 0)), o.get("ETag"),
+                                                       when.timestamp() if when is not None else None)
             if not r.get("IsTruncated"):
-                return keys
+                return out
             token = {"ContinuationToken": r["NextContinuationToken"]}
 
-    def list_steps(self) -> list[int]:
-        base = f"{self.prefix}/" if self.prefix else ""
-        steps = set()
-        for key in self._list(base + "step_"):
-            parts = key[len(base):].split("/")
-            if len(parts) == 2 and parts[1] == MANIFEST_NAME:
-                step = parse_step_name(parts[0])
-                if step is not None:
-                    steps.add(step)
-        return sorted(steps)
+    def _read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """One GET of ``key`` (bytes ``[start, end)`` when given): s3fs's ``cat_file`` asks for
+        the size first, and on a missing key LISTs to see whether it is a directory."""
+        fs = self.raw_fs
+        extra = {"Range": f"bytes={start or 0}-{end - 1}"} if end is not None else {}
 
-    def abort_uploads(self, prefix: str) -> list[str]:
-        """Abort incomplete multipart uploads of our files under ``prefix`` (one root's)."""
-        base = f"{self.prefix}/" if self.prefix else ""
-        aborted = []
-        r = self.call("list_multipart_uploads", Prefix=prefix)
-        for u in r.get("Uploads", []):
-            rel = u["Key"][len(base):].split("/")
-            if len(rel) == 2 and parse_step_name(rel[0]) is not None and is_our_file(rel[1]):
-                self.call("abort_multipart_upload", Key=u["Key"], UploadId=u["UploadId"])
-                aborted.append(u["Key"])
-        return aborted
+        async def get() -> bytes:
+            resp = await fs._call_s3("get_object", Bucket=self.bucket, Key=key, **extra)
+            try:
+                data: bytes = await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+            return data
 
-    def cleanup(self) -> list[str]:
+        data: bytes = self.retry(lambda: fsspec.asyn.sync(fs.loop, get), f"get_object {key}")
+        return data
+
+    def get(self, rel: str) -> bytes:
+        return self._read(self._key(rel))
+
+    def exists(self, rel: str) -> bool:
+        try:
+            self.call("head_object", Key=self._key(rel))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def put(self, rel: str, data: bytes, *, if_absent: bool = False) -> str | None:
+        cond = {"IfNoneMatch": "*"} if if_absent else {}
+        try:
+            r = self.call("put_object", Key=self._key(rel), Body=data, **cond)
+        except OSError as exc:
+            if if_absent and _precondition_failed(exc):
+                raise FileExistsError(f"{self.url}/{rel} exists") from None
+            if not (if_absent and _status(exc) == 501):
+                raise
+            # A store without conditional writes: check, then write (a race a store with
+            # them closes; see docs/SECURITY.md).
+            if self.exists(rel):
+                raise FileExistsError(f"{self.url}/{rel} exists") from None
+            r = self.call("put_object", Key=self._key(rel), Body=data)
+        etag = r.get("ETag")
+        return str(etag) if etag else None
+
+    def remove(self, rels: list[str]) -> None:
+        keys = [self._key(rel) for rel in rels]
+        for i in range(0, len(keys), 1000):
+            batch = keys[i:i + 1000]
+            r = self.call("delete_objects", Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+            errors = [e for e in r.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                e = errors[0]
+                err = PermissionError if e.get("Code") == "AccessDenied" else OSError
+                raise err(f"cannot delete s3://{self.bucket}/{e.get('Key')}: {e.get('Code')}: {e.get('Message')}")
+
+    def uploads(self, prefix: str) -> list[tuple[str, str]]:
         base = f"{self.prefix}/" if self.prefix else ""
-        aborted = [f"s3://{self.bucket}/{k} (incomplete upload)" for k in self.abort_uploads(base + "step_")]
-        return aborted + super().cleanup()
+        out: list[tuple[str, str]] = []
+        marker: dict[str, Any] = {}
+        while True:
+            try:
+                r = self.call("list_multipart_uploads", Prefix=base + prefix, **marker)
+            except FileNotFoundError:
+                return out
+            out += [(u["Key"][len(base):], u["UploadId"]) for u in r.get("Uploads", [])]
+            if not r.get("IsTruncated"):
+                return out
+            marker = {"KeyMarker": r["NextKeyMarker"], "UploadIdMarker": r["NextUploadIdMarker"]}
+
+    def abort_upload(self, rel: str, upload_id: str) -> None:
+        self.call("abort_multipart_upload", Key=self._key(rel), UploadId=upload_id)
+
+    # ----------------------------------------------------------- the target
 
     def begin(self, step: int, prefix: str = "") -> _S3StepWriter:
-        return _S3StepWriter(self, step, prefix)
+        return _S3StepWriter(self, self._strategy(step, prefix))
+
+    def file_size(self, step: int, name: str) -> int:
+        r = self.call("head_object", Key=self.key(step, name))
+        return int(r["ContentLength"])
+
+    def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
+        size = sum(a.size for a in out)
+        if size == 0:
+            return
+        try:
+            raw = self._read(self.key(step, name), offset, offset + size)
+        except OSError as exc:
+            if _status(exc) != 416 and not any(_code_and_status(e)[0] == "InvalidRange" for e in _chain(exc)):
+                raise
+            raw = b""  # the object ends before ``offset``
+        data = np.frombuffer(raw, dtype=np.uint8)
+        if data.size != size:
+            raise CheckpointCorruptError(f"{self.url}/{step_name(step)}/{name} ended early, at byte "
+                                         f"{offset + data.size}")
+        pos = 0
+        for a in out:
+            a[:] = data[pos:pos + a.size]
+            pos += a.size
 
     def delete(self, step: int) -> None:
         super().delete(step)
-        self.abort_uploads(self.key(step, ""))
+        d = step_name(step)
+        for rel, upload_id in self.uploads(d + "/"):  # of a writer that died before this step was saved again
+            if is_our_file(rel.partition("/")[2]):
+                with contextlib.suppress(FileNotFoundError):
+                    self.abort_upload(rel, upload_id)
 
     def close(self) -> None:
         self.upload_pool.shutdown(wait=True)

@@ -1,0 +1,212 @@
+"""POSIX file access that never follows a symbolic link out of a step directory.
+
+Everything below the root (step directories, their files, temporaries, markers) is reached
+relative to a directory file descriptor opened with ``O_NOFOLLOW``, so a link planted in
+place of a directory is refused, never followed, whichever moment it appears. Files are
+opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` before a byte is read: a
+FIFO, socket or device is refused without blocking on it. The one link that is read is a
+file's link to another regular file of the same directory (one hop, by plain name); deleting
+and marking follow none. The root itself may be a link (the user named it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import posixpath
+import stat
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointCorruptError
+
+__all__ = ["NOT_REGULAR", "fsync_dir", "open_dir", "open_regular", "preadv_into", "pwrite_all",
+           "remove_ours", "sibling", "stat_regular"]
+
+log = logging.getLogger("ckptmgr")
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+NOT_REGULAR = "is not a regular file (a symbolic link, directory, FIFO or device); ckptmgr reads only regular files"
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+@contextlib.contextmanager
+def open_dir(path: str, name: str | None = None, *, dir_fd: int | None = None) -> Iterator[int]:
+    """A file descriptor of directory ``path`` (or of entry ``name`` of the directory
+    ``dir_fd``), refusing a symbolic link in the last component.
+
+    Raises:
+        FileNotFoundError: it does not exist.
+        NotADirectoryError: it is a link or not a directory.
+    """
+    target = path if name is None else name
+    try:
+        fd = os.open(target, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotADirectoryError(errno.ENOTDIR, "is a symbolic link or not a directory", path) from None
+        raise
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def sibling(name: str, *, dir_fd: int | None, where: str) -> str:
+    """The file that link ``name`` points to, which must be another plain name in the same
+    directory (a link out of the directory, or to a link, is refused).
+
+    Raises:
+        CheckpointCorruptError: the link leaves the directory.
+    """
+    target = posixpath.normpath(os.readlink(name, dir_fd=dir_fd))
+    if "/" in target or target in (".", "..") or "\0" in target:
+        raise CheckpointCorruptError(f"{where} is a symbolic link out of its step directory (to {target!r}); "
+                                     "ckptmgr reads step contents only from inside the step")
+    return target
+
+
+def open_regular(name: str, *, dir_fd: int | None = None, where: str | None = None) -> int:
+    """Open regular file ``name`` (relative to ``dir_fd``) for reading without blocking on a
+    FIFO; a link is followed only to a regular file of the same directory (one hop);
+    ``where`` names it in errors.
+
+    Raises:
+        FileNotFoundError: it (or the file its link names) does not exist.
+        CheckpointCorruptError: it is a link out of the directory, a FIFO, a device, a directory.
+    """
+    where = where or name
+    for hop in (0, 1):
+        try:
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP and hop == 0:
+                name = sibling(name, dir_fd=dir_fd, where=where)
+                continue
+            if exc.errno == errno.ELOOP:
+                raise CheckpointCorruptError(f"{where} is a link to a link; ckptmgr follows one link, to a "
+                                             "regular file of the same step") from None
+            if exc.errno in (errno.ENXIO, errno.EISDIR):  # a socket, a directory
+                raise CheckpointCorruptError(f"{where} {NOT_REGULAR}") from None
+            raise
+        break
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorruptError(f"{where} is {_kind(st.st_mode)}, not a regular file; "
+                                         "ckptmgr reads only regular files")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def stat_regular(name: str, *, dir_fd: int | None = None, where: str | None = None) -> os.stat_result:
+    """``lstat`` of regular file ``name``, or of the regular file of the same directory that its
+    link names (one hop). Nothing is opened.
+
+    Raises:
+        FileNotFoundError: it does not exist.
+        CheckpointCorruptError: it is not a regular file, or a link out of its directory.
+    """
+    where = where or name
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if stat.S_ISLNK(st.st_mode):
+        st = os.stat(sibling(name, dir_fd=dir_fd, where=where), dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointCorruptError(f"{where} is {_kind(st.st_mode)}, not a regular file; "
+                                     "ckptmgr reads only regular files (or a link to one in the same step)")
+    return st
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pwrite_all(fd: int, data: np.ndarray[Any, Any], offset: int) -> None:
+    view = memoryview(data)  # type: ignore[arg-type]
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def preadv_into(path: str, offset: int, out: list[np.ndarray[Any, Any]], *, dir_fd: int | None = None) -> None:
+    """Fill the uint8 arrays in ``out``, in order, with the regular file ``path``'s bytes from
+    ``offset`` (a link or FIFO is refused, see :func:`open_regular`).
+
+    Raises:
+        CheckpointCorruptError: the file ended early, or it is not a regular file.
+    """
+    fd = open_regular(path, dir_fd=dir_fd, where=path)
+    try:
+        views = [memoryview(a) for a in out if a.size]  # type: ignore[arg-type]
+        while views:
+            n = os.preadv(fd, views, offset)
+            if n == 0:
+                raise CheckpointCorruptError(f"{path} ended early, at byte {offset}")
+            offset += n
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if n:
+                views[0] = views[0][n:]
+    finally:
+        os.close(fd)
+
+
+def remove_ours(path: str, is_ours: Any, *, keep_dir: bool = False) -> list[str]:
+    """Remove the entries of directory ``path`` whose names ``is_ours`` accepts (files, or links
+    themselves: never what they point to; never a directory), then the directory itself when
+    it is empty (unless ``keep_dir``). Returns the names left behind; ``[]`` when ``path`` is
+    gone.
+
+    Raises:
+        NotADirectoryError: ``path`` is a link or not a directory.
+        OSError: a removal failed (permissions, I/O).
+    """
+    try:
+        with open_dir(path) as dfd:
+            left = []
+            for name in os.listdir(dfd):
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if is_ours(name) and not stat.S_ISDIR(st.st_mode):  # (unlink never follows a link)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dfd)
+                else:
+                    left.append(name)
+            if not left:
+                os.fsync(dfd)
+    except FileNotFoundError:
+        return []
+    if not left and not keep_dir:
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.ENOTEMPTY:  # (something appeared meanwhile: reported below)
+                raise
+            return sorted(os.listdir(path))
+    return sorted(left)
