@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|parts4|lightning|hf]...
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|tier|parts4|lightning|hf]...
 # Packages the GPU image lacks are installed from .whl/ when present.
 set -uo pipefail
 out="${1:?output directory}"; shift
@@ -22,7 +22,7 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests staging4 training)
 for part in "${parts[@]}"; do
   case "$part" in
-    tests) python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_lightning_cuda.py 2>&1 | tee "$out/tests.txt" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_cuda_restore_trust.py tests/test_lightning_cuda.py 2>&1 | tee "$out/tests.txt" ;;
     staging4) python3 benchmarks/bench_staging.py --gib 4 --out "$out/staging4.json" 2>&1 | tee "$out/staging4.txt" ;;
     staging16) python3 benchmarks/bench_staging.py --gib 16 --out "$out/staging16.json" 2>&1 | tee "$out/staging16.txt" ;;
     training) python3 benchmarks/bench_training.py --repeat 3 --dir /var/tmp/ckptmgr-bench-train \
@@ -47,6 +47,8 @@ for part in "${parts[@]}"; do
               NCCL_NVLS_ENABLE=0 python3 benchmarks/bench_distributed.py --reshard "$spec" \
               --commit "${CKPTMGR_COMMIT:-unknown}" --out "$out/reshard.json" 2>&1 | tee "$out/reshard.txt"
               rm -rf /var/tmp/ckptmgr-bench-dist ;;
+    tier) python3 benchmarks/bench_tier_restore.py --gib 4.5 --tensors 192 --rounds 3 --disk-dir /var/tmp \
+              --out "$out/tier_restore.json" 2>&1 | tee "$out/tier_restore.txt" ;;
     restore10k) python3 benchmarks/bench_restore.py --gib 1 --tensors 10000 --sources shm --repeat 3 \
               --tools "ckptmgr restore(device),ckptmgr restore(target),safetensors.load_file" \
               --out "$out/restore10k.json" 2>&1 | tee "$out/restore10k.txt" ;;

@@ -107,3 +107,51 @@ def test_gds_reads_are_verified_on_the_gpu(root):
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
             mgr.restore(1, target=target, loader="gds")
         assert not target["w"].any()
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_a_target_on_the_gpu_lands_through_spare_memory_or_verifies_first(root, monkeypatch, room):
+    """With room on the device the step lands beside the target and moves in after it verified
+    (no separate checking pass); without room (allocation refused) every chunk is checked
+    first. Either way a damaged step leaves the target as it was."""
+    import ckptmgr.restore.loaders.ring as ring_mod
+    import ckptmgr.restore.restorer as restorer_mod
+
+    passes = []
+    real_verify = restorer_mod.verify_files
+    monkeypatch.setattr(restorer_mod, "verify_files", lambda *a, **k: passes.append(1) or real_verify(*a, **k))
+    if not room:
+        real_plan = ring_mod.plan_landing
+
+        def plan(*a, through_device=False, **k):
+            if through_device:
+                raise torch.OutOfMemoryError("no room (test)")
+            return real_plan(*a, **k)
+        monkeypatch.setattr(ring_mod, "plan_landing", plan)
+    with CheckpointManager(root, staging=NO_TIER, write_options=WriteOptions(chunk_size=1 << 20)) as mgr:
+        mgr.save(1, _state(1)).result()
+        mgr.save(2, _state(2)).result()
+        _damage_last_chunk(os.path.join(root, "step_000000000002", "data-00000.safetensors"))
+        target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            mgr.restore(2, target=target, loader="ring")
+        torch.cuda.synchronize()
+        assert not target["w"].any() and not target["b"].any()
+        assert passes == ([] if room else [1])
+        w = target["w"]
+        mgr.restore(1, target=target, loader="ring")
+        assert target["w"] is w and torch.equal(w, _state(1)["w"]) and torch.equal(target["b"], _state(1)["b"])
+
+
+def test_ten_thousand_small_tensors_land_in_a_gpu_target_exactly(root):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    state = {f"t{i}": torch.randn(1 + i % 257, device="cuda", generator=g).to(
+        (torch.float32, torch.bfloat16, torch.float16)[i % 3]) for i in range(10_000)}
+    with CheckpointManager(root, staging=NO_TIER) as mgr:
+        mgr.save(1, state).result()
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        ptrs = {k: v.data_ptr() for k, v in target.items()}
+        mgr.restore(1, target=target)
+        torch.cuda.synchronize()
+    for k, v in state.items():
+        assert target[k].data_ptr() == ptrs[k] and torch.equal(target[k], v), k

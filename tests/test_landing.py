@@ -60,6 +60,44 @@ def test_any_chunking_lands_every_byte_in_its_place(seed):
     assert got["t2"] is not dests["t2"] and not torch.equal(dests["t2"], torch.ones(3, dtype=dests["t2"].dtype))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_through_device_memory_the_target_changes_only_at_commit(seed):
+    """Landing through spare memory: every chunk lands beside the target; the target's tensors
+    change only at commit(), all of them in one fused copy, and the staged memory is the plan's
+    own (dropped with it)."""
+    rnd = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {f"t{i}": (torch.randn(rnd.randint(0, 40), generator=g) * 50).to(
+        rnd.choice([torch.float32, torch.bfloat16, torch.int8])) for i in range(200)}
+    entries, data_len = _entries(tensors)
+    header = 16
+    image = torch.zeros(header + data_len, dtype=torch.uint8)
+    for e in entries:
+        image[header + e.begin:header + e.end] = tensors[e.name].view(torch.uint8)
+    # three of four tensors have a target (in runs and alone); the rest land in fresh memory
+    dests = {n: torch.full_like(t, 7) for i, (n, t) in enumerate(tensors.items()) if i % 4 != 3}
+    before = {n: t.clone() for n, t in dests.items()}
+    landing = plan_landing(entries, header, data_len, CPU, dests, through_device=True)
+    target_ptrs = {t.data_ptr() for t in dests.values() if t.numel()}
+    assert not any(dst.data_ptr() in target_ptrs for _, _, dst in landing.spans)
+    pos = 0
+    while pos < image.numel():
+        n = rnd.randint(1, 900)
+        landing.land(pos, image[pos:pos + n])
+        pos += n
+    for n, t in dests.items():
+        assert torch.equal(t, before[n]), f"{n} changed before commit"
+    landing.commit()
+    got = landing.tensors()
+    assert list(got) == list(tensors)
+    for n, t in tensors.items():
+        assert torch.equal(got[n], t), n
+        if n in dests and t.numel():  # (an empty tensor has no memory to land in)
+            assert got[n] is dests[n]
+    landing.commit()  # a second commit moves nothing again
+    assert all(torch.equal(got[n], t) for n, t in tensors.items())
+
+
 def test_leftovers_are_packed_with_the_file_alignment():
     tensors = {"a": torch.arange(3, dtype=torch.int8), "b": torch.arange(5, dtype=torch.float64),
                "c": torch.arange(7, dtype=torch.float32)}

@@ -7,8 +7,10 @@ retention guard, so that the deleter cannot remove it mid-read.
 
 Every read of a step follows one order: the manifest (checksum and schema), the target
 check, the preflight of every file (regular, sized, header equal to the index), then the
-data. When tensors land in a target's own memory, every checksum is verified before the
-first byte lands, so a step that fails leaves the target as it was. Any problem with a step
+data. When tensors land in a target's own memory, no byte reaches it before every checksum
+of the step has verified, so a step that fails leaves the target as it was: on a GPU with
+room for the step, it lands in spare device memory (verified as it arrives) and then moves
+into the target; otherwise every checksum is verified first and the step lands in place. Any problem with a step
 is a :class:`CheckpointCorruptError` naming the step and the file; a step deleted while it
 is read (by another process's retention) is a :class:`StepNotFoundError`. ``restore()``
 without a step skips either kind, with one warning each, and reads the next older step.
@@ -16,6 +18,7 @@ without a step skips either kind, with one warning each, and reads the next olde
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from typing import Any
@@ -35,7 +38,7 @@ from .apply import apply_target, check_target, target_tensors
 from .loaders import PinnedRing, read_tensors, read_tensors_inplace, read_tensors_pinned, read_tensors_ring
 from .loaders.gds import read_tensors_gds
 from .loaders.landing import lands_in_target
-from .loaders.ring import file_entries
+from .loaders.ring import NoDeviceRoom, file_entries
 from .preflight import check_regular, local_path, preflight, verify_files, verify_images
 
 __all__ = ["LOADERS", "Restorer"]
@@ -127,8 +130,11 @@ class Restorer:
     def _read_step(self, source: Target | LocalTier, step: int, target: Any, device: torch.device | None,
                    loader: str, slot: Slot | None, rank_map: Any = None) -> Any:
         """One read of ``step`` from ``source``, with every failure turned into one of our errors."""
+        manifest = self.manifest(step, source)  # StepNotFoundError: not committed there (any more)
         try:
-            return self._restore_from(source, step, target, device, loader, slot, rank_map)
+            return self._restore_from(source, step, manifest, target, device, loader, slot, rank_map)
+        except StepNotFoundError as exc:  # its directory went away after the manifest was read
+            raise StepNotFoundError(f"step {step} under {source.url} was deleted while it was read") from exc
         except CkptError:
             raise
         except FileNotFoundError as exc:  # a file vanished: deleted by someone, or never there
@@ -165,7 +171,14 @@ class Restorer:
         entries = [e for fname in manifest.files for e in file_entries(manifest, fname, where)]
         direct = lands_in_target(entries, dests, _CPU if loader == "host" else device) and not verified
         paths = {name: local_path(source, step, name) or "" for name in manifest.files}
+        # Into a target on a GPU: land through spare device memory when it fits (each chunk
+        # verified as it arrives, the target changed only after all verified); else verify
+        # every chunk first, then land in place.
+        through = direct and device.type == "cuda"
         if use_images and images is not None:  # already pinned where it lies
+            if through:
+                with contextlib.suppress(NoDeviceRoom):
+                    return read_tensors_pinned(images, manifest, device, self.ring, where, dests, through_device=True)
             if direct:
                 verify_images(images, manifest, self.ring.pool, where)
             return read_tensors_pinned(images, manifest, device, self.ring, where, dests, verified=direct)
@@ -176,6 +189,9 @@ class Restorer:
                 verify_files(source, step, manifest, self.ring.pool, self.ring.threads, where)
             return read_tensors_gds(paths, manifest, device, where, dests, pool=self.ring.pool)
         if loader == "ring":
+            if through:
+                with contextlib.suppress(NoDeviceRoom):
+                    return read_tensors_ring(source, step, manifest, device, self.ring, dests, through_device=True)
             if direct:
                 verify_files(source, step, manifest, self.ring.pool, self.ring.threads, where)
             return read_tensors_ring(source, step, manifest, device, self.ring, dests)
@@ -212,9 +228,8 @@ class Restorer:
                       stacklevel=5)
         return "ring"
 
-    def _restore_from(self, source: Target | LocalTier, step: int, target: Any, device: torch.device | None,
-                      loader: str, slot: Slot | None, rank_map: Any = None) -> Any:
-        manifest = self.manifest(step, source)
+    def _restore_from(self, source: Target | LocalTier, step: int, manifest: Manifest, target: Any,
+                      device: torch.device | None, loader: str, slot: Slot | None, rank_map: Any = None) -> Any:
         if manifest.world_size > 1:  # written by several ranks: assembled whole (docs/DISTRIBUTED.md)
             from ..distributed.restore import restore_solo
 

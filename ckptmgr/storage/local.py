@@ -42,7 +42,7 @@ from ..format.naming import (
 from .commit import RenameCommit, remove_local_leftovers
 from .fsspec import check_step
 from .lease import LEASE_STALE_S, LeaseKeeper
-from .posix import fsync_dir, open_dir, open_regular, preadv_into, pwrite_all, remove_ours, stat_regular
+from .posix import fsync_dir, open_dir, open_regular, pread_chunk, preadv_into, pwrite_all, remove_ours, stat_regular
 
 __all__ = ["LocalTarget", "fsync_dir", "preadv_into"]
 
@@ -174,14 +174,16 @@ class LocalTarget:
         """The directory fd of committed-or-not ``step``. Raises StepNotFoundError when there
         is no such directory, or it is a link (not a step of this root)."""
         d = self._step_dir(step)
+        opened = contextlib.ExitStack()
         try:
-            with open_dir(d) as dfd:
-                yield dfd
+            dfd = opened.enter_context(open_dir(d))
         except FileNotFoundError:
             raise StepNotFoundError(f"step {step} is not committed under {self.path}") from None
         except NotADirectoryError:
             raise StepNotFoundError(f"{d} is a symbolic link or not a directory: not a step of this root "
                                     "(ckptmgr never reads or deletes through links)") from None
+        with opened:  # what the body raises (a file missing from the step) passes as it is
+            yield dfd
 
     def list_steps(self) -> list[int]:
         try:
@@ -282,6 +284,13 @@ class LocalTarget:
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
         with self._open_step(step) as d:
             preadv_into(_plain(name), offset, out, dir_fd=d)
+
+    def read_chunk(self, step: int, name: str, offset: int, buf: np.ndarray[Any, Any], length: int) -> str:
+        """``read_into`` for one buffer, reading what the page cache lacks with O_DIRECT when
+        ``offset`` and ``buf`` allow it (see :func:`~ckptmgr.storage.posix.pread_chunk`);
+        ``buf`` may be written up to ``length`` rounded up to 4096 bytes."""
+        with self._open_step(step) as d:
+            return pread_chunk(_plain(name), offset, buf, length, dir_fd=d)
 
     def path_of(self, step: int, name: str) -> str:
         """Where data file ``name`` of committed ``step`` lies (for the in-place loader),

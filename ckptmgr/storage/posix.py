@@ -24,8 +24,8 @@ import numpy as np
 
 from ..errors import CheckpointCorruptError
 
-__all__ = ["NOT_REGULAR", "fsync_dir", "open_dir", "open_regular", "preadv_into", "pwrite_all",
-           "remove_ours", "sibling", "stat_regular"]
+__all__ = ["DIRECT_ALIGN", "NOT_REGULAR", "fsync_dir", "open_dir", "open_regular", "pread_chunk", "preadv_into",
+           "pwrite_all", "remove_ours", "sibling", "stat_regular"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -33,6 +33,9 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_DIRECT = getattr(os, "O_DIRECT", 0)
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+DIRECT_ALIGN = 4096  # offset, length and address alignment this module uses for O_DIRECT reads
 NOT_REGULAR = "is not a regular file (a symbolic link, directory, FIFO or device); ckptmgr reads only regular files"
 
 
@@ -169,6 +172,67 @@ def preadv_into(path: str, offset: int, out: list[np.ndarray[Any, Any]], *, dir_
                 n -= len(views.pop(0))
             if n:
                 views[0] = views[0][n:]
+    finally:
+        os.close(fd)
+
+
+def pread_chunk(path: str, offset: int, buf: np.ndarray[Any, Any], length: int, *, dir_fd: int | None = None) -> str:
+    """Fill ``buf[:length]`` with the regular file ``path``'s bytes from ``offset``: what the
+    page cache holds is copied from it, the rest is read with ``O_DIRECT`` straight into
+    ``buf`` (no page-cache copy and no cache pollution, as fast readers of cold files do),
+    falling back to plain reads where the filesystem refuses it (tmpfs, some NFS). Returns
+    how the bytes were read: ``"cached"``, ``"direct"`` or ``"buffered"``.
+
+    Direct reads need ``offset`` and ``buf``'s address aligned to :data:`DIRECT_ALIGN` and
+    room in ``buf`` for ``length`` rounded up to it (``buf`` may be written past ``length``
+    up to that bound); otherwise the read is plain.
+
+    Raises:
+        CheckpointCorruptError: the file ended early, or it is not a regular file.
+    """
+    fd = open_regular(path, dir_fd=dir_fd, where=path)
+    try:
+        view = memoryview(buf)  # type: ignore[arg-type]
+        done = 0
+        if _NOWAIT:  # the cached part, without waiting for the disk
+            with contextlib.suppress(BlockingIOError, OSError):
+                while done < length:
+                    n = os.preadv(fd, [view[done:length]], offset + done, _NOWAIT)
+                    if n <= 0:
+                        break
+                    done += n
+            if done == length:
+                return "cached"
+        aligned = (_DIRECT and offset % DIRECT_ALIGN == 0 and buf.ctypes.data % DIRECT_ALIGN == 0
+                   and buf.size >= -(-length // DIRECT_ALIGN) * DIRECT_ALIGN)
+        how = "buffered"
+        if aligned:
+            try:
+                dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | _DIRECT | _CLOEXEC)  # the same open file
+            except OSError:  # O_DIRECT refused here (tmpfs, some network filesystems)
+                dfd = -1
+            if dfd >= 0:
+                try:
+                    pos = done // DIRECT_ALIGN * DIRECT_ALIGN  # restart at an aligned byte
+                    end = -(-length // DIRECT_ALIGN) * DIRECT_ALIGN
+                    while pos < length:
+                        n = os.preadv(dfd, [view[pos:end]], offset + pos)
+                        if n <= 0:
+                            break
+                        pos += n
+                        if n % DIRECT_ALIGN:  # the end of the file
+                            break
+                    done, how = max(done, min(pos, length)), "direct"
+                except OSError:  # refused at the read: finish with plain reads
+                    pass
+                finally:
+                    os.close(dfd)
+        while done < length:
+            n = os.preadv(fd, [view[done:length]], offset + done)
+            if n == 0:
+                raise CheckpointCorruptError(f"{path} ended early, at byte {offset + done}")
+            done += n
+        return how
     finally:
         os.close(fd)
 

@@ -33,9 +33,14 @@ from ..preflight import Source, run_all
 from .host import _build_views
 from .landing import Entry, Landing, plan_landing
 
-__all__ = ["PinnedRing", "file_entries", "read_tensors_pinned", "read_tensors_ring"]
+__all__ = ["NoDeviceRoom", "PinnedRing", "file_entries", "read_tensors_pinned", "read_tensors_ring"]
 
 _LEASE_TIMEOUT = 600.0  # seconds; only a caller outside the ring's threads could ever wait
+
+
+class NoDeviceRoom(Exception):
+    """Landing through spare device memory was asked for and the device has no room for the
+    step; raised before anything is read (the caller verifies first instead)."""
 
 
 class PinnedRing:
@@ -79,8 +84,7 @@ class PinnedRing:
     def buffers(self) -> list[torch.Tensor]:
         with self._mu:
             if not self._buffers:
-                make = _cuda.pinned_empty if _cuda.available() else (
-                    lambda n: torch.empty(n, dtype=torch.uint8))
+                make = _cuda.pinned_empty if _cuda.available() else _page_aligned
                 self._buffers = [make(self.slot_bytes) for _ in range(self.slots)]
             return self._buffers
 
@@ -111,6 +115,14 @@ class PinnedRing:
             with self._mu:
                 self._free.append(index)
                 self._returned.notify()
+
+
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    """Host memory starting on a page boundary (as pinned buffers do), so that direct reads
+    can fill it."""
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 4096
+    return raw[skip:skip + nbytes]
 
 
 def file_entries(manifest: Manifest, fname: str, where: str) -> list[Entry]:
@@ -168,16 +180,26 @@ def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, wher
 
 
 def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where: str,
-              dests: dict[str, torch.Tensor] | None, fetch_for: Callable[[str, FileRecord], Fetch]
-              ) -> dict[str, torch.Tensor]:
+              dests: dict[str, torch.Tensor] | None, fetch_for: Callable[[str, FileRecord], Fetch],
+              through_device: bool = False) -> dict[str, torch.Tensor]:
     fetches = {fname: fetch_for(fname, rec) for fname, rec in manifest.files.items()}  # checked before allocating
-    landings = {fname: plan_landing(file_entries(manifest, fname, where), rec.header_size,
-                                    rec.size - rec.header_size, device, dests)
-                for fname, rec in manifest.files.items()}
+    try:
+        landings = {fname: plan_landing(file_entries(manifest, fname, where), rec.header_size,
+                                        rec.size - rec.header_size, device, dests, through_device=through_device)
+                    for fname, rec in manifest.files.items()}
+    except torch.OutOfMemoryError:
+        if not through_device:
+            raise
+        raise NoDeviceRoom(f"{where}: no room on {device} to land the step before it moves into the target") from None
     chunks = [_Chunk(fname, rec, landings[fname], fetches[fname], i, b, e)
               for fname, rec in manifest.files.items()
               for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
     _pipeline(chunks, device, ring, where)
+    if through_device:  # every chunk verified: only now does the target change
+        for landing in landings.values():
+            landing.commit()
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
     out: dict[str, torch.Tensor] = {}
     for landing in landings.values():
         out.update(landing.tensors())
@@ -186,15 +208,21 @@ def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where:
 
 
 def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: torch.device,
-                      ring: PinnedRing, dests: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                      ring: PinnedRing, dests: dict[str, torch.Tensor] | None = None, *,
+                      through_device: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of committed ``step`` on ``device`` (or in the matching tensors of
-    ``dests``), read through ``ring``. The files have passed the preflight checks.
+    ``dests``), read through ``ring``. The files have passed the preflight checks. With
+    ``through_device``, what goes to ``dests`` lands in spare device memory and moves into
+    them once the whole step has verified (see :mod:`.landing`).
 
     Raises:
-        CheckpointCorruptError: a chunk fails its checksum.
+        CheckpointCorruptError: a chunk fails its checksum (``dests`` untouched with
+            ``through_device``).
+        NoDeviceRoom: ``through_device`` and the step does not fit on the device.
     """
     where = f"{source.url}: step {step}"
     bufs = ring.buffers()
+    read_chunk = getattr(source, "read_chunk", None)
 
     def fetch_for(fname: str, rec: FileRecord) -> Fetch:
         if rec.chunk_size > ring.slot_bytes:
@@ -204,23 +232,27 @@ def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: tor
         def fetch(slot: int, b: int, e: int) -> tuple[torch.Tensor, str | None]:
             buf = bufs[slot][:e - b]
             arr = buf.numpy()
-            source.read_into(step, fname, b, [arr])
+            if read_chunk is not None:  # a cold file is read with O_DIRECT into the pinned buffer
+                read_chunk(step, fname, b, bufs[slot].numpy(), e - b)
+            else:
+                source.read_into(step, fname, b, [arr])
             return buf, crc32c_hex(arr)
         return fetch
 
-    return _read_all(manifest, device, ring, where, dests, fetch_for)
+    return _read_all(manifest, device, ring, where, dests, fetch_for, through_device)
 
 
 def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, device: torch.device,
                         ring: PinnedRing, where: str, dests: dict[str, torch.Tensor] | None = None, *,
-                        verified: bool = False) -> dict[str, torch.Tensor]:
+                        verified: bool = False, through_device: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of a step whose file images are already in pinned host memory (the
     staging slot of this process): copied straight from there, each chunk verified on the
     ring's threads just before its copy (unless ``verified``: every chunk was checked, where
-    it lies, before this call).
+    it lies, before this call). ``through_device`` as for :func:`read_tensors_ring`.
 
     Raises:
         CheckpointCorruptError: an image does not match the manifest.
+        NoDeviceRoom: ``through_device`` and the step does not fit on the device.
     """
     def fetch_for(fname: str, rec: FileRecord) -> Fetch:
         image = images.get(fname)
@@ -232,4 +264,4 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
             return src, None if verified else crc32c_hex(src.numpy())
         return fetch
 
-    return _read_all(manifest, device, ring, where, dests, fetch_for)
+    return _read_all(manifest, device, ring, where, dests, fetch_for, through_device)
