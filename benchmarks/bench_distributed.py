@@ -174,28 +174,16 @@ def _saves(tool: str, mode: str, d: str, args: argparse.Namespace, dev: torch.de
             if s > 1:
                 train_step(model, opt, args.width, dev)
             sync()
-            t0 = time.perf_counter()
-            if mgr is not None:
-                handle = mgr.save(s, {"model": model, "optim": opt, "step": s, "rng": PerRank(_rng(dev))},
-                                  block=False)
-                call = time.perf_counter() - t0
-                handle.wait_staged()
-                staged = time.perf_counter() - t0
-                handle.result()
-            else:
-                msd, osd = get_state_dict(model, opt)
-                path = os.path.join(d, f"step{s}")
-                if tool == "DCP save":
-                    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-                    call = staged = time.perf_counter() - t0
-                else:
-                    wait_staged, wait_durable = _dcp_async({"model": msd, "optim": osd}, path,
-                                                           stager if reuse else _stager(dev))
-                    call = time.perf_counter() - t0
-                    wait_staged()
-                    staged = time.perf_counter() - t0
-                    wait_durable()
-            times.append({"call_s": call, "staged_s": staged, "durable_s": time.perf_counter() - t0})
+            try:
+                times.append(_one_save(tool, s, model, opt, mgr, d, dev, stager if reuse else None))
+                error = None
+            except Exception as exc:  # agreed on below: every rank raises, or none
+                error = f"{type(exc).__name__}: {exc}"
+            errors: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+            if bad:
+                raise RuntimeError(f"save {s}: " + "; ".join(bad))
             sync()
             if mgr is not None:
                 mgr.wait()  # its retention's deletion of the step before, outside the timed window
@@ -211,6 +199,37 @@ def _saves(tool: str, mode: str, d: str, args: argparse.Namespace, dev: torch.de
         del model, opt
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _one_save(tool: str, s: int, model: torch.nn.Module, opt: torch.optim.Optimizer, mgr: CheckpointManager | None,
+              d: str, dev: torch.device, stager: Any) -> dict[str, float]:
+    """One save with ``tool`` (``stager``: the reused one, or None for a fresh one): the call,
+    until the state may change, until durable (this rank)."""
+    t0 = time.perf_counter()
+    if mgr is not None:
+        handle = mgr.save(s, {"model": model, "optim": opt, "step": s, "rng": PerRank(_rng(dev))}, block=False)
+        call = time.perf_counter() - t0
+        handle.wait_staged()
+        staged = time.perf_counter() - t0
+        handle.result()
+        return {"call_s": call, "staged_s": staged, "durable_s": time.perf_counter() - t0}
+    msd, osd = get_state_dict(model, opt)
+    path = os.path.join(d, f"step{s}")
+    if tool == "DCP save":
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        call = time.perf_counter() - t0
+        return {"call_s": call, "staged_s": call, "durable_s": call}
+    fresh = _stager(dev) if stager is None else None
+    try:
+        wait_staged, wait_durable = _dcp_async({"model": msd, "optim": osd}, path, stager or fresh)
+        call = time.perf_counter() - t0
+        wait_staged()
+        staged = time.perf_counter() - t0
+        wait_durable()
+        return {"call_s": call, "staged_s": staged, "durable_s": time.perf_counter() - t0}
+    finally:
+        if fresh is not None:
+            fresh.close()
 
 
 def _restore(tool: str, mode: str, d: str, args: argparse.Namespace, dev: torch.device,
@@ -349,6 +368,9 @@ def table(summary: dict[str, Any]) -> list[str]:
             continue
         lines.append(f"| {name} | " + " | ".join(cell(e, f"{w} {k}") for w in ("first", "later")
                                                  for k in ("call_s", "staged_s", "durable_s")) + " |")
+    for name, e in summary.items():
+        for err in e.get("reused_stager_error", []):
+            lines.append(f"\n{name}: a reused DefaultStager failed ({err}); every save used a fresh stager")
     lines += ["", "| mode / tool | restore s (fresh processes, cold cache) | identical |", "|---|---|---|"]
     for name, e in summary.items():
         if "restore_s" in e:
@@ -387,6 +409,8 @@ def main() -> None:
         raise SystemExit("--rounds and --saves must be at least 1")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     modes = args.modes.split(",")
+    dev_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (gloo)"
+    nbytes = (args.width * args.width + args.width) * 4 * args.layers * 3  # params + 2 AdamW moments, fp32
     t0 = time.perf_counter()
     rounds: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
@@ -402,20 +426,25 @@ def main() -> None:
             r["restore"][tool] = _spawn(args, "restore", tool, rnd)
         shutil.rmtree(os.path.join(args.dir, f"round{rnd}"), ignore_errors=True)
         rounds.append(r)
+        _write(args, rounds, modes, t0, dev_name, nbytes)  # after every round: a killed run keeps what it measured
         print(f"round {rnd + 1}/{args.rounds} done at {time.perf_counter() - t0:.0f} s", flush=True)
-    summary = summarize(rounds, modes)
-    dev_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (gloo)"
-    nbytes = (args.width * args.width + args.width) * 4 * args.layers * 3  # params + 2 AdamW moments, fp32
+    summary = _write(args, rounds, modes, t0, dev_name, nbytes)
     lines = [f"{args.gpus} x {dev_name}, MLP {args.layers} x {args.width}^2 fp32 + AdamW ({nbytes / 2**30:.2f} GiB); "
              f"{len(rounds)} round(s) of {args.saves} save(s) per tool, fresh processes; median (range)", ""]
     lines += table(summary)
     print("\n".join(lines))
+    print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s")
+
+
+def _write(args: argparse.Namespace, rounds: list[dict[str, Any]], modes: list[str], t0: float, dev_name: str,
+           nbytes: int) -> dict[str, Any]:
+    summary = summarize(rounds, modes)
     with open(args.out, "w") as f:
         json.dump({"mode": "save-restore", "gpus": args.gpus, "device": dev_name, "state_bytes": nbytes,
                    "args": vars(args), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                   "commit": args.commit, "wall_s": time.perf_counter() - t0, "summary": summary,
-                   "rounds": rounds}, f, indent=1)
-    print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s")
+                   "commit": args.commit, "wall_s": time.perf_counter() - t0, "rounds_done": len(rounds),
+                   "summary": summary, "rounds": rounds}, f, indent=1)
+    return summary
 
 
 if __name__ == "__main__":

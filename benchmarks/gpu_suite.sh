@@ -41,10 +41,13 @@ for part in "${parts[@]}"; do
                python3 benchmarks/bench_torchzip.py --mib 4096 --tensors 150 --out "$out/torchzip.json" 2>&1 | tee "$out/torchzip.txt" ;;
     report) python3 benchmarks/run.py --out "$out/report" --scratch /var/tmp/ckptmgr-bench-run \
               --commit "${CKPTMGR_COMMIT:?set CKPTMGR_COMMIT to the commit of this tree (the GPU copy has no current git HEAD)}" 2>&1 | tee "$out/report.txt" ;;
-    dist) python3 benchmarks/bench_distributed.py --commit "${CKPTMGR_COMMIT:-unknown}" --out "$out/distributed.json" \
+    # dist + reshard: under 8 minutes together on 2 or 4 H200s (rounds stop starting after 200 s)
+    dist) n=$(nvidia-smi -L | wc -l)
+              NCCL_NVLS_ENABLE=0 timeout 330 python3 benchmarks/bench_distributed.py --gpus "$n" --layers 4 --rounds 3 \
+              --saves 3 --max-wall-s 200 --commit "${CKPTMGR_COMMIT:-unknown}" --out "$out/distributed.json" \
               2>&1 | tee "$out/distributed.txt"; rm -rf /var/tmp/ckptmgr-bench-dist ;;
     reshard) n=$(nvidia-smi -L | wc -l); spec="${CKPTMGR_RESHARD:-$([ "$n" -ge 4 ] && echo 4:2,4 || echo 2:1,2)}"
-              NCCL_NVLS_ENABLE=0 python3 benchmarks/bench_distributed.py --reshard "$spec" \
+              NCCL_NVLS_ENABLE=0 timeout 150 python3 benchmarks/bench_distributed.py --reshard "$spec" \
               --commit "${CKPTMGR_COMMIT:-unknown}" --out "$out/reshard.json" 2>&1 | tee "$out/reshard.txt"
               rm -rf /var/tmp/ckptmgr-bench-dist ;;
     tier) python3 benchmarks/bench_tier_restore.py --gib 4.5 --tensors 192 --rounds 3 --disk-dir /var/tmp \
