@@ -299,7 +299,12 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: st
         with open(out, "w") as f:
             json.dump(gathered, f)
     dist.barrier()
-    dist.destroy_process_group()
+    # Torch 2.13 sometimes aborts a rank of these jobs at its teardown ("terminate called
+    # without an active exception", seen on gloo after DCP's save, async_save and load);
+    # everything is measured and written by now, so leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn(args: argparse.Namespace, phase: str, tool: str, rnd: int) -> list[dict[str, Any]]:
@@ -307,6 +312,7 @@ def _spawn(args: argparse.Namespace, phase: str, tool: str, rnd: int) -> list[di
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     raw = f"{args.out}.{phase}.ranks"
+    print(f"round {rnd + 1}: {phase} with {tool}", flush=True)
     mp.spawn(worker, args=(args.gpus, port, args, phase, tool, rnd, raw), nprocs=args.gpus, join=True)
     with open(raw) as f:
         ranks = json.load(f)
