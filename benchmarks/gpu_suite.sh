@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|tier|parts4|lightning|hf]...
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|pinning|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|tier|timeline|parts4|lightning|hf]...
 # Packages the GPU image lacks are installed from .whl/ when present.
 set -uo pipefail
 out="${1:?output directory}"; shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export KVIKIO_NTHREADS="${KVIKIO_NTHREADS:-16}"  # kvikio reads with one thread unless told
-# ckptmgr as it is installed: integrations/ becomes ckptmgr.integrations
+# ckptmgr as it is installed: integrations/ becomes ckptmgr.integrations (pytest runs with -P, so
+# that the source tree in the working directory never shadows it)
 rm -rf /tmp/ckptmgr-pkg && mkdir -p /tmp/ckptmgr-pkg && cp -r ckptmgr /tmp/ckptmgr-pkg/ \
     && cp -r integrations /tmp/ckptmgr-pkg/ckptmgr/integrations
 if [ -d .whl ]; then
@@ -22,7 +23,7 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests staging4 training)
 for part in "${parts[@]}"; do
   case "$part" in
-    tests) python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_cuda_restore_trust.py tests/test_lightning_cuda.py 2>&1 | tee "$out/tests.txt" ;;
+    tests) python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_cuda_restore_trust.py tests/test_lightning_cuda.py 2>&1 | tee "$out/tests.txt" ;;
     staging4) python3 benchmarks/bench_staging.py --gib 4 --out "$out/staging4.json" 2>&1 | tee "$out/staging4.txt" ;;
     staging16) python3 benchmarks/bench_staging.py --gib 16 --out "$out/staging16.json" 2>&1 | tee "$out/staging16.txt" ;;
     training) python3 benchmarks/bench_training.py --repeat 3 --dir /var/tmp/ckptmgr-bench-train \
@@ -35,8 +36,9 @@ for part in "${parts[@]}"; do
     training25) python3 benchmarks/bench_training.py --model linear --every 25 --steps 100 --warmup 5 \
               --modes "none,ckptmgr overlap" --repeat 3 --dir /var/tmp/ckptmgr-bench-train25 \
               --out "$out/training25.json" 2>&1 | tee "$out/training25.txt" ;;
-    hf) python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_hf_trainer.py 2>&1 | tee "$out/hf-tests.txt"
+    hf) python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_hf_trainer.py 2>&1 | tee "$out/hf-tests.txt"
         python3 benchmarks/bench_hf_trainer.py --workdir /var/tmp --out "$out" 2>&1 | tee "$out/hf.txt" ;;
+    pinning) python3 benchmarks/bench_pinning.py --dir /var/tmp --out "$out/pinning.json" 2>&1 | tee "$out/pinning.txt" ;;
     lightning) python3 benchmarks/bench_lightning.py --steps 60 --every 20 --repeat 3 --out "$out/lightning.json" 2>&1 | tee "$out/lightning.txt"
                python3 benchmarks/bench_torchzip.py --mib 4096 --tensors 150 --out "$out/torchzip.json" 2>&1 | tee "$out/torchzip.txt" ;;
     report) python3 benchmarks/run.py --out "$out/report" --scratch /var/tmp/ckptmgr-bench-run \
@@ -52,6 +54,7 @@ for part in "${parts[@]}"; do
               rm -rf /var/tmp/ckptmgr-bench-dist ;;
     tier) python3 benchmarks/bench_tier_restore.py --gib 4.5 --tensors 192 --rounds 3 --disk-dir /var/tmp \
               --out "$out/tier_restore.json" 2>&1 | tee "$out/tier_restore.txt" ;;
+    timeline) python3 benchmarks/bench_timeline.py --dir /var/tmp --out "$out/timeline" 2>&1 | tee "$out/timeline.txt" ;;
     restore10k) python3 benchmarks/bench_restore.py --gib 1 --tensors 10000 --sources shm --repeat 3 \
               --tools "ckptmgr restore(device),ckptmgr restore(target),safetensors.load_file" \
               --out "$out/restore10k.json" 2>&1 | tee "$out/restore10k.txt" ;;

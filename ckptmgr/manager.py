@@ -1,50 +1,61 @@
 """CheckpointManager: the one object users hold. It orchestrates; it owns no I/O.
 
-save:    validate -> flatten -> plan -> stage (caller blocked until here) -> persist -> commit
+save:    validate -> flatten -> plan -> Saver (stage; the persist thread writes and commits)
 restore: discover -> manifest -> read + verify -> assemble -> unflatten -> apply to target
+
+What each part owns is in docs/ARCHITECTURE.md: the :class:`~ckptmgr.save.saver.Saver` the
+slots, the staging and the persist thread; the :class:`~ckptmgr.restore.restorer.Restorer`
+the read side; the :class:`~ckptmgr.retention.deleter.Deleter` retention. The manager holds
+no lock of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from . import __version__
 from . import _lifecycle as lifecycle
-from ._protection import Protection
 from .distributed.coordinator import coordinator_for, rank_file_prefix, rank_prefix
 from .distributed.restore import restore_newest_dist, restore_step_dist
 from .distributed.save import coordinate, fingerprints, share_of
-from .errors import CkptTimeoutError, ConfigError, StepExistsError, StepNotFoundError, StorageError
+from .errors import CkptTimeoutError, ConfigError, StepNotFoundError
 from .format.layout import Plan, plan_layout
 from .format.manifest import Manifest
+from .format.naming import MAX_STEP
 from .format.tree import decode_plain, encode_plain, flatten
-from .handle import SaveHandle, SaveInfo
+from .handle import SaveHandle
 from .options import S3Options, StagingOptions, WriteOptions, option_or_default
 from .restore.loaders import PinnedRing
 from .restore.restorer import LOADERS, Restorer
 from .retention import KeepAll, RetentionPolicy
 from .retention.deleter import Deleter, StepGuard
-from .save.persist import PersistJob, adopt_local_tier, persist
-from .save.slots import Slot, SlotPool
-from .save.staging import Stager
+from .save.saver import Saver
 from .storage import Target, open_target
 from .storage.cufile import enable_writer
 from .storage.tier import LocalTier, open_local_tier
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CLOSE_TIMEOUT_S", "CheckpointManager"]
 
 log = logging.getLogger("ckptmgr")
 
-class CheckpointManager(Protection):
+CLOSE_TIMEOUT_S = 600.0  # how long close(), ``with`` and the exit hook wait for pending writes by default
+
+
+def _check_step(step: object, what: str = "step") -> None:
+    if type(step) is not int or not 0 <= step < MAX_STEP:
+        raise ConfigError(f"{what} must be an int in [0, 10**12) (what 12-digit step directory names order), "
+                          f"got {step!r:.60} ({type(step).__name__})")
+
+
+class CheckpointManager:
     """Saves training state as committed safetensors checkpoints and restores it.
 
     Each ``save`` copies the state off the caller's tensors, then writes and commits it in
@@ -68,6 +79,10 @@ class CheckpointManager(Protection):
             are durable (see docs/DISTRIBUTED.md). Wrap per-rank values in :class:`PerRank`.
         coordination_timeout: seconds any agreement between ranks may take before
             :class:`CkptTimeoutError` (a dead rank never hangs the others).
+        close_timeout: seconds :meth:`close` (and leaving a ``with`` block, and interpreter
+            exit) waits for pending writes before giving up on them (default 600; None: no
+            limit). What was given up is logged step by step; a hung write never keeps the
+            process alive.
         read_only: True opens the root for reading only: ``steps``, ``metadata`` and
             ``restore`` work, nothing is created, cleaned up or written (not even a bucket),
             and ``save``, ``protect``, ``unprotect`` and ``apply_retention`` raise
@@ -99,6 +114,7 @@ class CheckpointManager(Protection):
         allow_pickle: bool = False,
         process_group: Any = None,
         coordination_timeout: float = 600.0,
+        close_timeout: float | None = CLOSE_TIMEOUT_S,
         read_only: bool | None = None,
     ) -> None:
         retention = option_or_default(retention, RetentionPolicy, "retention", KeepAll)
@@ -106,9 +122,13 @@ class CheckpointManager(Protection):
         staging = option_or_default(staging, StagingOptions, "staging", StagingOptions)
         s3_options = option_or_default(s3_options, S3Options, "s3_options", None)
         storage_options = option_or_default(storage_options, dict, "storage_options", None)
+        if close_timeout is not None and (not isinstance(close_timeout, (int, float)) or isinstance(close_timeout, bool)
+                                          or math.isnan(close_timeout) or close_timeout < 0):
+            raise ConfigError(f"close_timeout must be None or a number >= 0, got {close_timeout!r}")
         self._opts = write_options
-        self._staging_opts = staging
         self._allow_pickle = bool(allow_pickle)
+        self._close_timeout = close_timeout
+        self._closed = False
         self._target = open_target(str(root) if hasattr(root, "__fspath__") else root,
                                    storage_options, io_threads=write_options.io_threads,
                                    direct_io=write_options.direct_io, s3_options=s3_options,
@@ -121,30 +141,22 @@ class CheckpointManager(Protection):
         if self._coord is not None or self.read_only:
             # one tier per node would be shared by its ranks; a reader writes nothing: none
             staging = dataclasses.replace(staging, local_tier=False)
-        durable = self._start_up()
+        durable = self._start_up()  # the last listing save() relies on (it lists nothing)
+        self._staging_opts = staging
         self._guard = StepGuard()
-        self._deleter = Deleter(self._target, retention, self._guard)
-        self._protect_pending: set[int] = set()
-        self._tier = open_local_tier(staging, self.root, self._target.io_pool)
-        self._pool = SlotPool(staging.slots, tier=self._tier, max_host_bytes=staging.max_host_bytes)
-        self._stager = Stager(staging.copy_threads)
+        self._deleter = Deleter(self._target, retention, self._guard, on_deleted=lambda s: self._saver.forget(s))
+        self._tier = open_local_tier(staging, self.root)
+        self._saver = Saver(self._target, self._tier, staging, chunk_size=write_options.chunk_size,
+                            deleter=self._deleter, guard=self._guard, durable=durable,
+                            retention=self._coord is None or self._coord.is_leader)  # rank 0 decides retention
         # restore onto a GPU: 12 readers, each with a pinned buffer (192 MiB), made at first use
         self._ring = PinnedRing(min(12, os.cpu_count() or 1), max(write_options.chunk_size, 16 << 20))
-        self._restorer = Restorer(self._target, self._tier, self._pool, self._guard, self._ring, self._allow_pickle)
-        self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-persist")
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # notified when a save has settled
-        self._unsettled = 0  # saves submitted whose commit, protection and retention run are not done
-        self._pending: dict[int, SaveHandle] = {}
-        self._handles: list[SaveHandle] = []  # finished handles whose errors nobody saw yet
-        self._closed = False
-        self._threads: list[threading.Thread] = []
-        if durable:
-            self._pool.note_durable(durable[-1])
-        if self._tier is not None:  # slots an earlier process left committed: adopt, write out the newer
-            for job in adopt_local_tier(self._tier, self._pool, set(durable), self.root):
-                self._submit(job)
+        self._restorer = Restorer(self._target, self._tier, self._guard, self._ring, self._allow_pickle)
         lifecycle.close_at_exit(self)
+        if self._tier is not None:  # slots an earlier process left committed: adopt, write out the newer
+            root_id = self._target.root_id()  # (read only: a root gets its identity with its first commit)
+            found = self._tier.scan(staging.slots, root_id=root_id, root_is_empty=not durable)
+            self._saver.adopt(found, set(durable), root_id)
 
     def _start_up(self) -> list[int]:
         """Remove leftovers of interrupted saves whose writers are gone, then list the
@@ -165,29 +177,16 @@ class CheckpointManager(Protection):
         if self.read_only:
             raise ConfigError(f"cannot {what}: the CheckpointManager for {self.root} is read-only")
 
-    def _submit(self, job: PersistJob) -> SaveHandle:
-        step = job.manifest.step
-        future = self._persist_pool.submit(persist, job, target=self._target, tier=self._tier,
-                                           pool=self._pool, chunk_size=self._opts.chunk_size)
-        handle = SaveHandle(step, future, job.staging)
-        with self._lock:
-            self._pending[step] = handle
-            self._handles.append(handle)
-            self._unsettled += 1
-        future.add_done_callback(lambda f: self._finished(step, job.slot, f))
-        return handle
-
     def stats(self) -> dict[str, float]:
         """Counters since the manager was created.
 
         Keys: ``saves`` (started), ``skips`` (dropped because every slot was busy),
-        ``busy_waits`` and ``busy_wait_s`` (saves that waited for a slot, and for how long),
+        ``busy_waits`` and ``busy_wait_s`` (saves that waited for a free slot, and for how long),
         ``slot_allocations`` and ``slot_registrations`` (host buffers created and pinned;
         they stop growing after the first save of a state of fixed size), ``deleted``
         (steps removed by the retention policy).
         """
-        return {**self._pool.counts, "deleted": len(self._deleter.deleted),
-                "slot_allocations": self._pool.allocations, "slot_registrations": self._pool.registrations}
+        return {**self._saver.stats(), "deleted": len(self._deleter.deleted)}
 
     # ---------------------------------------------------------------- save
 
@@ -197,10 +196,11 @@ class CheckpointManager(Protection):
 
         The state is copied into a reusable host slot (device-to-host DMA for GPU tensors);
         the write and the commit continue in the background, and the returned handle reports
-        them.
+        them. ``save`` does no storage round trip: which steps exist is known from the
+        manager's start-up listing and its own commits.
 
         Args:
-            step: a non-negative int, not committed before.
+            step: an int in ``[0, 10**12)``, not committed before.
             state: a nested structure of dicts, lists, tuples, tensors, numpy arrays,
                 scalars, strings and objects with ``state_dict()``/``load_state_dict()``.
             metadata: user data stored in the manifest (JSON-like values).
@@ -215,7 +215,9 @@ class CheckpointManager(Protection):
             a handle with ``skipped=True``.
 
         Raises:
-            ConfigError: ``step`` is not a non-negative int, or the manager is read-only.
+            ConfigError: ``step`` is not an int in ``[0, 10**12)`` (a bool is not a step),
+                ``metadata`` is not a dict or ``block`` not a bool, or the manager is
+                read-only; nothing has been staged.
             StepExistsError: ``step`` is committed or being saved.
             UnsupportedValueError: a value in ``state`` or ``metadata`` cannot be stored;
                 nothing has been written.
@@ -223,46 +225,23 @@ class CheckpointManager(Protection):
             CkptTimeoutError: no slot became free within ``StagingOptions.busy_timeout``.
             SaveError: an earlier save failed and nobody has been told yet.
         """
+        t0 = time.perf_counter()  # SaveInfo.blocked_s counts everything from here
         self._check_open()
         self._check_writable(f"save step {step!r}")
-        self._check_step(step)
+        _check_step(step)
         if metadata is not None and not isinstance(metadata, dict):
             raise ConfigError(f"metadata must be a dict, got {type(metadata).__name__}")
         if not isinstance(block, bool):
             raise ConfigError(f"block must be a bool, got {block!r}")
         self._raise_unobserved()
-        with self._lock:
-            if step in self._pending:
-                raise StepExistsError(f"step {step} is already being saved")
-        # (multi-rank: rank 0 checks; the others learn of a committed step at the commit)
-        if (self._coord is None or self._coord.is_leader) and step in self._committed_steps():
-            raise StepExistsError(
-                f"step {step} is already committed under {self.root}; committed checkpoints are never overwritten")
-        t0 = time.perf_counter()
+        self._saver.check_new(step)
         meta_json = encode_plain(metadata or {}, what="metadata")
         skeleton, plan, sizes, fps = self._plan(state)
-        opts = self._staging_opts
-        slot, waited = self._pool.acquire(wait=opts.on_busy == "wait", timeout=opts.busy_timeout)
-        if slot is None:
-            log.warning("skipped step %d: all %d staging slot(s) are busy writing earlier steps", step, opts.slots)
-            return SaveHandle._skip(step, f"all {opts.slots} staging slot(s) were busy (on_busy='skip')")
-        if waited > 1e-3:
-            log.info("step %d waited %.3f s for a free staging slot", step, waited)
-        try:
-            self._pool.fit(slot, sizes)
-            job = self._stager.stage(plan, slot.segments)
-            if block:
-                job.wait()
-        except BaseException:
-            self._pool.release(slot, step=None, durable=False)
-            raise
         manifest = Manifest(step=step, state=skeleton, tensors=plan.tensor_index(), files={},
                             metadata=meta_json, library_version=__version__)
-        pjob = PersistJob(manifest, [f.name for f in plan.files], [len(f.header) for f in plan.files],
-                          slot, job, t0, time.perf_counter() - t0, waited, local_commit=True)
-        if self._coord is not None:
-            coordinate(pjob, self._coord, self._target, fps)
-        return self._submit(pjob)
+        coord = self._coord
+        join = None if coord is None else (lambda job: coordinate(job, coord, self._target, fps))
+        return SaveHandle(self._saver.save(manifest, plan, sizes, block=block, t0=t0, coordinate=join))
 
     def _plan(self, state: Any) -> tuple[Any, Plan, list[int], dict[str, str]]:
         """Skeleton, this rank's file plan, file sizes, and (multi-rank) the fingerprints of
@@ -277,12 +256,17 @@ class CheckpointManager(Protection):
                            metadata={"format": "pt", "ckptmgr_format_version": "1"},
                            file_prefix=rank_file_prefix(c.rank) if c else "data-")
         sizes = [f.size for f in plan.files]
-        self._pool.check_capacity(sizes)
+        self._saver.pool.check_capacity(sizes)
         return skeleton, plan, sizes, fps
 
     def prepare(self, state: Any) -> None:
-        """Create and pin the staging slots for ``state`` now, in the background, so that the
-        first ``save()`` does not pay for it. Nothing is copied.
+        """Reserve and pin the staging slots for ``state`` now, in the background, so that
+        the first ``save()`` does not pay for it. Nothing is copied.
+
+        Pinning runs in small pieces with pauses between them, so the training loop's GPU
+        work goes on meanwhile. The next ``save()`` uses the reserved slots: if they are not
+        ready yet it waits for them (even with ``on_busy="skip"``), and :meth:`wait` waits
+        for them too.
 
         Raises:
             UnsupportedValueError: a value in ``state`` cannot be stored.
@@ -290,48 +274,19 @@ class CheckpointManager(Protection):
         """
         self._check_open()
         _, _, sizes, _ = self._plan(state)
-        thread = threading.Thread(target=self._pool.prepare, args=(sizes,), name="ckptmgr-prepare")
-        thread.start()
-        self._threads.append(thread)
-
-    def _finished(self, step: int, slot: Slot, future: Future[SaveInfo]) -> None:
-        ok = future.exception() is None
-        self._pool.release(slot, step=step, durable=ok, failed=not ok)
-        protected = True
-        with self._lock:  # protect() either sees the step pending or finds it committed
-            if ok and step in self._protect_pending:
-                try:
-                    self._target.set_protected(step, True)
-                except Exception as exc:  # told at the next save/wait/close, like a deletion failure
-                    protected = False
-                    self._deleter.report(StorageError(f"could not protect step {step} under {self.root}: {exc}"))
-            self._protect_pending.discard(step)
-            self._pending.pop(step, None)
-        if ok and protected and (self._coord is None or self._coord.is_leader):  # rank 0 decides retention
-            self._deleter.schedule()
-        with self._idle:
-            self._unsettled -= 1
-            self._idle.notify_all()
+        self._saver.prepare(sizes)
 
     def _raise_unobserved(self) -> None:
         deletion_error = self._deleter.take_error()
         if deletion_error is not None:
             raise deletion_error
-        err = None
-        with self._lock:
-            keep = []
-            for h in self._handles:
-                if err is None and h.done():
-                    err = h._take_error()
-                elif not h.done() or h._future.exception() is not None:
-                    keep.append(h)
-            self._handles = keep
+        err = self._saver.take_failure()
         if err is not None:
             raise err
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save has committed and the deletions the retention
-        policy decided after them are done.
+        """Block until every pending save has committed (or failed), every :meth:`prepare`
+        has finished, and the deletions the retention policy decided after them are done.
 
         Raises:
             SaveError: a save failed and nobody has been told yet.
@@ -339,12 +294,7 @@ class CheckpointManager(Protection):
             CkptTimeoutError: still pending after ``timeout`` seconds.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._unsettled:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise CkptTimeoutError(f"saves of steps {sorted(self._pending)} not finished after {timeout} s")
-                self._idle.wait(left)
+        self._saver.wait(timeout)
         self._deleter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._raise_unobserved()
 
@@ -363,6 +313,47 @@ class CheckpointManager(Protection):
             self._deleter.drain(None)
         self._raise_unobserved()
 
+    # ---------------------------------------------------------- protection
+
+    def _set_protection(self, step: int, protected: bool) -> None:
+        self._check_open()
+        self._check_writable(f"{'protect' if protected else 'unprotect'} step {step!r}")
+        _check_step(step)
+        if self._saver.defer_protection(step, protected):  # applied when it commits
+            return
+        with self._guard.marking(step) as ok:
+            if not ok:
+                raise StepNotFoundError(f"step {step} under {self.root} is being deleted by the retention policy")
+            self._target.set_protected(step, protected)
+
+    def protect(self, step: int) -> None:
+        """Keep ``step`` whatever the retention policy says, until :meth:`unprotect`.
+
+        Recorded durably beside the checkpoint (a ``protected`` marker in its directory), so
+        it holds for every later manager on this root. A step still being saved is protected
+        as soon as it commits. Once this returns, retention never deletes the step (the
+        deleter checks again right before each deletion).
+
+        Raises:
+            StepNotFoundError: ``step`` is neither committed on the root nor being saved, or
+                retention is deleting it right now.
+        """
+        self._set_protection(step, True)
+
+    def unprotect(self, step: int) -> None:
+        """Let the retention policy decide about ``step`` again (from the next commit on).
+
+        Raises:
+            StepNotFoundError: ``step`` is neither committed on the root nor being saved.
+        """
+        self._set_protection(step, False)
+
+    def is_protected(self, step: int) -> bool:
+        """Whether ``step`` is protected from retention."""
+        self._check_open()
+        _check_step(step)
+        return self._saver.protection_pending(step) or self._target.is_protected(step)
+
     # ------------------------------------------------------------- discover
 
     def steps(self) -> list[int]:
@@ -374,6 +365,8 @@ class CheckpointManager(Protection):
         return sorted(self._committed_steps())
 
     def _committed_steps(self) -> set[int]:
+        # the tier first: a step leaves it only once durable or superseded by a newer commit,
+        # so the newest step listed never goes back while a save moves it between the two
         local = set(self._tier.steps()) if self._tier is not None else set()
         return set(self._target.list_steps()) | local
 
@@ -402,8 +395,7 @@ class CheckpointManager(Protection):
             if latest is None:
                 raise StepNotFoundError(f"no committed checkpoint under {self.root}")
             return latest
-        if type(step) is not int or step < 0:
-            raise ConfigError(f"step must be a non-negative int or None, got {step!r}")
+        _check_step(step, "step (or None)")
         return step
 
     # -------------------------------------------------------------- restore
@@ -477,44 +469,61 @@ class CheckpointManager(Protection):
             raise ConfigError(f"the CheckpointManager for {self.root} is closed")
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait for pending saves (up to ``timeout`` s), then release slots and threads.
+        """Wait for pending saves and deletions, then release slots and threads; bounded.
 
         Staging slots whose step is durable are freed. A local-tier step that never reached
-        the durable target (its write failed) is kept in the local tier; the next manager on
-        this root restores from it if it is newer and writes it out.
+        the durable target (its write failed or did not finish in time) is kept in the local
+        tier; the next manager on this root restores from it if it is newer and writes it out.
+
+        Args:
+            timeout: seconds to wait for pending writes and deletions (default: the
+                manager's ``close_timeout``, 600 s unless set; ``math.inf``: no limit). Past
+                it, the manager closes anyway: each step not yet durable is logged with what
+                becomes of it, and the threads still writing are left to finish or die with
+                the process (they never keep it alive).
 
         Raises:
             SaveError: a save failed and nobody has been told yet.
-            CkptTimeoutError: saves still pending after ``timeout``; they keep running.
+            StorageError: a retention deletion failed and nobody has been told yet.
+            CkptTimeoutError: writes or deletions were still running after ``timeout``; the
+                manager is closed all the same.
         """
         if self._closed:
             return
-        try:
-            self.wait(timeout)
-        finally:
-            with self._lock:
-                done = not self._unsettled
-            if done:
-                self._release()
-
-    def _release(self) -> None:
+        if timeout is None:
+            timeout = self._close_timeout
+        if timeout is not None and math.isinf(timeout):
+            timeout = None
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._closed = True
-        self._deleter.close()
         lifecycle.forget(self)
-        for t in self._threads:
-            t.join()
-        self._persist_pool.shutdown(wait=True)
-        self._stager.close()
-        self._ring.close()
-        kept = self._pool.close()
+        lost, kept = self._saver.close(timeout)  # (lost: still being written; kept: failed, in the tier)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            self._deleter.drain(left)
+        except CkptTimeoutError:
+            left = 0
+        deleting = not self._deleter.close(left)
+        hung = self._saver.hung
+        if not hung:
+            self._ring.close()
         if self._tier is not None:
             if kept:
                 log.warning("steps %s were never written to %s; they stay in the local tier %s for the next start",
                             kept, self.root, self._tier.path)
-            self._tier.close(remove=not kept)
-        self._target.close()
+            self._tier.close(remove=not kept and not hung, wait=not hung)
+        if not hung and not deleting:
+            self._target.close()
         if self._coord is not None:
             self._coord.destroy()
+        for step, fate in lost.items():
+            log.error("gave up waiting for the write of step %d to %s after %s s: it %s",
+                      step, self.root, timeout, fate)
+        self._raise_unobserved()
+        if lost or deleting:
+            what = [f"step {s} {fate}" for s, fate in lost.items()] + (["a retention deletion"] if deleting else [])
+            raise CkptTimeoutError(f"closed the manager for {self.root} after {timeout} s with work unfinished: "
+                                   + "; ".join(what))
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -166,7 +166,8 @@ class DirectoryWriter:
                     entry.fill(segment)
                 stager = self._stager
                 assert stager is not None
-                job = stager.stage(Plan([e.plan for e in entries if e.plan is not None], []), slot.segments)
+                job = stager.stage(Plan([e.plan for e in entries if e.plan is not None], []), slot.segments,
+                                   slot.piece)  # (copies never span two pinned pieces)
             except BaseException:
                 self._pool.release(slot, step=None, durable=False)
                 raise

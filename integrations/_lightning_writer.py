@@ -164,7 +164,7 @@ class Writer:
             stager = self._stager
             assert stager is not None
             plan = _plan(image)
-            job = stager.stage(plan, [seg][:len(plan.files)])
+            job = stager.stage(plan, [seg][:len(plan.files)], slot.piece)  # (copies never span two pinned pieces)
         except BaseException:
             self._pool.release(slot, step=None, durable=False)
             raise
@@ -233,7 +233,7 @@ class Writer:
     def _start(self) -> None:
         with self._mu:
             if self._stager is None:
-                self._stager = Stager(self._copy_threads)
+                self._stager = Stager(self._copy_threads, daemon=False)  # (stopped at teardown)
             if self._io is None:
                 self._io = ThreadPoolExecutor(self._io_threads, thread_name_prefix="ckptmgr-lightning-io")
             if self._thread is None:

@@ -95,11 +95,33 @@ def assert_tree_equal(a, b, path="state"):
         assert a == b, path
 
 
+def _tier_in_use(path: str) -> bool:
+    """True when a live process holds the tier's lock (it may be another test run's), or
+    may be about to (a tier made in the last minute, its lock not taken yet)."""
+    import fcntl
+    import time
+
+    try:
+        fd = os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        try:
+            return time.time() - os.lstat(path).st_mtime < 60
+        except OSError:
+            return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_local_tiers():
     """Every test that closes its managers leaves nothing in /dev/shm; tests that kill
-    writers on purpose get their leftovers removed here."""
-    import os
+    writers on purpose get their leftovers removed here (never a tier a live manager holds:
+    it may belong to another test run on the machine)."""
     import shutil
 
     shm = "/dev/shm"
@@ -107,8 +129,9 @@ def _no_leaked_local_tiers():
     yield
     if os.path.isdir(shm):
         for name in set(os.listdir(shm)) - before:
-            if name.startswith(f"ckptmgr-{os.getuid()}-"):
-                shutil.rmtree(os.path.join(shm, name), ignore_errors=True)
+            path = os.path.join(shm, name)
+            if name.startswith(f"ckptmgr-{os.getuid()}-") and not _tier_in_use(path):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -94,7 +94,7 @@ def test_the_pinned_slot_path_verifies_before_it_lands(root, tmp_path, monkeypat
     with CheckpointManager(root, staging=StagingOptions(local_dir=local), write_options=SMALL_CHUNKS) as mgr:
         mgr.save(1, _state(1)).result()
         mgr.wait()
-        images = mgr._restorer.pool.slots[0].segments
+        images = mgr._saver.pool.slots[0].segments
         assert images and mgr._tier.steps() == {1: 0}
         for path in (mgr._tier.path_of(1, "data-00000.safetensors"),
                      os.path.join(root, "step_000000000001", "data-00000.safetensors")):

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
-from ..errors import CkptError
-from ..format.manifest import MANIFEST_NAME, Manifest
-from ..storage.tier import tier_dir
+from ..format.manifest import Manifest
+from ..storage.tier import read_tier
 from . import _torchfiles as torchfiles
 from ._context import Ctx, manifests
 from ._render import human_bytes, plain_tree, print_json, table, tensor_bytes, text_tree, when
@@ -19,22 +17,8 @@ __all__ = ["cmd_inspect", "cmd_ls", "local_tier_steps"]
 
 def local_tier_steps(local_dir: str, root_url: str) -> dict[int, Manifest]:
     """Steps committed in this user's local tier of ``root_url`` (read only: the tier may
-    belong to a running job)."""
-    path = tier_dir(local_dir, root_url)
-    found: dict[int, Manifest] = {}
-    if not os.path.isdir(path):
-        return found
-    for name in sorted(os.listdir(path)):
-        manifest = os.path.join(path, name, MANIFEST_NAME)
-        if not name.startswith("slot-"):
-            continue
-        try:
-            with open(manifest, "rb") as f:
-                m = Manifest.from_bytes(f.read(), where=manifest)
-        except (OSError, CkptError):
-            continue  # a slot being written, or reset: not a committed step
-        found[m.step] = m
-    return found
+    belong to a running job; a tier that is not this user's private directory is ignored)."""
+    return read_tier(local_dir, root_url)
 
 
 def _metadata(m: Manifest) -> dict[str, Any]:

@@ -26,11 +26,10 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointCorruptError, CkptError, ConfigError, StepNotFoundError, StorageError
-from ..format.layout import ST_TO_DTYPE, file_name
+from ..format.layout import ST_TO_DTYPE
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.tree import unflatten
 from ..retention.deleter import StepGuard
-from ..save.slots import Slot, SlotPool
 from ..storage import Target
 from ..storage import cufile as _gds
 from ..storage.tier import LocalTier
@@ -53,11 +52,10 @@ class Restorer:
     what it allocates, and borrows ring buffers from ``ring`` one lease at a time, so calls
     from several threads at once never share a buffer."""
 
-    def __init__(self, target: Target, tier: LocalTier | None, pool: SlotPool, guard: StepGuard,
+    def __init__(self, target: Target, tier: LocalTier | None, guard: StepGuard,
                  ring: PinnedRing, allow_pickle: bool) -> None:
         self.target = target
         self.tier = tier
-        self.pool = pool
         self.guard = guard
         self.ring = ring
         self.allow_pickle = allow_pickle
@@ -110,14 +108,14 @@ class Restorer:
             CheckpointCorruptError: the step is damaged; the target (if any) is unchanged.
         """
         tier_error: CkptError | None = None
-        with self.pool.reading(step) as slot:
-            if slot is not None and self.tier is not None:
-                try:
-                    return self._read_step(self.tier, step, target, device, loader, slot, rank_map)
-                except (CheckpointCorruptError, StepNotFoundError) as exc:
-                    if step not in self.target.list_steps():
-                        raise
-                    tier_error = exc
+        if self.tier is not None and step in self.tier.steps():
+            try:
+                with self.tier.reading(step) as images:  # the slot is not reused meanwhile
+                    return self._read_step(self.tier, step, target, device, loader, images, rank_map)
+            except (CheckpointCorruptError, StepNotFoundError) as exc:
+                if step not in self.target.list_steps():
+                    raise
+                tier_error = exc
         with self.guard.reading(step) as ok:
             if not ok:
                 raise StepNotFoundError(f"step {step} under {self.target.url} is being deleted by the retention policy")
@@ -128,11 +126,11 @@ class Restorer:
         return out
 
     def _read_step(self, source: Target | LocalTier, step: int, target: Any, device: torch.device | None,
-                   loader: str, slot: Slot | None, rank_map: Any = None) -> Any:
+                   loader: str, images: dict[str, torch.Tensor] | None, rank_map: Any = None) -> Any:
         """One read of ``step`` from ``source``, with every failure turned into one of our errors."""
         manifest = self.manifest(step, source)  # StepNotFoundError: not committed there (any more)
         try:
-            return self._restore_from(source, step, manifest, target, device, loader, slot, rank_map)
+            return self._restore_from(source, step, manifest, target, device, loader, images, rank_map)
         except StepNotFoundError as exc:  # its directory went away after the manifest was read
             raise StepNotFoundError(f"step {step} under {source.url} was deleted while it was read") from exc
         except CkptError:
@@ -151,13 +149,12 @@ class Restorer:
         return step in steps
 
     def _load(self, source: Target | LocalTier, step: int, manifest: Manifest, device: torch.device,
-              loader: str, slot: Slot | None, dests: dict[str, torch.Tensor] | None,
+              loader: str, images: dict[str, torch.Tensor] | None, dests: dict[str, torch.Tensor] | None,
               verified: bool = False) -> dict[str, torch.Tensor]:
         """Read every tensor of ``step`` (preflight first); when any lands in ``dests``, every
         checksum is verified before the first byte lands (``verified``: the caller did, as a
         multi-rank restore does on every rank before any lands)."""
         where = f"{source.url}: step {step}"
-        images = _pinned_images(slot)
         if loader == "auto":
             loader = self.auto_loader(source, device, pinned=images is not None)
         if loader == "gds":
@@ -229,7 +226,8 @@ class Restorer:
         return "ring"
 
     def _restore_from(self, source: Target | LocalTier, step: int, manifest: Manifest, target: Any,
-                      device: torch.device | None, loader: str, slot: Slot | None, rank_map: Any = None) -> Any:
+                      device: torch.device | None, loader: str, images: dict[str, torch.Tensor] | None,
+                      rank_map: Any = None) -> Any:
         if manifest.world_size > 1:  # written by several ranks: assembled whole (docs/DISTRIBUTED.md)
             from ..distributed.restore import restore_solo
 
@@ -243,22 +241,13 @@ class Restorer:
                 device = next((t.device for t in dests.values() if t.device.type == "cuda"), None)
         if device is not None and str(device) == "cuda":  # no index: the current device
             device = torch.device("cuda", torch.cuda.current_device())  # compares equal to its tensors' device
-        tensors = self._load(source, step, manifest, device or _CPU, loader, slot, dests)
+        tensors = self._load(source, step, manifest, device or _CPU, loader, images, dests)
         tree = unflatten(manifest.state, tensors, allow_pickle=self.allow_pickle)
         return tree if target is None else apply_target(target, tree)
 
 
 def _workers(pool: Any) -> int:
     return int(getattr(pool, "_max_workers", 8))
-
-
-def _pinned_images(slot: Slot | None) -> dict[str, torch.Tensor] | None:
-    """The file images of a local-tier slot of this process, when all of them are pinned."""
-    if slot is None or slot.kind != "tmpfs" or not slot.buffers:
-        return None
-    if any(b.registered is None for b in slot.buffers):
-        return None
-    return {file_name(i): seg for i, seg in enumerate(slot.segments)}
 
 
 def _placeholders(manifest: Manifest) -> dict[str, torch.Tensor]:

@@ -8,6 +8,11 @@ except, whatever the policy says:
 * a step being restored (see :class:`StepGuard`); a restore never starts on a step being
   deleted.
 
+Protection is checked twice: once when the run decides, and again right before each
+deletion, under the guard, so that ``protect(step)`` either returns before that check (and
+the step is kept) or finds the step being deleted and says so (StepNotFoundError): a
+protection that returned always holds.
+
 Steps being written are not committed yet, so they are never listed. A target deletes the
 commit record first and only files it wrote, so a crash mid-delete leaves garbage that the
 next start removes, never a step that looks complete. A failed deletion is kept and raised
@@ -20,10 +25,11 @@ import contextlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
+from .._threads import DaemonPool
 from ..errors import CkptError, CkptTimeoutError, StorageError
 from ..format.manifest import Manifest
 from ..format.tree import decode_plain
@@ -36,11 +42,13 @@ log = logging.getLogger("ckptmgr")
 
 
 class StepGuard:
-    """Steps being restored and steps being deleted never overlap."""
+    """Per-step exclusion between the deleter and everyone else: a step being deleted is
+    never read or marked, and a step being read or marked is never deleted. The lock is held
+    only to update the tables, never across I/O."""
 
     def __init__(self) -> None:
         self._mu = threading.Lock()
-        self._reading: Counter[int] = Counter()
+        self._reading: Counter[int] = Counter()  # reads and protection markers in progress
         self._deleting: set[int] = set()
 
     @contextlib.contextmanager
@@ -57,9 +65,11 @@ class StepGuard:
                 with self._mu:
                     self._reading[step] -= 1
 
+    marking = reading  # writing a protection marker excludes deletion the same way
+
     @contextlib.contextmanager
     def deleting(self, step: int) -> Iterator[bool]:
-        """Yields False when ``step`` is being read (then do not delete it)."""
+        """Yields False when ``step`` is being read or marked (then do not delete it)."""
         with self._mu:
             ok = self._reading[step] == 0
             if ok:
@@ -75,11 +85,13 @@ class StepGuard:
 class Deleter:
     """Runs the policy on one background thread; runs requested while one is queued merge."""
 
-    def __init__(self, target: Target, policy: RetentionPolicy, guard: StepGuard) -> None:
+    def __init__(self, target: Target, policy: RetentionPolicy, guard: StepGuard,
+                 on_deleted: Callable[[int], None] | None = None) -> None:
         self.target = target
         self.policy = policy
         self.guard = guard
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-delete")
+        self.on_deleted = on_deleted  # told of each step deleted (the saver's catalog)
+        self._pool = DaemonPool(1, thread_name_prefix="ckptmgr-delete")
         self._mu = threading.Lock()
         self._queued: Future[None] | None = None
         self._futures: list[Future[None]] = []
@@ -124,14 +136,19 @@ class Deleter:
                 if not keep and info.step != newest and not self.target.is_protected(info.step)]
 
     def delete(self, steps: list[int]) -> list[int]:
-        """Delete ``steps`` (from :meth:`plan`), skipping any being restored; return those deleted."""
+        """Delete ``steps`` (from :meth:`plan`), skipping any being restored or protected since
+        the plan; return those deleted."""
         done = []
         for step in steps:
             with self.guard.deleting(step) as ok:
                 if not ok:
-                    log.info("retention: step %d is being restored; deleting it later", step)
+                    log.info("retention: step %d is being restored or protected; deciding again later", step)
+                    continue
+                if self.target.is_protected(step):  # protected after the plan: keep it
                     continue
                 self.target.delete(step)
+            if self.on_deleted is not None:
+                self.on_deleted(step)
             self._infos.pop(step, None)
             self.deleted.append(step)
             done.append(step)
@@ -171,8 +188,11 @@ class Deleter:
         if not_done:
             raise CkptTimeoutError(f"retention still deleting after {timeout} s")
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop: runs not started are dropped, a run in progress gets ``timeout`` seconds.
+        Returns False when one is still running (its daemon thread never keeps the process
+        alive)."""
+        return self._pool.stop(timeout=timeout)
 
     def __repr__(self) -> str:
         return f"Deleter({self.policy!r})"

@@ -1,12 +1,19 @@
-"""Persist: what the background thread does with a staged slot.
+"""Persist: one tiered write of a staged slot to its targets, run by the saver's persist thread.
+
+A save has up to two targets: the local tier (the slot's own files in tmpfs) and the durable
+root. They are written as one tiered write:
 
 1. wait until the staging copies have landed;
-2. at the same time: the local commit (tmpfs slots: checksum the images on the tier's
-   threads and write the slot's manifest, so the local tier lists the step), and the
-   durable write (the target writes the files in parallel on its I/O threads and checksums
-   each chunk as it goes);
-3. commit on the target, with the local tier's checksums when there are some (the writer
-   threads then skip checksumming: it measured ~4% of the write time).
+2. side by side: the local tier's writer checksums the images (they are in place already)
+   and commits the step in RAM, while the durable target's writer writes the files on its
+   I/O threads;
+3. the durable commit, with the checksums computed once (by the local writer when there is
+   one; the durable writer then skips them: they measured ~4% of the write time).
+
+A job is data, not a closure: the saver's persist thread *picks* jobs (see
+:meth:`ckptmgr.save.saver.Saver._next_job`), so a later policy may pick the newest staged step
+when writes fall behind, and a failed durable write is retried by running the same job
+again, with ``local=False``.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,20 +31,61 @@ import numpy as np
 
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import FileRecord, Manifest
-from ..handle import SaveInfo
 from ..storage import StepWriter, Target
 from ..storage.tier import LocalTier
-from .slots import Slot, SlotPool
+from .slots import Slot
 from .staging import StagingJob
 
-__all__ = ["PersistJob", "adopt_local_tier", "persist"]
+__all__ = ["PersistJob", "SaveInfo", "persist"]
 
 log = logging.getLogger("ckptmgr")
 
 
+@dataclass(frozen=True)
+class SaveInfo:
+    """Facts about a committed checkpoint, with the save's telemetry.
+
+    Attributes:
+        step: the step saved.
+        url: where the checkpoint lives.
+        bytes: bytes written, all files together.
+        files: number of data files.
+        staging_s: seconds from ``save()`` until the state was safe to mutate (the copy
+            had landed in host memory).
+        persist_s: seconds from the end of staging to the durable commit.
+        total_s: seconds from ``save()`` to the durable commit.
+        blocked_s: seconds ``save()`` itself took, from its first to its last instruction
+            (with ``block=False``, until the copies were enqueued).
+        busy_wait_s: seconds ``save()`` waited for a free staging slot.
+        local_s: seconds from ``save()`` until the local tier listed the checkpoint (None
+            when the slot is not in the local tier).
+        attempts: durable writes it took (more than 1 when a failed write was retried).
+    """
+
+    step: int
+    url: str
+    bytes: int
+    files: int
+    staging_s: float
+    persist_s: float
+    total_s: float
+    blocked_s: float = 0.0
+    busy_wait_s: float = 0.0
+    local_s: float | None = None
+    attempts: int = 1
+
+    @property
+    def throughput_gbps(self) -> float:
+        """Bytes written per second of persisting, in GB/s."""
+        return self.bytes / self.persist_s / 1e9 if self.persist_s > 0 else float("inf")
+
+
 @dataclass
 class PersistJob:
-    manifest: Manifest  # ``files`` is filled in here, unless the slot was adopted
+    """Everything the persist thread needs to write one staged step (owned by that thread
+    once queued)."""
+
+    manifest: Manifest  # ``files`` is filled in by the first attempt that knows the checksums
     names: list[str]
     header_sizes: list[int]
     slot: Slot
@@ -45,59 +93,62 @@ class PersistJob:
     t0: float  # perf_counter() at save()
     blocked_s: float
     busy_wait_s: float
-    local_commit: bool  # False for a slot adopted from an earlier process (already listed)
+    local: bool  # commit in the local tier too (False: adopted from an earlier process, or a retry)
     # multi-rank saves: this rank's file prefix, and the agreement that replaces the commit
     prefix: str = ""
     coordinate: Callable[[StepWriter | None, Manifest, BaseException | None], Manifest] | None = None
+    attempts: int = 0  # durable writes tried so far
+    local_s: float | None = None  # when the local tier listed the step
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
 
 
-def _checksums(io_pool: ThreadPoolExecutor, arrays: list[np.ndarray[Any, Any]],
-               chunk_size: int) -> list[tuple[str, ...]]:
-    tasks = [(i, b, e) for i, a in enumerate(arrays) for b, e in chunk_ranges(a.size, chunk_size)]
-    crcs = list(io_pool.map(lambda t: crc32c_hex(arrays[t[0]][t[1]:t[2]]), tasks))
-    out: list[list[str]] = [[] for _ in arrays]
-    for (i, _, _), c in zip(tasks, crcs, strict=True):
-        out[i].append(c)
-    return [tuple(c) for c in out]
+def _commit_local(writer: StepWriter, files: list[tuple[str, np.ndarray[Any, Any]]], job: PersistJob,
+                  chunk_size: int) -> dict[str, FileRecord]:
+    crcs = writer.write_files(files, chunk_size, checksum=True)
+    records = {name: FileRecord(arr.size, chunk_size, c, hs)
+               for (name, arr), c, hs in zip(files, crcs, job.header_sizes, strict=True)}
+    writer.commit(dataclasses.replace(job.manifest, files=records).to_bytes())
+    job.local_s = time.perf_counter() - job.t0
+    return records
 
 
-def _local_commit(job: PersistJob, tier: LocalTier, pool: SlotPool, arrays: list[np.ndarray[Any, Any]],
-                  chunk_size: int) -> tuple[dict[str, FileRecord], float]:
-    files = {name: FileRecord(arr.size, chunk_size, crcs, hs)
-             for name, hs, arr, crcs in zip(job.names, job.header_sizes, arrays,
-                                            _checksums(tier.crc_pool, arrays, chunk_size), strict=True)}
-    tier.commit(job.slot.index, job.manifest.step, dataclasses.replace(job.manifest, files=files).to_bytes())
-    pool.mark_committed(job.slot, job.manifest.step)
-    return files, time.perf_counter() - job.t0
+def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, side: Executor, chunk_size: int) -> SaveInfo:
+    """Write ``job``'s slot to the local tier (when ``job.local``) and to ``target``, and commit
+    on both. Runs on the persist thread; ``side`` runs the local commit beside the durable write.
 
-
-def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, pool: SlotPool,
-            chunk_size: int) -> SaveInfo:
-    """Run on the persist thread: local commit and durable write side by side, then the
-    durable commit."""
+    Raises:
+        Exception: whatever failed; the durable step is then not committed (its partial files
+            are removed by the writer's abort), the local one may be.
+    """
     m = job.manifest
+    job.attempts += 1
     job.staging.wait()
     t_staged = job.staging.finished_at or time.perf_counter()
-    arrays = [seg.numpy() for seg in job.slot.segments]
-    local: Future[tuple[dict[str, FileRecord], float]] | None = None
-    if job.local_commit and tier is not None and job.slot.kind == "tmpfs":
-        # The local tier checksums the slot on its own threads while the target writes it.
-        local = tier.commit_pool.submit(_local_commit, job, tier, pool, arrays, chunk_size)
+    files = [(name, seg.numpy()) for name, seg in zip(job.names, job.slot.segments, strict=True)]
+    local: Future[dict[str, FileRecord]] | None = None
+    if job.local and tier is not None and job.slot.kind == "tmpfs":
+        local = side.submit(_commit_local, tier.begin(m.step, job.slot.index), files, job, chunk_size)
     writer: StepWriter | None = None
     told = False  # the other ranks heard how this save went
     try:
         writer = target.begin(m.step, job.prefix)
         chunk = next(iter(m.files.values())).chunk_size if m.files else chunk_size
-        # Checksums known already (an adopted slot's manifest) or computed beside the write
-        # (the local tier's) are not computed again by the writer threads.
-        known_ahead = bool(m.files) or local is not None
-        written = writer.write_files(list(zip(job.names, arrays, strict=True)), chunk, checksum=not known_ahead)
-        known = dict(m.files)
-        local_s = None
+        known_ahead = bool(m.files) or local is not None  # checksums computed once, not twice
+        written = writer.write_files(files, chunk, checksum=not known_ahead)
         if local is not None:
-            known, local_s = local.result()
-        for name, hs, arr, crcs in zip(job.names, job.header_sizes, arrays, written, strict=True):
-            m.files[name] = known[name] if known_ahead else FileRecord(arr.size, chunk, crcs, hs)
+            try:
+                m.files = local.result()
+            except Exception as exc:  # the local copy is lost; the durable one need not be
+                log.warning("the local tier could not commit step %d (%s: %s); it is written to %s only",
+                            m.step, type(exc).__name__, exc, target.url)
+                written = [tuple(crc32c_hex(a[b:e]) for b, e in chunk_ranges(a.size, chunk)) for _, a in files]
+                m.files = {}
+        if not m.files:
+            m.files = {name: FileRecord(arr.size, chunk, crcs, hs)
+                       for (name, arr), crcs, hs in zip(files, written, job.header_sizes, strict=True)}
         if job.coordinate is None:
             writer.commit(m.to_bytes())
         else:
@@ -111,13 +162,17 @@ def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, pool: Sl
                 pass  # raising ``exc`` below
         if writer is not None and not (job.coordinate is not None and _committed(target, m.step)):
             writer.abort()  # (another rank's commit of this step is never undone)
-        if local is not None:
+        if local is not None:  # never leave it running on a slot about to be released
             concurrent.futures.wait([local])
+            if not local.cancelled() and local.exception() is None and not m.files:
+                m.files = local.result()  # a retry writes with these
         raise
     t_end = time.perf_counter()
-    info = SaveInfo(step=m.step, url=target.url, bytes=sum(a.size for a in arrays), files=len(arrays),
+    size = sum(a.size for _, a in files)
+    info = SaveInfo(step=m.step, url=target.url, bytes=size, files=len(files),
                     staging_s=t_staged - job.t0, persist_s=t_end - t_staged, total_s=t_end - job.t0,
-                    blocked_s=job.blocked_s, busy_wait_s=job.busy_wait_s, local_s=local_s)
+                    blocked_s=job.blocked_s, busy_wait_s=job.busy_wait_s, local_s=job.local_s,
+                    attempts=job.attempts)
     log.info("committed step %d: %.1f MB, safe to mutate after %.3f s (caller blocked %.3f s), durable after "
              "%.3f s (%.2f GB/s)", info.step, info.bytes / 1e6, info.staging_s, info.blocked_s, info.total_s,
              info.throughput_gbps)
@@ -129,21 +184,3 @@ def _committed(target: Target, step: int) -> bool:
         return step in target.list_steps()
     except Exception:
         return False
-
-
-def adopt_local_tier(tier: LocalTier, pool: SlotPool, durable: set[int], root: str) -> list[PersistJob]:
-    """Take over the slots an earlier process left committed in ``tier``; return the jobs
-    that write out the steps that never reached the durable target (their slots stay busy
-    until then)."""
-    jobs = []
-    for index, m in sorted(tier.scan(len(pool.slots)).items()):
-        names = sorted(m.files)
-        slot = pool.adopt(index, m.step, [m.files[n].size for n in names], durable=m.step in durable)
-        if m.step in durable:
-            continue
-        log.warning("step %d exists only in the local tier %s (the last run stopped before writing it); "
-                    "writing it to %s now", m.step, tier.path, root)
-        slot.busy = True
-        jobs.append(PersistJob(m, names, [m.files[n].header_size for n in names], slot,
-                               StagingJob(None, [], None), time.perf_counter(), 0.0, 0.0, local_commit=False))
-    return jobs

@@ -1,43 +1,52 @@
 """The slot pool: reusable host buffers, each holding one complete checkpoint image.
 
-A slot is one of three kinds, chosen when it is first filled:
+A slot is one of two kinds, chosen when it is first filled:
 
-* ``tmpfs``: one file per data file in the local tier (see :mod:`ckptmgr.storage.tier`), mapped
-  MAP_SHARED and, with CUDA, pinned in place once with cudaHostRegister. When the copy ends
-  the files *are* the checkpoint: the local tier commits it by writing its manifest.
-* ``pinned``: page-locked host memory (CUDA present, no local tier).
-* ``memory``: ordinary host memory (no CUDA).
+* ``tmpfs``: one file per data file in the local tier (see :mod:`ckptmgr.storage.tier`),
+  mapped MAP_SHARED and, with CUDA, pinned in place. When the copy ends the files *are* the
+  checkpoint: the tier commits it by writing its manifest.
+* ``memory``: anonymous host memory, one buffer per data file, pinned with CUDA.
 
-Slots are allocated and pinned when a state first needs them and again only when the state
-grows (or, for tmpfs files, changes size); never per save. The counters ``allocations`` and
-``registrations`` say how often that happened.
+Buffers are made (see :mod:`ckptmgr.save.buffers`) when a state first needs them, by
+:meth:`SlotPool.prepare` or by the first save, and again only when the state changes size;
+never per save. The counters ``allocations`` and ``registrations`` say how often.
 
-Reuse rule, the "never lose the newest" invariant: a slot is handed out only when what it
-holds is durable elsewhere, or superseded by a newer committed step, or, as a last resort
-when every slot holds a step whose durable write failed, the oldest such step.
+Reuse rule, the "never lose the newest" invariant. A slot is handed to a new save only when
+what it holds is not needed: empty; durable on the target; superseded by a newer committed
+step; or (memory slots only) a step whose durable write failed and that exists nowhere
+else, as a last resort. A tmpfs slot holding the only copy of the newest committed step is
+never handed out: the saver retries its durable write while the slot holds it, and the slot
+becomes free once that write succeeds or a newer step commits.
+
+Ownership: the slot table (every ``Slot`` field but the buffers) is guarded by ``_cond``. A
+slot's buffers and segments belong to whoever holds the slot busy (one save or the persist
+job after it) or is preparing it (the prepare thread); nobody else touches them. ``_cond``
+is never held across I/O; it may be held while calling the tier (lock order pool -> tier).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import _cuda
+from .._threads import DaemonPool
 from ..errors import CapacityError, CkptTimeoutError
 from ..format.layout import DATA_ALIGN, file_name
 from ..storage.tier import LocalTier
+from .buffers import HostBuffer, anonymous_buffer, file_buffer
 
 __all__ = ["Slot", "SlotPool", "slot_bytes"]
 
 log = logging.getLogger("ckptmgr")
+_NOW = threading.Event()  # always set: pin without pauses (the caller itself waits for it)
+_NOW.set()
 
 
 def slot_bytes(sizes: list[int]) -> int:
@@ -46,42 +55,49 @@ def slot_bytes(sizes: list[int]) -> int:
 
 
 @dataclass
-class _Buffer:
-    tensor: torch.Tensor  # uint8 CPU; the first ``offset`` bytes are alignment padding
-    offset: int
-    nbytes: int
-    registered: int | None = None  # the pointer passed to cudaHostRegister
-    path: str | None = None
-
-
-@dataclass
 class Slot:
-    """One staging buffer and what it holds. Fields are guarded by the pool's lock."""
+    """One staging buffer set and what it holds (fields guarded by the pool's lock)."""
 
     index: int
-    kind: str = "none"
-    segments: list[torch.Tensor] = field(default_factory=list)  # one uint8 view per data file
+    kind: str = "none"  # "none" (no buffers yet) | "tmpfs" | "memory"
+    buffers: list[HostBuffer] = field(default_factory=list)  # one per data file (owner: the holder)
+    segments: list[torch.Tensor] = field(default_factory=list)  # the buffers' tensors
     step: int | None = None  # the step whose image the slot holds (None: nothing valid)
-    committed: bool = False  # the local tier lists ``step``
     durable: bool = False  # ``step`` is committed on the durable target
-    failed: bool = False  # the durable write of ``step`` failed
-    busy: bool = False
-    readers: int = 0
-    buffers: list[_Buffer] = field(default_factory=list)
+    busy: bool = False  # held by a save, its persist job, or a retry of its durable write
+    preparing: bool = False  # reserved by prepare(): the next save waits for it, never skips it
+
+    @property
+    def piece(self) -> int:
+        """Copies into this slot's images must not cross multiples of this (0: no limit)."""
+        return max((b.boundaries() for b in self.buffers), default=0)
 
 
 class SlotPool:
-    """``count`` slots, created lazily, reused for the life of the manager."""
+    """``count`` slots, created lazily, reused for the life of the manager. ``chunk_size``: the
+    checksum chunk of the images (pinning pieces are whole numbers of it)."""
 
-    def __init__(self, count: int, *, tier: LocalTier | None, max_host_bytes: int | None) -> None:
+    def __init__(self, count: int, *, tier: LocalTier | None, max_host_bytes: int | None,
+                 chunk_size: int = 16 << 20) -> None:
         self.tier = tier
         self.max_host_bytes = max_host_bytes
+        self.chunk_size = chunk_size
         self.slots = [Slot(i) for i in range(count)]
+        self._cond = threading.Condition()
+        self.hurry = threading.Event()  # set while a save waits for a slot being prepared
+        self.on_wait: Callable[[], None] | None = None  # called (lock held) when a save starts waiting
+        self.stop = threading.Event()  # set at close: preparation gives up between pieces
+        # counters, guarded by _cond
         self.allocations = 0
         self.registrations = 0
         self.counts: dict[str, float] = {"saves": 0, "skips": 0, "busy_waits": 0, "busy_wait_s": 0.0}
         self.newest_durable: int | None = None
-        self._cond = threading.Condition()
+        if tier is not None:
+            tier.on_read_done = self._wake
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     # ------------------------------------------------------------ capacity
 
@@ -96,24 +112,49 @@ class SlotPool:
 
     # ------------------------------------------------------ acquire/release
 
-    def _pick(self) -> Slot | None:
+    def _newest_committed(self) -> int | None:
         newest = self.newest_durable
-        for s in self.slots:
-            if s.committed and s.step is not None and not s.busy:
-                newest = s.step if newest is None else max(newest, s.step)
-        idle = [s for s in self.slots if not s.busy and s.readers == 0]
-        for ok in (lambda s: s.step is None,
-                   lambda s: s.durable,
-                   lambda s: newest is not None and s.step < newest,
-                   lambda s: s.failed):
-            cands = [s for s in idle if ok(s)]
-            if cands:
-                return min(cands, key=lambda s: (s.step if s.step is not None else -1, s.index))
+        local = self.tier.steps() if self.tier is not None else {}
+        for step in local:
+            newest = step if newest is None else max(newest, step)
+        return newest
+
+    def _reusable(self, s: Slot, newest: int | None) -> int | None:
+        """How freely ``s`` may be reused (lower first), or None when it may not be."""
+        if s.busy or s.preparing:
+            return None
+        if s.step is None:
+            return 0
+        if s.durable:
+            return 1
+        if newest is not None and s.step < newest:
+            return 2
+        committed_here = self.tier is not None and s.kind == "tmpfs" and self.tier.holds(s.index) == s.step
+        return None if committed_here else 3  # never the only copy of the newest committed step
+
+    def _pick(self) -> Slot | None:
+        newest = self._newest_committed()
+        ranked = sorted((r, s.step if s.step is not None else -1, s.index, s) for s in self.slots
+                        if (r := self._reusable(s, newest)) is not None)
+        for _, _, _, s in ranked:
+            if s.kind == "tmpfs" and self.tier is not None and not self.tier.claim(s.index):
+                continue  # a restore is reading it
+            return s
         return None
+
+    def why_busy(self) -> str:
+        """Why no slot is free, for messages (call without the lock)."""
+        with self._cond:
+            held = [s.step for s in self.slots if s.step is not None and not s.busy and not s.durable]
+            busy = [s.step for s in self.slots if s.busy and s.step is not None]
+        if held and not busy:
+            return (f"the staging slot(s) hold step(s) {held}, not yet written to the durable target (the write "
+                    f"failed and is being retried); they are kept until then or until a newer step commits")
+        return f"all {len(self.slots)} staging slot(s) are busy writing earlier steps"
 
     def acquire(self, *, wait: bool, timeout: float | None) -> tuple[Slot | None, float]:
         """A slot for a new save, marked busy (None when none is free and not ``wait``), and
-        the seconds spent waiting for it. Counted in ``counts``.
+        the seconds spent waiting for it. A slot being prepared is always waited for.
 
         Raises:
             CkptTimeoutError: none became free within ``timeout`` seconds.
@@ -122,213 +163,240 @@ class SlotPool:
         deadline = None if timeout is None else t0 + timeout
         with self._cond:
             self.counts["saves"] += 1
-            while True:
-                slot = self._pick()
-                if slot is not None:
-                    break
-                if not wait:
-                    self.counts["skips"] += 1
-                    return None, time.monotonic() - t0
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise CkptTimeoutError(f"no staging slot became free within {timeout} s")
-                self._cond.wait(left)
+            try:
+                while True:
+                    slot = self._pick()
+                    if slot is not None:
+                        break
+                    preparing = any(s.preparing for s in self.slots)
+                    if not wait and not preparing:
+                        self.counts["skips"] += 1
+                        return None, time.monotonic() - t0
+                    if preparing:
+                        self.hurry.set()  # the caller waits: pin without pauses
+                    elif self.on_wait is not None and time.monotonic() - t0 < 1e-3:
+                        self.on_wait()
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise CkptTimeoutError(f"no staging slot became free within {timeout} s")
+                    self._cond.wait(left)
+            finally:
+                self.hurry.clear()
             waited = time.monotonic() - t0
             if waited > 1e-3:
                 self.counts["busy_waits"] += 1
                 self.counts["busy_wait_s"] += waited
-            if slot.failed and slot.step is not None:
-                log.warning("reusing staging slot %d: it held step %d, whose durable write failed and which "
-                            "exists only in the local tier", slot.index, slot.step)
-            slot.busy = True
-            old, slot.step, slot.committed, slot.durable, slot.failed = slot.step, None, False, False, False
-        if self.tier is not None and old is not None:
-            self.tier.invalidate(slot.index)
+            if slot.step is not None and not slot.durable and slot.kind == "memory":
+                log.warning("reusing staging slot %d: it held step %d, whose durable write failed; that step "
+                            "is dropped", slot.index, slot.step)
+            old, slot.busy = slot.step, True
+            slot.step, slot.durable = None, False
+        if old is not None and slot.kind == "tmpfs" and self.tier is not None:
+            self.tier.invalidate(slot.index)  # the manifest goes before the data changes
         return slot, waited
 
-    def release(self, slot: Slot, *, step: int | None, durable: bool, failed: bool = False) -> None:
-        """Return ``slot`` to the pool, recording what it now holds."""
+    def release(self, slot: Slot, *, step: int | None, durable: bool) -> None:
+        """Return ``slot``, recording the step it now holds (None: its content is not valid)."""
         with self._cond:
             slot.busy = False
-            slot.step = step if slot.kind == "tmpfs" else None
-            slot.committed = slot.step is not None and self.tier is not None and step in self.tier.steps()
-            slot.durable, slot.failed = durable, failed
-            if durable and step is not None:
-                self.newest_durable = step if self.newest_durable is None else max(self.newest_durable, step)
+            slot.step, slot.durable = step, durable and step is not None
+            if slot.durable:
+                self._note_durable(step)
             self._cond.notify_all()
 
-    def mark_committed(self, slot: Slot, step: int) -> None:
+    def hold_for_retry(self, slot: Slot, step: int) -> bool:
+        """Mark ``slot`` busy for another durable write of ``step``; False when the slot no
+        longer holds it, is busy, or a newer step has committed (nothing to retry then)."""
         with self._cond:
-            slot.step, slot.committed = step, True
+            newest = self._newest_committed()
+            if slot.busy or slot.step != step or slot.durable or (newest is not None and step < newest):
+                return False
+            slot.busy = True
+            return True
 
     def note_durable(self, step: int) -> None:
         with self._cond:
-            self.newest_durable = step if self.newest_durable is None else max(self.newest_durable, step)
+            self._note_durable(step)
             self._cond.notify_all()
 
-    @contextlib.contextmanager
-    def reading(self, step: int) -> Iterator[Slot | None]:
-        """Keep the slot holding ``step`` from being reused while it is read."""
+    def _note_durable(self, step: int | None) -> None:
+        if step is not None:
+            self.newest_durable = step if self.newest_durable is None else max(self.newest_durable, step)
+
+    def superseded(self, step: int) -> bool:
         with self._cond:
-            slot = next((s for s in self.slots if s.step == step and s.committed), None)
-            if slot is not None:
-                slot.readers += 1
-        try:
-            yield slot
-        finally:
-            if slot is not None:
-                with self._cond:
-                    slot.readers -= 1
-                    self._cond.notify_all()
+            newest = self._newest_committed()
+            return newest is not None and step < newest
 
     # -------------------------------------------------------------- buffers
 
-    def fit(self, slot: Slot, sizes: list[int]) -> None:
-        """Make ``slot`` hold files of exactly ``sizes`` bytes; allocate only what changed."""
+    def fit(self, slot: Slot, sizes: list[int], *, hurry: bool = True) -> None:
+        """Make ``slot`` hold files of exactly ``sizes`` bytes, pinned; allocate only what changed.
+        The caller holds the slot (busy or preparing)."""
         if self.tier is not None and slot.kind in ("none", "tmpfs"):
             try:
-                self._fit_tmpfs(slot, sizes)
+                self._fit(slot, sizes, "tmpfs", hurry)
                 return
             except OSError as exc:
                 log.warning("staging slot %d cannot live in %s (%s); using host memory instead",
                             slot.index, self.tier.path, exc)
                 self._free(slot)
                 self.tier.remove_slot(slot.index)
-        self._fit_memory(slot, sizes)
+        self._fit(slot, sizes, "memory", hurry)
 
     def prepare(self, sizes: list[int]) -> None:
-        """Create the buffers of every slot never filled yet (run on a helper thread)."""
+        """Make the buffers of every slot never filled yet, pinned with pauses between pieces
+        (run on a helper thread; a save that needs one of these slots waits for it)."""
         with self._cond:
-            fresh = [s for s in self.slots if s.kind == "none" and not s.busy]
+            fresh = [s for s in self.slots if s.kind == "none" and not s.busy and not s.preparing]
             for s in fresh:
-                s.busy = True
-        for s in fresh:
-            try:
-                self.fit(s, sizes)
-            except Exception as exc:  # the next save() fits again and raises there
-                log.warning("preparing staging slot %d failed: %s", s.index, exc)
-            finally:
-                self.release(s, step=None, durable=False)
+                s.preparing = True
+        try:
+            for s in fresh:
+                try:
+                    if not self.stop.is_set():
+                        self.fit(s, sizes, hurry=False)
+                except Exception as exc:  # the next save() fits again and raises there
+                    log.warning("preparing staging slot %d failed: %s", s.index, exc)
+                finally:
+                    with self._cond:
+                        s.preparing = False
+                        self._cond.notify_all()
+        finally:
+            with self._cond:
+                for s in fresh:
+                    s.preparing = False
+                self._cond.notify_all()
 
-    def _fit_tmpfs(self, slot: Slot, sizes: list[int]) -> None:
-        assert self.tier is not None
-        slot.kind = "tmpfs"
-        if [b.nbytes for b in slot.buffers] == sizes:
+    def _fit(self, slot: Slot, sizes: list[int], kind: str, hurry: bool) -> None:
+        same = slot.kind == kind and [b.nbytes for b in slot.buffers] == sizes
+        if same and (all(b.pinned for b in slot.buffers) or not _cuda.available()):
             return
-        grow = sum(sizes) - sum(b.nbytes for b in slot.buffers)
-        if grow > 0 and grow > self.tier.free_bytes():
-            raise OSError(f"{grow} more bytes are needed and only {self.tier.free_bytes()} are free")
-        tier = self.tier
-        keep: dict[int, _Buffer] = {}
+        if kind == "tmpfs":
+            assert self.tier is not None
+            grow = sum(sizes) - sum(b.nbytes for b in slot.buffers)
+            if grow > 0 and grow > self.tier.free_bytes():
+                raise OSError(f"{grow} more bytes are needed and only {self.tier.free_bytes()} are free")
+            self.tier.detach(slot.index)
+        keep: dict[int, HostBuffer] = {}
         for i, old in enumerate(slot.buffers):
-            if i < len(sizes) and old.nbytes == sizes[i]:
+            if slot.kind == kind and i < len(sizes) and old.nbytes == sizes[i]:
                 keep[i] = old
             else:
-                self._drop(old)
+                self._drop(slot, old)
+        slot.kind = kind
         make = [i for i in range(len(sizes)) if i not in keep]
-        # Files are created in parallel: reserving tmpfs pages zeroes them, ~0.1 s per GiB a thread.
-        with ThreadPoolExecutor(min(8, max(1, len(make)))) as pool:
-            futures = [pool.submit(self._map_file, tier.file_path(slot.index, file_name(i)), sizes[i], create=True)
-                       for i in make]
+        # Made in parallel: reserving and populating pages is ~0.1-0.3 s per GiB for one thread.
+        with DaemonPool(min(8, max(1, len(make))), thread_name_prefix="ckptmgr-alloc") as pool:
+            futures = [pool.submit(self._make, slot.index, file_name(i), sizes[i], kind) for i in make]
         failed = next((f.exception() for f in futures if f.exception() is not None), None)
+        made = [f.result() for f in futures if f.exception() is None]
         if failed is not None:
-            for f in futures:
-                if f.exception() is None:
-                    self._drop(f.result())
-            slot.buffers, slot.segments = [], []
+            for b in made:
+                self._drop(slot, b)
+            for b in keep.values():
+                self._drop(slot, b)
+            slot.buffers, slot.segments, slot.kind = [], [], "none"
             raise failed
-        keep.update(zip(make, (f.result() for f in futures), strict=True))
+        keep.update(zip(make, made, strict=True))
         slot.buffers = [keep[i] for i in range(len(sizes))]
-        new = slot.buffers
-        slot.segments = [b.tensor for b in new]
+        slot.segments = [b.tensor for b in slot.buffers]
+        self._pin(slot, hurry)
 
-    def _map_file(self, path: str, nbytes: int, *, create: bool) -> _Buffer:
-        if create:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    def _make(self, index: int, name: str, nbytes: int, kind: str) -> HostBuffer:
+        if kind == "tmpfs":
+            assert self.tier is not None
+            fd = self.tier.open_file(index, name, nbytes, create=True)
             try:
-                os.posix_fallocate(fd, 0, nbytes)  # reserve tmpfs pages now: ENOSPC here, not SIGBUS later
-            except OSError:
+                buf = file_buffer(fd, nbytes, name)
+            finally:
                 os.close(fd)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                raise
-            os.close(fd)
-        t = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)  # MAP_SHARED
-        buf = _Buffer(t, 0, nbytes, path=path)
+        else:
+            buf = anonymous_buffer(nbytes)
+        buf.populate()  # on this helper thread, with no CUDA lock held
         with self._cond:
             self.allocations += 1
-        self._register(buf)
         return buf
 
-    def _fit_memory(self, slot: Slot, sizes: list[int]) -> None:
-        need = slot_bytes(sizes)
-        pin = _cuda.available()
-        slot.kind = "pinned" if pin else "memory"
-        if not slot.buffers or slot.buffers[0].nbytes < need:
-            self._free(slot)
-            if pin:
-                t = _cuda.pinned_empty(need)
-                offset = 0
-            else:  # over-allocate so every image starts page-aligned (O_DIRECT-friendly)
-                t = torch.empty(need + DATA_ALIGN, dtype=torch.uint8)
-                offset = -t.data_ptr() % DATA_ALIGN
-            slot.buffers = [_Buffer(t, offset, need)]
-            self.allocations += 1
-        buf = slot.buffers[0]
-        segs, pos = [], buf.offset
-        for n in sizes:
-            segs.append(buf.tensor[pos:pos + n])
-            pos += -(-n // DATA_ALIGN) * DATA_ALIGN
-        slot.segments = segs
+    def _pin(self, slot: Slot, hurry: bool) -> None:
+        """Pin each buffer in pieces (one at a time: the driver serializes them anyway)."""
+        for b in slot.buffers:
+            if b.registered:
+                continue
+            done = b.pin(self.chunk_size, hurry=_NOW if hurry else self.hurry, stop=self.stop)
+            if not done:
+                b.unpin()
+                return
+            if b.registered:
+                with self._cond:
+                    self.registrations += 1
+        if slot.kind == "tmpfs" and self.tier is not None and all(b.pinned for b in slot.buffers):
+            self.tier.attach(slot.index, {file_name(i): b.tensor for i, b in enumerate(slot.buffers)})
 
-    def _register(self, buf: _Buffer) -> None:
-        if _cuda.available() and buf.nbytes:
-            ptr = buf.tensor.data_ptr()
-            _cuda.host_register(ptr, buf.nbytes)
-            buf.registered = ptr
-            with self._cond:
-                self.registrations += 1
-
-    def _drop(self, buf: _Buffer) -> None:
-        if buf.registered is not None:  # unregister before the mapping goes away
-            _cuda.host_unregister(buf.registered)
-            buf.registered = None
-        if buf.path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(buf.path)
-        del buf.tensor
+    def _drop(self, slot: Slot, buf: HostBuffer) -> None:
+        buf.unpin()  # before the mapping goes
+        if buf.path is not None and self.tier is not None:
+            self.tier.remove_file(slot.index, buf.path)
+            buf.path = None
 
     def _free(self, slot: Slot) -> None:
+        if slot.kind == "tmpfs" and self.tier is not None:
+            self.tier.detach(slot.index)
         for b in slot.buffers:
-            self._drop(b)
+            self._drop(slot, b)
         slot.buffers, slot.segments = [], []
 
-    def adopt(self, index: int, step: int, sizes: list[int], *, durable: bool) -> Slot:
-        """Take over the committed tmpfs slot ``index`` left by an earlier process."""
+    def adopt(self, index: int, step: int, sizes: list[int], chunk_size: int, *, durable: bool) -> Slot:
+        """Take over the committed tmpfs slot ``index`` an earlier process left (at start-up)."""
         assert self.tier is not None
         slot = self.slots[index]
         slot.kind = "tmpfs"
-        slot.buffers = [self._map_file(self.tier.file_path(index, file_name(i)), n, create=False)
-                        for i, n in enumerate(sizes)]
+        for i, n in enumerate(sizes):
+            fd = self.tier.open_file(index, file_name(i), n, create=False)
+            try:
+                slot.buffers.append(file_buffer(fd, n, file_name(i)))
+            finally:
+                os.close(fd)
         slot.segments = [b.tensor for b in slot.buffers]
-        slot.step, slot.committed, slot.durable = step, True, durable
-        if durable:
-            self.note_durable(step)
+        saved, self.chunk_size = self.chunk_size, chunk_size  # pinned in pieces of its own chunks
+        try:
+            self._pin(slot, hurry=True)
+        finally:
+            self.chunk_size = saved
+        with self._cond:
+            slot.step, slot.durable = step, durable
+            if durable:
+                self._note_durable(step)
         return slot
 
-    def close(self) -> list[int]:
-        """Free every slot whose step is durable or superseded; return steps kept in the tier."""
-        kept = []
+    def close(self) -> tuple[list[int], list[int]]:
+        """Free every idle slot whose step is durable, superseded or not committed; return the
+        committed steps kept in the tier for the next start, and the steps of slots still busy
+        (left alone: a writer may still read them)."""
+        self.stop.set()
+        kept: list[int] = []
+        busy: list[int] = []
+        free: list[tuple[Slot, bool]] = []  # (slot, keep its files)
         with self._cond:
+            newest = self._newest_committed()
             for s in self.slots:
-                superseded = self.newest_durable is not None and s.step is not None and s.step < self.newest_durable
-                if s.kind == "tmpfs" and s.committed and s.step is not None and not (s.durable or superseded):
-                    kept.append(s.step)
-                    for b in s.buffers:
-                        b.path = None  # keep the files for the next start
-                    self._free(s)
+                if s.busy or s.preparing:
+                    busy.append(s.step if s.step is not None else -1)
                     continue
-                self._free(s)
-                if self.tier is not None and s.kind == "tmpfs":
-                    self.tier.remove_slot(s.index)
-        return kept
+                local = (self.tier is not None and s.kind == "tmpfs" and s.step is not None
+                         and self.tier.holds(s.index) == s.step)
+                keep = local and not s.durable and not (newest is not None and s.step is not None and s.step < newest)
+                if keep and s.step is not None:
+                    kept.append(s.step)
+                s.busy = True  # nobody takes it from here on
+                free.append((s, keep))
+        for s, keep in free:
+            if keep:
+                for b in s.buffers:
+                    b.path = None  # the files stay for the next start
+            kind = s.kind
+            self._free(s)
+            if not keep and self.tier is not None and kind == "tmpfs":
+                self.tier.remove_slot(s.index)
+            s.kind = "none"
+        return kept, busy

@@ -9,6 +9,11 @@ releases the GIL, so those threads run in parallel with each other and with the 
 once every copy has *landed*. Only after that may the caller change the state. The job
 keeps the source tensors alive until then, so that freeing them cannot recycle their memory
 while a copy still reads it.
+
+A slot pinned in pieces (see :mod:`ckptmgr.save.buffers`) cannot take one device-to-host
+copy across two pieces (CUDA refuses it), so a GPU tensor whose bytes straddle a piece
+boundary is copied as flat byte ranges split there; a non-contiguous one is first made
+contiguous on its device, as ``copy_`` itself would do.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 import torch
 
 from .. import _cuda
+from .._threads import DaemonPool
 from ..errors import CkptTimeoutError
 from ..format.layout import ST_TO_DTYPE, Plan, StoredTensor
 
@@ -34,6 +40,22 @@ _Pair = tuple[torch.Tensor, torch.Tensor]  # (destination, source)
 def _dst_view(segment: torch.Tensor, header_size: int, t: StoredTensor) -> torch.Tensor:
     raw = segment[header_size + t.begin:header_size + t.end]
     return raw.view(ST_TO_DTYPE[t.dtype]).view(t.shape)
+
+
+def _split_at(dst: torch.Tensor, src: torch.Tensor, begin: int, piece: int) -> list[_Pair]:
+    """``(dst, src)`` as byte ranges that do not cross a multiple of ``piece`` (``dst`` starts at
+    byte ``begin`` of its image)."""
+    n = dst.numel() * dst.element_size()
+    if piece <= 0 or n == 0 or begin // piece == (begin + n - 1) // piece:
+        return [(dst, src)]
+    d = dst.reshape(-1).view(torch.uint8)
+    s = src.contiguous().reshape(-1).view(torch.uint8)
+    out, pos = [], begin
+    while pos < begin + n:
+        end = min(begin + n, (pos // piece + 1) * piece)
+        out.append((d[pos - begin:end - begin], s[pos - begin:end - begin]))
+        pos = end
+    return out
 
 
 def _cpu_pieces(dst: torch.Tensor, src: torch.Tensor) -> list[_Pair]:
@@ -94,8 +116,12 @@ class StagingJob:
 class Stager:
     """Copies plans into slots. Create and call it from the training (main) thread."""
 
-    def __init__(self, copy_threads: int) -> None:
-        self._pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="ckptmgr-copy")
+    def __init__(self, copy_threads: int, *, daemon: bool = True) -> None:
+        # daemon=False: ordinary worker threads, for owners that stop them at a known point
+        # (a Lightning plugin's teardown) and must leave no daemon thread behind
+        self._pool: DaemonPool | ThreadPoolExecutor = (
+            DaemonPool(copy_threads, thread_name_prefix="ckptmgr-copy") if daemon
+            else ThreadPoolExecutor(copy_threads, thread_name_prefix="ckptmgr-copy"))
         self._threads = copy_threads
         self._streams: dict[torch.device, Any] = {}
 
@@ -105,8 +131,9 @@ class Stager:
             self._streams[device] = _cuda.staging_stream(device)
         return self._streams[device]
 
-    def stage(self, plan: Plan, segments: list[torch.Tensor]) -> StagingJob:
-        """Enqueue every copy of ``plan`` into ``segments`` (one per file)."""
+    def stage(self, plan: Plan, segments: list[torch.Tensor], piece: int = 0) -> StagingJob:
+        """Enqueue every copy of ``plan`` into ``segments`` (one per file); no device-to-host
+        copy crosses a multiple of ``piece`` bytes of its segment (0: no limit)."""
         gpu: dict[torch.device, list[_Pair]] = defaultdict(list)
         cpu: list[_Pair] = []
         for f, seg in zip(plan.files, segments, strict=True):
@@ -119,7 +146,7 @@ class Stager:
                 if t.source.device.type == "cpu":
                     cpu.extend(_cpu_pieces(*pair))
                 else:
-                    gpu[t.source.device].append(pair)
+                    gpu[t.source.device].extend(_split_at(*pair, hs + t.begin, piece))
         done = None
         if gpu:
             streams = []
@@ -145,7 +172,11 @@ class Stager:
                     batch, size = [], 0
             if batch:
                 futures.append(self._pool.submit(_copy_all, batch))
-        return StagingJob(done, futures, keepalive=plan)
+        # (the pairs keep split copies' contiguous temporaries alive until the copies land)
+        return StagingJob(done, futures, keepalive=(plan, gpu))
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self, timeout: float | None = None) -> None:
+        if isinstance(self._pool, DaemonPool):
+            self._pool.stop(timeout=timeout)
+        else:
+            self._pool.shutdown(wait=True)

@@ -26,7 +26,7 @@ being opened for reading; deleting and marking never act through a link.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Any, Protocol
 
 import numpy as np
@@ -69,7 +69,7 @@ class Target(Protocol):
 
     url: str
     read_only: bool  # opened read-only: nothing is created, written or deleted
-    io_pool: ThreadPoolExecutor  # shared I/O threads; never submit to it from its own tasks
+    io_pool: Executor  # shared I/O threads; never submit to it from its own tasks
 
     def list_steps(self) -> list[int]:
         """Committed steps, ascending, read fresh from the storage (no stale cache)."""

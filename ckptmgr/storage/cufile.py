@@ -165,14 +165,12 @@ def enable_writer(target: object, root: str) -> str:
     Raises:
         ConfigError: ``target`` is not on a local filesystem, or kvikio is not installed.
     """
-    from .local import LocalTarget
-
-    if not isinstance(target, LocalTarget):
+    if not isinstance(getattr(target, "gds", None), bool) or not isinstance(getattr(target, "path", None), str):
         raise ConfigError(f"WriteOptions.gds=True needs a local or NFS root; {root} is not one")
     kvikio_module()
-    status = probe(target.path)
+    status = probe(target.path)  # type: ignore[attr-defined]
     if not status.usable:
         warnings.warn(f"WriteOptions.gds: {status}; writing with POSIX I/O", RuntimeWarning, stacklevel=3)
         return f"posix ({status})"
-    target.gds = True
+    target.gds = True  # type: ignore[attr-defined]
     return str(status)

@@ -16,12 +16,13 @@ import contextlib
 import logging
 import posixpath
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from datetime import datetime
 from typing import Any
 
 import numpy as np
 
+from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import MANIFEST_NAME
@@ -107,7 +108,7 @@ class FsspecTarget:
         self.read_only = read_only
         if not read_only:
             self._make_root()
-        self.io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckptmgr-io")
+        self.io_pool: Executor = DaemonPool(io_threads, thread_name_prefix="ckptmgr-io")
         self.keeper = LeaseKeeper(url, self.lease_stale_s / 5)
         self._mu = threading.Lock()  # guards _root_id
         self._root_id: str | None = None

@@ -22,11 +22,12 @@ import os
 import secrets
 import stat
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
 
+from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import MANIFEST_NAME
@@ -156,7 +157,7 @@ class LocalTarget:
             if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
                 raise StorageError(f"checkpoint root {self.path!r} is not readable and writable by this process "
                                    "(open it with read_only=True to restore from it)")
-        self.io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckptmgr-io")
+        self.io_pool: Executor = DaemonPool(io_threads, thread_name_prefix="ckptmgr-io")
         self.direct_io = direct_io
         self.keeper = LeaseKeeper(self.path, self.lease_stale_s / 5)
         self._mu = threading.Lock()  # guards _root_id

@@ -177,11 +177,12 @@ def preadv_into(path: str, offset: int, out: list[np.ndarray[Any, Any]], *, dir_
 
 
 def pread_chunk(path: str, offset: int, buf: np.ndarray[Any, Any], length: int, *, dir_fd: int | None = None) -> str:
-    """Fill ``buf[:length]`` with the regular file ``path``'s bytes from ``offset``: what the
-    page cache holds is copied from it, the rest is read with ``O_DIRECT`` straight into
-    ``buf`` (no page-cache copy and no cache pollution, as fast readers of cold files do),
-    falling back to plain reads where the filesystem refuses it (tmpfs, some NFS). Returns
-    how the bytes were read: ``"cached"``, ``"direct"`` or ``"buffered"``.
+    """Fill ``buf[:length]`` with the regular file ``path``'s bytes from ``offset``: a chunk
+    whose last page is in the page cache is copied from it (``"cached"``), any other is read
+    with ``O_DIRECT`` straight into ``buf`` (``"direct"``: no page-cache copy and no cache
+    pollution, as fast readers of cold files do), with plain reads where the filesystem
+    refuses it (tmpfs, some NFS) or the alignment does not allow it (``"buffered"``).
+    Returns which it was.
 
     Direct reads need ``offset`` and ``buf``'s address aligned to :data:`DIRECT_ALIGN` and
     room in ``buf`` for ``length`` rounded up to it (``buf`` may be written past ``length``
@@ -194,39 +195,13 @@ def pread_chunk(path: str, offset: int, buf: np.ndarray[Any, Any], length: int, 
     try:
         view = memoryview(buf)  # type: ignore[arg-type]
         done = 0
-        if _NOWAIT:  # the cached part, without waiting for the disk
-            with contextlib.suppress(BlockingIOError, OSError):
-                while done < length:
-                    n = os.preadv(fd, [view[done:length]], offset + done, _NOWAIT)
-                    if n <= 0:
-                        break
-                    done += n
-            if done == length:
-                return "cached"
-        aligned = (_DIRECT and offset % DIRECT_ALIGN == 0 and buf.ctypes.data % DIRECT_ALIGN == 0
-                   and buf.size >= -(-length // DIRECT_ALIGN) * DIRECT_ALIGN)
         how = "buffered"
-        if aligned:
-            try:
-                dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | _DIRECT | _CLOEXEC)  # the same open file
-            except OSError:  # O_DIRECT refused here (tmpfs, some network filesystems)
-                dfd = -1
-            if dfd >= 0:
-                try:
-                    pos = done // DIRECT_ALIGN * DIRECT_ALIGN  # restart at an aligned byte
-                    end = -(-length // DIRECT_ALIGN) * DIRECT_ALIGN
-                    while pos < length:
-                        n = os.preadv(dfd, [view[pos:end]], offset + pos)
-                        if n <= 0:
-                            break
-                        pos += n
-                        if n % DIRECT_ALIGN:  # the end of the file
-                            break
-                    done, how = max(done, min(pos, length)), "direct"
-                except OSError:  # refused at the read: finish with plain reads
-                    pass
-                finally:
-                    os.close(dfd)
+        if (_DIRECT and length and offset % DIRECT_ALIGN == 0 and buf.ctypes.data % DIRECT_ALIGN == 0
+                and buf.size >= -(-length // DIRECT_ALIGN) * DIRECT_ALIGN):
+            last = (length - 1) // DIRECT_ALIGN * DIRECT_ALIGN  # (the first may hold a header just read)
+            how = "cached" if _page_cached(fd, view[last:], offset + last) else "direct"
+        if how == "direct":
+            done, how = _read_direct(fd, view, offset, length)
         while done < length:
             n = os.preadv(fd, [view[done:length]], offset + done)
             if n == 0:
@@ -235,6 +210,42 @@ def pread_chunk(path: str, offset: int, buf: np.ndarray[Any, Any], length: int, 
         return how
     finally:
         os.close(fd)
+
+
+def _page_cached(fd: int, view: memoryview, offset: int) -> bool:
+    """Whether the page at ``offset`` is in the page cache (read into ``view`` without waiting).
+    One page only: a miss of a larger non-waiting read may start readahead, whose bytes a
+    direct read would then fetch a second time. True where the kernel cannot tell."""
+    if not _NOWAIT:
+        return True
+    try:
+        return os.preadv(fd, [view[:DIRECT_ALIGN]], offset, _NOWAIT) > 0
+    except OSError as exc:  # EAGAIN: not cached; EOPNOTSUPP and others: read it plainly
+        return exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK)
+
+
+def _read_direct(fd: int, view: memoryview, offset: int, length: int) -> tuple[int, str]:
+    """Read ``length`` bytes (rounded up to the alignment) at aligned ``offset`` into ``view``
+    through an O_DIRECT descriptor of the same open file; returns the bytes read (fewer at
+    the end of the file) and ``"direct"``, or ``0, "buffered"`` where O_DIRECT is refused."""
+    try:
+        dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | _DIRECT | _CLOEXEC)  # the file already checked
+    except OSError:  # refused here (tmpfs, some network filesystems)
+        return 0, "buffered"
+    try:
+        pos, end = 0, -(-length // DIRECT_ALIGN) * DIRECT_ALIGN
+        while pos < length:
+            n = os.preadv(dfd, [view[pos:end]], offset + pos)
+            if n <= 0:
+                break
+            pos += n
+            if n % DIRECT_ALIGN:  # the end of the file
+                break
+        return min(pos, length), "direct"
+    except OSError:  # refused at the read: plain reads from the start
+        return 0, "buffered"
+    finally:
+        os.close(dfd)
 
 
 def remove_ours(path: str, is_ours: Any, *, keep_dir: bool = False) -> list[str]:

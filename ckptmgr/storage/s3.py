@@ -30,12 +30,13 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from typing import Any, TypeVar
 
 import fsspec.asyn
 import numpy as np
 
+from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, CkptError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.naming import is_our_file, step_name
@@ -223,7 +224,7 @@ class S3Target(FsspecTarget):
         self.window = AdaptiveWindow(opts.concurrency, adaptive=opts.adaptive_concurrency)
         self.bucket, _, self.prefix = path.rstrip("/").partition("/")
         super().__init__(_Retrying(fs, self), path, url=url, io_threads=io_threads, read_only=read_only)
-        self.upload_pool = ThreadPoolExecutor(opts.concurrency, thread_name_prefix="ckptmgr-s3")
+        self.upload_pool = DaemonPool(opts.concurrency, thread_name_prefix="ckptmgr-s3")
 
     def _make_root(self) -> None:
         try:

@@ -1,48 +1,70 @@
-"""The local tier: staging slots that are themselves committed checkpoints in tmpfs.
+"""The local tier: a target in tmpfs whose files are the staging slots themselves.
 
-Layout, one directory per checkpoint root and user::
+Layout, one private directory per checkpoint root and user::
 
-    <local_dir>/ckptmgr-<uid>-<hash of the root URL>/
+    <local_dir>/ckptmgr-<uid>-<hash of the root URL>/     mode 0700, owned by this user
         lock                 flock()ed by the one manager that owns the tier
         root                 the root URL, for people looking around
+        root-id              the identity of the root these slots belong to
         slot-00/             one staging slot
-            data-00000.safetensors ...   mapped MAP_SHARED and pinned in place
+            data-00000.safetensors ...   mapped MAP_SHARED and pinned in place by the saver
             manifest.json                present only while the slot holds a complete step
 
-A slot's data files are written by the device-to-host copy itself. Once the copy has ended
-and the checksums are computed, ``manifest.json`` is written (temporary name, then rename):
-from then on the slot is a committed checkpoint that survives the process. Before a slot is
-reused its manifest is removed first, so a slot without a manifest is never trusted.
+The device-to-host copy writes a slot's data files. Once the copy has ended the tier's
+writer (:meth:`LocalTier.begin`) checksums them and writes ``manifest.json`` (temporary
+name, then rename): from then on the slot is a committed checkpoint that survives the
+process. Before a slot is reused, :meth:`LocalTier.claim` makes its step invisible and its
+manifest is removed, so a slot without a manifest is never trusted.
 
-The tier implements the read half of the :class:`~ckptmgr.storage.Target` protocol, so the
-host loader restores from it exactly as from a durable root.
+Security: /dev/shm is shared by every user of the machine and the directory name is
+predictable. The directory is created with mode 0700 and, before any use, checked with
+lstat to be a real directory (not a symlink), owned by this user, and private; otherwise the
+tier is not used. Everything inside is reached through directory file descriptors and
+opened with O_NOFOLLOW, so a planted symlink is never followed. Slots are adopted at
+start-up only when ``root-id`` matches the root's own identity
+(:meth:`~ckptmgr.storage.Target.root_id`): a root deleted (``rm -rf``) or replaced since is
+never resurrected from RAM.
+
+Thread ownership: the commit map, the readers and the attached images are guarded by
+``_mu``, which is never held across I/O. The saver calls :meth:`claim`, :meth:`attach` and
+:meth:`detach` (its slot pool's lock may be held: pool -> tier is the only lock order);
+restores call :meth:`reading`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
 import os
-import shutil
+import stat
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
+import torch
 
-from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError
+from .._threads import DaemonPool
+from ..errors import CheckpointCorruptError, CkptError, ConfigError, StepNotFoundError
+from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..options import StagingOptions
-from .local import preadv_into
+from .private import NOFOLLOW as _NOFOLLOW
+from .private import UnsafePathError as TierUnsafeError
+from .private import check_private_dir, open_private_dir, read_small, write_small
 
-__all__ = ["LocalTier", "TierBusyError", "open_local_tier", "tier_dir"]
+__all__ = ["LocalTier", "TierBusyError", "TierUnsafeError", "open_local_tier", "read_tier", "tier_dir"]
 
 log = logging.getLogger("ckptmgr")
 
 _TMP_MANIFEST = ".manifest.json.tmp"
+_ROOT_ID = "root-id"
 
 
 class TierBusyError(OSError):
@@ -55,95 +77,245 @@ def tier_dir(local_dir: str, root_url: str) -> str:
     return os.path.join(local_dir, f"ckptmgr-{os.getuid()}-{key}")
 
 
-class LocalTier:
-    """The tmpfs directory holding the slots of one checkpoint root."""
+class _TierWriter:
+    """Commits a slot whose files the staging copy has already written in place."""
 
-    def __init__(self, local_dir: str, root_url: str, io_pool: ThreadPoolExecutor) -> None:
-        """Open (creating if needed) and lock the tier of ``root_url`` in ``local_dir``.
+    location = ""
+
+    def __init__(self, tier: LocalTier, step: int, index: int) -> None:
+        self.tier, self.step, self.index = tier, step, index
+
+    def adopt(self, parts: list[tuple[str, list[str]]]) -> None:
+        raise ConfigError("the local tier holds one process's slots; it takes no other writer's files")
+
+    def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int, *,
+                    checksum: bool = True) -> list[tuple[str, ...]]:
+        """The files are the slot's own mapped images already: only their checksums are computed."""
+        if not checksum:
+            return [() for _ in files]
+        tasks = [(i, b, e) for i, (_, a) in enumerate(files) for b, e in chunk_ranges(a.size, chunk_size)]
+        crcs = list(self.tier.io_pool.map(lambda t: crc32c_hex(files[t[0]][1][t[1]:t[2]]), tasks))
+        out: list[list[str]] = [[] for _ in files]
+        for (i, _, _), c in zip(tasks, crcs, strict=True):
+            out[i].append(c)
+        return [tuple(c) for c in out]
+
+    def commit(self, manifest: bytes) -> None:
+        self.tier.commit(self.index, self.step, manifest)
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self.tier.invalidate(self.index)
+
+    def close(self) -> None:
+        """Nothing to release: the slot is this process's own (its flock covers the tier)."""
+
+
+class LocalTier:
+    """The tmpfs directory holding the slots of one checkpoint root: a target whose writes
+    are already in place and whose reads may be served from this process's pinned mappings."""
+
+    def __init__(self, local_dir: str, root_url: str) -> None:
+        """Open (creating if needed), verify and lock the tier of ``root_url`` in ``local_dir``.
 
         Raises:
             TierBusyError: another process holds it.
+            TierUnsafeError: it exists and is not this user's private directory.
             OSError: it cannot be created.
         """
         self.path = tier_dir(local_dir, root_url)
         self.url = f"local tier {self.path}"
-        self.io_pool = io_pool
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._fd = open_private_dir(self.path, None, self.path)
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise TierBusyError(f"{self.path} is in use by another process") from None
-        with open(os.path.join(self.path, "root"), "w", encoding="utf-8") as f:
-            f.write(root_url + "\n")
+            self._lock_fd = os.open("lock", os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600, dir_fd=self._fd)
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(self._lock_fd)
+                raise TierBusyError(f"{self.path} is in use by another process") from None
+            write_small("root", self._fd, (root_url + "\n").encode("utf-8"))
+        except BaseException:
+            os.close(self._fd)
+            raise
         self._mu = threading.Lock()
-        self._steps: dict[int, int] = {}  # committed step -> slot index
-        self.commit_pool = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-local")
-        self.crc_pool = ThreadPoolExecutor(4, thread_name_prefix="ckptmgr-local-crc")
+        self._steps: dict[int, int] = {}  # committed step -> slot index       (guarded by _mu)
+        self._readers: Counter[int] = Counter()  # slot index -> reads in progress  (_mu)
+        self._images: dict[int, dict[str, torch.Tensor]] = {}  # pinned mappings  (_mu)
+        self._slot_fds: dict[int, int] = {}  # slot index -> directory fd          (_mu)
+        self._root_id: str | None = None  # the root the slots belong to            (_mu)
+        self.on_read_done: Callable[[], None] | None = None  # told when a read lease ends (no lock held)
+        self.io_pool: Executor = DaemonPool(4, thread_name_prefix="ckptmgr-local")  # checksums and reads
 
     def free_bytes(self) -> int:
-        st = os.statvfs(self.path)
+        st = os.fstatvfs(self._fd)
         return st.f_bavail * st.f_frsize
 
-    def slot_dir(self, index: int) -> str:
-        path = os.path.join(self.path, f"slot-{index:02d}")
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        return path
+    def _slot_fd(self, index: int) -> int:
+        with self._mu:
+            fd = self._slot_fds.get(index)
+        if fd is None:
+            fd = open_private_dir(f"slot-{index:02d}", self._fd, f"{self.path}/slot-{index:02d}")
+            with self._mu:
+                if index in self._slot_fds:  # opened twice at once: keep one
+                    os.close(fd)
+                    fd = self._slot_fds[index]
+                else:
+                    self._slot_fds[index] = fd
+        return fd
 
-    def file_path(self, index: int, name: str) -> str:
-        return os.path.join(self.slot_dir(index), name)
+    def open_file(self, index: int, name: str, nbytes: int, *, create: bool) -> int:
+        """An fd of slot ``index``'s data file ``name`` (never through a symlink), read-write;
+        with ``create`` truncated and its ``nbytes`` of tmpfs pages reserved (ENOSPC here, not
+        SIGBUS later). The caller closes it.
+
+        Raises:
+            OSError: it cannot be created, or (without ``create``) it is not a regular file of
+                ``nbytes`` bytes.
+        """
+        d = self._slot_fd(index)
+        flags = os.O_RDWR | _NOFOLLOW | (os.O_CREAT | os.O_TRUNC if create else 0)
+        fd = os.open(name, flags, 0o600, dir_fd=d)
+        try:
+            if create:
+                os.posix_fallocate(fd, 0, nbytes)
+            else:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
+                    raise OSError(errno.EINVAL, f"{self.path}/slot-{index:02d}/{name} is not a file of {nbytes} bytes")
+        except BaseException:
+            os.close(fd)
+            if create:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=d)
+            raise
+        return fd
+
+    def remove_file(self, index: int, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self._slot_fd(index))
+
+    # ----------------------------------------------------------- the root's identity
+
+    def bind(self, root_id: str) -> None:
+        """Record that the slots belong to the root with identity ``root_id`` (before the
+        first commit of this process)."""
+        with self._mu:
+            if self._root_id == root_id:
+                return
+        write_small(_ROOT_ID, self._fd, root_id.encode("ascii"))
+        with self._mu:
+            self._root_id = root_id
+
+    @property
+    def bound(self) -> bool:
+        with self._mu:
+            return self._root_id is not None
+
+    def _recorded_root_id(self) -> str | None:
+        try:
+            return read_small(_ROOT_ID, self._fd, 256).decode("ascii").strip() or None
+        except (OSError, UnicodeDecodeError, CkptError):
+            return None
 
     # ----------------------------------------------------------- commit state
 
-    def scan(self, slots: int) -> dict[int, Manifest]:
-        """Committed steps left by an earlier process, by slot index (< ``slots``).
+    def scan(self, slots: int, root_id: str | None, *, root_is_empty: bool = False) -> dict[int, Manifest]:
+        """Committed steps left by an earlier process, by slot index (< ``slots``), when they
+        belong to the root whose identity is ``root_id``; everything else is reset.
 
-        A slot with an unreadable manifest, or with files that do not match it, is reset.
-        Slots beyond ``slots`` are removed.
+        The slots belong to the root when the identity recorded at their commit matches
+        ``root_id``. A tier that never recorded one (the root's identity could not be written
+        at its first commit) belongs only to a root that has no identity and no committed
+        step (``root_is_empty``): a root that was deleted or replaced since has one or the
+        other as soon as anything was committed to it.
+
+        A slot that is not a private directory of this user, or has an unreadable manifest,
+        or files that do not match it, is removed. So are slots beyond ``slots``.
         """
+        recorded = self._recorded_root_id()
+        adopt = (root_id is not None and recorded == root_id) or (recorded is None and root_id is None
+                                                                  and root_is_empty)
+        if recorded is not None and not adopt:
+            log.info("local tier %s: its slots belong to another root (deleted or replaced since); "
+                     "discarding them", self.path)
         found: dict[int, Manifest] = {}
-        for name in sorted(os.listdir(self.path)):
-            full = os.path.join(self.path, name)
-            if not (name.startswith("slot-") and name[5:].isdigit() and os.path.isdir(full)):
+        for name in sorted(os.listdir(self._fd)):
+            if not name.startswith("slot-"):
                 continue
-            index = int(name[5:])
-            if index >= slots:
-                shutil.rmtree(full, ignore_errors=True)
-                continue
+            index = int(name[5:]) if name[5:].isdigit() and len(name) == 7 else -1
             try:
-                with open(os.path.join(full, MANIFEST_NAME), "rb") as f:
-                    m = Manifest.from_bytes(f.read(), where=f"{full}/{MANIFEST_NAME}")
-                for fname, rec in m.files.items():
-                    if os.path.getsize(os.path.join(full, fname)) != rec.size:
-                        raise CheckpointCorruptError(f"{full}/{fname} does not match its manifest")
+                if index < 0 or index >= slots or not adopt:
+                    raise TierUnsafeError("not adopted")
+                m = self._check_slot(index)
             except FileNotFoundError:
                 continue
-            except (OSError, ValueError):
-                self.invalidate(index)
+            except (OSError, CkptError, ValueError):
+                self._discard(name, index)
+                continue
+            if m is None:
                 continue
             found[index] = m
             with self._mu:
                 self._steps[m.step] = index
+        if adopt and root_id is not None:
+            with self._mu:
+                self._root_id = root_id
         return found
 
-    def invalidate(self, index: int) -> None:
-        """Make the slot's step invisible (its manifest goes first), before it is reused."""
+    def _check_slot(self, index: int) -> Manifest | None:
+        d = self._slot_fd(index)
+        try:
+            raw = read_small(MANIFEST_NAME, d)
+        except FileNotFoundError:
+            return None
+        where = f"{self.path}/slot-{index:02d}/{MANIFEST_NAME}"
+        m = Manifest.from_bytes(raw, where=where)
+        for fname, rec in m.files.items():
+            st = os.stat(fname, dir_fd=d, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != rec.size:
+                raise CheckpointCorruptError(f"{self.path}/slot-{index:02d}/{fname} does not match its manifest")
+        return m
+
+    def _discard(self, name: str, index: int) -> None:
+        """Remove slot entry ``name`` (whatever it is; a symlink is removed, never followed)."""
+        try:
+            st = os.lstat(name, dir_fd=self._fd)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode) and index >= 0:
+            with contextlib.suppress(OSError):
+                self.remove_slot(index)
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=self._fd)
+
+    def claim(self, index: int) -> bool:
+        """Make slot ``index``'s step invisible before the slot is reused; False while a
+        restore reads it. No I/O: the caller removes the manifest with :meth:`invalidate`."""
         with self._mu:
-            for step, i in list(self._steps.items()):
-                if i == index:
-                    del self._steps[step]
+            if self._readers[index]:
+                return False
+            self._steps = {s: i for s, i in self._steps.items() if i != index}
+            return True
+
+    def invalidate(self, index: int) -> None:
+        """Forget the slot's step and remove its manifest (first, before its data changes)."""
+        with self._mu:
+            self._steps = {s: i for s, i in self._steps.items() if i != index}
+        d = self._slot_fd(index)
         for name in (MANIFEST_NAME, _TMP_MANIFEST):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.slot_dir(index), name))
+                os.unlink(name, dir_fd=d)
+
+    def begin(self, step: int, index: int) -> _TierWriter:
+        """The writer that commits slot ``index`` as ``step``."""
+        return _TierWriter(self, step, index)
 
     def commit(self, index: int, step: int, manifest: bytes) -> None:
-        """Record the slot's content as committed ``step``."""
-        d = self.slot_dir(index)
-        tmp = os.path.join(d, _TMP_MANIFEST)
-        with open(tmp, "wb") as f:
-            f.write(manifest)
-        os.rename(tmp, os.path.join(d, MANIFEST_NAME))
+        """Record the slot's content as committed ``step`` (manifest written, then renamed)."""
+        d = self._slot_fd(index)
+        write_small(_TMP_MANIFEST, d, manifest)
+        os.rename(_TMP_MANIFEST, MANIFEST_NAME, src_dir_fd=d, dst_dir_fd=d)
         with self._mu:
             self._steps[step] = index
 
@@ -152,27 +324,79 @@ class LocalTier:
         with self._mu:
             return dict(self._steps)
 
+    def holds(self, index: int) -> int | None:
+        """The committed step slot ``index`` holds, or None."""
+        with self._mu:
+            return next((s for s, i in self._steps.items() if i == index), None)
+
+    def attach(self, index: int, images: dict[str, torch.Tensor]) -> None:
+        """This process has slot ``index``'s files mapped and pinned as ``images``."""
+        with self._mu:
+            self._images[index] = images
+
+    def detach(self, index: int) -> None:
+        with self._mu:
+            self._images.pop(index, None)
+
+    @contextlib.contextmanager
+    def reading(self, step: int) -> Iterator[dict[str, torch.Tensor] | None]:
+        """Hold ``step``'s slot against reuse while it is read.
+
+        Yields the slot's file images (file name -> uint8 CPU tensor of the whole file) when
+        this process has them mapped and pinned, else None (then read through
+        :meth:`read_into`). Pinned images are registered in pieces that are whole numbers of
+        the manifest's checksum chunks: copy them chunk by chunk (never across a chunk).
+
+        Raises:
+            StepNotFoundError: the tier does not hold ``step``.
+        """
+        with self._mu:
+            index = self._steps.get(step)
+            if index is None:
+                raise StepNotFoundError(f"step {step} is not in the {self.url}")
+            self._readers[index] += 1
+            images = self._images.get(index)
+        try:
+            yield dict(images) if images is not None else None
+        finally:
+            with self._mu:
+                self._readers[index] -= 1
+            if self.on_read_done is not None:  # a save may be waiting for this slot
+                self.on_read_done()
+
     def remove_slot(self, index: int) -> None:
         """Delete the slot's files, its manifest first, then its directory."""
         self.invalidate(index)
-        d = self.slot_dir(index)
+        d = self._slot_fd(index)
         for name in os.listdir(d):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(d, name))
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError, PermissionError):
+                os.unlink(name, dir_fd=d)
+        with self._mu:
+            fd = self._slot_fds.pop(index, None)
+        if fd is not None:
+            os.close(fd)
         with contextlib.suppress(OSError):
-            os.rmdir(d)
+            os.rmdir(f"slot-{index:02d}", dir_fd=self._fd)
 
-    def close(self, *, remove: bool) -> None:
-        """Give up ownership; with ``remove``, delete the tier directory if no slot is left."""
-        self.commit_pool.shutdown(wait=True)
-        self.crc_pool.shutdown(wait=True)
-        if remove:
-            for name in ("root", "lock"):
+    def close(self, *, remove: bool, wait: bool = True) -> None:
+        """Give up ownership; with ``remove``, delete the tier directory if no slot is left.
+        ``wait=False`` (a write is still hung on a slot): only stop the threads; the files,
+        descriptors and lock stay as they are until the process ends."""
+        self.io_pool.shutdown(wait=wait, cancel_futures=True)
+        if not wait:
+            return
+        with self._mu:
+            fds, self._slot_fds = list(self._slot_fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+        if remove and not any(n.startswith("slot-") for n in os.listdir(self._fd)):
+            for name in ("root", _ROOT_ID, "lock"):
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.path, name))
+                    os.unlink(name, dir_fd=self._fd)
             with contextlib.suppress(OSError):
                 os.rmdir(self.path)
         os.close(self._lock_fd)
+        os.close(self._fd)
 
     # ------------------------------------------------ read half of a Target
 
@@ -185,23 +409,69 @@ class LocalTier:
 
     def read_manifest(self, step: int) -> bytes:
         try:
-            with open(os.path.join(self.slot_dir(self._slot_of(step)), MANIFEST_NAME), "rb") as f:
-                return f.read()
+            return read_small(MANIFEST_NAME, self._slot_fd(self._slot_of(step)))
         except FileNotFoundError:
             raise StepNotFoundError(f"step {step} is not in the {self.url}") from None
 
     def file_size(self, step: int, name: str) -> int:
-        return os.stat(self.file_path(self._slot_of(step), name)).st_size
+        st = os.stat(name, dir_fd=self._slot_fd(self._slot_of(step)), follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorruptError(f"{self.url}: step {step}: {name} is not a regular file")
+        return st.st_size
 
     def path_of(self, step: int, name: str) -> str:
         """Where data file ``name`` of committed ``step`` lies (for the in-place loader)."""
-        return self.file_path(self._slot_of(step), name)
+        return os.path.join(self.path, f"slot-{self._slot_of(step):02d}", name)
 
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
-        preadv_into(self.file_path(self._slot_of(step), name), offset, out)
+        fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=self._slot_fd(self._slot_of(step)))
+        try:
+            views = [memoryview(a) for a in out if a.size]  # type: ignore[arg-type]
+            while views:
+                n = os.preadv(fd, views, offset)
+                if n == 0:
+                    raise CheckpointCorruptError(f"{self.url}: step {step}: {name} ended early, at byte {offset}")
+                offset += n
+                while views and n >= len(views[0]):
+                    n -= len(views.pop(0))
+                if n:
+                    views[0] = views[0][n:]
+        finally:
+            os.close(fd)
 
 
-def open_local_tier(opts: StagingOptions, root: str, io_pool: ThreadPoolExecutor) -> LocalTier | None:
+def read_tier(local_dir: str, root_url: str) -> dict[int, Manifest]:
+    """The steps committed in this user's tier of ``root_url``, read only (the tier may belong
+    to a running job), by step. Empty when there is no tier, or it is not a private directory
+    of this user: another user's planted tier is never listed."""
+    path = tier_dir(local_dir, root_url)
+    found: dict[int, Manifest] = {}
+    try:
+        check_private_dir(os.lstat(path), path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+    except OSError:
+        return found
+    try:
+        check_private_dir(os.fstat(fd), path)
+        for name in sorted(os.listdir(fd)):
+            if not (name.startswith("slot-") and name[5:].isdigit()):
+                continue
+            try:
+                check_private_dir(os.lstat(name, dir_fd=fd), name)
+                slot = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
+                try:
+                    m = Manifest.from_bytes(read_small(MANIFEST_NAME, slot), where=f"{path}/{name}/{MANIFEST_NAME}")
+                finally:
+                    os.close(slot)
+            except (OSError, CkptError, ValueError):
+                continue  # a slot being written, or reset: not a committed step
+            found[m.step] = m
+    finally:
+        os.close(fd)
+    return found
+
+
+def open_local_tier(opts: StagingOptions, root: str) -> LocalTier | None:
     """The local tier for ``root``, or None when it is off or cannot be used here.
 
     Raises:
@@ -216,9 +486,12 @@ def open_local_tier(opts: StagingOptions, root: str, io_pool: ThreadPoolExecutor
                               f"{opts.local_dir!r} is not a directory here")
         return None
     try:
-        return LocalTier(opts.local_dir, root, io_pool)
+        return LocalTier(opts.local_dir, root)
     except TierBusyError as exc:
         log.warning("not using the local tier: %s (another manager has the same root open)", exc)
+    except TierUnsafeError as exc:
+        log.warning("not using the local tier: %s; another user may have created it to hijack this job's "
+                    "checkpoints (remove it, or set StagingOptions(local_dir=...) to a private directory)", exc)
     except OSError as exc:
         log.warning("not using the local tier in %s: %s", opts.local_dir, exc)
     return None

@@ -1,0 +1,115 @@
+"""Worker threads that never keep the process alive.
+
+:class:`DaemonPool` is a small :class:`concurrent.futures.Executor` whose workers are daemon
+threads. ``ThreadPoolExecutor`` workers are joined, without a timeout, when the interpreter
+exits (``concurrent.futures`` registers that join at import), so one write stuck on a dead
+NFS server or a hung S3 connection would keep a finished training job alive forever. The
+manager bounds its own shutdown instead (``CheckpointManager.close(timeout)``): it waits for
+pending work up to a deadline, says in the log what did not finish, and lets the process go.
+
+Everything ckptmgr runs in the background (persist, storage I/O, checksums, host copies,
+retention) runs on these pools.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any, TypeVar
+
+__all__ = ["DaemonPool"]
+
+T = TypeVar("T")
+_Item = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+_serial = itertools.count()
+
+
+class DaemonPool(Executor):
+    """Up to ``max_workers`` daemon threads, started on demand, running submitted calls in order.
+
+    Args:
+        max_workers: the most threads running at once.
+        thread_name_prefix: names the threads ``<prefix>_<n>`` (they show in py-spy and gdb).
+    """
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "ckptmgr") -> None:
+        if max_workers <= 0:
+            raise ValueError(f"max_workers must be positive, got {max_workers}")
+        self._max = max_workers
+        self._max_workers = max_workers  # (as ThreadPoolExecutor names it: callers size their work by it)
+        self._prefix = thread_name_prefix
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._mu = threading.Lock()  # guards the three fields below
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._shutdown = False
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Run ``fn(*args, **kwargs)`` on a worker; its outcome lands in the returned future.
+
+        Raises:
+            RuntimeError: the pool was shut down.
+        """
+        future: Future[T] = Future()
+        with self._mu:
+            if self._shutdown:
+                raise RuntimeError(f"cannot schedule new work: the {self._prefix} pool is shut down")
+            self._queue.put((future, fn, args, kwargs))
+            if self._idle > 0:
+                self._idle -= 1  # an idle worker takes it
+            elif len(self._threads) < self._max:
+                t = threading.Thread(target=self._work, name=f"{self._prefix}_{next(_serial)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.put(None)  # wake the next worker too
+                return
+            future, fn, args, kwargs = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as exc:  # the caller of result() decides what to do with it
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+                del future, fn, args, kwargs, item  # no reference outlives the call
+            with self._mu:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Refuse new work; with ``cancel_futures``, drop what has not started; with ``wait``,
+        join the workers (see :meth:`stop` for a bounded join)."""
+        self.stop(cancel=cancel_futures, timeout=None if wait else 0)
+
+    def stop(self, *, cancel: bool = True, timeout: float | None = None) -> bool:
+        """Refuse new work; with ``cancel``, drop what has not started; join the workers for up
+        to ``timeout`` seconds (None: as long as it takes).
+
+        Returns:
+            True when every worker has exited.
+        """
+        with self._mu:
+            self._shutdown = True
+            threads = list(self._threads)
+        if cancel:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+        self._queue.put(None)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)

@@ -1,0 +1,187 @@
+"""Host buffers for staging slots: mapped, populated, then pinned in pieces.
+
+A buffer holds one file image. It is a tmpfs file of the local tier (opened by the tier with
+O_NOFOLLOW, mapped MAP_SHARED) or anonymous memory, and with CUDA it is pinned in place with
+cudaHostRegister. It is made in three steps, none of which may stall the training thread:
+
+1. **map** the file or the anonymous memory (no CUDA);
+2. **populate** every page (``madvise(MADV_POPULATE_WRITE)``, or one write per page where the
+   kernel lacks it): the kernel's page-fault work happens here, on this thread, with no CUDA
+   lock held;
+3. **pin** the populated pages in pieces of :data:`PIN_PIECE_BYTES`, pausing
+   :data:`PIN_PAUSE_S` between pieces.
+
+Why, measured on an H200 with a 52 ms training step running on the main thread while another
+thread pinned a 4 GiB /dev/shm mapping: cudaHostRegister holds the CUDA driver for its whole
+duration, and the training thread's kernel launches queue behind it. Fresh pages (faulted in
+by the registration itself) took 1.1-1.4 s and stalled one step for all of it, whether in one
+call or in back-to-back 64-256 MiB calls (the driver lock is not fair to the waiting thread).
+Populated pages register at ~0.04 s per GiB (0.15-0.19 s for 4 GiB, one step of 0.2 s when
+done in one call). So populate first, then pin populated pages in 64 MiB pieces (~3 ms
+each) with a pause between them, and the training thread waits at most one piece.
+
+A copy that spans two separately registered ranges fails (``cudaErrorInvalidValue``), so
+pieces are aligned to the file's checksum chunks (every piece is a whole number of chunks
+from the image's start), and every copy into or out of a buffer stays inside one chunk or
+is split at :meth:`HostBuffer.piece` boundaries (see :mod:`ckptmgr.save.staging`).
+
+:data:`PIN_MODE` is the one switch between the strategies (benchmarks/bench_pinning.py
+measures each): ``"pieces"`` (the default, above), ``"populate"`` (populate, then one call),
+``"whole"`` (one call on fresh pages: what ckptmgr did before; it stalls training).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import _cuda
+
+__all__ = ["PIN_MODE", "PIN_PAUSE_S", "PIN_PIECE_BYTES", "HostBuffer", "anonymous_buffer", "file_buffer",
+           "piece_bytes"]
+
+log = logging.getLogger("ckptmgr")
+
+PIN_MODE = "pieces"  # "pieces" | "populate" | "whole": see the module docstring
+PIN_PIECE_BYTES = 64 << 20  # target size of one cudaHostRegister call (rounded to whole chunks)
+PIN_PAUSE_S = 0.002  # between two pieces: the training thread's CUDA calls get through here
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_PAGE = mmap.PAGESIZE
+_libc: Any = None
+
+
+def piece_bytes(chunk_size: int) -> int:
+    """The pinning piece for images checksummed in ``chunk_size`` chunks: a whole number of
+    chunks, about :data:`PIN_PIECE_BYTES`."""
+    return chunk_size * max(1, PIN_PIECE_BYTES // chunk_size)
+
+
+@dataclass
+class HostBuffer:
+    """One file image in host memory. Owned by its slot (see :mod:`ckptmgr.save.slots`)."""
+
+    tensor: torch.Tensor  # uint8, exactly ``nbytes`` long, page-aligned
+    nbytes: int
+    mapping: mmap.mmap  # kept alive by the tensor too; never closed by hand (unmapped by GC)
+    path: str | None = None  # the tmpfs file, for the local tier
+    piece: int = 0  # registered in pieces of this many bytes from the start (0: not pinned)
+    registered: list[int] = field(default_factory=list)  # every pointer passed to cudaHostRegister
+    populated: bool = False
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.registered) and sum(self._sizes()) == self.nbytes
+
+    def _sizes(self) -> list[int]:
+        return [min(self.piece, self.nbytes - i * self.piece) for i in range(len(self.registered))]
+
+    def populate(self) -> None:
+        """Fault every page in, writable, without CUDA (when it will be pinned: pinning fresh
+        pages is what stalls). Idempotent."""
+        if self.populated or not _cuda.available() or PIN_MODE == "whole":
+            return
+        _populate(self.tensor.data_ptr(), self.nbytes, self.tensor)
+        self.populated = True
+
+    def pin(self, chunk_size: int, *, hurry: threading.Event | None = None,
+            stop: threading.Event | None = None) -> bool:
+        """Pin the buffer with CUDA (nothing without CUDA), as :data:`PIN_MODE` says.
+
+        ``hurry`` set: skip the pauses (the training thread itself waits for this buffer).
+        ``stop`` set: give up between two pieces (returns False; :meth:`unpin` undoes it).
+
+        Raises:
+            RuntimeError: a registration failed (the pieces registered before are undone).
+        """
+        if not _cuda.available() or self.registered:
+            return True
+        try:
+            return self._pin(chunk_size, hurry, stop)
+        except BaseException:
+            self.unpin()  # all or nothing: a copy may not span registered and unregistered pages
+            raise
+
+    def _pin(self, chunk_size: int, hurry: threading.Event | None, stop: threading.Event | None) -> bool:
+        mode = PIN_MODE
+        if mode == "whole":
+            self.piece = self.nbytes
+            self._register(0, self.nbytes)
+            return True
+        self.populate()
+        if mode == "populate":
+            self.piece = self.nbytes
+            self._register(0, self.nbytes)
+            return True
+        self.piece = piece_bytes(chunk_size)
+        for begin in range(0, self.nbytes, self.piece):
+            if stop is not None and stop.is_set():
+                return False
+            if begin and PIN_PAUSE_S > 0 and not (hurry is not None and hurry.is_set()):
+                time.sleep(PIN_PAUSE_S)  # let the training thread's queued CUDA calls through
+            self._register(begin, min(self.piece, self.nbytes - begin))
+        return True
+
+    def _register(self, begin: int, n: int) -> None:
+        ptr = self.tensor.data_ptr() + begin
+        _cuda.host_register(ptr, n)  # releases the GIL
+        self.registered.append(ptr)
+
+    def unpin(self) -> None:
+        """Undo every registration, at the exact pointers registered, before the memory goes."""
+        while self.registered:
+            _cuda.host_unregister(self.registered.pop())
+
+    def boundaries(self) -> int:
+        """The distance between two registration boundaries (0: no boundary to respect)."""
+        return self.piece if len(self.registered) > 1 else 0
+
+    def drop(self) -> None:
+        """Unpin, and remove the tmpfs file if there is one. The memory goes with the last
+        tensor that views it."""
+        try:
+            self.unpin()
+        finally:
+            if self.path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+                self.path = None
+
+
+def anonymous_buffer(nbytes: int) -> HostBuffer:
+    """Fresh anonymous memory of ``nbytes`` (page-aligned, private: never a file's copy-on-write
+    pages)."""
+    mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return HostBuffer(torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else
+                      torch.empty(0, dtype=torch.uint8), nbytes, mm)
+
+
+def file_buffer(fd: int, nbytes: int, path: str) -> HostBuffer:
+    """Map ``nbytes`` of the open tmpfs file ``fd`` (the caller closes ``fd``) MAP_SHARED."""
+    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return HostBuffer(torch.frombuffer(mm, dtype=torch.uint8, count=nbytes), nbytes, mm, path=path)
+
+
+def _populate(ptr: int, nbytes: int, tensor: torch.Tensor) -> None:
+    global _libc
+    if nbytes <= 0:
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    begin = ptr - ptr % _PAGE
+    if _libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(ptr + nbytes - begin), _MADV_POPULATE_WRITE) == 0:
+        return  # (ctypes releases the GIL for the call)
+    # Older kernels: one write per page, keeping its value (torch releases the GIL).
+    pages = tensor[(-ptr) % _PAGE::_PAGE]
+    pages.copy_(pages.clone())

@@ -1,0 +1,503 @@
+"""The saver: owns the slot pool, the stager and the persist thread, and settles every save.
+
+Who owns what (each piece of mutable state has one owner)::
+
+    Saver._mu (a Condition; never held across I/O, taken briefly by save() on the training thread)
+        _pending      steps submitted whose first durable write has not been decided
+        _queue        jobs waiting for the persist thread (first attempts, in save order)
+        _retries      jobs whose durable write failed, waiting for their next attempt
+        _durable      the durable target's committed steps as this manager knows them: the
+                      start-up listing, plus its own commits, less the deleter's deletions
+                      (so save() never lists the target)
+        _protect      steps to protect as soon as they commit
+        _unsettled    first attempts and prepare() runs not finished (what wait() waits for)
+        _tickets      outcomes nobody has been told of yet
+    SlotPool._cond    the slot table (see slots.py); lock order: Saver._mu -> pool -> tier
+    the persist thread  a job from the moment it picks it until the job's settle() returns
+
+The life of a save: ``save()`` (training thread) acquires a slot, fits and stages into it and
+queues a :class:`PersistJob`; the persist thread picks it, runs the tiered write
+(:func:`~ckptmgr.save.persist.persist`) and then, in that job's own ``finally``
+(:meth:`Saver._settle`), releases the slot, writes a pending protection marker, schedules
+retention, completes the ticket and does the accounting. Nothing happens in a Future
+callback, so no failure there can leave ``wait()`` blocked.
+
+A failed durable write (an ``OSError``: the target is full, unreachable, throttling) is
+reported on the ticket at once, and retried with exponential backoff while its slot still
+holds the step and no newer step has committed; a success is logged.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from .._threads import DaemonPool
+from ..errors import CkptTimeoutError, SaveError, SaveSkippedError, StepExistsError, StorageError
+from ..format.layout import Plan
+from ..format.manifest import Manifest
+from ..options import StagingOptions
+from ..retention.deleter import Deleter, StepGuard
+from ..storage import Target
+from ..storage.tier import LocalTier
+from .persist import PersistJob, SaveInfo, persist
+from .slots import SlotPool
+from .staging import Stager, StagingJob
+
+__all__ = ["RETRY_FIRST_S", "RETRY_MAX_S", "Saver", "Ticket"]
+
+log = logging.getLogger("ckptmgr")
+
+RETRY_FIRST_S = 1.0  # first delay before a failed durable write is tried again; doubles per failure
+RETRY_MAX_S = 60.0  # longest delay between two attempts
+
+
+class Ticket:
+    """The outcome of one save as the saver tracks it (:class:`~ckptmgr.SaveHandle` wraps it).
+
+    The future is completed by the persist thread, at the end of the job's settle. A failure
+    is told once: ``observed`` flips under ``_lock`` by whoever tells it.
+    """
+
+    def __init__(self, step: int, future: Future[SaveInfo], staging: StagingJob | None, *, skipped: bool = False):
+        self.step = step
+        self.future = future
+        self.staging = staging
+        self.skipped = skipped
+        self._lock = threading.Lock()
+        self._observed = skipped  # a skip is reported by result() only
+
+    @classmethod
+    def skip(cls, step: int, reason: str) -> Ticket:
+        future: Future[SaveInfo] = Future()
+        future.set_exception(SaveSkippedError(f"step {step} was not saved: {reason}"))
+        return cls(step, future, None, skipped=True)
+
+    def failure(self) -> BaseException | None:
+        """The save's exception once it has failed (None while pending or after success)."""
+        return self.future.exception() if self.future.done() else None
+
+    def observe(self) -> bool:
+        """Mark the outcome told; True when nobody had been told before."""
+        with self._lock:
+            first, self._observed = not self._observed, True
+        return first
+
+    def take_error(self) -> SaveError | None:
+        """The failure as a SaveError, if nobody has been told of it yet (then it is told)."""
+        exc = self.failure()
+        if exc is None or not self.observe():
+            return None
+        err = as_save_error(self.step, exc)
+        err.__cause__ = exc
+        return err
+
+
+def as_save_error(step: int, exc: BaseException) -> SaveError:
+    return SaveError(f"save of step {step} failed: {type(exc).__name__}: {exc}")
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Storage failures are worth another try; a step committed by someone else is not."""
+    return isinstance(exc, OSError) and not isinstance(exc, FileExistsError)
+
+
+class Saver:
+    """The save path of one manager: slots, staging, the persist thread, settlement.
+
+    Args:
+        target: the durable root.
+        tier: the local tier, or None.
+        opts: slot count, backpressure and copy threads.
+        chunk_size: checksum chunk of the files written.
+        deleter: the retention deleter; the saver schedules a run after each commit (when
+            ``retention`` is True: in a multi-rank job only rank 0 decides) and reports
+            protection failures through it.
+        durable: the durable target's committed steps at start-up.
+    """
+
+    def __init__(self, target: Target, tier: LocalTier | None, opts: StagingOptions, *, chunk_size: int,
+                 deleter: Deleter, guard: StepGuard, durable: list[int], retention: bool = True) -> None:
+        self._target = target
+        self._tier = tier
+        self._opts = opts
+        self._chunk_size = chunk_size
+        self._deleter = deleter
+        self._guard = guard
+        self._retention = retention
+        self.pool = SlotPool(opts.slots, tier=tier, max_host_bytes=opts.max_host_bytes, chunk_size=chunk_size)
+        self._stager = Stager(opts.copy_threads)
+        self._side = DaemonPool(1, thread_name_prefix="ckptmgr-local-commit")
+        self._mu = threading.Condition()
+        self._pending: dict[int, PersistJob] = {}
+        self._queue: collections.deque[tuple[PersistJob, Ticket]] = collections.deque()
+        self._retries: list[tuple[float, PersistJob]] = []
+        self._durable: set[int] = set(durable)
+        self._protect: set[int] = set()
+        self._unsettled = 0
+        self._tickets: list[Ticket] = []
+        self._closing = False
+        self._root_bound = False  # (persist thread) the tier recorded the root's identity
+        self._waiting_told = True  # a save waiting for a held slot has been explained in the log
+        if durable:
+            self.pool.note_durable(max(durable))
+        self.pool.on_wait = self._save_waits
+        self._thread = threading.Thread(target=self._persist_loop, name="ckptmgr-persist", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ training thread
+
+    def check_new(self, step: int) -> None:
+        """Raise StepExistsError when ``step`` is committed or being saved (no storage I/O)."""
+        with self._mu:
+            if step in self._pending or any(j.step == step for _, j in self._retries):
+                raise StepExistsError(f"step {step} is already being saved")
+            known = step in self._durable
+        if known or (self._tier is not None and step in self._tier.steps()):
+            raise StepExistsError(f"step {step} is already committed under {self._target.url}; committed "
+                                  "checkpoints are never overwritten")
+
+    def save(self, manifest: Manifest, plan: Plan, sizes: list[int], *, block: bool, t0: float,
+             coordinate: Callable[[PersistJob], None] | None = None) -> Ticket:
+        """Stage ``plan`` into a slot and queue its persist job; return its ticket (skipped
+        when every slot is busy and ``on_busy="skip"``)."""
+        step = manifest.step
+        with self._mu:
+            if self._closing:
+                raise SaveError(f"cannot save step {step}: the manager is closing")
+        opts = self._opts
+        slot, waited = self.pool.acquire(wait=opts.on_busy == "wait", timeout=opts.busy_timeout)
+        if slot is None:
+            reason = self.pool.why_busy()
+            log.warning("skipped step %d: %s", step, reason)
+            return Ticket.skip(step, f"{reason} (on_busy='skip')")
+        if waited > 1e-3:
+            log.info("step %d waited %.3f s for a free staging slot", step, waited)
+        made = self.pool.allocations
+        job: StagingJob | None = None
+        try:
+            self.pool.fit(slot, sizes)
+            job = self._stager.stage(plan, slot.segments, slot.piece)
+            if block:
+                job.wait()
+        except BaseException:
+            try:  # (interrupted while copies run: they must land before the slot is free again)
+                if job is not None:
+                    job.wait(timeout=60)
+            except BaseException:
+                pass
+            finally:
+                self.pool.release(slot, step=None, durable=False)
+            raise
+        if self.pool.allocations != made and any(s.kind == "none" for s in self.pool.slots):
+            self.prepare(sizes)  # the first save made its slot; make the others in the background
+        pjob = PersistJob(manifest, [f.name for f in plan.files], [len(f.header) for f in plan.files],
+                          slot, job, t0, 0.0, waited, local=True)
+        if coordinate is not None:
+            coordinate(pjob)
+        ticket = Ticket(step, Future(), job)
+        pjob.blocked_s = time.perf_counter() - t0
+        self._enqueue(pjob, ticket)
+        return ticket
+
+    def _save_waits(self) -> None:
+        """A save waits for a slot: retry held writes after the shortest delay, not the grown
+        one (the training loop is waiting for them). Called with the pool's lock held: no I/O
+        here, the persist thread says it in the log."""
+        with self._mu:
+            if not self._retries:
+                return
+            soon = time.monotonic() + RETRY_FIRST_S
+            self._retries = [(min(at, soon), job) for at, job in self._retries]
+            self._waiting_told = False
+            self._mu.notify_all()
+
+    def _enqueue(self, job: PersistJob, ticket: Ticket) -> None:
+        with self._mu:
+            self._pending[job.step] = job
+            self._tickets.append(ticket)
+            self._unsettled += 1
+            self._queue.append((job, ticket))
+            self._mu.notify_all()
+
+    def prepare(self, sizes: list[int]) -> None:
+        """Make and pin the slots never filled yet, on a helper thread; a save that needs one
+        of them waits for it (never skips), and :meth:`wait` waits for it."""
+        with self._mu:
+            if self._closing:
+                return
+            self._unsettled += 1
+        try:
+            threading.Thread(target=self._prepare, args=(sizes,), name="ckptmgr-prepare", daemon=True).start()
+        except BaseException:
+            self._settled()
+            raise
+
+    def _prepare(self, sizes: list[int]) -> None:
+        try:
+            self.pool.prepare(sizes)
+        finally:
+            self._settled()
+
+    def _settled(self) -> None:
+        with self._mu:
+            self._unsettled -= 1
+            self._mu.notify_all()
+
+    def defer_protection(self, step: int, protected: bool) -> bool:
+        """Record a protection for ``step`` to apply when it commits; False when the step is
+        not being saved (then the caller marks it on the target)."""
+        with self._mu:
+            if step not in self._pending and not any(j.step == step for _, j in self._retries):
+                return False
+            (self._protect.add if protected else self._protect.discard)(step)
+            return True
+
+    def protection_pending(self, step: int) -> bool:
+        with self._mu:
+            return step in self._protect
+
+    def forget(self, step: int) -> None:
+        """``step`` was deleted from the durable target (called by the deleter)."""
+        with self._mu:
+            self._durable.discard(step)
+
+    def pending_steps(self) -> list[int]:
+        with self._mu:
+            return sorted(self._pending)
+
+    def take_failure(self) -> SaveError | None:
+        """The oldest save failure nobody has been told of, as a SaveError."""
+        with self._mu:
+            tickets = list(self._tickets)
+        err = None
+        keep = []
+        for t in tickets:
+            if err is None and t.future.done():
+                err = t.take_error()
+            if not t.future.done() or (t.failure() is not None and not t._observed):
+                keep.append(t)
+        with self._mu:
+            known = set(map(id, tickets))
+            self._tickets = keep + [t for t in self._tickets if id(t) not in known]
+        return err
+
+    def wait(self, timeout: float | None) -> None:
+        """Block until every save submitted so far, and every prepare(), has settled.
+
+        Raises:
+            CkptTimeoutError: still pending after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._mu:
+            while self._unsettled:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CkptTimeoutError(f"saves of steps {sorted(self._pending)} not finished after {timeout} s")
+                self._mu.wait(left)
+
+    # ------------------------------------------------------------ persist thread
+
+    def _persist_loop(self) -> None:
+        while True:
+            picked = self._next_job()
+            if picked is None:
+                return
+            job, ticket = picked
+            self._run(job, ticket)
+
+    def _next_job(self) -> tuple[PersistJob, Ticket | None] | None:
+        """The next job to write: the oldest queued save, else a retry that is due; None once
+        the saver closes. (This is the one place that decides the order of durable writes.)"""
+        while True:
+            with self._mu:
+                tell, self._waiting_told = not self._waiting_told, True
+            if tell:
+                log.warning("a save waits for a staging slot: the slots hold steps whose durable write failed and is "
+                            "being retried (the newest checkpoint is never given up); set StagingOptions(slots=2) "
+                            "to keep saving meanwhile, or busy_timeout / on_busy='skip' not to wait")
+            with self._mu:
+                if self._queue:
+                    job, ticket = self._queue.popleft()
+                    return job, ticket
+                if self._closing:
+                    return None
+                now = time.monotonic()
+                due = [r for r in self._retries if r[0] <= now]
+                if not due:
+                    self._mu.wait(min(r[0] for r in self._retries) - now if self._retries else None)
+                    continue
+                first = min(due, key=lambda r: r[0])
+                self._retries.remove(first)
+            job = first[1]
+            if self.pool.hold_for_retry(job.slot, job.step):
+                return job, None
+            self._drop_retry(job, "its staging slot no longer holds it" if not self.pool.superseded(job.step)
+                             else "a newer step has committed since")
+
+    def _drop_retry(self, job: PersistJob, why: str) -> None:
+        with self._mu:
+            self._protect.discard(job.step)
+        log.warning("step %d was never written to %s and is no longer retried: %s", job.step, self._target.url, why)
+
+    def _run(self, job: PersistJob, ticket: Ticket | None) -> None:
+        info: SaveInfo | None = None
+        error: BaseException | None = None
+        try:
+            if job.local and self._tier is not None and job.slot.kind == "tmpfs" and not self._root_bound:
+                self.bind_root()
+            info = persist(job, target=self._target, tier=self._tier, side=self._side, chunk_size=self._chunk_size)
+        except BaseException as exc:  # settled below, reported on the ticket
+            error = exc
+        finally:
+            self._settle(job, ticket, info, error)
+
+    def bind_root(self) -> None:
+        """Record the root's identity in the tier (written in the root if it has none yet:
+        this is the root's first commit), so that a later start adopts these slots only for
+        this very root. Called before the first local commit when the root had no identity at
+        start-up. A failure is logged, not raised: the local commits go on, and a tier never
+        bound is adopted only by a root that has neither an identity nor a committed step."""
+        assert self._tier is not None
+        try:
+            root_id = self._target.root_id(create=True)
+            if root_id is None:
+                raise StorageError("it has no identity and none could be written")
+            self._tier.bind(root_id)
+            self._root_bound = True
+        except Exception as exc:
+            log.warning("the local tier %s could not record the identity of %s (%s: %s); a later start will "
+                        "not adopt its slots", self._tier.path, self._target.url, type(exc).__name__, exc)
+
+    def _settle(self, job: PersistJob, ticket: Ticket | None, info: SaveInfo | None,
+                error: BaseException | None) -> None:
+        """Everything after a durable write, in the job's own thread; each part runs whatever
+        the parts before it did, and the accounting always runs last."""
+        step = job.step
+        staged = job.staging.finished_at is not None
+        retry = error is not None and staged and job.coordinate is None and _retryable(error)
+        protect = False
+        try:
+            self.pool.release(job.slot, step=step if staged else None, durable=error is None)
+            with self._mu:
+                self._pending.pop(step, None)
+                if error is None:
+                    self._durable.add(step)
+                    protect = step in self._protect
+                    self._protect.discard(step)
+                elif retry and not self._closing:
+                    delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (job.attempts - 1))
+                    job.local = False
+                    self._retries.append((time.monotonic() + delay, job))
+                    self._mu.notify_all()
+                    log.warning("the durable write of step %d failed (attempt %d: %s: %s); it stays in its "
+                                "staging slot and is tried again in %.1f s", step, job.attempts,
+                                type(error).__name__, error, delay)
+                else:
+                    self._protect.discard(step)
+            if error is not None and ticket is None and not retry:
+                log.warning("the durable write of step %d is given up after %d attempts: %s: %s", step,
+                            job.attempts, type(error).__name__, error)
+            if error is None and ticket is None:
+                log.info("step %d written to %s at attempt %d", step, self._target.url, job.attempts)
+            if protect:
+                self._mark_protected(step)
+            if error is None and self._retention and not self._closing:
+                self._deleter.schedule()
+        except BaseException as exc:  # reported like a deletion failure; the accounting still runs
+            log.error("after the save of step %d: %s: %s", step, type(exc).__name__, exc)
+            self._deleter.report(StorageError(f"after the save of step {step}: {type(exc).__name__}: {exc}"))
+        finally:
+            if ticket is not None:
+                if error is None and info is not None:
+                    ticket.future.set_result(info)
+                else:
+                    ticket.future.set_exception(error or SaveError(f"save of step {step} failed"))
+                self._settled()
+
+    def _mark_protected(self, step: int) -> None:
+        try:
+            with self._guard.marking(step) as ok:
+                if ok:
+                    self._target.set_protected(step, True)
+        except Exception as exc:  # told at the next save/wait/close, like a deletion failure
+            self._deleter.report(StorageError(f"could not protect step {step} under {self._target.url}: {exc}"))
+
+    # ------------------------------------------------------------ start and end
+
+    def adopt(self, found: dict[int, Manifest], durable: set[int], root_id: str | None) -> None:
+        """Take over the slots an earlier process left committed in the tier (those
+        :meth:`LocalTier.scan` found to belong to this root); queue the durable write of the
+        steps that never reached the target. ``root_id``: the root's identity, if it has one."""
+        assert self._tier is not None
+        if root_id is not None:
+            self._tier.bind(root_id)
+            self._root_bound = True
+        for index, m in sorted(found.items()):
+            names = sorted(m.files)
+            chunk = next(iter(m.files.values())).chunk_size if m.files else self._chunk_size
+            slot = self.pool.adopt(index, m.step, [m.files[n].size for n in names], chunk, durable=m.step in durable)
+            if m.step in durable:
+                continue
+            log.warning("step %d exists only in the local tier %s (the last run stopped before writing it); "
+                        "writing it to %s now", m.step, self._tier.path, self._target.url)
+            slot.busy = True
+            staging = StagingJob(None, [], None)
+            job = PersistJob(m, names, [m.files[n].header_size for n in names], slot, staging,
+                             time.perf_counter(), 0.0, 0.0, local=False)
+            self._enqueue(job, Ticket(m.step, Future(), staging))
+
+    def unfinished(self) -> dict[int, str]:
+        """Steps not durable yet and what becomes of them if the process ends now."""
+        with self._mu:
+            steps = [*self._pending, *(j.step for _, j in self._retries)]
+        local = self._tier.steps() if self._tier is not None else {}
+        return {s: (f"is kept in the local tier {self._tier.path}; the next start on this root writes it"
+                    if self._tier is not None and s in local else "is lost (it was only in this process's memory)")
+                for s in sorted(set(steps))}
+
+    def close(self, timeout: float | None) -> tuple[dict[int, str], list[int]]:
+        """Stop: wait up to ``timeout`` s for the saves submitted (retries are dropped), then
+        free what no writer still uses.
+
+        Returns:
+            The steps given up on because they were still being written after ``timeout``
+            (with what becomes of each, see :meth:`unfinished`), and the committed steps kept
+            in the local tier for the next start. The threads still writing are left running
+            (daemon threads: they never keep the process alive), their slots mapped.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            self.wait(timeout)
+            given_up: dict[int, str] = {}
+        except CkptTimeoutError:
+            given_up = self.unfinished()
+        with self._mu:
+            self._closing = True
+            dropped = sorted(j.step for _, j in self._retries)
+            self._retries.clear()
+            self._mu.notify_all()
+        if dropped:
+            log.warning("steps %s were never written to %s; retries stop with the manager", dropped, self._target.url)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self._thread.join(left)
+        self.pool.stop.set()
+        if not self._thread.is_alive():  # (else a write is hung: its threads and slot stay as they are)
+            self._stager.close(timeout=left)
+            self._side.stop(timeout=left)
+        kept, _ = self.pool.close()
+        return given_up, kept
+
+    @property
+    def hung(self) -> bool:
+        """True when a write outlived :meth:`close`."""
+        return self._thread.is_alive()
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.pool.counts, "slot_allocations": self.pool.allocations,
+                "slot_registrations": self.pool.registrations}

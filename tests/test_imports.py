@@ -1,0 +1,155 @@
+"""The package's imports show its separation, and this test keeps them so.
+
+Every ``import`` in ckptmgr's modules (lazy ones inside functions included) is read with
+``ast`` and checked against the rules below; a forbidden edge or an import cycle fails with
+the modules and lines that make it.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+import ckptmgr
+
+PKG = os.path.dirname(ckptmgr.__file__)
+
+# (importer prefix, imported prefix, why it is forbidden)
+FORBIDDEN = [
+    ("ckptmgr.restore", "ckptmgr.save", "the read path imports nothing of the save path"),
+    ("ckptmgr.storage", "ckptmgr.restore", "storage knows no loaders"),
+    ("ckptmgr.storage", "ckptmgr.save", "storage is below the save path"),
+    ("ckptmgr.storage", "ckptmgr.retention", "storage is below retention"),
+    ("ckptmgr.storage", "ckptmgr.distributed", "storage is below the multi-rank layer"),
+    ("ckptmgr.format", "ckptmgr.storage", "the format does no I/O"),
+    ("ckptmgr.format", "ckptmgr.save", "the format does no I/O"),
+    ("ckptmgr.format", "ckptmgr.restore", "the format does no I/O"),
+]
+ABOVE_THE_MANAGER = ("ckptmgr.handle", "ckptmgr.manager", "ckptmgr.cli", "ckptmgr.integrations", "ckptmgr")
+MANAGER_USERS = ("ckptmgr.manager", "ckptmgr.cli", "ckptmgr.integrations", "ckptmgr")  # may import the handle
+
+
+def _module_name(path: str) -> str:
+    rel = os.path.relpath(path, os.path.dirname(PKG))[:-3].replace(os.sep, ".")
+    return rel.removesuffix(".__init__")
+
+
+def _resolve(module: str, is_pkg: bool, node: ast.ImportFrom) -> list[str]:
+    if node.level:
+        base = module.split(".") if is_pkg else module.split(".")[:-1]
+        base = base[:len(base) - (node.level - 1)]
+        stem = ".".join(base + ([node.module] if node.module else []))
+    else:
+        stem = node.module or ""
+    # ``from pkg import name`` may import the submodule ``pkg.name``: count it when it exists
+    out = [stem]
+    for alias in node.names:
+        sub = f"{stem}.{alias.name}"
+        if os.path.exists(_path_of(sub) or ""):
+            out.append(sub)
+    return out
+
+
+def _path_of(module: str) -> str | None:
+    if not module.startswith("ckptmgr"):
+        return None
+    parts = module.split(".")[1:]
+    base = os.path.join(PKG, *parts)
+    if os.path.isfile(base + ".py"):
+        return base + ".py"
+    if os.path.isfile(os.path.join(base, "__init__.py")):
+        return os.path.join(base, "__init__.py")
+    return None
+
+
+def _edges() -> dict[str, list[tuple[str, int]]]:
+    """module -> [(imported ckptmgr module, line)], every import statement in the file."""
+    edges: dict[str, list[tuple[str, int]]] = {}
+    for dirpath, _, files in os.walk(PKG):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, f)
+            module = _module_name(path)
+            with open(path, encoding="utf-8") as src:
+                tree = ast.parse(src.read(), path)
+            found = []
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    found += [(a.name, node.lineno) for a in node.names if a.name.startswith("ckptmgr")]
+                elif isinstance(node, ast.ImportFrom):
+                    found += [(m, node.lineno) for m in _resolve(module, f == "__init__.py", node)
+                              if m.startswith("ckptmgr")]
+            edges[module] = [(m, line) for m, line in found if _path_of(m) is not None and m != module]
+    return edges
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+EDGES = _edges()
+
+
+def test_the_walk_sees_the_package():
+    assert {"ckptmgr.manager", "ckptmgr.save.saver", "ckptmgr.restore.restorer", "ckptmgr.storage.tier"} <= set(EDGES)
+    assert any(m == "ckptmgr.save.saver" for m, _ in EDGES["ckptmgr.manager"])
+
+
+@pytest.mark.parametrize(("importer", "imported", "why"), FORBIDDEN)
+def test_forbidden_edges(importer, imported, why):
+    bad = [f"{m}:{line} imports {dep}" for m, deps in EDGES.items() if _under(m, importer)
+           for dep, line in deps if _under(dep, imported)]
+    assert not bad, f"{why}: " + "; ".join(bad)
+
+
+def test_nothing_below_the_manager_imports_the_handle():
+    bad = [f"{m}:{line}" for m, deps in EDGES.items() if not any(_under(m, p) if p != "ckptmgr" else m == p
+                                                                  for p in MANAGER_USERS)
+           for dep, line in deps if dep == "ckptmgr.handle"]
+    assert not bad, "SaveHandle is the user-facing facade; lower layers use ckptmgr.save: " + ", ".join(bad)
+
+
+def test_nothing_below_the_manager_imports_the_manager():
+    bad = [f"{m}:{line}" for m, deps in EDGES.items()
+           if not any(_under(m, p) if p != "ckptmgr" else m == p for p in ABOVE_THE_MANAGER)
+           for dep, line in deps if dep == "ckptmgr.manager"]
+    assert not bad, ", ".join(bad)
+
+
+def test_no_import_cycles():
+    graph = {m: sorted({d for d, _ in deps if d in EDGES}) for m, deps in EDGES.items()}
+    # A package's __init__ re-exporting its own modules is not a cycle of the data flow.
+    for m in graph:
+        graph[m] = [d for d in graph[m] if not (_under(d, m) and _path_of(m).endswith("__init__.py"))]
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for d in graph.get(m, []):
+            if state.get(d) == 1:
+                return [*stack[stack.index(d):], d]
+            if d not in state:
+                cycle = visit(d)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            cycle = visit(m)
+            assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_a_forbidden_edge_is_caught(tmp_path):
+    """The checker itself: a lazy import inside a function counts."""
+    src = "def f():\n    from ..save.slots import Slot\n    return Slot\n"
+    tree = ast.parse(src)
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))
+    assert "ckptmgr.save.slots" in _resolve("ckptmgr.restore.restorer", False, node)
