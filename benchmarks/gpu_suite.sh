@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|pinning|report|dist|staging4|staging16|training|training25|restore4|restore16|restore10k|tier|timeline|parts4|lightning|hf]...
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|pinning|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|tier|timeline|parts4|lightning|hf]...
 # Packages the GPU image lacks are installed from .whl/ when present.
 set -uo pipefail
 out="${1:?output directory}"; shift
@@ -43,8 +43,15 @@ for part in "${parts[@]}"; do
                python3 benchmarks/bench_torchzip.py --mib 4096 --tensors 150 --out "$out/torchzip.json" 2>&1 | tee "$out/torchzip.txt" ;;
     report) python3 benchmarks/run.py --out "$out/report" --scratch /var/tmp/ckptmgr-bench-run \
               --commit "${CKPTMGR_COMMIT:?set CKPTMGR_COMMIT to the commit of this tree (the GPU copy has no current git HEAD)}" 2>&1 | tee "$out/report.txt" ;;
-    dist) python3 benchmarks/bench_distributed.py --commit "${CKPTMGR_COMMIT:-unknown}" --out "$out/distributed.json" \
+    # dist + reshard: under 8 minutes together on 2 or 4 H200s (rounds stop starting after 200 s)
+    dist) n=$(nvidia-smi -L | wc -l)
+              NCCL_NVLS_ENABLE=0 timeout 330 python3 benchmarks/bench_distributed.py --gpus "$n" --layers 4 --rounds 3 \
+              --saves 3 --max-wall-s 200 --commit "${CKPTMGR_COMMIT:-unknown}" --out "$out/distributed.json" \
               2>&1 | tee "$out/distributed.txt"; rm -rf /var/tmp/ckptmgr-bench-dist ;;
+    reshard) n=$(nvidia-smi -L | wc -l); spec="${CKPTMGR_RESHARD:-$([ "$n" -ge 4 ] && echo 4:2,4 || echo 2:1,2)}"
+              NCCL_NVLS_ENABLE=0 timeout 150 python3 benchmarks/bench_distributed.py --reshard "$spec" \
+              --commit "${CKPTMGR_COMMIT:-unknown}" --out "$out/reshard.json" 2>&1 | tee "$out/reshard.txt"
+              rm -rf /var/tmp/ckptmgr-bench-dist ;;
     tier) python3 benchmarks/bench_tier_restore.py --gib 4.5 --tensors 192 --rounds 3 --disk-dir /var/tmp \
               --out "$out/tier_restore.json" 2>&1 | tee "$out/tier_restore.txt" ;;
     timeline) python3 benchmarks/bench_timeline.py --dir /var/tmp --out "$out/timeline" 2>&1 | tee "$out/timeline.txt" ;;

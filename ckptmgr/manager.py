@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -400,7 +401,8 @@ class CheckpointManager:
     # -------------------------------------------------------------- restore
 
     def restore(self, step: int | None = None, *, target: Any = None,
-                device: str | torch.device | None = None, loader: str = "auto") -> Any:
+                device: str | torch.device | None = None, loader: str = "auto",
+                rank_map: Callable[[int, int], int] | None = None) -> Any:
         """Load a committed checkpoint.
 
         Args:
@@ -426,6 +428,12 @@ class CheckpointManager:
                 landed is then read back to verify its checksums, so it is opt-in, never
                 picked by ``"auto"``. Every loader verifies every checksum before the state
                 is returned.
+            rank_map: for a checkpoint saved by another number of ranks than restore it (a
+                single process counts as one) that holds :class:`PerRank` values:
+                ``rank_map(rank, saved_world_size)`` names the saved rank whose values this
+                rank takes, e.g. ``lambda rank, saved: rank % saved``. Without it such a
+                restore raises ConfigError naming the values. DTensors and replicated state
+                need no mapping: they are resharded (see docs/DISTRIBUTED.md).
 
         Returns:
             The restored state.
@@ -437,6 +445,7 @@ class CheckpointManager:
                 header, or a checksum; the message names the step and the field or file.
                 ``target`` has not been modified.
             StateMismatchError: ``target`` does not match; it has not been modified.
+            ConfigError: PerRank values at another world size without ``rank_map``.
         """
         dev = torch.device(device) if device is not None else None
         if loader not in LOADERS:
@@ -444,13 +453,14 @@ class CheckpointManager:
         if loader in ("inplace", "ring", "gds") and dev is None and target is None:
             raise ConfigError(f"loader={loader!r} loads onto a device: pass device= or a target")
         if self._coord is not None and step is not None:
-            return restore_step_dist(self._restorer, self._coord, self._resolve_step(step), target, dev, loader)
+            return restore_step_dist(self._restorer, self._coord, self._resolve_step(step), target, dev, loader,
+                                     rank_map)
         if self._coord is not None:
-            return restore_newest_dist(self._restorer, self._coord, self.steps(), target, dev, loader)
+            return restore_newest_dist(self._restorer, self._coord, self.steps(), target, dev, loader, rank_map)
         if step is not None:
-            return self._restorer.restore_step(self._resolve_step(step), target, dev, loader)
+            return self._restorer.restore_step(self._resolve_step(step), target, dev, loader, rank_map)
         self._check_open()
-        return self._restorer.restore_newest(self.steps(), target, dev, loader)
+        return self._restorer.restore_newest(self.steps(), target, dev, loader, rank_map)
 
     # ------------------------------------------------------------ lifecycle
 

@@ -4,32 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
+import dist_launch
 import pytest
 import torch
 
-from ckptmgr import CheckpointManager
+from ckptmgr import CheckpointManager, ConfigError
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_worker.py")
 
 
 def launch(tmp_path, scenario: str, root: str, world: int, timeout_s: float = 60.0) -> tuple[list[int], list[dict]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs, outs = [], []
-    for r in range(world):
-        out = tmp_path / f"{scenario}-{r}.json"
-        out.unlink(missing_ok=True)
-        outs.append(out)
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "CKPT_TIMEOUT": str(timeout_s), "PYTHONWARNINGS": "ignore"}
-        procs.append(subprocess.Popen([sys.executable, WORKER, scenario, root, str(out)], env=env))
-    rcs = [p.wait(timeout=240) for p in procs]
-    return rcs, [json.loads(o.read_text()) if o.exists() else {} for o in outs]
+    return dist_launch.launch(WORKER, scenario, root, tmp_path, world, timeout_s=timeout_s)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -59,9 +45,11 @@ def test_round_trip_of_replicated_and_per_rank_state(tmp_path, world):
         assert r["opt_steps"] == [3.0] * 4
     assert len({r["rng"] for r in restored}) == world
 
-    # one process reads a multi-rank checkpoint as rank 0 saw it (evaluation, export)
+    # one process reads a multi-rank checkpoint (evaluation, export): per-rank values only when mapped
     with CheckpointManager(root) as mgr:
-        state = mgr.restore()
+        with pytest.raises(ConfigError, match=r"saved by \d rank\(s\) and holds per-rank values \(state\['rank'\]\)"):
+            mgr.restore()
+        state = mgr.restore(rank_map=lambda rank, saved: 0)
     assert state["step"] == 3 and state["rank"]["loader_pos"] == 30
     assert float(state["model"]["0.bias"].double().sum() + (state["model"]["0.bias"].double() ** 2).sum()) == \
         pytest.approx(saved[0]["model"]["0.bias"])

@@ -170,6 +170,8 @@ def cmd_export(ctx: Ctx, args: argparse.Namespace) -> int:
     target = ctx.target(args.root)
     step = ctx.step(target, args.step)
     m = ctx.manifest(target, step)
+    if m.world_size > 1:  # written by several ranks: DTensors are exported whole
+        return _export_whole(ctx, args, target, step, m, dest)
     chosen = _select(m, args.only or "")
     if not chosen:
         raise ConfigError(f"no tensor of step {step} starts with --only {args.only!r}")
@@ -245,6 +247,47 @@ def cmd_export(ctx: Ctx, args: argparse.Namespace) -> int:
     else:
         print(f"exported step {step}: {len(weight_map)} tensors in {', '.join(result['files'])}, "
               f"{SAFE_WEIGHTS_INDEX_NAME} and state.json to {dest}")
+    return 0
+
+
+def _export_whole(ctx: Ctx, args: argparse.Namespace, target: Target, step: int, m: Manifest, dest: str) -> int:
+    """Export a multi-rank checkpoint: each DTensor assembled whole, replicated tensors once,
+    every rank's PerRank tensors under their ``rankNNNNN/`` names."""
+    from ..distributed.consolidate import write_whole
+
+    work = os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.partial-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    try:
+        with progress(m.total_bytes, "export", enabled=ctx.show_progress) as bar:
+            out = write_whole(target, step, m, work, only=args.only or "", on_bytes=bar.update)
+        if not out.weight_map:
+            raise ConfigError(f"no tensor of step {step} starts with --only {args.only!r}")
+
+        def leaf(kind: str, name: str) -> dict[str, Any]:
+            e = out.index.get(name, {})
+            dst = out.names.get(name)
+            return {"tensor": dst, "file": out.weight_map.get(dst) if dst is not None else None,
+                    "dtype": e.get("dtype"), "shape": e.get("shape"), "kind": kind}
+
+        total = sum(os.path.getsize(os.path.join(work, f)) for f in set(out.weight_map.values()))
+        _write_json(os.path.join(work, "index.json"),
+                    {"metadata": {"total_size": total, "step": step, "source": target.url, "format": "pt"},
+                     "weight_map": dict(sorted(out.weight_map.items()))})
+        _write_json(os.path.join(work, "state.json"),
+                    {"step": step, "time": m.time, "source": target.url, "world_size": m.world_size,
+                     "metadata": plain_tree(m.metadata, lambda k, n: n) if m.metadata is not None else {},
+                     "state": plain_tree(out.skeleton, leaf)})
+        os.replace(work, dest)  # onto a missing or empty directory
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    files = sorted(set(out.weight_map.values()))
+    if ctx.json:
+        print_json({"step": step, "to": dest, "tensors": len(out.weight_map), "files": files})
+    else:
+        print(f"exported step {step} (saved by {m.world_size} ranks, DTensors whole): {len(out.weight_map)} tensors "
+              f"in {len(files)} safetensors file(s), index.json and state.json to {dest}")
     return 0
 
 

@@ -1,3 +1,6 @@
 """Multi-rank checkpoints over ``torch.distributed``: the ranks' coordination
 (:mod:`.coordinator`), each rank's share of a save and the coordinated commit (:mod:`.save`),
-and restore with broadcast of replicated tensors (:mod:`.restore`). See docs/DISTRIBUTED.md."""
+and restore at any world size and layout (:mod:`.restore`): the saved ranks' state trees
+(:mod:`.skeletons`), where shards lie (:mod:`.shards`), which parts of them a rank needs
+(:mod:`.reshard`), verified reads of those parts (:mod:`.ranged`), and whole tensors for
+export (:mod:`.consolidate`). See docs/DISTRIBUTED.md."""

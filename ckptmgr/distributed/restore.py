@@ -1,40 +1,75 @@
-"""Multi-rank restore: each rank reads only its own files, replicated tensors are broadcast.
+"""Restore of a multi-rank checkpoint: by every rank of a job, at the world size it was saved
+at or at another, or by a single process.
 
 Rank 0 reads the manifest and broadcasts it (one read of the commit record, not one per
-rank). Every rank then reads the files it wrote: its own tensors (PerRank, DTensor shards)
-and its share of the replicated tensors, so the job reads every byte once. Each replicated
-tensor is then broadcast from the rank that read it, over the job's process group (NCCL on
-GPUs), straight into the target's tensor where there is one. The ranks agree at every step
-where one could fail alone (target mismatch, a checksum), so they all raise the same error
-and move to the same older step together.
+rank). Then every rank plans what it holds (:func:`_plan`): the replicated tensors, the
+PerRank values of the saved rank it takes them from, and for every DTensor the box the
+target places on it (the whole tensor where the target holds a plain tensor, or in a single
+process), and checks the target before a byte is read.
+
+* When every rank's boxes are the ones it saved (same world size, same layout), each rank
+  reads exactly its own files with the manager's loaders (onto the GPU through the pinned
+  ring, in place, or GDS), as before.
+* Otherwise each rank reads, from whichever files hold them, only the checksum chunks that
+  cover the bytes it needs (:mod:`.ranged`), verifies them, and assembles its shards
+  (:mod:`.reshard`); a replicated tensor saved by rank ``r`` is read by rank ``r % world``.
+
+Replicated tensors are then broadcast from the rank that read them, over the job's process
+group (NCCL on GPUs), into the target's tensors where there are. The ranks agree at every
+point where one could fail alone (the plan and the target check, the reads), so they all
+raise the same error and fall back to the same older step together.
 """
 
 from __future__ import annotations
 
-import re
-from typing import TYPE_CHECKING, Any
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointCorruptError, CkptError, ConfigError, StateMismatchError, StepNotFoundError
-from ..format.layout import ST_TO_DTYPE
+from ..format.layout import ST_TO_DTYPE, contiguous_stride
 from ..format.manifest import Manifest
 from ..format.tree import unflatten
-from ..restore.apply import apply_target, check_target, target_tensors
+from ..restore.apply import apply_target, check_target, local_tensor, target_tensors
 from ..restore.loaders.host import view_of
+from ..restore.preflight import Source, preflight, verify_files
 from .coordinator import Coordinator, owner_of
+from .ranged import RangedReads
+from .reshard import Dest, box_for, box_of, fill, parse_placements, plan_dtensor, saved_boxes, stored, whole
+from .skeletons import optimizer_params, rank_view, tensor_names
 
-if TYPE_CHECKING:
-    from ..restore.restorer import Restorer
+__all__ = ["RankMap", "restore_newest_dist", "restore_solo", "restore_step_dist"]
 
-__all__ = ["restore_newest_dist", "restore_step_dist"]
-
-_OWN = re.compile(r"rank\d{5}/")  # a rank's own tensors (see coordinator.rank_prefix)
+log = logging.getLogger("ckptmgr")
+RankMap = Callable[[int, int], int]  # (this rank, the saved world size) -> the saved rank whose PerRank values it takes
 
 
-def _agree(coord: Coordinator, error: CkptError | None, what: str) -> None:
+class Restorer(Protocol):
+    """What a multi-rank restore uses of the manager's restorer
+    (:class:`ckptmgr.restore.restorer.Restorer`, which imports this module for single-process
+    restores of multi-rank steps: a protocol here keeps the imports one way)."""
+
+    target: Any  # the durable Target
+    guard: Any  # the retention StepGuard
+    allow_pickle: bool
+
+    def _load(self, source: Any, step: int, manifest: Manifest, device: torch.device, loader: str,
+              images: dict[str, torch.Tensor] | None, dests: dict[str, torch.Tensor] | None,
+              verified: bool = False) -> dict[str, torch.Tensor]: ...
+
+
+def _agree(coord: Coordinator | None, error: CkptError | None, what: str) -> None:
     """Raise on every rank if any rank failed: the same error type, naming the ranks."""
+    if coord is None:
+        if error is not None:
+            raise error
+        return
     errors = coord.all_gather(None if error is None else (type(error).__name__, str(error)), what)
     bad = [(r, e) for r, e in enumerate(errors) if e is not None]
     if not bad:
@@ -45,6 +80,8 @@ def _agree(coord: Coordinator, error: CkptError | None, what: str) -> None:
     kinds = {k for _, (k, _) in bad}
     if kinds == {"StateMismatchError"}:
         raise StateMismatchError([f"rank {r}: {msg}" for r, (_, msg) in bad])
+    if kinds == {"ConfigError"}:
+        raise ConfigError(text)
     if "StepNotFoundError" in kinds:
         raise StepNotFoundError(text)
     raise CheckpointCorruptError(text)
@@ -62,87 +99,343 @@ def _manifest(restorer: Restorer, coord: Coordinator, step: int) -> Manifest:
     if raw is None:
         raise StepNotFoundError(err) if err.startswith("StepNotFound") else CheckpointCorruptError(err)
     m = Manifest.from_bytes(raw, where=f"{restorer.target.url}: step {step}")
-    if m.world_size != coord.world:
-        raise ConfigError(
-            f"step {step} under {restorer.target.url} was saved by {m.world_size} rank(s); this job has "
-            f"{coord.world}. Restoring at another world size is not supported yet.")
+    if m.step != step:
+        raise CheckpointCorruptError(f"{restorer.target.url}: step {step}: the manifest is for step {m.step}")
     return m
 
 
-def restore_step_dist(restorer: Restorer, coord: Coordinator, step: int, target: Any,
-                      device: torch.device | None, loader: str) -> Any:
-    """Restore ``step`` on every rank of ``coord`` (all ranks call it together)."""
-    m = _manifest(restorer, coord, step)
-    assert m.rank_states is not None
-    state = m.rank_states[coord.rank]
-    mine = {f: rec for f, rec in m.files.items() if owner_of(f) == coord.rank}
-    own = {n: e for n, e in m.tensors.items() if e.get("file") in mine}
-    own.update({n: e for n, e in m.tensors.items() if e.get("view_of") in own})
-    sub = Manifest(step=step, state=state, tensors=own, files=mine, metadata=m.metadata, time=m.time)
-    dests: dict[str, torch.Tensor] = {}
-    dtensors: dict[str, torch.Tensor] = {}  # the target's DTensors, by stored name of their shard
+@dataclass
+class _Plan:
+    """What one rank restores of a step."""
+
+    skeleton: Any
+    replicated: list[str]  # stored names of the replicated tensors, sorted: the same list on every rank
+    reader: dict[str, int]  # replicated stored name -> the rank that reads it
+    per_rank: list[str]  # stored names of the PerRank tensors this rank takes
+    views: list[str]  # names the tree refers to that are views of stored tensors
+    dests: dict[str, Dest]  # DTensor key -> what this rank holds of it
+    landing: dict[str, torch.Tensor] = field(default_factory=dict)  # stored name -> the target's tensor there
+    aligned: bool = False  # every box is the one this rank saved: read its own files as they are
+
+
+def _rank_source(me: int, world: int, saved: int, rank_map: RankMap | None, paths: list[str], step: int) -> int:
+    """The saved rank whose PerRank values rank ``me`` takes (see docs/DISTRIBUTED.md)."""
+    if rank_map is not None and not callable(rank_map):
+        raise ConfigError(f"rank_map must be a function (rank, saved_world_size) -> saved rank, got {rank_map!r}")
+    if rank_map is None:
+        if world == saved or not paths:
+            return me if me < saved else 0
+        shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+        raise ConfigError(
+            f"step {step} was saved by {saved} rank(s) and holds per-rank values ({shown}); this job has {world}. "
+            "Say which saved rank's values each rank takes: restore(..., rank_map=lambda rank, saved_world: "
+            "rank % saved_world), for example")
+    src = rank_map(me, saved)
+    if type(src) is not int or not 0 <= src < saved:
+        raise ConfigError(f"rank_map({me}, {saved}) returned {src!r}; it must return a saved rank, 0 <= r < {saved}")
+    return src
+
+
+def _plan(m: Manifest, coord: Coordinator | None, target: Any, device: torch.device, rank_map: RankMap | None,
+          allow_pickle: bool, where: str) -> _Plan:
+    me, world = (coord.rank, coord.world) if coord is not None else (0, 1)
+    states = m.rank_states if m.rank_states is not None else [m.state]
+    saved = len(states)
+    probe = rank_view(states, 0, where)  # the structure, to find the PerRank values
+    src = _rank_source(me, world, saved, rank_map, probe.per_rank, m.step)
+    view = rank_view(states, src, where) if src else probe
+    skel = view.skeleton
+    own_names = tensor_names(skel, per_rank=True)
+    names = tensor_names(skel, per_rank=False) | own_names
+    bases = {n: m.tensors.get(n, {}).get("view_of", n) for n in names}
+    replicated = sorted({bases[n] for n in names if n not in own_names})
+    per_rank = sorted({bases[n] for n in own_names})
+    for n in sorted(names | set(replicated) | set(per_rank)):
+        stored(m, n, where)  # every name the tree needs is in the index, inside its file
+    originals: dict[str, torch.Tensor] = {}
+    landing = target_tensors(target, skel, originals) if target is not None else {}
+    params = optimizer_params(target, skel) if target is not None else {}
+    meshes: dict[tuple[int, ...], Any] = {}
+    problems: list[str] = []
+    dests: dict[str, Dest] = {}
+    for key, sd in view.dtensors.items():
+        shape, dtype, shards = saved_boxes(m, sd, where)
+        before = len(problems)
+        d = _dest(key, sd.path, shape, dtype, originals.get(key), params.get(key), device, coord, saved,
+                  sd.nodes[0], meshes, problems)
+        if len(problems) == before:  # a target of another global shape: reported below, with the rest
+            plan_dtensor(d, shards, me, world == saved, sd.nodes[0]["placements"], where)
+        dests[key] = d
+    plan = _Plan(skel, replicated, {n: owner_of(m.tensors[n]["file"]) % world for n in replicated}, per_rank,
+                 sorted(n for n in names if "view_of" in m.tensors[n]), dests, landing)
+    plan.aligned = world == saved and src == me and all(d.own for d in dests.values())
+    if target is not None:
+        placeholders = {n: _placeholder(m.tensors[n]) for n in names | set(replicated) | set(per_rank)}
+        for key, d in dests.items():
+            local = d.local_shape if d.box is not None else tuple(local_tensor(d.target).shape)  # type: ignore[arg-type]
+            placeholders[key] = torch.zeros((), dtype=d.dtype).expand(local)
+        try:
+            check_target(target, unflatten(skel, placeholders, allow_pickle=allow_pickle))
+        except StateMismatchError as exc:
+            problems += [p for p in exc.problems if p not in problems]
+        if problems:
+            raise StateMismatchError(problems)
+    return plan
+
+
+def _placeholder(e: dict[str, Any]) -> torch.Tensor:
+    """A stand-in with the stored tensor's dtype and shape and no memory behind it."""
+    return torch.zeros((), dtype=ST_TO_DTYPE[e["dtype"]]).expand([int(x) for x in e["shape"]])
+
+
+def _is_dtensor(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and hasattr(t, "placements") and hasattr(t, "device_mesh")
+
+
+def _dest(key: str, path: str, shape: tuple[int, ...], dtype: torch.dtype, t: torch.Tensor | None,
+          param: torch.Tensor | None, device: torch.device, coord: Coordinator | None, saved: int,
+          node: dict[str, Any], meshes: dict[tuple[int, ...], Any], problems: list[str]) -> Dest:
+    """What this rank holds of a saved DTensor: the target's layout there, the layout of the
+    parameter an optimizer moment belongs to, or (no target tensor) the saved placements on
+    the job's ranks; in a single process, the whole tensor."""
+    full = ((0,) * len(shape), shape)
+    if t is not None:
+        if tuple(t.shape) != shape:
+            problems.append(f"{path}: the target's global shape is {list(t.shape)}, the checkpoint's {list(shape)}")
+        if _is_dtensor(t):
+            local = local_tensor(t)
+            return Dest(key, path, shape, dtype, box_of(t), local.device, target=t, mesh=t.device_mesh,  # type: ignore[attr-defined]
+                        placements=tuple(t.placements))  # type: ignore[attr-defined]
+        return Dest(key, path, shape, dtype, full, t.device, target=t)
+    if param is not None and tuple(param.shape) == shape:
+        if _is_dtensor(param):
+            box = box_of(param)
+            if box is not None:
+                return Dest(key, path, shape, dtype, box, local_tensor(param).device, mesh=param.device_mesh,  # type: ignore[attr-defined]
+                            placements=tuple(param.placements))  # type: ignore[attr-defined]
+        else:
+            return Dest(key, path, shape, dtype, full, param.device)
+    if coord is None:
+        return Dest(key, path, shape, dtype, full, device)
+    placements = parse_placements(node.get("placements", []))
+    mesh_shape = tuple(node.get("mesh", []))
+    if placements is None or not mesh_shape:
+        raise ConfigError(f"{path} was saved with placements {node.get('placements')}: restore it into a target "
+                          "DTensor of the same layout")
+    if len(mesh_shape) == 1:
+        mesh_shape = (coord.world,)
+    elif coord.world != saved:
+        raise ConfigError(f"{path} was saved on a {list(mesh_shape)} mesh; at another world size, restore it into "
+                          "a target that holds a DTensor there (its mesh and placements say where each shard goes)")
+    mesh = meshes.get(mesh_shape)
+    if mesh is None:
+        mesh = meshes[mesh_shape] = _mesh(coord, device, mesh_shape)
+    return Dest(key, path, shape, dtype, box_for(shape, mesh, placements), device, mesh=mesh,
+                placements=tuple(placements))
+
+
+def _mesh(coord: Coordinator, device: torch.device, shape: tuple[int, ...]) -> Any:
+    """A device mesh over the job's ranks: the job's group itself (1-D), or a new mesh."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if len(shape) == 1:
+        return DeviceMesh.from_group(coord.group, device.type)
+    return init_device_mesh(device.type, shape)
+
+
+def _usable(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device | None = None) -> bool:
+    return t is not None and not _is_dtensor(t) and t.is_contiguous() and t.dtype == dtype and \
+        tuple(t.shape) == shape and (device is None or t.device == device)
+
+
+def _restore(restorer: Restorer, source: Source, step: int, m: Manifest, target: Any, device: torch.device | None,
+             loader: str, rank_map: RankMap | None, coord: Coordinator | None) -> Any:
+    where = f"{source.url}: step {step}"
+    me = coord.rank if coord is not None else 0
+    plan: _Plan | None = None
     error: CkptError | None = None
     try:
-        if target is not None:
-            from ..restore.restorer import _placeholders
-
-            check_target(target, unflatten(state, _placeholders(m), allow_pickle=restorer.allow_pickle))
-            dests = target_tensors(target, state, dtensors)
-            if device is None:
-                device = next((t.device for t in dests.values() if t.device.type == "cuda"), None)
+        if device is None and target is not None:
+            device = next((t.device for t in target_tensors(target, m.state).values() if t.device.type == "cuda"), None)
+        plan = _plan(m, coord, target, device or torch.device("cpu"), rank_map, restorer.allow_pickle, where)
     except CkptError as exc:
         error = exc
     _agree(coord, error, f"the target check of step {step}")
+    assert plan is not None
     dev = device or torch.device("cpu")
     if str(dev) == "cuda":  # no index: the current device
         dev = torch.device("cuda", torch.cuda.current_device())
     loaded: dict[str, torch.Tensor] = {}
-    try:
-        with restorer.guard.reading(step) as ok:
-            if not ok:
-                raise StepNotFoundError(f"step {step} is being deleted by the retention policy")
-            loaded = restorer._load(restorer.target, step, sub, dev, loader, None,
-                                    {k: v for k, v in dests.items() if k in own})
+    reads = RangedReads(source, step, m)
+    own = _own_files(m, plan, me) if plan.aligned else None
+    try:  # read and verify everything this rank needs; nothing lands in the target yet
+        with _ours(source, step, where):
+            if own is not None:
+                _verify_own(restorer, source, step, own, plan, where)
+            else:
+                _want(m, plan, me, reads, where)
+                reads.read()
     except CkptError as exc:
         error = exc
     _agree(coord, error, f"reading step {step}")
-    group = coord.tensor_group(dev)
-    replicated = sorted(n for n, e in m.tensors.items() if "file" in e and not _OWN.match(n))
-    for name in replicated:
+    outs: dict[str, torch.Tensor] = {}
+    try:  # every rank verified its part: land it
+        with torch.no_grad(), _ours(source, step, where):
+            if own is not None:
+                loaded = restorer._load(source, step, own, dev, loader, None, _own_dests(plan, own),
+                                        verified=True)
+                outs = {key: loaded[d.own] for key, d in plan.dests.items()}
+            else:
+                loaded, outs = _assemble(m, plan, me, reads, dev, where)
+                log.info("%s: read %d bytes (%d needed) for this rank's part at world size %d (saved at %d)",
+                         where, reads.bytes_read, reads.requested, coord.world if coord else 1, m.world_size)
+    except CkptError as exc:
+        error = exc
+    _agree(coord, error, f"loading step {step}")
+    with torch.no_grad():
+        if coord is not None:
+            group = coord.tensor_group(dev)
+            for name in plan.replicated:
+                src = plan.reader[name]
+                buf = loaded.get(name) if src == me else None
+                if buf is None:
+                    s = stored(m, name, where)
+                    t = plan.landing.get(name)
+                    buf = t if t is not None and _usable(t, s.shape, s.dtype, dev) else \
+                        torch.empty(s.shape, dtype=s.dtype, device=dev)
+                dist.broadcast(buf, src=coord.global_rank(src), group=group)
+                loaded[name] = buf
+    for name in plan.views:
         e = m.tensors[name]
-        src = owner_of(e["file"])
-        if src == coord.rank:
-            buf = loaded[name]
-        else:
-            d = dests.get(name)
-            shape, dtype = [int(x) for x in e["shape"]], ST_TO_DTYPE[e["dtype"]]
-            usable = d is not None and d.is_contiguous() and d.device == dev and d.dtype == dtype and \
-                list(d.shape) == shape
-            buf = d if usable and d is not None else torch.empty(shape, dtype=dtype, device=dev)
-        dist.broadcast(buf, src=coord.global_rank(src), group=group)
-        loaded[name] = buf
-    for name, e in m.tensors.items():
-        if "view_of" in e and name not in loaded and e["view_of"] in loaded:
-            loaded[name] = view_of(loaded[e["view_of"]], name, e, f"{restorer.target.url}: step {step}")
-    for name, dt in dtensors.items():  # shards come back as the target's DTensors (optimizers need them)
-        local = dt.to_local()  # type: ignore[attr-defined]
-        if local.data_ptr() != loaded[name].data_ptr():
-            local.copy_(loaded[name])
-        loaded[name] = dt
-    tree = unflatten(state, loaded, allow_pickle=restorer.allow_pickle)
+        if name not in loaded and e["view_of"] in loaded:
+            loaded[name] = view_of(loaded[e["view_of"]], name, e, where)
+    for key, d in plan.dests.items():
+        loaded[key] = _wrap(d, outs[key])
+    tree = unflatten(plan.skeleton, loaded, allow_pickle=restorer.allow_pickle)
     return tree if target is None else apply_target(target, tree)
 
 
-def restore_newest_dist(restorer: Restorer, coord: Coordinator, candidates: list[int], target: Any,
-                        device: torch.device | None, loader: str) -> Any:
-    """The newest of rank 0's ``candidates`` that every rank reads and verifies."""
-    import warnings
+def _vanished(source: Source, step: int, where: str, exc: FileNotFoundError) -> CkptError:
+    """A file of the step is missing: the step was deleted while it was read, or is damaged."""
+    try:
+        steps = source.steps() if hasattr(source, "steps") else source.list_steps()  # type: ignore[attr-defined]
+    except Exception:  # the listing failed too: call it gone
+        steps = []
+    if step in steps:
+        return CheckpointCorruptError(f"{where}: {exc.filename or exc} is missing")
+    return StepNotFoundError(f"{where} was deleted while it was read")
 
+
+@contextlib.contextmanager
+def _ours(source: Source, step: int, where: str) -> Iterator[None]:
+    """Turn a storage failure during a read into one of our errors (so that every rank can
+    agree on it): a vanished file is a deleted or a damaged step."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        raise _vanished(source, step, where, exc) from exc
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{where} cannot be read: {exc}") from exc
+
+
+def _own_files(m: Manifest, plan: _Plan, me: int) -> Manifest:
+    """The part of the manifest that is this rank's own files, whole (the layout is unchanged)."""
+    mine = {f: rec for f, rec in m.files.items() if owner_of(f) == me}
+    own = {n: e for n, e in m.tensors.items() if e.get("file") in mine}
+    own.update({n: e for n, e in m.tensors.items() if e.get("view_of") in own})
+    return Manifest(step=m.step, state=plan.skeleton, tensors=own, files=mine, metadata=m.metadata, time=m.time)
+
+
+def _own_dests(plan: _Plan, own: Manifest) -> dict[str, torch.Tensor]:
+    """Stored name -> the target's tensor it lands in (DTensors: their local shards)."""
+    dests = {n: t for n, t in plan.landing.items() if n in own.tensors}
+    for d in plan.dests.values():
+        if d.target is not None:
+            dests[d.own] = local_tensor(d.target)
+    return dests
+
+
+def _verify_own(restorer: Restorer, source: Source, step: int, own: Manifest, plan: _Plan, where: str) -> None:
+    """This rank's own files: preflight, and when tensors will land in the target, every
+    checksum (so that no rank's target changes unless every rank's files verify)."""
+    preflight(source, step, own, where)
+    if plan.landing or any(d.target is not None for d in plan.dests.values()):
+        verify_files(source, step, own, source.io_pool, int(getattr(source.io_pool, "_max_workers", 8)), where)
+
+
+def _want(m: Manifest, plan: _Plan, me: int, reads: RangedReads, where: str) -> None:
+    for name in plan.per_rank + [n for n in plan.replicated if plan.reader[n] == me]:
+        whole(stored(m, name, where)).want(reads)
+    for d in plan.dests.values():
+        for p in d.pieces:
+            p.want(reads)
+
+
+def _assemble(m: Manifest, plan: _Plan, me: int, reads: RangedReads, dev: torch.device, where: str
+              ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The tensors this rank read, landed in the target's tensors where they fit."""
+    loaded: dict[str, torch.Tensor] = {}
+    for name in plan.per_rank + [n for n in plan.replicated if plan.reader[n] == me]:
+        s = stored(m, name, where)
+        t = plan.landing.get(name)
+        need_dev = dev if name not in plan.per_rank else None  # broadcast buffers live on the group's device
+        out = t if t is not None and _usable(t, s.shape, s.dtype, need_dev) else \
+            torch.empty(s.shape, dtype=s.dtype, device=dev if need_dev is not None or t is None else t.device)
+        fill(out, [whole(s)], reads, where)
+        loaded[name] = out
+    outs: dict[str, torch.Tensor] = {}
+    for key, d in plan.dests.items():
+        assert d.box is not None
+        local = local_tensor(d.target) if d.target is not None else None
+        out = local if _usable(local, d.local_shape, d.dtype) and local is not None else \
+            torch.empty(d.local_shape, dtype=d.dtype, device=d.device)
+        fill(out, d.pieces, reads, where)
+        outs[key] = out
+    return loaded, outs
+
+
+def _wrap(d: Dest, out: torch.Tensor) -> torch.Tensor:
+    """The restored value of a DTensor: the target's own DTensor when the bytes landed in it,
+    else a DTensor on the destination's mesh, else (plain destination) the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    if d.target is not None and _is_dtensor(d.target):
+        local = local_tensor(d.target)
+        if local.data_ptr() == out.data_ptr() and local.shape == out.shape:
+            return d.target
+        return DTensor.from_local(out, d.target.device_mesh, d.target.placements, run_check=False,  # type: ignore[attr-defined]
+                                  shape=d.target.shape, stride=d.target.stride())
+    if d.mesh is not None and d.placements is not None:
+        return DTensor.from_local(out, d.mesh, d.placements, run_check=False, shape=torch.Size(d.shape),
+                                  stride=contiguous_stride(d.shape))
+    return out
+
+
+def restore_step_dist(restorer: Restorer, coord: Coordinator, step: int, target: Any, device: torch.device | None,
+                      loader: str, rank_map: RankMap | None = None) -> Any:
+    """Restore ``step`` on every rank of ``coord`` (all ranks call it together)."""
+    m = _manifest(restorer, coord, step)
+    with restorer.guard.reading(step) as ok:
+        error = None if ok else StepNotFoundError(f"step {step} is being deleted by the retention policy")
+        _agree(coord, error, f"holding step {step} against deletion")
+        return _restore(restorer, restorer.target, step, m, target, device, loader, rank_map, coord)
+
+
+def restore_solo(restorer: Restorer, source: Source, step: int, m: Manifest, target: Any,
+                 device: torch.device | None, loader: str, rank_map: RankMap | None = None) -> Any:
+    """Restore a multi-rank checkpoint in a single process: DTensors come back whole."""
+    return _restore(restorer, source, step, m, target, device, loader, rank_map, None)
+
+
+def restore_newest_dist(restorer: Restorer, coord: Coordinator, candidates: list[int], target: Any,
+                        device: torch.device | None, loader: str, rank_map: RankMap | None = None) -> Any:
+    """The newest of rank 0's ``candidates`` that every rank reads and verifies."""
     if not candidates:
         raise StepNotFoundError(f"no committed checkpoint under {restorer.target.url}")
     for s in reversed(candidates):
         try:
-            return restore_step_dist(restorer, coord, s, target, device, loader)
+            return restore_step_dist(restorer, coord, s, target, device, loader, rank_map)
         except (CheckpointCorruptError, StepNotFoundError) as exc:
             warnings.warn(f"skipping step {s}: {exc}", RuntimeWarning, stacklevel=3)
     raise StepNotFoundError(f"no checkpoint under {restorer.target.url} verifies (tried steps {candidates})")

@@ -8,7 +8,9 @@ a disjoint share and write bandwidth grows with the ranks. Each rank writes its 
 (``data-r00001-00000.safetensors``) in parallel with the others.
 
 Commit, on each rank's persist thread: every rank reports over the commit group whether its
-files are durable, with its skeleton, file records and fingerprints of small CPU tensors;
+files are durable, with its skeleton, file records (with 1 MiB sub-chunk checksums, computed
+from the staging slot, which still holds the files: they let a rank that restores at another
+layout verify the parts it reads) and fingerprints of small CPU tensors;
 when all are, rank 0 checks that the replicated parts agree (a value that differs between
 ranks and is not wrapped in PerRank would otherwise be restored from one rank onto all),
 gathers every rank's files into its step and writes the manifest last. If any rank fails or
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,14 +30,15 @@ import numpy as np
 import torch
 
 from ..errors import CkptError, SaveError
-from ..format.checksum import crc32c_hex
+from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import FileRecord, Manifest
 from ..format.tree import Leaf
 from ..save.persist import PersistJob
 from ..storage import StepWriter, Target
 from .coordinator import Coordinator, rank_file_prefix
+from .ranged import sub_chunk_size
 
-__all__ = ["RankPart", "coordinate", "coordinated_commit", "fingerprints", "share_of"]
+__all__ = ["RankPart", "coordinate", "coordinated_commit", "fingerprints", "share_of", "sub_checksums"]
 
 log = logging.getLogger("ckptmgr")
 _FINGERPRINT_MAX = 1 << 20  # CPU tensors up to this size are compared across ranks at commit
@@ -98,8 +102,8 @@ def _replicated_view(node: Any) -> Any:
         return node
     if "$per_rank" in node:
         return {"$per_rank": None}
-    if "$dtensor" in node:
-        return {k: v for k, v in node.items() if k != "$dtensor"}
+    if "$dtensor" in node:  # each rank's own shard: its name and offsets differ
+        return {k: v for k, v in node.items() if k not in ("$dtensor", "offsets")}
     return {k: _replicated_view(v) for k, v in node.items()}
 
 
@@ -145,16 +149,45 @@ def _merge(parts: list[RankPart], template: Manifest) -> Manifest:
 def coordinate(job: PersistJob, coord: Coordinator, target: Target, fps: dict[str, str]) -> None:
     """Make ``job`` this rank's share of a multi-rank save."""
     job.prefix = rank_file_prefix(coord.rank)
-    job.coordinate = lambda w, m, e: coordinated_commit(coord, target, w, m, fps, e)
+
+    def images() -> dict[str, np.ndarray[Any, Any]]:  # the files as written, still in the staging slot
+        return {name: seg.numpy() for name, seg in zip(job.names, job.slot.segments, strict=True)}
+
+    job.coordinate = lambda w, m, e: coordinated_commit(coord, target, w, m, fps, e, images)
+
+
+def sub_checksums(target: Target, files: dict[str, FileRecord],
+                  images: dict[str, np.ndarray[Any, Any]]) -> dict[str, FileRecord]:
+    """``files`` with the finer checksums that let a rank restoring at another layout verify
+    the parts of a file it reads (see :mod:`.ranged`), computed on the target's I/O threads."""
+    tasks = []
+    for name, rec in files.items():
+        sub = sub_chunk_size(rec.chunk_size)
+        if sub:
+            tasks += [(name, b, e) for b, e in chunk_ranges(rec.size, sub)]
+    crcs = list(target.io_pool.map(lambda t: crc32c_hex(images[t[0]][t[1]:t[2]]), tasks))
+    joined: dict[str, list[str]] = {}
+    for (name, _, _), crc in zip(tasks, crcs, strict=True):
+        joined.setdefault(name, []).append(crc)
+    return {name: dataclasses.replace(rec, sub_chunk_size=sub_chunk_size(rec.chunk_size),
+                                      sub_crc32c="".join(joined[name])) if name in joined else rec
+            for name, rec in files.items()}
 
 
 def coordinated_commit(coord: Coordinator, target: Target, writer: StepWriter | None, m: Manifest,
-                       fps: dict[str, str], error: BaseException | None) -> Manifest:
+                       fps: dict[str, str], error: BaseException | None,
+                       images: Callable[[], dict[str, np.ndarray[Any, Any]]] | None = None) -> Manifest:
     """Run on every rank's persist thread once its files are durable (or its save failed):
-    agree, and on rank 0 commit. Returns the committed manifest; raises on every rank if any
-    rank failed, the ranks disagree, or the commit failed."""
+    add the finer checksums, agree, and on rank 0 commit. Returns the committed manifest;
+    raises on every rank if any rank failed, the ranks disagree, or the commit failed."""
+    files = m.files
+    if error is None and images is not None:
+        try:
+            files = sub_checksums(target, m.files, images())
+        except Exception as exc:  # told to every rank below, like a failed write
+            error = exc
     part = RankPart(coord.rank, m.step, error=f"{type(error).__name__}: {error}" if error else "",
-                    state=m.state, tensors=m.tensors, files={k: v.to_json() for k, v in m.files.items()},
+                    state=m.state, tensors=m.tensors, files={k: v.to_json() for k, v in files.items()},
                     location=writer.location if writer is not None else "", fingerprints=fps)
     parts = coord.all_gather(part, f"the commit of step {m.step}", group=coord.commit)
     failed = [p for p in parts if p.error]

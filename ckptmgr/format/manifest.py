@@ -44,21 +44,35 @@ def _refuse_constant(name: str) -> Any:
 @dataclass(frozen=True)
 class FileRecord:
     """Size and checksums of one data file. ``crc32c[i]`` covers bytes
-    ``[i * chunk_size, (i + 1) * chunk_size)`` of the whole file, header included."""
+    ``[i * chunk_size, (i + 1) * chunk_size)`` of the whole file, header included.
+
+    Multi-rank saves also record finer checksums, so that a rank restoring at another layout
+    verifies the parts of a file it reads without reading whole chunks: ``sub_crc32c`` is the
+    8-hex-digit CRC32C of each ``sub_chunk_size`` bytes, concatenated (0 and "": none)."""
 
     size: int
     chunk_size: int
     crc32c: tuple[str, ...]
     header_size: int
+    sub_chunk_size: int = 0
+    sub_crc32c: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "header_size": self.header_size,
-                "chunk_size": self.chunk_size, "crc32c": list(self.crc32c)}
+        out: dict[str, Any] = {"size": self.size, "header_size": self.header_size,
+                               "chunk_size": self.chunk_size, "crc32c": list(self.crc32c)}
+        if self.sub_chunk_size:
+            out.update(sub_chunk_size=self.sub_chunk_size, sub_crc32c=self.sub_crc32c)
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> FileRecord:
         """A record from a validated manifest's ``files`` entry."""
-        return cls(obj["size"], obj["chunk_size"], tuple(obj["crc32c"]), obj["header_size"])
+        return cls(obj["size"], obj["chunk_size"], tuple(obj["crc32c"]), obj["header_size"],
+                   obj.get("sub_chunk_size", 0), obj.get("sub_crc32c", ""))
+
+    def sub_crc(self, index: int) -> str:
+        """The checksum of sub-chunk ``index``."""
+        return self.sub_crc32c[8 * index:8 * index + 8]
 
 
 @dataclass

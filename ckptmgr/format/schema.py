@@ -55,6 +55,9 @@ _REQUIRED = ("format", "format_version", "step", "time", "library_version", "pro
              "state", "metadata")
 _OPTIONAL = ("world_size", "rank_states", "manifest_crc32c")
 _FILE_KEYS = frozenset({"size", "header_size", "chunk_size", "crc32c"})
+_SUB_KEYS = frozenset({"sub_chunk_size", "sub_crc32c"})  # optional, together: multi-rank saves
+_HEX_RE = re.compile(r"[0-9a-f]*")
+MIN_SUB_CHUNK = 256
 _STORED_KEYS = frozenset({"file", "dtype", "shape", "offsets"})
 _VIEW_KEYS = frozenset({"view_of", "dtype", "shape", "stride", "byte_offset"})
 
@@ -151,7 +154,8 @@ def _check_file(c: _Checker, fname: Any, rec: Any) -> None:
     if not isinstance(fname, str) or not DATA_FILE_RE.fullmatch(fname):
         raise c.fail(field, "is not a data file name ckptmgr writes (data-<n>.safetensors, "
                             "data-r<rank>-<n>.safetensors); path separators and other names are refused")
-    c.keys(rec, field, _FILE_KEYS, _FILE_KEYS)
+    has_sub = isinstance(rec, dict) and bool(_SUB_KEYS & rec.keys())
+    c.keys(rec, field, _FILE_KEYS | _SUB_KEYS, _FILE_KEYS | _SUB_KEYS if has_sub else _FILE_KEYS)
     size = c.int_in(rec["size"], f"{field}.size", 8, MAX_FILE_BYTES)
     header = c.int_in(rec["header_size"], f"{field}.header_size", DATA_ALIGN, min(size, MAX_HEADER_BYTES))
     if header % DATA_ALIGN:
@@ -166,6 +170,14 @@ def _check_file(c: _Checker, fname: Any, rec: Any) -> None:
     for i, v in enumerate(crcs):
         if not isinstance(v, str) or not _CRC_RE.fullmatch(v):
             raise c.fail(f"{field}.crc32c[{i}]", f"must be 8 lowercase hex digits, got {_show(v)}")
+    if "sub_chunk_size" in rec:
+        sub = c.int_in(rec["sub_chunk_size"], f"{field}.sub_chunk_size", MIN_SUB_CHUNK, chunk)
+        if chunk % sub:
+            raise c.fail(f"{field}.sub_chunk_size", f"must divide chunk_size {chunk}, got {sub}")
+        text, want = rec["sub_crc32c"], 8 * -(-size // sub)
+        if not isinstance(text, str) or len(text) != want or not _HEX_RE.fullmatch(text):
+            raise c.fail(f"{field}.sub_crc32c", f"must be {want} lowercase hex digits (8 per sub-chunk of {sub} "
+                                                f"bytes), got {_show(text)}")
 
 
 def _check_name(c: _Checker, name: Any) -> str:
@@ -251,7 +263,7 @@ _TAG_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {  # tag -> (requi
     "$tensor": (frozenset(), frozenset()),
     "$ndarray": (frozenset(), frozenset()),
     "$npscalar": (frozenset(), frozenset()),
-    "$dtensor": (frozenset({"shape", "placements", "mesh"}), frozenset()),
+    "$dtensor": (frozenset({"shape", "placements", "mesh"}), frozenset({"offsets"})),
     "$dtype": (frozenset(), frozenset()),
     "$device": (frozenset(), frozenset()),
     "$size": (frozenset(), frozenset()),
@@ -318,8 +330,9 @@ def check_skeleton(skeleton: JSON, *, tensors: Container[str] | None, where: str
                 raise fail(f"{tag} names no tensor of the index: {str(val)[:60]}")
             if tag == "$dtensor" and not (_is_int_list(node["shape"]) and _is_int_list(node["mesh"]) and
                                           isinstance(node["placements"], list) and
-                                          all(isinstance(p, str) for p in node["placements"])):
-                raise fail("$dtensor needs int lists shape and mesh and a list of str placements")
+                                          all(isinstance(p, str) for p in node["placements"]) and
+                                          _is_int_list(node.get("offsets", []))):
+                raise fail("$dtensor needs int lists shape, mesh and offsets and a list of str placements")
         elif tag == "$dict":
             if node.get("type", "OrderedDict") != "OrderedDict":
                 raise fail(f"unknown dict type {str(node['type'])[:40]}")

@@ -24,8 +24,10 @@ torch.dtype        ``{"$dtype": "float32"}``; torch.device ``{"$device": "cuda:0
 torch.Size         ``{"$size": [2, 3]}``
 Stateful object    ``{"$stateful": "module.Class", "state": <its state_dict()>}``
 PerRank(value)     ``{"$per_rank": <value>}``: saved by every rank for itself
-DTensor            ``{"$dtensor": name, "shape": global, "placements": [...], "mesh": [...]}``;
-                   the tensor stored is this rank's local shard
+DTensor            ``{"$dtensor": name, "shape": global, "placements": [...], "mesh": [...],
+                   "offsets": [...]}``; the tensor stored is this rank's local shard, and
+                   ``offsets`` where it starts in the global tensor (absent for placements
+                   whose shards are not boxes, e.g. Partial)
 anything else      refused, unless pickle is allowed: ``{"$pickle": base64}``
 =================  ===============================================================
 
@@ -99,6 +101,18 @@ def _dtensor_type() -> type[Any] | None:
     except ImportError:  # torch built without distributed
         return None
     return DTensor
+
+
+def _shard_offsets(value: Any) -> list[int] | None:
+    """The global offset of this rank's shard of DTensor ``value``, when its placements make the
+    shard a box (only ``Shard`` and ``Replicate``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(type(p) is Shard or isinstance(p, Replicate) for p in value.placements):
+        return None
+    _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return [int(x) for x in offset]
 
 
 def is_stateful(obj: object) -> bool:
@@ -181,8 +195,12 @@ class _Flattener:
         dtensor = _dtensor_type() if tensors and isinstance(value, torch.Tensor) else None
         if dtensor is not None and isinstance(value, dtensor):
             local = self._check_tensor(value.to_local(), path)
-            return {"$dtensor": self._add(path, local, own=True), "shape": list(value.shape),
+            node = {"$dtensor": self._add(path, local, own=True), "shape": list(value.shape),
                     "placements": [str(p) for p in value.placements], "mesh": list(value.device_mesh.shape)}
+            offsets = _shard_offsets(value)
+            if offsets is not None:  # where the shard lies: what restoring at another layout needs
+                node["offsets"] = offsets
+            return node
         if tensors and isinstance(value, np.ndarray):
             return {"$ndarray": self._add(path, self._from_numpy(value, path))}
         if tensors and isinstance(value, np.generic):

@@ -43,6 +43,7 @@ class _Applier:
                 self.actions.append(lambda: target.load_state_dict(ckpt))
             return target
         if isinstance(target, torch.Tensor):
+            original = target  # what the result holds: a DTensor stays a DTensor
             target = local_tensor(target)  # a DTensor is restored through its local shard
             ckpt = local_tensor(ckpt) if isinstance(ckpt, torch.Tensor) else ckpt
             if not isinstance(ckpt, torch.Tensor):
@@ -54,7 +55,7 @@ class _Applier:
                 )
             elif apply:
                 self.actions.append(lambda: _copy(target, ckpt))
-            return target
+            return original
         if isinstance(target, np.ndarray) and isinstance(ckpt, np.ndarray):
             if target.shape != ckpt.shape or target.dtype != ckpt.dtype:
                 self.problems.append(f"{_p(path)}: the target is {target.dtype} {list(target.shape)}, "

@@ -85,19 +85,21 @@ class Restorer:
             raise CheckpointCorruptError(f"{where}: manifest field step: the manifest is for step {m.step}")
         return m
 
-    def restore_newest(self, candidates: list[int], target: Any, device: torch.device | None, loader: str) -> Any:
+    def restore_newest(self, candidates: list[int], target: Any, device: torch.device | None, loader: str,
+                       rank_map: Any = None) -> Any:
         """The newest of ``candidates`` that verifies, warning once about each newer one that does not
         (damaged, or deleted by another process while it was read)."""
         if not candidates:
             raise StepNotFoundError(f"no committed checkpoint under {self.target.url}")
         for s in reversed(candidates):
             try:
-                return self.restore_step(s, target, device, loader)
+                return self.restore_step(s, target, device, loader, rank_map)
             except (CheckpointCorruptError, StepNotFoundError) as exc:
                 warnings.warn(f"skipping step {s}: {exc}", RuntimeWarning, stacklevel=3)
         raise StepNotFoundError(f"no checkpoint under {self.target.url} verifies (tried steps {candidates})")
 
-    def restore_step(self, step: int, target: Any, device: torch.device | None, loader: str) -> Any:
+    def restore_step(self, step: int, target: Any, device: torch.device | None, loader: str,
+                     rank_map: Any = None) -> Any:
         """Restore ``step``: from this process's local tier when it holds a copy that
         verifies, else from the durable target.
 
@@ -109,7 +111,7 @@ class Restorer:
         if self.tier is not None and step in self.tier.steps():
             try:
                 with self.tier.reading(step) as images:  # the slot is not reused meanwhile
-                    return self._read_step(self.tier, step, target, device, loader, images)
+                    return self._read_step(self.tier, step, target, device, loader, images, rank_map)
             except (CheckpointCorruptError, StepNotFoundError) as exc:
                 if step not in self.target.list_steps():
                     raise
@@ -117,21 +119,21 @@ class Restorer:
         with self.guard.reading(step) as ok:
             if not ok:
                 raise StepNotFoundError(f"step {step} under {self.target.url} is being deleted by the retention policy")
-            out = self._read_step(self.target, step, target, device, loader, None)
+            out = self._read_step(self.target, step, target, device, loader, None, rank_map)
         if tier_error is not None:
             log.warning("restore: the local tier copy of step %d does not verify (%s); read %s instead",
                         step, tier_error, self.target.url)
         return out
 
     def _read_step(self, source: Target | LocalTier, step: int, target: Any, device: torch.device | None,
-                   loader: str, images: dict[str, torch.Tensor] | None) -> Any:
+                   loader: str, images: dict[str, torch.Tensor] | None, rank_map: Any = None) -> Any:
         """One read of ``step`` from ``source``, with every failure turned into one of our errors."""
         try:
             manifest = self.manifest(step, source)  # StepNotFoundError: not committed there (any more)
         except CheckpointCorruptError as exc:
             _raise_naming_step(exc, source.url, step)
         try:
-            return self._restore_from(source, step, manifest, target, device, loader, images)
+            return self._restore_from(source, step, manifest, target, device, loader, images, rank_map)
         except StepNotFoundError as exc:  # its directory went away after the manifest was read
             raise StepNotFoundError(f"step {step} under {source.url} was deleted while it was read") from exc
         except CheckpointCorruptError as exc:  # (storage names files by path; the user asked for a step)
@@ -152,10 +154,11 @@ class Restorer:
         return step in steps
 
     def _load(self, source: Target | LocalTier, step: int, manifest: Manifest, device: torch.device,
-              loader: str, images: dict[str, torch.Tensor] | None, dests: dict[str, torch.Tensor] | None
-              ) -> dict[str, torch.Tensor]:
+              loader: str, images: dict[str, torch.Tensor] | None, dests: dict[str, torch.Tensor] | None,
+              verified: bool = False) -> dict[str, torch.Tensor]:
         """Read every tensor of ``step`` (preflight first); when any lands in ``dests``, every
-        checksum is verified before the first byte lands."""
+        checksum is verified before the first byte lands (``verified``: the caller did, as a
+        multi-rank restore does on every rank before any lands)."""
         where = f"{source.url}: step {step}"
         if loader == "auto":
             loader = self.auto_loader(source, device, pinned=images is not None)
@@ -168,7 +171,7 @@ class Restorer:
         use_images = loader == "inplace" and images is not None
         preflight(source, step, manifest, where, images if use_images else None)
         entries = [e for fname in manifest.files for e in file_entries(manifest, fname, where)]
-        direct = lands_in_target(entries, dests, _CPU if loader == "host" else device)
+        direct = lands_in_target(entries, dests, _CPU if loader == "host" else device) and not verified
         paths = {name: local_path(source, step, name) or "" for name in manifest.files}
         # Into a target on a GPU: land through spare device memory when it fits (each chunk
         # verified as it arrives, the target changed only after all verified); else verify
@@ -228,7 +231,12 @@ class Restorer:
         return "ring"
 
     def _restore_from(self, source: Target | LocalTier, step: int, manifest: Manifest, target: Any,
-                      device: torch.device | None, loader: str, images: dict[str, torch.Tensor] | None) -> Any:
+                      device: torch.device | None, loader: str, images: dict[str, torch.Tensor] | None,
+                      rank_map: Any = None) -> Any:
+        if manifest.world_size > 1:  # written by several ranks: assembled whole (docs/DISTRIBUTED.md)
+            from ..distributed.restore import restore_solo
+
+            return restore_solo(self, source, step, manifest, target, device, loader, rank_map)
         dests = None
         if target is not None:
             # every difference is reported before a byte lands in the target's tensors

@@ -100,6 +100,12 @@ def verify_step(target: Target, step: int, *, threads: int = 8, manifest: Manife
         got = crc32c_hex(buf)
         if got != rec.crc32c[index]:
             fault(fname, f"bytes [{begin}, {end}) fail their checksum (CRC32C {got}, manifest {rec.crc32c[index]})")
+        sub = rec.sub_chunk_size  # the finer checksums of multi-rank saves (reads of parts of a file)
+        for b in range(begin, end, sub) if sub else ():
+            got = crc32c_hex(buf[b - begin:b - begin + sub])
+            if got != rec.sub_crc(b // sub):
+                fault(fname, f"bytes [{b}, {min(b + sub, end)}) fail their sub-chunk checksum (CRC32C {got}, "
+                      f"manifest {rec.sub_crc(b // sub)})")
         if on_bytes is not None:
             on_bytes(end - begin)
 
