@@ -12,11 +12,13 @@ Buffers are made (see :mod:`ckptmgr.save.buffers`) when a state first needs them
 never per save. The counters ``allocations`` and ``registrations`` say how often.
 
 Reuse rule, the "never lose the newest" invariant. A slot is handed to a new save only when
-what it holds is not needed: empty; durable on the target; superseded by a newer committed
-step; or (memory slots only) a step whose durable write failed and that exists nowhere
+it is not busy (being staged, or written to the durable target) and what it holds is not
+needed: empty; durable on the target; superseded by a newer committed step (in the local
+tier or on the target: a step that waited for its durable write is then superseded there
+too); or (memory slots only) a step whose durable write failed and that exists nowhere
 else, as a last resort. A tmpfs slot holding the only copy of the newest committed step is
-never handed out: the saver retries its durable write while the slot holds it, and the slot
-becomes free once that write succeeds or a newer step commits.
+never handed out: the saver writes it (retrying a failed write) while the slot holds it,
+and the slot becomes free once that write succeeds or a newer step commits.
 
 Ownership: the slot table (every ``Slot`` field but the buffers) is guarded by ``_cond``. A
 slot's buffers and segments belong to whoever holds the slot busy (one save or the persist
@@ -66,6 +68,7 @@ class Slot:
     durable: bool = False  # ``step`` is committed on the durable target
     busy: bool = False  # held by a save, its persist job, or a retry of its durable write
     preparing: bool = False  # reserved by prepare(): the next save waits for it, never skips it
+    replaced: int | None = None  # the step the slot held before acquire() handed it to a save
 
     @property
     def piece(self) -> int:
@@ -190,6 +193,7 @@ class SlotPool:
                 log.warning("reusing staging slot %d: it held step %d, whose durable write failed; that step "
                             "is dropped", slot.index, slot.step)
             old, slot.busy = slot.step, True
+            slot.replaced = old if not slot.durable else None
             slot.step, slot.durable = None, False
         if old is not None and slot.kind == "tmpfs" and self.tier is not None:
             self.tier.invalidate(slot.index)  # the manifest goes before the data changes
@@ -203,6 +207,20 @@ class SlotPool:
             if slot.durable:
                 self._note_durable(step)
             self._cond.notify_all()
+
+    def hold(self, slot: Slot, step: int) -> bool:
+        """Mark ``slot`` busy for the durable write of ``step``, which its local commit
+        released; False when a save has taken the slot since."""
+        with self._cond:
+            if slot.busy or slot.step != step:
+                return False
+            slot.busy = True
+            return True
+
+    def newest_committed(self) -> int | None:
+        """The newest step committed in the local tier or on the durable target."""
+        with self._cond:
+            return self._newest_committed()
 
     def hold_for_retry(self, slot: Slot, step: int) -> bool:
         """Mark ``slot`` busy for another durable write of ``step``; False when the slot no
