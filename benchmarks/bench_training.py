@@ -106,9 +106,9 @@ class Saver:
         if mode == "ckptmgr coalesce":
             schedule = Schedule(durable_every=args.durable_every) if args.durable_every else None
             self.mgr = CheckpointManager(os.path.join(directory, "root"), schedule=schedule,
-                                         staging=StagingOptions(slots=args.slots or 3))
+                                         staging=StagingOptions(slots=args.slots or 3, local_dir=args.local_dir))
         elif mode.startswith("ckptmgr"):
-            staging = StagingOptions(slots=args.slots) if args.slots else None
+            staging = StagingOptions(slots=args.slots or 1, local_dir=args.local_dir)
             self.mgr = CheckpointManager(os.path.join(directory, "root"), staging=staging)
         elif mode == "Lightning AsyncCheckpointIO":
             try:
@@ -322,6 +322,7 @@ def main() -> None:
     ap.add_argument("--durable-every", type=int, default=0,
                     help="ckptmgr coalesce: Schedule(durable_every=N) (0: every save meant for the durable target)")
     ap.add_argument("--durable-mbps", type=float, default=0.0, help="cap the durable target's write rate (MB/s)")
+    ap.add_argument("--local-dir", default="/dev/shm", help="ckptmgr's local tier (a tmpfs)")
     ap.add_argument("--modes", default="none,ckptmgr block,ckptmgr overlap,Lightning AsyncCheckpointIO,"
                                        "DCP async_save")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "training.json"))
