@@ -200,3 +200,24 @@ def test_sigkill_while_durable_writes_are_coalesced_leaves_the_newest_step_resto
         assert durable_steps(root)[-1] == 5
     with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as fresh:
         assert_tree_equal(fresh.restore(), crash_state(5))
+
+
+def test_a_step_meant_for_the_durable_tier_gives_way_only_to_a_newer_one_so_meant(root, local_dir, monkeypatch):
+    gates = Gates(monkeypatch, held={3})
+    schedule = Schedule(durable_every=3)  # 3 and 6 go to the durable target; 7, 8, 10 stay local
+    staging = StagingOptions(slots=4, on_busy="skip", local_dir=local_dir)
+    with CheckpointManager(root, staging=staging, schedule=schedule) as mgr:
+        h3 = mgr.save(3, _state(3), block=False)
+        assert gates.started[3].wait(timeout=60)
+        handles = {}
+        for step in (6, 7, 8, 10):  # 10 reuses 7's slot, never 6's: 6 waits for its durable write
+            handles[step] = mgr.save(step, _state(step))
+            assert not handles[step].skipped
+            assert gates.committed(step).wait(timeout=60)
+        assert not handles[6].done()
+        assert [s for s in (7, 8, 10) if handles[s].result(timeout=60).durable] == []
+        gates.release.set()
+        assert h3.result(timeout=60).durable and handles[6].result(timeout=60).durable
+        mgr.wait(timeout=60)
+        assert durable_steps(root) == [3, 6]
+        assert mgr.stats()["durable_superseded"] == 0 and mgr.stats()["local_only"] == 3

@@ -272,7 +272,7 @@ class Saver:
         with self._mu:
             if not job.picked:
                 job.released = True
-                self.pool.release(job.slot, step=job.step, durable=False)
+                self.pool.release(job.slot, step=job.step, durable=False, wanted=job.durable)
                 if not job.durable:
                     local_only = self._pending.pop(job.step, None) is not None
                     self._counts["local_only"] += local_only
@@ -590,6 +590,7 @@ class Saver:
             job = PersistJob(m, names, [m.files[n].header_size for n in names], slot, staging,
                              time.perf_counter(), 0.0, 0.0, nbytes=sum(m.files[n].size for n in names))
             job.released = True  # (the slot is not busy: the newest of these is written, the others superseded)
+            slot.wanted = True
             self._enqueue(job, Ticket(m.step, Future(), staging))
 
     def unfinished(self) -> dict[int, str]:
