@@ -38,7 +38,7 @@ target's write rate (emulates a slower disk, e.g. to see coalescing on a CPU mac
 Saves faster than the disk (a GPU machine, ~1.8 s per durable write of the 4.8 GB state)::
 
     python benchmarks/bench_training.py --model linear --every 25 --steps 200 --warmup 5 \
-        --modes "none,ckptmgr overlap,ckptmgr coalesce" --slots 3 --repeat 3 --dir /var/tmp/x
+        --modes "none,ckptmgr overlap,ckptmgr coalesce" --repeat 3 --dir /var/tmp/x
 
 Reports, per mode, the mean step time and its overhead against ``none`` of the same round
 (median and range over the rounds), the longest step (with ``--sync-each``), the peak GPU
@@ -318,7 +318,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=3, help="rounds; each (mode, round) is a fresh process")
     ap.add_argument("--sync-each", action="store_true", help="synchronize after every step (per-step times)")
-    ap.add_argument("--slots", type=int, default=0, help="ckptmgr staging slots (0: the default; 3 for coalesce)")
+    ap.add_argument("--slots", type=int, default=0,
+                    help="ckptmgr staging slots (0: 1 for block/overlap, 3 for coalesce)")
     ap.add_argument("--durable-every", type=int, default=0,
                     help="ckptmgr coalesce: Schedule(durable_every=N) (0: every save meant for the durable target)")
     ap.add_argument("--durable-mbps", type=float, default=0.0, help="cap the durable target's write rate (MB/s)")
