@@ -69,7 +69,10 @@ class StagingOptions:
 
     Attributes:
         slots: how many checkpoints may be staged or in flight at once. 1 keeps host memory
-            at one checkpoint; 2 lets a save stage while the previous one is still writing.
+            at one checkpoint; 2 lets a save stage while the previous one is still writing;
+            3, with the local tier, lets saves come faster than the durable target absorbs
+            them without waiting (one slot being written, one holding the newest step, one
+            filling; durable writes go to the newest step, see :class:`Schedule`).
         on_busy: what ``save()`` does when every slot is still in use: ``"wait"`` for one to
             free up, or ``"skip"`` this save (it is logged and counted).
         busy_timeout: seconds ``save()`` waits for a free slot before raising
