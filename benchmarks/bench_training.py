@@ -12,6 +12,10 @@ with fused AdamW (~4.8 GB of state, ~50 ms steps at batch 1024 on an H100/H200).
 * ``ckptmgr block``: ``mgr.save(step, state)`` after ``optimizer.step()``;
 * ``ckptmgr overlap``: ``mgr.save(..., block=False)``; ``handle.wait_staged()`` right before
   the next ``optimizer.step()``, so the copy overlaps the next forward and backward;
+* ``ckptmgr coalesce``: like ``overlap`` with ``--slots`` staging slots (default 3) in the
+  local tier and ``ckptmgr.Schedule(durable_every=--durable-every)`` (0: every save is meant
+  for the durable target): when saves come faster than the disk absorbs them, each one still
+  lands in the local tier at copy speed and the durable write goes to the newest step;
 * ``Lightning AsyncCheckpointIO``: its ``save_checkpoint`` (clones on the GPU, writes in a
   thread);
 * ``DCP async_save``: with a pinned DefaultStager, ``staging_completion`` awaited before the
@@ -25,6 +29,16 @@ at start-up, without waiting for it. The timed window ends when the last step's 
 done; the wait for the last write to become durable (time-to-durable, which every tool pays) is
 reported apart. Choose ``--batch`` so that ``--every`` steps take longer than one durable write
 unless the point is to checkpoint faster than the disk absorbs.
+
+Durable freshness (ckptmgr modes): at every checkpoint, the age of the newest step committed
+on the durable target (seconds since that step's ``save()``; steps behind the step being
+saved), and the steps superseded for the durable tier. ``--durable-mbps`` caps the durable
+target's write rate (emulates a slower disk, e.g. to see coalescing on a CPU machine).
+
+Saves faster than the disk (a GPU machine, ~1.8 s per durable write of the 4.8 GB state)::
+
+    python benchmarks/bench_training.py --model linear --every 25 --steps 200 --warmup 5 \
+        --modes "none,ckptmgr overlap,ckptmgr coalesce" --repeat 3 --dir /var/tmp/x
 
 Reports, per mode, the mean step time and its overhead against ``none`` of the same round
 (median and range over the rounds), the longest step (with ``--sync-each``), the peak GPU
@@ -46,7 +60,7 @@ from typing import Any
 
 import torch
 
-from ckptmgr import CheckpointManager
+from ckptmgr import CheckpointManager, Schedule, StagingOptions
 
 
 class Decoder(torch.nn.Module):
@@ -80,14 +94,22 @@ class Saver:
     """One checkpointing mode: ``save`` after the optimizer step, ``before_step`` right
     before the next one, ``finish`` after the timed loop."""
 
-    def __init__(self, mode: str, directory: str) -> None:
+    def __init__(self, mode: str, directory: str, args: argparse.Namespace) -> None:
         self.mode, self.dir = mode, directory
         self.pending: Any = None
         self.errors: list[str] = []
         self.stager: Any = None
         self.uploads: list[Any] = []
-        if mode.startswith("ckptmgr"):
-            self.mgr = CheckpointManager(os.path.join(directory, "root"))
+        self.handles: list[tuple[int, float, Any]] = []  # ckptmgr: (step, time of save(), handle)
+        self.newest_durable: tuple[int, float] | None = None
+        self.freshness: list[dict[str, Any]] = []
+        if mode == "ckptmgr coalesce":
+            schedule = Schedule(durable_every=args.durable_every) if args.durable_every else None
+            self.mgr = CheckpointManager(os.path.join(directory, "root"), schedule=schedule,
+                                         staging=StagingOptions(slots=args.slots or 3, local_dir=args.local_dir))
+        elif mode.startswith("ckptmgr"):
+            staging = StagingOptions(slots=args.slots or 1, local_dir=args.local_dir)
+            self.mgr = CheckpointManager(os.path.join(directory, "root"), staging=staging)
         elif mode == "Lightning AsyncCheckpointIO":
             try:
                 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
@@ -108,11 +130,30 @@ class Saver:
         if self.mode.startswith("ckptmgr"):
             self.mgr.prepare({"model": model, "optim": opt, "step": 0})
 
+    def note_durable(self, step: int) -> None:
+        """At a checkpoint of ``step``: how far behind the durable target is."""
+        now = time.perf_counter()
+        for s, t, h in self.handles:
+            if h.done() and (self.newest_durable is None or s > self.newest_durable[0]):
+                try:
+                    if h.result(timeout=0).durable:
+                        self.newest_durable = (s, t)
+                except Exception as exc:
+                    self.errors.append(f"save {s}: {type(exc).__name__}: {exc}")
+        self.handles = [x for x in self.handles if not x[2].done()]
+        nd = self.newest_durable
+        self.freshness.append({"step": step, "newest_durable": nd[0] if nd else None,
+                               "age_s": now - nd[1] if nd else None, "behind_steps": step - nd[0] if nd else None})
+
     def save(self, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        if self.mode.startswith("ckptmgr"):
+            self.note_durable(step)
         if self.mode == "ckptmgr block":
-            self.mgr.save(step, {"model": model, "optim": opt, "step": step})
-        elif self.mode == "ckptmgr overlap":
+            h = self.mgr.save(step, {"model": model, "optim": opt, "step": step})
+            self.handles.append((step, time.perf_counter(), h))
+        elif self.mode in ("ckptmgr overlap", "ckptmgr coalesce"):
             self.pending = self.mgr.save(step, {"model": model, "optim": opt, "step": step}, block=False)
+            self.handles.append((step, time.perf_counter(), self.pending))
         elif self.mode == "Lightning AsyncCheckpointIO":
             self.io.save_checkpoint({"model": model.state_dict(), "optim": opt.state_dict(), "step": step},
                                     os.path.join(self.dir, f"step{step}.ckpt"))
@@ -135,7 +176,7 @@ class Saver:
     def before_step(self) -> None:
         if self.pending is None:
             return
-        if self.mode == "ckptmgr overlap":
+        if self.mode in ("ckptmgr overlap", "ckptmgr coalesce"):
             self.pending.wait_staged()
         elif self.mode == "DCP async_save":
             try:
@@ -148,6 +189,7 @@ class Saver:
     def finish(self) -> None:
         self.before_step()
         if self.mode.startswith("ckptmgr"):
+            self.stats = self.mgr.stats()
             self.mgr.close()
         elif self.mode == "Lightning AsyncCheckpointIO":
             self.io.teardown()
@@ -174,7 +216,9 @@ def run(mode: str, args: argparse.Namespace, directory: str) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
-    saver = Saver(mode, directory) if mode != "none" else None
+    if args.durable_mbps:
+        _throttle_durable_writes(args.durable_mbps * 1e6)
+    saver = Saver(mode, directory, args) if mode != "none" else None
     amp = torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16)
 
     def step_fn(step: int, checkpoint: bool) -> None:
@@ -219,9 +263,36 @@ def run(mode: str, args: argparse.Namespace, directory: str) -> dict[str, Any]:
     nparams = sum(p.numel() for p in model.parameters())
     state_bytes = sum(p.numel() * p.element_size() * 3 for p in model.parameters())  # weights + 2 AdamW moments
     shutil.rmtree(directory, ignore_errors=True)
+    fresh = saver.freshness if saver else []
+    ages = [f["age_s"] for f in fresh if f["age_s"] is not None]
     return {"mode": mode, "mean_step_s": total / args.steps, "step_times": times, "peak_gpu_gib": peak,
             "teardown_s": teardown, "params": nparams, "state_bytes": state_bytes,
-            "errors": saver.errors if saver else []}
+            "errors": saver.errors if saver else [], "freshness": fresh,
+            "durable_age_s_median": statistics.median(ages) if ages else None,
+            "durable_age_s_max": max(ages) if ages else None,
+            "stats": getattr(saver, "stats", None)}
+
+
+def _throttle_durable_writes(bytes_per_s: float) -> None:
+    """Make the local durable target write at most ``bytes_per_s`` (a slower disk)."""
+    from ckptmgr.storage.local import LocalTarget
+
+    real_begin = LocalTarget.begin
+
+    def begin(self: Any, step: int, prefix: str = "") -> Any:
+        writer = real_begin(self, step, prefix)
+        real_write = writer.write_files
+
+        def write_files(files: Any, chunk_size: int, *, checksum: bool = True) -> Any:
+            t0 = time.perf_counter()
+            out = real_write(files, chunk_size, checksum=checksum)
+            time.sleep(max(0.0, sum(a.size for _, a in files) / bytes_per_s - (time.perf_counter() - t0)))
+            return out
+
+        writer.write_files = write_files
+        return writer
+
+    LocalTarget.begin = begin  # type: ignore[method-assign]
 
 
 def _range(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
@@ -247,6 +318,12 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=3, help="rounds; each (mode, round) is a fresh process")
     ap.add_argument("--sync-each", action="store_true", help="synchronize after every step (per-step times)")
+    ap.add_argument("--slots", type=int, default=0,
+                    help="ckptmgr staging slots (0: 1 for block/overlap, 3 for coalesce)")
+    ap.add_argument("--durable-every", type=int, default=0,
+                    help="ckptmgr coalesce: Schedule(durable_every=N) (0: every save meant for the durable target)")
+    ap.add_argument("--durable-mbps", type=float, default=0.0, help="cap the durable target's write rate (MB/s)")
+    ap.add_argument("--local-dir", default="/dev/shm", help="ckptmgr's local tier (a tmpfs)")
     ap.add_argument("--modes", default="none,ckptmgr block,ckptmgr overlap,Lightning AsyncCheckpointIO,"
                                        "DCP async_save")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "training.json"))
@@ -284,8 +361,9 @@ def main() -> None:
     lines = [f"{args.model}: {first['params'] / 1e6:.0f}M parameters ({first['state_bytes'] / 1e9:.2f} GB of state), "
              f"AdamW, batch {args.batch}, checkpoint every {args.every} steps, {args.steps} timed steps incl. the "
              f"first save; median (range) of {args.repeat} fresh-process rounds" if first else "no run succeeded", "",
-             "| mode | ms/step | overhead vs none | longest step ms | peak GPU GiB | teardown s |",
-             "|---|---|---|---|---|---|"]
+             "| mode | ms/step | overhead vs none | longest step ms | peak GPU GiB | teardown s | durable age s "
+             "(median / max) | superseded |",
+             "|---|---|---|---|---|---|---|---|"]
     summary: dict[str, Any] = {}
     for mode in modes:
         ok = [(g[mode], g.get("none")) for g in rounds if "mean_step_s" in g.get(mode, {})]
@@ -298,9 +376,16 @@ def main() -> None:
                          "overhead_pct_median": statistics.median(over) if over else None,
                          "longest_step_s": longest, "teardown_s": [x["teardown_s"] for x, _ in ok],
                          "peak_gpu_gib": max(x["peak_gpu_gib"] for x, _ in ok)}
+        ages = [x["durable_age_s_median"] for x, _ in ok if x.get("durable_age_s_median") is not None]
+        worst = [x["durable_age_s_max"] for x, _ in ok if x.get("durable_age_s_max") is not None]
+        superseded = [x["stats"]["durable_superseded"] for x, _ in ok if x.get("stats")]
+        summary[mode].update(durable_age_s_median=ages, durable_age_s_max=worst, durable_superseded=superseded)
         lines.append(f"| {mode} | {_range(steps, 1e3)} | {_range(over, fmt='{:+.2f}%') if over else '-'} | "
                      f"{_range(longest, 1e3, '{:.0f}')} | {summary[mode]['peak_gpu_gib']:.1f} | "
-                     f"{_range(summary[mode]['teardown_s'], fmt='{:.2f}')} |")
+                     f"{_range(summary[mode]['teardown_s'], fmt='{:.2f}')} | "
+                     f"{_range(ages, fmt='{:.2f}') if ages else '-'} / "
+                     f"{_range(worst, fmt='{:.2f}') if worst else '-'} | "
+                     f"{_range([float(s) for s in superseded], fmt='{:.0f}') if superseded else '-'} |")
     print("\n".join(lines))
     report = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",

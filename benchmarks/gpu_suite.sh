@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|pinning|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|tier|timeline|parts4|lightning|hf]...
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|coalesce|pinning|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|tier|timeline|parts4|lightning|hf]...
 # Packages the GPU image lacks are installed from .whl/ when present.
 set -uo pipefail
 out="${1:?output directory}"; shift
@@ -38,6 +38,9 @@ for part in "${parts[@]}"; do
               --out "$out/training25.json" 2>&1 | tee "$out/training25.txt" ;;
     hf) python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_hf_trainer.py 2>&1 | tee "$out/hf-tests.txt"
         python3 benchmarks/bench_hf_trainer.py --workdir /var/tmp --out "$out" 2>&1 | tee "$out/hf.txt" ;;
+    coalesce) python3 benchmarks/bench_training.py --model linear --every 25 --steps 200 --warmup 5 \
+              --modes "none,ckptmgr overlap,ckptmgr coalesce" --repeat 3 --dir /var/tmp/ckptmgr-bench-coalesce \
+              --out "$out/coalesce.json" 2>&1 | tee "$out/coalesce.txt" ;;
     pinning) python3 benchmarks/bench_pinning.py --dir /var/tmp --out "$out/pinning.json" 2>&1 | tee "$out/pinning.txt" ;;
     lightning) python3 benchmarks/bench_lightning.py --steps 60 --every 20 --repeat 3 --out "$out/lightning.json" 2>&1 | tee "$out/lightning.txt"
                python3 benchmarks/bench_torchzip.py --mib 4096 --tensors 150 --out "$out/torchzip.json" 2>&1 | tee "$out/torchzip.txt" ;;

@@ -30,7 +30,7 @@ from .errors import (
 from .format.tree import PerRank
 from .handle import SaveHandle, SaveInfo
 from .manager import CheckpointManager
-from .options import S3Options, StagingOptions, WriteOptions
+from .options import S3Options, Schedule, StagingOptions, WriteOptions
 from .restore.loaders import load_file
 from .retention import (
     AnyOf,
@@ -64,6 +64,7 @@ __all__ = [
     "SaveHandle",
     "SaveInfo",
     "SaveSkippedError",
+    "Schedule",
     "StagingOptions",
     "StateMismatchError",
     "StepExistsError",

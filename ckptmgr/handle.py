@@ -19,6 +19,24 @@ class SaveHandle:
     it waits (``KeyboardInterrupt``, ``SystemExit``) passes straight through and reports
     nothing: the save's own outcome is still told later.
 
+    When the handle resolves, and with what (:meth:`result`):
+
+    * written durably: once the step is committed on the durable target;
+      ``SaveInfo.durable`` is True.
+    * superseded: the step is committed in the local tier, and a newer step took its place
+      in the durable write (saves came faster than the durable target absorbs them: when
+      the writer became free, or when a new save reused the step's slot, a newer step was
+      already committed). It resolves at that moment, successfully: ``SaveInfo.durable`` is
+      False and ``SaveInfo.superseded_by`` names the newer step (the newest committed one
+      when it was passed over). The step stays listed by ``steps()`` and restorable until
+      its slot is reused; it is never written to the durable target later, and a
+      ``protect()`` of it is dropped with a warning.
+    * local only (the manager's :class:`~ckptmgr.Schedule` did not send this step to the
+      durable target): once it is committed in the local tier; ``SaveInfo.durable`` is False
+      and ``superseded_by`` is None. Without a local tier every step is written durably.
+    * failed: ``result()`` raises SaveError. A durable write that fails is retried in the
+      background while the slot still holds the step (the failure is still reported here).
+
     Attributes:
         step: the step being saved.
         skipped: True when the save did not happen because every staging slot was busy
@@ -31,7 +49,7 @@ class SaveHandle:
         self.skipped = ticket.skipped
 
     def done(self) -> bool:
-        """True once the save has committed or failed."""
+        """True once the save has resolved: committed durably, superseded, kept local only, or failed."""
         return self._ticket.future.done()
 
     def staged(self) -> bool:
@@ -60,7 +78,7 @@ class SaveHandle:
             raise as_save_error(self.step, exc) from exc
 
     def result(self, timeout: float | None = None) -> SaveInfo:
-        """Wait for the commit and return its info.
+        """Wait until the save resolves (see the class docstring) and return its info.
 
         Raises:
             SaveError: the save failed (the original exception is ``__cause__``).

@@ -32,7 +32,7 @@ from .format.manifest import Manifest
 from .format.naming import MAX_STEP
 from .format.tree import decode_plain, encode_plain, flatten
 from .handle import SaveHandle
-from .options import S3Options, StagingOptions, WriteOptions, option_or_default
+from .options import S3Options, Schedule, StagingOptions, WriteOptions, option_or_default
 from .restore.loaders import PinnedRing
 from .restore.restorer import LOADERS, Restorer
 from .retention import KeepAll, RetentionPolicy
@@ -89,6 +89,10 @@ class CheckpointManager:
             :class:`ConfigError`. None (the default) opens a local root that exists but is
             not writable by this process read-only, and any other root for writing (on an
             object store, pass True for read-only credentials). False always opens for writing.
+        schedule: how often each tier is written (:class:`Schedule`): which saves go to the
+            durable target too, and what :meth:`should_save` answers. None: every save goes
+            to both tiers. Either way, durable writes that fall behind are coalesced to the
+            newest locally committed step (see :class:`SaveHandle`).
 
     Example:
         >>> import torch
@@ -116,6 +120,7 @@ class CheckpointManager:
         coordination_timeout: float = 600.0,
         close_timeout: float | None = CLOSE_TIMEOUT_S,
         read_only: bool | None = None,
+        schedule: Schedule | None = None,
     ) -> None:
         retention = option_or_default(retention, RetentionPolicy, "retention", KeepAll)
         write_options = option_or_default(write_options, WriteOptions, "write_options", WriteOptions)
@@ -143,6 +148,7 @@ class CheckpointManager:
             staging = dataclasses.replace(staging, local_tier=False)
         durable = self._start_up()  # the last listing save() relies on (it lists nothing)
         self._staging_opts = staging
+        self._schedule: Schedule = option_or_default(schedule, Schedule, "schedule", Schedule)
         self._guard = StepGuard()
         self._deleter = Deleter(self._target, retention, self._guard, on_deleted=lambda s: self._saver.forget(s))
         self._tier = open_local_tier(staging, self.root)
@@ -182,6 +188,9 @@ class CheckpointManager:
 
         Keys: ``saves`` (started), ``skips`` (dropped because every slot was busy),
         ``busy_waits`` and ``busy_wait_s`` (saves that waited for a free slot, and for how long),
+        ``durable_superseded`` (steps committed in the local tier whose durable write a newer
+        step took over: saves came faster than the target absorbs them), ``local_only``
+        (steps the :class:`Schedule` kept in the local tier only),
         ``slot_allocations`` and ``slot_registrations`` (host buffers created and pinned;
         they stop growing after the first save of a state of fixed size), ``deleted``
         (steps removed by the retention policy).
@@ -241,7 +250,20 @@ class CheckpointManager:
                             metadata=meta_json, library_version=__version__)
         coord = self._coord
         join = None if coord is None else (lambda job: coordinate(job, coord, self._target, fps))
-        return SaveHandle(self._saver.save(manifest, plan, sizes, block=block, t0=t0, coordinate=join))
+        return SaveHandle(self._saver.save(manifest, plan, sizes, block=block, t0=t0, coordinate=join,
+                                           schedule=self._schedule))
+
+    def should_save(self, step: int) -> bool:
+        """Whether the manager's :class:`Schedule` saves ``step`` (every step without one).
+
+        Example:
+            >>> for step in range(1, 1001):  # doctest: +SKIP
+            ...     train_step()
+            ...     if mgr.should_save(step):
+            ...         mgr.save(step, state, block=False).wait_staged()
+        """
+        _check_step(step)
+        return self._schedule.should_save(step)
 
     def _plan(self, state: Any) -> tuple[Any, Plan, list[int], dict[str, str]]:
         """Skeleton, this rank's file plan, file sizes, and (multi-rank) the fingerprints of

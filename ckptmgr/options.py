@@ -8,7 +8,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["S3Options", "StagingOptions", "WriteOptions", "option_or_default"]
+__all__ = ["S3Options", "Schedule", "StagingOptions", "WriteOptions", "option_or_default"]
 
 
 def option_or_default(value: Any, kind: type, name: str, default: Callable[[], Any] | None) -> Any:
@@ -69,7 +69,10 @@ class StagingOptions:
 
     Attributes:
         slots: how many checkpoints may be staged or in flight at once. 1 keeps host memory
-            at one checkpoint; 2 lets a save stage while the previous one is still writing.
+            at one checkpoint; 2 lets a save stage while the previous one is still writing;
+            3, with the local tier, lets saves come faster than the durable target absorbs
+            them without waiting (one slot being written, one holding the newest step, one
+            filling; durable writes go to the newest step, see :class:`Schedule`).
         on_busy: what ``save()`` does when every slot is still in use: ``"wait"`` for one to
             free up, or ``"skip"`` this save (it is logged and counted).
         busy_timeout: seconds ``save()`` waits for a free slot before raising
@@ -158,3 +161,58 @@ class S3Options:
                 raise ConfigError(f"S3Options.{name} must be a number >= 0, got {value!r}")
         if not isinstance(self.adaptive_concurrency, bool):
             raise ConfigError(f"S3Options.adaptive_concurrency must be a bool, got {self.adaptive_concurrency!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """How often each tier is written: the local tier (RAM, at copy speed) and the durable
+    target (the disk or object store, as fast as it absorbs them).
+
+    Every save lands in the local tier. A save is also written to the durable target when
+    the schedule asks for it: its step is a multiple of ``durable_every``, or
+    ``durable_every_s`` seconds have passed since the last save the schedule sent there.
+    With neither set, every save is meant for the durable target. Durable writes never queue
+    up: when they fall behind, the newest locally committed step is written next and the ones
+    in between are superseded there (they stay in the local tier until their slots are
+    reused, and ``SaveInfo.superseded_by`` says so). Without a local tier (``StagingOptions(
+    local_tier=False)``, several ranks, or no room in ``local_dir``) every save is written to
+    the durable target.
+
+    Attributes:
+        local_every: :meth:`CheckpointManager.should_save` is True every this many steps.
+        durable_every: steps whose number is a multiple of this go to the durable target
+            too (None: by time only, or every save when ``durable_every_s`` is None too).
+        durable_every_s: a save goes to the durable target too when this many seconds have
+            passed since the last one that did (None: by step number only).
+
+    Example:
+        >>> s = Schedule(local_every=50, durable_every=500)
+        >>> [step for step in range(0, 1001, 50) if s.durable(step, None)]
+        [0, 500, 1000]
+    """
+
+    local_every: int = 1
+    durable_every: int | None = None
+    durable_every_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("local_every", "durable_every"):
+            value = getattr(self, name)
+            if (value is not None or name == "local_every") and (type(value) is not int or value <= 0):
+                raise ConfigError(f"Schedule.{name} must be a positive int, got {value!r}")
+        s = self.durable_every_s
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0 or s == float("inf")):
+            raise ConfigError(f"Schedule.durable_every_s must be a positive finite number of seconds, got {s!r}")
+
+    def should_save(self, step: int) -> bool:
+        """True when ``step`` is one this schedule saves (to the local tier at least)."""
+        return step % self.local_every == 0 or (self.durable_every is not None and step % self.durable_every == 0)
+
+    def durable(self, step: int, since_durable_s: float | None) -> bool:
+        """Whether a save of ``step`` goes to the durable target too; ``since_durable_s``:
+        seconds since the last save that did (None: there was none in this process)."""
+        if self.durable_every is None and self.durable_every_s is None:
+            return True
+        if self.durable_every is not None and step % self.durable_every == 0:
+            return True
+        return self.durable_every_s is not None and (since_durable_s is None or since_durable_s >= self.durable_every_s)

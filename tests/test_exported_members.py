@@ -25,6 +25,7 @@ EXPECTED = [
     "SaveHandle",
     "SaveInfo",
     "SaveSkippedError",
+    "Schedule",
     "StagingOptions",
     "StateMismatchError",
     "StepExistsError",

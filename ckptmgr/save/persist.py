@@ -3,17 +3,19 @@
 A save has up to two targets: the local tier (the slot's own files in tmpfs) and the durable
 root. They are written as one tiered write:
 
-1. wait until the staging copies have landed;
-2. side by side: the local tier's writer checksums the images (they are in place already)
-   and commits the step in RAM, while the durable target's writer writes the files on its
-   I/O threads;
-3. the durable commit, with the checksums computed once (by the local writer when there is
+1. the local commit (:func:`commit_local`, on the saver's local-commit thread, started by
+   ``save()`` itself): wait until the staging copies have landed, checksum the images (they
+   are in place already) and commit the step in RAM. It never waits for the durable tier;
+2. the durable write (:func:`persist`, on the persist thread, whenever the saver picks the
+   job): the durable target's writer writes the files on its I/O threads, beside the local
+   commit when that is still running;
+3. the durable commit, with the checksums computed once (by the local commit when there is
    one; the durable writer then skips them: they measured ~4% of the write time).
 
 A job is data, not a closure: the saver's persist thread *picks* jobs (see
-:meth:`ckptmgr.save.saver.Saver._next_job`), so a later policy may pick the newest staged step
-when writes fall behind, and a failed durable write is retried by running the same job
-again, with ``local=False``.
+:meth:`ckptmgr.save.saver.Saver._next_job`): when saves come faster than the durable target
+absorbs them it picks the newest locally committed step and the older ones are superseded
+for the durable tier. A failed durable write is retried by running the same job again.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +61,15 @@ class SaveInfo:
         busy_wait_s: seconds ``save()`` waited for a free staging slot.
         local_s: seconds from ``save()`` until the local tier listed the checkpoint (None
             when the slot is not in the local tier).
-        attempts: durable writes it took (more than 1 when a failed write was retried).
+        attempts: durable writes it took (more than 1 when a failed write was retried; 0
+            when the step was not written to the durable target).
+        durable: True when the step is committed on the durable target. False when it is
+            committed in the local tier only: the schedule did not ask for a durable copy
+            of it, or ``superseded_by`` is set. ``url`` is then the local tier's directory,
+            and ``persist_s``/``total_s`` end at the local commit.
+        superseded_by: the newer step that took this step's place in the durable write
+            (saves came faster than the durable target absorbs them); None otherwise. The
+            step stays in the local tier until its slot is reused.
     """
 
     step: int
@@ -73,6 +83,8 @@ class SaveInfo:
     busy_wait_s: float = 0.0
     local_s: float | None = None
     attempts: int = 1
+    durable: bool = True
+    superseded_by: int | None = None
 
     @property
     def throughput_gbps(self) -> float:
@@ -93,20 +105,34 @@ class PersistJob:
     t0: float  # perf_counter() at save()
     blocked_s: float
     busy_wait_s: float
-    local: bool  # commit in the local tier too (False: adopted from an earlier process, or a retry)
     # multi-rank saves: this rank's file prefix, and the agreement that replaces the commit
     prefix: str = ""
     coordinate: Callable[[StepWriter | None, Manifest, BaseException | None], Manifest] | None = None
     attempts: int = 0  # durable writes tried so far
     local_s: float | None = None  # when the local tier listed the step
+    nbytes: int = 0  # the files' bytes, all together
+    durable: bool = True  # the schedule wants this step on the durable target
+    # the local commit (see commit_local); its result is the files' records
+    local_commit: Future[dict[str, FileRecord]] | None = None
+    # (Saver._mu) the persist thread took the job; the local commit released the slot
+    picked: bool = False
+    released: bool = False
 
     @property
     def step(self) -> int:
         return self.manifest.step
 
 
-def _commit_local(writer: StepWriter, files: list[tuple[str, np.ndarray[Any, Any]]], job: PersistJob,
-                  chunk_size: int) -> dict[str, FileRecord]:
+def slot_files(job: PersistJob) -> list[tuple[str, np.ndarray[Any, Any]]]:
+    return [(name, seg.numpy()) for name, seg in zip(job.names, job.slot.segments, strict=True)]
+
+
+def commit_local(job: PersistJob, tier: LocalTier, chunk_size: int) -> dict[str, FileRecord]:
+    """Commit ``job``'s slot in the local tier once its copies have landed; return the files'
+    records (with their checksums). Runs on the saver's local-commit thread."""
+    job.staging.wait()
+    files = slot_files(job)
+    writer = tier.begin(job.step, job.slot.index)
     crcs = writer.write_files(files, chunk_size, checksum=True)
     records = {name: FileRecord(arr.size, chunk_size, c, hs)
                for (name, arr), c, hs in zip(files, crcs, job.header_sizes, strict=True)}
@@ -115,9 +141,9 @@ def _commit_local(writer: StepWriter, files: list[tuple[str, np.ndarray[Any, Any
     return records
 
 
-def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, side: Executor, chunk_size: int) -> SaveInfo:
-    """Write ``job``'s slot to the local tier (when ``job.local``) and to ``target``, and commit
-    on both. Runs on the persist thread; ``side`` runs the local commit beside the durable write.
+def persist(job: PersistJob, *, target: Target, chunk_size: int) -> SaveInfo:
+    """Write ``job``'s slot to ``target`` and commit it there, with the checksums of the job's
+    local commit when it has one (waited for). Runs on the persist thread.
 
     Raises:
         Exception: whatever failed; the durable step is then not committed (its partial files
@@ -127,10 +153,8 @@ def persist(job: PersistJob, *, target: Target, tier: LocalTier | None, side: Ex
     job.attempts += 1
     job.staging.wait()
     t_staged = job.staging.finished_at or time.perf_counter()
-    files = [(name, seg.numpy()) for name, seg in zip(job.names, job.slot.segments, strict=True)]
-    local: Future[dict[str, FileRecord]] | None = None
-    if job.local and tier is not None and job.slot.kind == "tmpfs":
-        local = side.submit(_commit_local, tier.begin(m.step, job.slot.index), files, job, chunk_size)
+    files = slot_files(job)
+    local = job.local_commit if not m.files else None
     writer: StepWriter | None = None
     told = False  # the other ranks heard how this save went
     try:

@@ -3,8 +3,9 @@
 Who owns what (each piece of mutable state has one owner)::
 
     Saver._mu (a Condition; never held across I/O, taken briefly by save() on the training thread)
-        _pending      steps submitted whose first durable write has not been decided
-        _queue        jobs waiting for the persist thread (first attempts, in save order)
+        _pending      steps submitted whose outcome has not been decided
+        _queue        jobs waiting for the persist thread (first attempts, in save order);
+                      each job's ``picked`` and ``released`` flags
         _retries      jobs whose durable write failed, waiting for their next attempt
         _durable      the durable target's committed steps as this manager knows them: the
                       start-up listing, plus its own commits, less the deleter's deletions
@@ -12,15 +13,25 @@ Who owns what (each piece of mutable state has one owner)::
         _protect      steps to protect as soon as they commit
         _unsettled    first attempts and prepare() runs not finished (what wait() waits for)
         _tickets      outcomes nobody has been told of yet
+        _counts       steps superseded for the durable tier, steps kept local only
+        _last_durable when the last save meant for the durable target was made (the schedule)
     SlotPool._cond    the slot table (see slots.py); lock order: Saver._mu -> pool -> tier
+                      (the pool never calls back into the saver with its lock held)
     the persist thread  a job from the moment it picks it until the job's settle() returns
 
-The life of a save: ``save()`` (training thread) acquires a slot, fits and stages into it and
-queues a :class:`PersistJob`; the persist thread picks it, runs the tiered write
-(:func:`~ckptmgr.save.persist.persist`) and then, in that job's own ``finally``
-(:meth:`Saver._settle`), releases the slot, writes a pending protection marker, schedules
-retention, completes the ticket and does the accounting. Nothing happens in a Future
-callback, so no failure there can leave ``wait()`` blocked.
+The life of a save: ``save()`` (training thread) acquires a slot, fits and stages into it,
+queues a :class:`PersistJob` and starts its local commit on the local-commit thread. The
+local commit, once the copies have landed, commits the step in the local tier and *releases*
+the slot (it still holds the step; the reuse rule keeps it while the step is the newest
+committed one). The persist thread picks jobs: the newest locally committed one; the older
+locally committed ones it passes over are *superseded* for the durable tier (their tickets
+resolve with ``SaveInfo.superseded_by``; their steps stay in the local tier until their slots
+are reused). A save that reuses such a slot before the persist thread got to it supersedes
+the step the same way. Without a local tier the persist thread takes jobs in save order.
+After the durable write, in the job's own ``finally`` (:meth:`Saver._settle`), it releases
+the slot, writes a pending protection marker, schedules retention, completes the ticket and
+does the accounting. Nothing happens in a Future callback, so no failure there can leave
+``wait()`` blocked.
 
 A failed durable write (an ``OSError``: the target is full, unreachable, throttling) is
 reported on the ticket at once, and retried with exponential backoff while its slot still
@@ -41,11 +52,11 @@ from .._threads import DaemonPool
 from ..errors import CkptTimeoutError, SaveError, SaveSkippedError, StepExistsError, StorageError
 from ..format.layout import Plan
 from ..format.manifest import Manifest
-from ..options import StagingOptions
+from ..options import Schedule, StagingOptions
 from ..retention.deleter import Deleter, StepGuard
 from ..storage import Target
 from ..storage.tier import LocalTier
-from .persist import PersistJob, SaveInfo, persist
+from .persist import PersistJob, SaveInfo, commit_local, persist
 from .slots import SlotPool
 from .staging import Stager, StagingJob
 
@@ -141,9 +152,11 @@ class Saver:
         self._protect: set[int] = set()
         self._unsettled = 0
         self._tickets: list[Ticket] = []
+        self._counts = {"durable_superseded": 0, "local_only": 0}
+        self._last_durable: float | None = None  # monotonic time of the last save sent to the durable target
         self._closing = False
-        self._root_bound = False  # (persist thread) the tier recorded the root's identity
-        self._waiting_told = True  # a save waiting for a held slot has been explained in the log
+        self._root_bound = False  # (local-commit thread) the tier recorded the root's identity
+        self._slot_wanted = threading.Event()  # a save waits for a slot (set by the pool, under its lock)
         if durable:
             self.pool.note_durable(max(durable))
         self.pool.on_wait = self._save_waits
@@ -163,9 +176,11 @@ class Saver:
                                   "checkpoints are never overwritten")
 
     def save(self, manifest: Manifest, plan: Plan, sizes: list[int], *, block: bool, t0: float,
-             coordinate: Callable[[PersistJob], None] | None = None) -> Ticket:
+             coordinate: Callable[[PersistJob], None] | None = None, schedule: Schedule | None = None) -> Ticket:
         """Stage ``plan`` into a slot and queue its persist job; return its ticket (skipped
-        when every slot is busy and ``on_busy="skip"``)."""
+        when every slot is busy and ``on_busy="skip"``). ``schedule`` says whether the step
+        goes to the durable target too, or to the local tier only (every step goes durable
+        when there is no local tier)."""
         step = manifest.step
         with self._mu:
             if self._closing:
@@ -178,6 +193,8 @@ class Saver:
             return Ticket.skip(step, f"{reason} (on_busy='skip')")
         if waited > 1e-3:
             log.info("step %d waited %.3f s for a free staging slot", step, waited)
+        if slot.replaced is not None:  # the slot held an older step, maybe still queued
+            self._supersede_queued(slot.replaced)
         made = self.pool.allocations
         job: StagingJob | None = None
         try:
@@ -196,8 +213,17 @@ class Saver:
             raise
         if self.pool.allocations != made and any(s.kind == "none" for s in self.pool.slots):
             self.prepare(sizes)  # the first save made its slot; make the others in the background
+        local = self._tier is not None and slot.kind == "tmpfs"
+        durable = True
+        if schedule is not None:
+            with self._mu:
+                now = time.monotonic()
+                durable = schedule.durable(step, None if self._last_durable is None else now - self._last_durable)
+                if durable or not local:
+                    self._last_durable = now
         pjob = PersistJob(manifest, [f.name for f in plan.files], [len(f.header) for f in plan.files],
-                          slot, job, t0, 0.0, waited, local=True)
+                          slot, job, t0, 0.0, waited, nbytes=sum(sizes), durable=durable or not local,
+                          local_commit=Future() if local else None)
         if coordinate is not None:
             coordinate(pjob)
         ticket = Ticket(step, Future(), job)
@@ -206,24 +232,103 @@ class Saver:
         return ticket
 
     def _save_waits(self) -> None:
-        """A save waits for a slot: retry held writes after the shortest delay, not the grown
-        one (the training loop is waiting for them). Called with the pool's lock held: no I/O
-        here, the persist thread says it in the log."""
-        with self._mu:
-            if not self._retries:
-                return
-            soon = time.monotonic() + RETRY_FIRST_S
-            self._retries = [(min(at, soon), job) for at, job in self._retries]
-            self._waiting_told = False
-            self._mu.notify_all()
+        """A save waits for a slot. Called with the pool's lock held: only flags it (the
+        persist thread then retries held writes after the shortest delay, and logs why)."""
+        self._slot_wanted.set()
 
     def _enqueue(self, job: PersistJob, ticket: Ticket) -> None:
         with self._mu:
             self._pending[job.step] = job
             self._tickets.append(ticket)
             self._unsettled += 1
-            self._queue.append((job, ticket))
+            if job.durable:
+                self._queue.append((job, ticket))
             self._mu.notify_all()
+        if job.local_commit is not None:
+            try:
+                self._side.submit(self._commit_local, job, ticket)
+            except BaseException as exc:  # (the pool is shut down: closing)
+                job.local_commit.set_exception(exc)
+                self._local_failed(job, ticket)
+
+    # ------------------------------------------------------------ local-commit thread
+
+    def _commit_local(self, job: PersistJob, ticket: Ticket) -> None:
+        """Commit ``job`` in the local tier once its copies have landed, then hand its slot
+        back to the pool (unless the persist thread already writes from it)."""
+        assert self._tier is not None
+        assert job.local_commit is not None
+        try:
+            if not self._root_bound:
+                self.bind_root()
+            records = commit_local(job, self._tier, self._chunk_size)
+        except BaseException as exc:
+            job.local_commit.set_exception(exc)  # the durable write computes the checksums itself
+            self._local_failed(job, ticket)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        local_only = False
+        with self._mu:
+            if not job.picked:
+                job.released = True
+                self.pool.release(job.slot, step=job.step, durable=False, wanted=job.durable)
+                if not job.durable:
+                    local_only = self._pending.pop(job.step, None) is not None
+                    self._counts["local_only"] += local_only
+                self._mu.notify_all()
+        job.local_commit.set_result(records)  # (after the bookkeeping: persist() waits for it)
+        if local_only:
+            self._finish_local(job, ticket, None)
+
+    def _local_failed(self, job: PersistJob, ticket: Ticket) -> None:
+        """A step the schedule kept local whose local commit failed is written durably
+        instead (it is never dropped without a word)."""
+        with self._mu:
+            if not job.durable and not job.picked:
+                job.durable = True
+                self._queue.append((job, ticket))
+                self._mu.notify_all()
+
+    def _supersede_queued(self, step: int) -> None:
+        """A save took the slot of ``step`` (older than the newest committed step): if the
+        step still waited for its durable write, it is superseded."""
+        with self._mu:
+            entry = next((e for e in self._queue if e[0].step == step and e[0].released and not e[0].picked), None)
+            if entry is None:
+                return
+            self._queue.remove(entry)
+            self._pending.pop(step, None)
+            self._counts["durable_superseded"] += 1
+        self._finish_local(entry[0], entry[1], self.pool.newest_committed())
+
+    def _finish_local(self, job: PersistJob, ticket: Ticket, superseded_by: int | None) -> None:
+        """Resolve the ticket of a step committed in the local tier only (not an error)."""
+        info: SaveInfo | None = None
+        try:
+            with self._mu:
+                dropped = job.step in self._protect
+                self._protect.discard(job.step)
+            if superseded_by is not None:
+                log.info("step %d is not written to %s: step %d supersedes it there (saves come faster than the "
+                         "durable target absorbs them); it stays in the local tier until its slot is reused",
+                         job.step, self._target.url, superseded_by)
+            if dropped:
+                log.warning("step %d was protected, but it is kept in the local tier only, where protection does "
+                            "not apply", job.step)
+            now = time.perf_counter()
+            staged = job.staging.finished_at or now
+            info = SaveInfo(step=job.step, url=self._tier.path if self._tier is not None else "", bytes=job.nbytes,
+                            files=len(job.names), staging_s=staged - job.t0, persist_s=now - staged,
+                            total_s=now - job.t0, blocked_s=job.blocked_s, busy_wait_s=job.busy_wait_s,
+                            local_s=job.local_s, attempts=0, durable=False, superseded_by=superseded_by)
+        finally:
+            if info is not None:
+                ticket.future.set_result(info)
+            else:
+                ticket.future.set_exception(SaveError(f"save of step {job.step}: its local commit could not be "
+                                                      "recorded"))
+            self._settled()
 
     def prepare(self, sizes: list[int]) -> None:
         """Make and pin the slots never filled yet, on a helper thread; a save that needs one
@@ -312,33 +417,71 @@ class Saver:
             self._run(job, ticket)
 
     def _next_job(self) -> tuple[PersistJob, Ticket | None] | None:
-        """The next job to write: the oldest queued save, else a retry that is due; None once
-        the saver closes. (This is the one place that decides the order of durable writes.)"""
+        """The next job to write; None once the saver closes. (This is the one place that
+        decides which steps are written durably, and in what order.)
+
+        Queued saves first: the newest one committed in the local tier (the older locally
+        committed ones are superseded for the durable tier), else the oldest queued one (its
+        local commit still runs, or there is no local tier); then a retry that is due.
+        """
         while True:
-            with self._mu:
-                tell, self._waiting_told = not self._waiting_told, True
-            if tell:
-                log.warning("a save waits for a staging slot: the slots hold steps whose durable write failed and is "
-                            "being retried (the newest checkpoint is never given up); set StagingOptions(slots=2) "
-                            "to keep saving meanwhile, or busy_timeout / on_busy='skip' not to wait")
+            self._hurry_retries()
+            superseded: list[tuple[PersistJob, Ticket]] = []
+            picked: tuple[PersistJob, Ticket] | None = None
+            held = True
             with self._mu:
                 if self._queue:
-                    job, ticket = self._queue.popleft()
-                    return job, ticket
-                if self._closing:
+                    ready = [e for e in self._queue if e[0].released]
+                    picked = max(ready, key=lambda e: e[0].step) if ready else self._queue[0]
+                    superseded = [e for e in ready if e[0].step < picked[0].step]
+                    for e in (picked, *superseded):
+                        self._queue.remove(e)
+                    picked[0].picked = True
+                    if picked[0].released:  # the pool may have handed its slot to a newer save
+                        held = self.pool.hold(picked[0].slot, picked[0].step)
+                    if not held:
+                        superseded.append(picked)
+                    for e in superseded:
+                        self._pending.pop(e[0].step, None)
+                    self._counts["durable_superseded"] += len(superseded)
+                elif self._closing:
                     return None
-                now = time.monotonic()
-                due = [r for r in self._retries if r[0] <= now]
-                if not due:
-                    self._mu.wait(min(r[0] for r in self._retries) - now if self._retries else None)
-                    continue
-                first = min(due, key=lambda r: r[0])
-                self._retries.remove(first)
+                else:
+                    now = time.monotonic()
+                    due = [r for r in self._retries if r[0] <= now]
+                    if not due:
+                        # (bounded while retries wait: a save that wants a slot shortens them)
+                        self._mu.wait(min(min(r[0] for r in self._retries) - now, 0.25) if self._retries else None)
+                        continue
+                    first = min(due, key=lambda r: r[0])
+                    self._retries.remove(first)
+            if picked is not None:
+                by = picked[0].step if held else self.pool.newest_committed()
+                for job, ticket in superseded:
+                    self._finish_local(job, ticket, by)
+                if held:
+                    return picked
+                continue
             job = first[1]
             if self.pool.hold_for_retry(job.slot, job.step):
                 return job, None
             self._drop_retry(job, "its staging slot no longer holds it" if not self.pool.superseded(job.step)
                              else "a newer step has committed since")
+
+    def _hurry_retries(self) -> None:
+        """When a save waits for a slot, retry the held writes after the shortest delay, not
+        the grown one (the training loop is waiting for them), and say so once."""
+        if not self._slot_wanted.is_set():
+            return
+        self._slot_wanted.clear()
+        with self._mu:
+            if not self._retries:
+                return
+            soon = time.monotonic() + RETRY_FIRST_S
+            self._retries = [(min(at, soon), job) for at, job in self._retries]
+        log.warning("a save waits for a staging slot: the slots hold steps whose durable write failed and is "
+                    "being retried (the newest checkpoint is never given up); set StagingOptions(slots=2) "
+                    "to keep saving meanwhile, or busy_timeout / on_busy='skip' not to wait")
 
     def _drop_retry(self, job: PersistJob, why: str) -> None:
         with self._mu:
@@ -349,9 +492,7 @@ class Saver:
         info: SaveInfo | None = None
         error: BaseException | None = None
         try:
-            if job.local and self._tier is not None and job.slot.kind == "tmpfs" and not self._root_bound:
-                self.bind_root()
-            info = persist(job, target=self._target, tier=self._tier, side=self._side, chunk_size=self._chunk_size)
+            info = persist(job, target=self._target, chunk_size=self._chunk_size)
         except BaseException as exc:  # settled below, reported on the ticket
             error = exc
         finally:
@@ -392,7 +533,6 @@ class Saver:
                     self._protect.discard(step)
                 elif retry and not self._closing:
                     delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (job.attempts - 1))
-                    job.local = False
                     self._retries.append((time.monotonic() + delay, job))
                     self._mu.notify_all()
                     log.warning("the durable write of step %d failed (attempt %d: %s: %s); it stays in its "
@@ -446,10 +586,11 @@ class Saver:
                 continue
             log.warning("step %d exists only in the local tier %s (the last run stopped before writing it); "
                         "writing it to %s now", m.step, self._tier.path, self._target.url)
-            slot.busy = True
             staging = StagingJob(None, [], None)
             job = PersistJob(m, names, [m.files[n].header_size for n in names], slot, staging,
-                             time.perf_counter(), 0.0, 0.0, local=False)
+                             time.perf_counter(), 0.0, 0.0, nbytes=sum(m.files[n].size for n in names))
+            job.released = True  # (the slot is not busy: the newest of these is written, the others superseded)
+            slot.wanted = True
             self._enqueue(job, Ticket(m.step, Future(), staging))
 
     def unfinished(self) -> dict[int, str]:
@@ -499,5 +640,7 @@ class Saver:
         return self._thread.is_alive()
 
     def stats(self) -> dict[str, Any]:
+        with self._mu:
+            counts = dict(self._counts)
         return {**self.pool.counts, "slot_allocations": self.pool.allocations,
-                "slot_registrations": self.pool.registrations}
+                "slot_registrations": self.pool.registrations, **counts}

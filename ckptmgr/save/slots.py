@@ -12,11 +12,14 @@ Buffers are made (see :mod:`ckptmgr.save.buffers`) when a state first needs them
 never per save. The counters ``allocations`` and ``registrations`` say how often.
 
 Reuse rule, the "never lose the newest" invariant. A slot is handed to a new save only when
-what it holds is not needed: empty; durable on the target; superseded by a newer committed
-step; or (memory slots only) a step whose durable write failed and that exists nowhere
+it is not busy (being staged, or written to the durable target) and what it holds is not
+needed: empty; durable on the target; superseded by a newer committed step (in the local
+tier or on the target: a step that waited for its durable write is then superseded there
+too, but only by a newer step also meant for the durable target, never by one a schedule
+keeps local); or (memory slots only) a step whose durable write failed and that exists nowhere
 else, as a last resort. A tmpfs slot holding the only copy of the newest committed step is
-never handed out: the saver retries its durable write while the slot holds it, and the slot
-becomes free once that write succeeds or a newer step commits.
+never handed out: the saver writes it (retrying a failed write) while the slot holds it,
+and the slot becomes free once that write succeeds or a newer step commits.
 
 Ownership: the slot table (every ``Slot`` field but the buffers) is guarded by ``_cond``. A
 slot's buffers and segments belong to whoever holds the slot busy (one save or the persist
@@ -66,6 +69,8 @@ class Slot:
     durable: bool = False  # ``step`` is committed on the durable target
     busy: bool = False  # held by a save, its persist job, or a retry of its durable write
     preparing: bool = False  # reserved by prepare(): the next save waits for it, never skips it
+    replaced: int | None = None  # the step the slot held before acquire() handed it to a save
+    wanted: bool = False  # ``step`` waits for its durable write (only a newer such step supersedes it)
 
     @property
     def piece(self) -> int:
@@ -119,7 +124,16 @@ class SlotPool:
             newest = step if newest is None else max(newest, step)
         return newest
 
-    def _reusable(self, s: Slot, newest: int | None) -> int | None:
+    def _newest_wanted(self) -> int | None:
+        """The newest step durable, or committed in the tier and meant for the durable target."""
+        newest = self.newest_durable
+        for s in self.slots:
+            if s.wanted and s.step is not None and (newest is None or s.step > newest) and self.tier is not None \
+                    and self.tier.holds(s.index) == s.step:
+                newest = s.step
+        return newest
+
+    def _reusable(self, s: Slot, newest: int | None, newest_wanted: int | None) -> int | None:
         """How freely ``s`` may be reused (lower first), or None when it may not be."""
         if s.busy or s.preparing:
             return None
@@ -127,15 +141,16 @@ class SlotPool:
             return 0
         if s.durable:
             return 1
-        if newest is not None and s.step < newest:
-            return 2
+        if newest is not None and s.step < newest and (
+                not s.wanted or (newest_wanted is not None and s.step < newest_wanted)):
+            return 2  # (a step waiting for its durable write gives way only to a newer one that does)
         committed_here = self.tier is not None and s.kind == "tmpfs" and self.tier.holds(s.index) == s.step
         return None if committed_here else 3  # never the only copy of the newest committed step
 
     def _pick(self) -> Slot | None:
-        newest = self._newest_committed()
+        newest, wanted = self._newest_committed(), self._newest_wanted()
         ranked = sorted((r, s.step if s.step is not None else -1, s.index, s) for s in self.slots
-                        if (r := self._reusable(s, newest)) is not None)
+                        if (r := self._reusable(s, newest, wanted)) is not None)
         for _, _, _, s in ranked:
             if s.kind == "tmpfs" and self.tier is not None and not self.tier.claim(s.index):
                 continue  # a restore is reading it
@@ -190,19 +205,36 @@ class SlotPool:
                 log.warning("reusing staging slot %d: it held step %d, whose durable write failed; that step "
                             "is dropped", slot.index, slot.step)
             old, slot.busy = slot.step, True
-            slot.step, slot.durable = None, False
+            slot.replaced = old if not slot.durable else None
+            slot.step, slot.durable, slot.wanted = None, False, False
         if old is not None and slot.kind == "tmpfs" and self.tier is not None:
             self.tier.invalidate(slot.index)  # the manifest goes before the data changes
         return slot, waited
 
-    def release(self, slot: Slot, *, step: int | None, durable: bool) -> None:
-        """Return ``slot``, recording the step it now holds (None: its content is not valid)."""
+    def release(self, slot: Slot, *, step: int | None, durable: bool, wanted: bool = False) -> None:
+        """Return ``slot``, recording the step it now holds (None: its content is not valid);
+        ``wanted``: the step still waits for its durable write."""
         with self._cond:
             slot.busy = False
             slot.step, slot.durable = step, durable and step is not None
+            slot.wanted = wanted and step is not None and not slot.durable
             if slot.durable:
                 self._note_durable(step)
             self._cond.notify_all()
+
+    def hold(self, slot: Slot, step: int) -> bool:
+        """Mark ``slot`` busy for the durable write of ``step``, which its local commit
+        released; False when a save has taken the slot since."""
+        with self._cond:
+            if slot.busy or slot.step != step:
+                return False
+            slot.busy = True
+            return True
+
+    def newest_committed(self) -> int | None:
+        """The newest step committed in the local tier or on the durable target."""
+        with self._cond:
+            return self._newest_committed()
 
     def hold_for_retry(self, slot: Slot, step: int) -> bool:
         """Mark ``slot`` busy for another durable write of ``step``; False when the slot no
