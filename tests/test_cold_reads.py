@@ -125,3 +125,18 @@ def test_a_ring_restore_of_an_evicted_step_is_exact(tmp_path, monkeypatch):
         assert torch.equal(out[k], v), k
     assert hows and set(hows) == ({"direct"} if _direct_ok(glob.glob(f"{root}/step_*/data-*")[0]) else
                                   {"buffered"})
+
+
+@pytest.mark.parametrize("loader", ["host", "ring"])
+def test_more_tensors_in_a_chunk_than_one_readv_takes(tmp_path, loader):
+    """Thousands of small tensors in one checksum chunk: more buffers than one readv call
+    accepts (IOV_MAX), read in several calls."""
+    g = torch.Generator().manual_seed(2)
+    state = {f"t{i}": torch.randn(1 + i % 7, generator=g) for i in range(3000)}
+    with CheckpointManager(str(tmp_path / "ckpt"), staging=StagingOptions(local_tier=False)) as mgr:
+        mgr.save(1, state).result()
+        out = mgr.restore(1, device="cpu", loader=loader)
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        mgr.restore(1, target=target, loader=loader)
+    for k, v in state.items():
+        assert torch.equal(out[k], v) and torch.equal(target[k], v), k

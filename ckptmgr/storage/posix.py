@@ -35,6 +35,7 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _DIRECT = getattr(os, "O_DIRECT", 0)
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024  # buffers per readv call
 DIRECT_ALIGN = 4096  # offset, length and address alignment this module uses for O_DIRECT reads
 NOT_REGULAR = "is not a regular file (a symbolic link, directory, FIFO or device); ckptmgr reads only regular files"
 
@@ -164,7 +165,7 @@ def preadv_into(path: str, offset: int, out: list[np.ndarray[Any, Any]], *, dir_
     try:
         views = [memoryview(a) for a in out if a.size]  # type: ignore[arg-type]
         while views:
-            n = os.preadv(fd, views, offset)
+            n = os.preadv(fd, views[:_IOV_MAX], offset)  # (more buffers than IOV_MAX is EINVAL)
             if n == 0:
                 raise CheckpointCorruptError(f"{path} ended early, at byte {offset}")
             offset += n

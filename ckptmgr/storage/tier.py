@@ -55,6 +55,7 @@ from ..errors import CheckpointCorruptError, CkptError, ConfigError, StepNotFoun
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..options import StagingOptions
+from .posix import preadv_into
 from .private import NOFOLLOW as _NOFOLLOW
 from .private import UnsafePathError as TierUnsafeError
 from .private import check_private_dir, open_private_dir, read_small, write_small
@@ -424,20 +425,7 @@ class LocalTier:
         return os.path.join(self.path, f"slot-{self._slot_of(step):02d}", name)
 
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
-        fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=self._slot_fd(self._slot_of(step)))
-        try:
-            views = [memoryview(a) for a in out if a.size]  # type: ignore[arg-type]
-            while views:
-                n = os.preadv(fd, views, offset)
-                if n == 0:
-                    raise CheckpointCorruptError(f"{self.url}: step {step}: {name} ended early, at byte {offset}")
-                offset += n
-                while views and n >= len(views[0]):
-                    n -= len(views.pop(0))
-                if n:
-                    views[0] = views[0][n:]
-        finally:
-            os.close(fd)
+        preadv_into(name, offset, out, dir_fd=self._slot_fd(self._slot_of(step)))
 
 
 def read_tier(local_dir: str, root_url: str) -> dict[int, Manifest]:
