@@ -7,6 +7,7 @@ Prints "ready" once every step up to LAST_STEP is committed in the local tier.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -42,10 +43,12 @@ def main() -> None:
     for step in range(1, last + 1):
         handle = mgr.save(step, crash_state(step), block=False)
         if handle.skipped:
-            raise SystemExit(f"step {step} found no free staging slot")
+            print(f"step {step} found no free staging slot", flush=True)
+            os._exit(1)  # (not SystemExit: closing would wait for the held write)
         handle.wait_staged(timeout=60)
         if not committed[step].wait(timeout=60):
-            raise SystemExit(f"step {step} was not committed in the local tier")
+            print(f"step {step} was not committed in the local tier", flush=True)
+            os._exit(1)
     print("ready", flush=True)
     threading.Event().wait(600)  # killed before this ends
 

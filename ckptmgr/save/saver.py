@@ -221,6 +221,7 @@ class Saver:
                 durable = schedule.durable(step, None if self._last_durable is None else now - self._last_durable)
                 if durable or not local:
                     self._last_durable = now
+        self.pool.mark_wanted(slot, durable and local)
         pjob = PersistJob(manifest, [f.name for f in plan.files], [len(f.header) for f in plan.files],
                           slot, job, t0, 0.0, waited, nbytes=sum(sizes), durable=durable or not local,
                           local_commit=Future() if local else None)
@@ -578,6 +579,7 @@ class Saver:
         if root_id is not None:
             self._tier.bind(root_id)
             self._root_bound = True
+        adopted: list[tuple[PersistJob, Ticket]] = []
         for index, m in sorted(found.items()):
             names = sorted(m.files)
             chunk = next(iter(m.files.values())).chunk_size if m.files else self._chunk_size
@@ -585,13 +587,16 @@ class Saver:
             if m.step in durable:
                 continue
             log.warning("step %d exists only in the local tier %s (the last run stopped before writing it); "
-                        "writing it to %s now", m.step, self._tier.path, self._target.url)
+                        "it is written to %s unless a newer one is", m.step, self._tier.path, self._target.url)
             staging = StagingJob(None, [], None)
             job = PersistJob(m, names, [m.files[n].header_size for n in names], slot, staging,
                              time.perf_counter(), 0.0, 0.0, nbytes=sum(m.files[n].size for n in names))
             job.released = True  # (the slot is not busy: the newest of these is written, the others superseded)
-            slot.wanted = True
-            self._enqueue(job, Ticket(m.step, Future(), staging))
+            self.pool.mark_wanted(slot, True)
+            adopted.append((job, Ticket(m.step, Future(), staging)))
+        with self._mu:  # (re-entrant) queued together: the persist thread picks the newest of them
+            for job, ticket in adopted:
+                self._enqueue(job, ticket)
 
     def unfinished(self) -> dict[int, str]:
         """Steps not durable yet and what becomes of them if the process ends now."""

@@ -125,13 +125,19 @@ class SlotPool:
         return newest
 
     def _newest_wanted(self) -> int | None:
-        """The newest step durable, or committed in the tier and meant for the durable target."""
+        """The newest step durable, or committed in the tier and meant for the durable target
+        (read from the tier: a slot's own fields lag behind its commit until it is released)."""
         newest = self.newest_durable
         for s in self.slots:
-            if s.wanted and s.step is not None and (newest is None or s.step > newest) and self.tier is not None \
-                    and self.tier.holds(s.index) == s.step:
-                newest = s.step
+            held = self.tier.holds(s.index) if s.wanted and self.tier is not None else None
+            if held is not None and (newest is None or held > newest):
+                newest = held
         return newest
+
+    def mark_wanted(self, slot: Slot, wanted: bool) -> None:
+        """The step being staged into ``slot`` (held by the caller) is meant for the durable target."""
+        with self._cond:
+            slot.wanted = wanted
 
     def _reusable(self, s: Slot, newest: int | None, newest_wanted: int | None) -> int | None:
         """How freely ``s`` may be reused (lower first), or None when it may not be."""
