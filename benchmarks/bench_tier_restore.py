@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import shutil
 import signal
 import statistics
@@ -113,7 +114,8 @@ def main() -> None:
             root = os.path.join(base, "ckpt")
             p = _child("saver", args, root, local)
             assert p.stdout is not None
-            line = p.stdout.readline()
+            ready, _, _ = select.select([p.stdout], [], [], 600)  # the save of the state, bounded
+            line = p.stdout.readline() if ready else ""
             if line.strip() != "ready":
                 p.kill()
                 raise SystemExit(f"the saving process did not get ready (said {line!r})")

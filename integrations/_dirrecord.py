@@ -29,6 +29,8 @@ import numpy as np
 from ckptmgr import __version__
 from ckptmgr.errors import CheckpointCorruptError
 from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
+from ckptmgr.storage.lease import process_alive
+from ckptmgr.storage.posix import fsync_dir
 
 from ._fileset import FileRecord
 
@@ -47,24 +49,6 @@ def temp_name(pid: int | None = None, token: str | None = None) -> str:
     return f".ckptmgr-{os.getpid() if pid is None else pid}-{token or secrets.token_hex(8)}.partial"
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
 def remove_stale_temps(parent: str) -> list[str]:
     """Remove the temporaries in ``parent`` whose writer process no longer runs."""
     removed: list[str] = []
@@ -74,7 +58,7 @@ def remove_stale_temps(parent: str) -> list[str]:
         return removed
     for name in names:
         m = TEMP_RE.match(name)
-        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+        if m is None or int(m.group(1)) == os.getpid() or process_alive(int(m.group(1)), -1):
             continue
         path = os.path.join(parent, name)
         if os.path.islink(path):

@@ -25,6 +25,7 @@ temporary directory in parallel chunks, computes each chunk's CRC32C on the way,
 
 from __future__ import annotations
 
+import abc
 import io
 import os
 from collections import OrderedDict
@@ -100,7 +101,7 @@ def hash_file(path: str, chunk_size: int) -> FileRecord:
     return FileRecord(size, tuple(crcs))
 
 
-class Entry:
+class Entry(abc.ABC):
     """One file of the set. ``plan`` is what the stager copies into the entry's segment
     (None: nothing to stage), after :meth:`fill` has written the rest of the segment;
     :meth:`write` runs on the writer's thread once the copies have landed."""
@@ -113,12 +114,13 @@ class Entry:
         """Bytes of the entry's staging segment."""
         return self.plan.size if self.plan is not None else 0
 
-    def fill(self, segment: torch.Tensor) -> None:
+    def fill(self, segment: torch.Tensor) -> None:  # noqa: B027 (most entries have nothing to fill)
         """Write what is not copied from tensors into the segment (training thread)."""
 
+    @abc.abstractmethod
     def write(self, segment: np.ndarray[Any, Any] | None, path: str, pool: Executor | None,
               chunk_size: int) -> FileRecord:
-        raise NotImplementedError
+        """Write the file at ``path`` (writer's thread) and return its record."""
 
 
 class _Bytes(Entry):

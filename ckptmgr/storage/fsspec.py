@@ -180,7 +180,8 @@ class FsspecTarget:
         return []
 
     def abort_upload(self, rel: str, upload_id: str) -> None:
-        raise NotImplementedError
+        """Nothing to abort: a generic fsspec filesystem has no multipart uploads (``uploads()``
+        lists none)."""
 
     # ----------------------------------------------------------- the target
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..format.checksum import chunk_ranges
+from .lease import process_alive
 from .posix import fsync_dir, pwrite_all
 
 __all__ = ["TEMP_PATTERN", "remove_stale_temps", "write_file_atomic", "write_s3_object", "write_url_atomic"]
@@ -37,16 +38,6 @@ def _temp_name() -> str:
     return f".ckptmgr-{os.getpid()}-{secrets.token_hex(6)}.partial"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
 def remove_stale_temps(directory: str) -> list[str]:
     """Remove the temporaries that writers which no longer run left in ``directory``."""
     removed: list[str] = []
@@ -56,7 +47,7 @@ def remove_stale_temps(directory: str) -> list[str]:
         return removed
     for name in names:
         m = TEMP_PATTERN.match(name)
-        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not process_alive(int(m.group(1)), -1):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, name))
                 removed.append(name)
