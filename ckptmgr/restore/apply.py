@@ -22,18 +22,45 @@ from ..format.tree import PerRank, decode_plain, is_stateful
 
 __all__ = ["apply_target", "check_target", "target_tensors"]
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # exact types: no DTensor, no subclass to unwrap
+_ABSENT = object()
+
 
 def _p(path: tuple[Any, ...]) -> str:
     return "state" + "".join(f"[{k!r}]" for k in path)
 
 
 class _Applier:
-    def __init__(self) -> None:
+    def __init__(self, names: dict[int, str] | None = None) -> None:
         self.problems: list[str] = []
         self.actions: list[Callable[[], None]] = []
+        # check_target: id of a placeholder -> its stored name; ``dests`` collects, for each
+        # placeholder that fits, the target's tensor (its local shard) it lands in
+        self.names = names
+        self.dests: dict[str, torch.Tensor] = {}
+
+    def _mismatch(self, path: tuple[Any, ...], target: torch.Tensor, ckpt: torch.Tensor) -> None:
+        self.problems.append(f"{_p(path)}: the target is {target.dtype} {list(target.shape)}, "
+                             f"the checkpoint {ckpt.dtype} {list(ckpt.shape)}")
+
+    def _matched(self, target: torch.Tensor, ckpt: torch.Tensor, apply: bool) -> None:
+        """``ckpt`` fits ``target`` (a local tensor): note where it lands, or queue its copy
+        (none when a loader landed the bytes in ``target`` already)."""
+        if self.names is not None:
+            name = self.names.get(id(ckpt))
+            if name is not None:
+                self.dests[name] = target
+        elif apply and ckpt is not target:
+            self.actions.append(lambda: _copy(target, ckpt))
 
     def walk(self, target: Any, ckpt: Any, path: tuple[Any, ...], apply: bool = True) -> Any:
         """Check ``ckpt`` against ``target``; queue the copies; return the result node."""
+        if type(target) in _PLAIN_TENSORS and type(ckpt) in _PLAIN_TENSORS:  # the common leaf, fast
+            if ckpt.shape != target.shape or ckpt.dtype != target.dtype:
+                self._mismatch(path, target, ckpt)
+            else:
+                self._matched(target, ckpt, apply)
+            return target
         if isinstance(target, PerRank):
             return self.walk(target.value, ckpt, path, apply)
         if is_stateful(target):
@@ -49,12 +76,9 @@ class _Applier:
             if not isinstance(ckpt, torch.Tensor):
                 self.problems.append(f"{_p(path)}: the target holds a tensor, the checkpoint a {type(ckpt).__name__}")
             elif ckpt.shape != target.shape or ckpt.dtype != target.dtype:
-                self.problems.append(
-                    f"{_p(path)}: the target is {target.dtype} {list(target.shape)}, "
-                    f"the checkpoint {ckpt.dtype} {list(ckpt.shape)}"
-                )
-            elif apply:
-                self.actions.append(lambda: _copy(target, ckpt))
+                self._mismatch(path, target, ckpt)
+            else:
+                self._matched(target, ckpt, apply)
             return original
         if isinstance(target, np.ndarray) and isinstance(ckpt, np.ndarray):
             if target.shape != ckpt.shape or target.dtype != ckpt.dtype:
@@ -74,9 +98,19 @@ class _Applier:
             unexpected = [k for k in ckpt if k not in target]
             self.problems += [f"{_p((*path, k))}: missing from the checkpoint" for k in missing]
             self.problems += [f"{_p((*path, k))}: in the checkpoint but not in the target" for k in unexpected]
-            out = type(ckpt)() if isinstance(ckpt, dict) else {}
+            out = type(ckpt)()
             for k, v in ckpt.items():
-                out[k] = self.walk(target[k], v, (*path, k), apply) if k in target else v
+                t = target.get(k, _ABSENT)
+                if t is _ABSENT:
+                    out[k] = v
+                elif type(t) in _PLAIN_TENSORS and type(v) in _PLAIN_TENSORS:  # walk()'s fast leaf, inline
+                    if v.shape != t.shape or v.dtype != t.dtype:
+                        self._mismatch((*path, k), t, v)
+                    else:
+                        self._matched(t, v, apply)
+                    out[k] = t
+                else:
+                    out[k] = self.walk(t, v, (*path, k), apply)
             return out
         if isinstance(target, (list, tuple)):
             if not isinstance(ckpt, (list, tuple)):
@@ -105,16 +139,19 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def check_target(target: Any, ckpt: Any) -> None:
+def check_target(target: Any, ckpt: Any, placeholders: dict[str, torch.Tensor] | None = None
+                 ) -> dict[str, torch.Tensor]:
     """Raise StateMismatchError, listing every difference, unless ``ckpt`` fits ``target``.
 
     ``ckpt`` may hold placeholder tensors (only their shapes and dtypes are compared), so
-    this runs before a single byte is read.
+    this runs before a single byte is read. With ``placeholders`` (stored name -> the
+    placeholder in ``ckpt``), returns what :func:`target_tensors` would, from the same walk.
     """
-    a = _Applier()
+    a = _Applier({id(t): name for name, t in placeholders.items()} if placeholders is not None else None)
     a.walk(target, ckpt, (), apply=False)
     if a.problems:
         raise StateMismatchError(a.problems)
+    return a.dests
 
 
 def target_tensors(target: Any, skeleton: Any, originals: dict[str, torch.Tensor] | None = None

@@ -33,7 +33,7 @@ from ..retention.deleter import StepGuard
 from ..storage import Target
 from ..storage import cufile as _gds
 from ..storage.tier import LocalTier
-from .apply import apply_target, check_target, target_tensors
+from .apply import apply_target, check_target
 from .loaders import PinnedRing, read_tensors, read_tensors_inplace, read_tensors_pinned, read_tensors_ring
 from .loaders.gds import read_tensors_gds
 from .loaders.landing import lands_in_target
@@ -240,8 +240,9 @@ class Restorer:
         dests = None
         if target is not None:
             # every difference is reported before a byte lands in the target's tensors
-            check_target(target, unflatten(manifest.state, _placeholders(manifest), allow_pickle=self.allow_pickle))
-            dests = target_tensors(target, manifest.state)
+            stand_ins = _placeholders(manifest)
+            skeleton = unflatten(manifest.state, stand_ins, allow_pickle=self.allow_pickle)
+            dests = check_target(target, skeleton, stand_ins)
             if device is None:
                 device = next((t.device for t in dests.values() if t.device.type == "cuda"), None)
         if device is not None and str(device) == "cuda":  # no index: the current device
@@ -266,9 +267,13 @@ def _workers(pool: Any) -> int:
 def _placeholders(manifest: Manifest) -> dict[str, torch.Tensor]:
     """Stand-ins with each stored tensor's dtype and shape and no memory behind them."""
     out = {}
+    zeros: dict[torch.dtype, torch.Tensor] = {}  # one zero-dim tensor per dtype, expanded (no copy)
     for name, e in manifest.tensors.items():
         dtype = ST_TO_DTYPE.get(str(e.get("dtype")))
         if dtype is None:
             raise CheckpointCorruptError(f"tensor {name!r} has unknown dtype {e.get('dtype')!r}")
-        out[name] = torch.zeros((), dtype=dtype).expand([int(x) for x in e["shape"]])
+        zero = zeros.get(dtype)
+        if zero is None:
+            zero = zeros[dtype] = torch.zeros((), dtype=dtype)
+        out[name] = zero.expand(e["shape"])  # the schema checked the shape: non-negative ints
     return out
