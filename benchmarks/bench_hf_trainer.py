@@ -112,6 +112,55 @@ def _one(a: argparse.Namespace) -> dict[str, Any]:
             "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None}
 
 
+def _rng(values: list[float], fmt: str = "{:.2f}") -> str:
+    """Median (min to max)."""
+    if not values:
+        return "-"
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))} to {fmt.format(max(values))})"
+
+
+def _pct(values: list[float]) -> str:
+    return _rng([100 * v for v in values], "{:+.1f}%") if values else "-"
+
+
+def _save_cost(run: dict[str, Any]) -> float:
+    """What the checkpoints cost the loop, from its own step times: the time of each step
+    with a save beyond the run's median step (robust to a baseline that ran at other clocks)."""
+    med = run["step_median_s"]
+    return float(sum(max(0.0, x - med) for x in run["save_step_s"])) / max(1, run["saves"])
+
+
+def _write(a: argparse.Namespace, runs: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """Summarise the runs so far and write the JSON. Overhead is per round, against the same
+    round's baseline (each round's modes run back to back), median and range."""
+    base = {x["round"]: x["loop_s"] for x in runs if x["mode"] == "none"}
+    summary = {}
+    for mode in MODES:
+        mine = [x for x in runs if x["mode"] == mode]
+        if not mine:
+            continue
+        loops = [x["loop_s"] for x in mine]
+        summary[mode] = {"loop_s_median": statistics.median(loops), "loop_s": loops,
+                         "overhead_per_round": [x["loop_s"] / base[x["round"]] - 1 for x in mine if x["round"] in base],
+                         "save_cost_s": [_save_cost(x) for x in mine if x["saves"]],
+                         "teardown_s_median": statistics.median(x["teardown_s"] for x in mine),
+                         "peak_gpu_bytes": max((x["peak_gpu_bytes"] or 0) for x in mine) or None}
+    doc: dict[str, Any] = {"machine": {"python": platform.python_version(), "host": platform.node()},
+                           "args": vars(a), "runs": runs, "summary": summary}
+    try:
+        import torch
+        import transformers
+
+        doc["machine"].update(torch=torch.__version__, transformers=transformers.__version__,
+                              gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    except Exception as exc:  # the numbers matter more than the labels
+        doc["machine"]["error"] = repr(exc)
+    path = os.path.join(a.out, "bench_hf_trainer.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return path, summary
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for the JSON (default $OUT)")
@@ -152,31 +201,10 @@ def main() -> None:
                 import shutil
 
                 shutil.rmtree(os.path.join(work, mode), ignore_errors=True)
-    base = statistics.median(x["loop_s"] for x in runs if x["mode"] == "none")
-    summary = {}
-    for mode in MODES:
-        loops = [x["loop_s"] for x in runs if x["mode"] == mode]
-        mine = [x for x in runs if x["mode"] == mode]
-        summary[mode] = {"loop_s_median": statistics.median(loops), "overhead": statistics.median(loops) / base - 1,
-                         "per_save_s": (statistics.median(loops) - base) / max(1, mine[0]["saves"]),
-                         "teardown_s_median": statistics.median(x["teardown_s"] for x in mine),
-                         "peak_gpu_bytes": max((x["peak_gpu_bytes"] or 0) for x in mine) or None}
-    doc = {"machine": {"python": platform.python_version(), "host": platform.node()}, "args": vars(a),
-           "runs": runs, "summary": summary}
-    try:
-        import torch
-        import transformers
-
-        doc["machine"].update(torch=torch.__version__, transformers=transformers.__version__,
-                              gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-    except Exception as exc:  # the numbers matter more than the labels
-        doc["machine"]["error"] = repr(exc)
-    path = os.path.join(a.out, "bench_hf_trainer.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+                path, summary = _write(a, runs)  # after every run: a stopped benchmark keeps its rounds
     for mode, s in summary.items():
-        print(f"{mode:8s} loop {s['loop_s_median']:.2f} s  overhead {100 * s['overhead']:+.1f}%  "
-              f"per save {s['per_save_s']:.3f} s  teardown {s['teardown_s_median']:.2f} s  "
+        print(f"{mode:8s} loop {s['loop_s_median']:.2f} s  overhead {_pct(s['overhead_per_round'])}  "
+              f"per save {_rng(s['save_cost_s'], '{:.3f}')} s  teardown {s['teardown_s_median']:.2f} s  "
               f"peak GPU {(s['peak_gpu_bytes'] or 0) / 2**30:.2f} GiB")
     print("wrote", path)
 

@@ -139,6 +139,50 @@ def child(name: str, args: argparse.Namespace, gpu: bool) -> None:
     print("RESULT " + json.dumps(r), flush=True)
 
 
+def _report(args: argparse.Namespace, rounds: list[dict[str, dict[str, Any]]], gpu: bool,
+            names: list[str]) -> None:
+    """Print the table of the rounds so far and write the JSON."""
+    params = args.layers * (args.width * args.width + args.width)
+    saves = args.steps // args.every
+    ckpt_gib = params * 4 * 3 / 2**30
+    where = torch.cuda.get_device_name() if gpu else f"CPU ({os.cpu_count()} cores)"
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(rd[name][key] for rd in rounds)
+
+    def spread(name: str, key: str, fmt: str) -> str:
+        vals = [rd[name][key] for rd in rounds]
+        return format(statistics.median(vals), fmt) + (f" ({format(min(vals), fmt)}..{format(max(vals), fmt)})"
+                                                       if len(vals) > 1 else "")
+
+    lines = [f"{params / 1e6:.0f} M parameters, fp32 + AdamW (checkpoint {ckpt_gib:.2f} GiB), {args.steps} steps, "
+             f"a save every {args.every} ({saves} saves) to {args.dir}; {where}; median (range) of {args.repeat} "
+             "round(s), each plugin in a fresh process, order rotated", "",
+             "| CheckpointIO | train s | step-time overhead | per save s | save call s (first / later) | "
+             "teardown s (time-to-durable) | peak GPU GiB |",
+             "|---|---|---|---|---|---|---|"]
+    summary: dict[str, dict[str, float]] = {}
+    for name in names:
+        firsts = [rd[name]["save_call_s"][0] for rd in rounds if rd[name]["save_call_s"]]
+        laters = [c for rd in rounds for c in rd[name]["save_call_s"][1:]]
+        first = statistics.median(firsts) if firsts else 0.0
+        later = statistics.median(laters) if laters else 0.0
+        summary[name] = {"train_s": med(name, "train_s"), "step_overhead": med(name, "step_overhead"),
+                         "per_save_s": med(name, "per_save_s"), "first_save_call_s": first,
+                         "later_save_call_s": later, "teardown_s": med(name, "teardown_s"),
+                         "peak_gpu_gib": med(name, "peak_gpu_gib")}
+        lines.append(f"| {name} | {spread(name, 'train_s', '.2f')} | {spread(name, 'step_overhead', '+.1%')} | "
+                     f"{spread(name, 'per_save_s', '.3f')} | {first:.3f} / {later:.3f} | "
+                     f"{spread(name, 'teardown_s', '.2f')} | {med(name, 'peak_gpu_gib'):.2f} |")
+    print("\n".join(lines))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "checkpoint_gib": ckpt_gib, "summary": summary, "rounds": rounds,
+                   "device": where, "torch": torch.__version__, "lightning": pl.__version__,
+                   "date": time.strftime("%Y-%m-%d")}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--width", type=int, default=8192)
@@ -184,45 +228,7 @@ def main() -> None:
             r["step_overhead"] = (r["train_s"] - base) / base
             r["per_save_s"] = (r["train_s"] - base) / r["saves"] if r["saves"] else 0.0
         rounds.append(got)
-    params = args.layers * (args.width * args.width + args.width)
-    saves = args.steps // args.every
-    ckpt_gib = params * 4 * 3 / 2**30
-    where = torch.cuda.get_device_name() if gpu else f"CPU ({os.cpu_count()} cores)"
-
-    def med(name: str, key: str) -> float:
-        return statistics.median(rd[name][key] for rd in rounds)
-
-    def spread(name: str, key: str, fmt: str) -> str:
-        vals = [rd[name][key] for rd in rounds]
-        return format(statistics.median(vals), fmt) + (f" ({format(min(vals), fmt)}..{format(max(vals), fmt)})"
-                                                       if len(vals) > 1 else "")
-
-    lines = [f"{params / 1e6:.0f} M parameters, fp32 + AdamW (checkpoint {ckpt_gib:.2f} GiB), {args.steps} steps, "
-             f"a save every {args.every} ({saves} saves) to {args.dir}; {where}; median (range) of {args.repeat} "
-             "round(s), each plugin in a fresh process, order rotated", "",
-             "| CheckpointIO | train s | step-time overhead | per save s | save call s (first / later) | "
-             "teardown s (time-to-durable) | peak GPU GiB |",
-             "|---|---|---|---|---|---|---|"]
-    summary: dict[str, dict[str, float]] = {}
-    for name in names:
-        firsts = [rd[name]["save_call_s"][0] for rd in rounds if rd[name]["save_call_s"]]
-        laters = [c for rd in rounds for c in rd[name]["save_call_s"][1:]]
-        first = statistics.median(firsts) if firsts else 0.0
-        later = statistics.median(laters) if laters else 0.0
-        summary[name] = {"train_s": med(name, "train_s"), "step_overhead": med(name, "step_overhead"),
-                         "per_save_s": med(name, "per_save_s"), "first_save_call_s": first,
-                         "later_save_call_s": later, "teardown_s": med(name, "teardown_s"),
-                         "peak_gpu_gib": med(name, "peak_gpu_gib")}
-        lines.append(f"| {name} | {spread(name, 'train_s', '.2f')} | {spread(name, 'step_overhead', '+.1%')} | "
-                     f"{spread(name, 'per_save_s', '.3f')} | {first:.3f} / {later:.3f} | "
-                     f"{spread(name, 'teardown_s', '.2f')} | {med(name, 'peak_gpu_gib'):.2f} |")
-    print("\n".join(lines))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "checkpoint_gib": ckpt_gib, "summary": summary, "rounds": rounds,
-                   "device": where, "torch": torch.__version__, "lightning": pl.__version__,
-                   "date": time.strftime("%Y-%m-%d")}, f, indent=1)
-    print(f"wrote {args.out}")
+        _report(args, rounds, gpu, names)  # after every round: a stopped run keeps its rounds
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ For files on disk, NFS or object stores, and one-shot restores from /dev/shm. Ea
 chunk of every file is one task on the ring's reader threads: read the chunk into the
 thread's pinned buffer (allocated once per manager and reused), compute its CRC32C, copy it
 to where it lands on the buffer's own stream, and wait for the copy before reading the next.
-With a thread per core (up to 16) the reads, the checksums and the copies all overlap; host memory stays
-at the ring's size (16 x 16 MiB) whatever the checkpoint's. Where the bytes land is a
+With a dozen threads the reads, the checksums and the copies all overlap; host memory stays
+at the ring's size (12 x 16 MiB) whatever the checkpoint's. Where the bytes land is a
 :mod:`~ckptmgr.loaders.landing` plan: one fresh device allocation per file, or the target's
 own tensors.
 
