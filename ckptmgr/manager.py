@@ -155,7 +155,8 @@ class CheckpointManager:
         self._saver = Saver(self._target, self._tier, staging, chunk_size=write_options.chunk_size,
                             deleter=self._deleter, guard=self._guard, durable=durable,
                             retention=self._coord is None or self._coord.is_leader)  # rank 0 decides retention
-        # restore onto a GPU: up to 12 readers (16 read slower on an H200), each with a pinned buffer of 16 MiB made at its first use
+        # restore onto a GPU: up to 12 readers (16 read slower on an H200), each pinning a 16 MiB buffer
+        # at its first use
         self._ring = PinnedRing(min(12, os.cpu_count() or 1), max(write_options.chunk_size, 16 << 20))
         self._restorer = Restorer(self._target, self._tier, self._guard, self._ring, self._allow_pickle)
         lifecycle.close_at_exit(self)

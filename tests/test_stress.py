@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -28,6 +31,7 @@ from ckptmgr import (
     StepNotFoundError,
     StorageError,
 )
+from ckptmgr.storage.tier import ram_filesystem
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +75,7 @@ def make_state(step: int) -> dict:
 
 
 @pytest.mark.parametrize("slots", [1, 2])
-def test_four_threads_on_one_manager_with_failing_storage(tmp_path, slots):
+def test_four_threads_on_one_manager_with_failing_storage(tmp_path, slots, request):
     seconds = float(os.environ.get("CKPTMGR_STRESS_S", "60")) / 2
     seed = int(os.environ.get("CKPTMGR_STRESS_SEED", str(int(time.time()))))
     print(f"stress: {seconds} s, seed {seed}")
@@ -79,8 +83,13 @@ def test_four_threads_on_one_manager_with_failing_storage(tmp_path, slots):
     ChaosFS.pseudo_dirs[:] = [""]
     ChaosFS.rng = random.Random(seed)
     ChaosFS.fail_p = 0.08
+    # the tier in RAM, as on a GPU machine it must be (its files are pinned there)
     local = tmp_path / "shm"
-    local.mkdir()
+    if ram_filesystem("/dev/shm"):
+        local = Path(tempfile.mkdtemp(prefix="ckptmgr-stress-", dir="/dev/shm"))
+        request.addfinalizer(lambda: shutil.rmtree(local, ignore_errors=True))
+    else:
+        local.mkdir()
     mgr = CheckpointManager("chaos://stress", retention=KeepLatest(3),
                             staging=StagingOptions(slots=slots, local_dir=str(local)))
     stop = threading.Event()

@@ -34,6 +34,7 @@ restores call :meth:`reading`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -50,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import _cuda
 from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, CkptError, ConfigError, StepNotFoundError
 from ..format.checksum import chunk_ranges, crc32c_hex
@@ -459,8 +461,25 @@ def read_tier(local_dir: str, root_url: str) -> dict[int, Manifest]:
     return found
 
 
+_RAM_FS_MAGIC = frozenset({0x01021994, 0x858458F6, 0x958458F6})  # tmpfs, ramfs, hugetlbfs (linux/magic.h)
+
+
+def ram_filesystem(path: str) -> bool | None:
+    """True when ``path`` lies on a filesystem kept in RAM, False when on another, None when
+    this cannot be told (not Linux, or statfs failed)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statfs; its first field is f_type
+    if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), buf) != 0:
+        return None
+    return (ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF) in _RAM_FS_MAGIC
+
+
 def open_local_tier(opts: StagingOptions, root: str) -> LocalTier | None:
     """The local tier for ``root``, or None when it is off or cannot be used here.
+
+    With CUDA, ``local_dir`` must be in RAM (a tmpfs such as /dev/shm): the tier's files are
+    the staging buffers, pinned for the copies from the GPU.
 
     Raises:
         ConfigError: ``local_tier=True`` where there is no usable ``local_dir``.
@@ -472,6 +491,13 @@ def open_local_tier(opts: StagingOptions, root: str) -> LocalTier | None:
         if opts.local_tier:
             raise ConfigError(f"StagingOptions(local_tier=True) needs Linux and an existing local_dir; "
                               f"{opts.local_dir!r} is not a directory here")
+        return None
+    if _cuda.available() and ram_filesystem(opts.local_dir) is False:
+        why = (f"{opts.local_dir!r} is not in RAM (tmpfs, ramfs or hugetlbfs): Linux refuses to pin a disk "
+               "file's pages, and the tier's files must be pinned for copies from the GPU")
+        if opts.local_tier:
+            raise ConfigError(f"StagingOptions(local_tier=True): {why}")
+        log.warning("not using the local tier: %s", why)
         return None
     try:
         return LocalTier(opts.local_dir, root)
