@@ -81,8 +81,10 @@ class StagingOptions:
             more is refused before anything is copied. None: no cap.
         local_tier: keep each staged checkpoint as a complete, committed checkpoint in
             ``local_dir`` (a tmpfs such as /dev/shm), so a same-node restart restores from
-            RAM. None (the default) uses it when ``local_dir`` exists and has room.
-        local_dir: where local-tier slots live.
+            RAM. None (the default) uses it when ``local_dir`` exists and has room (and,
+            with CUDA, is in RAM).
+        local_dir: where local-tier slots live. With CUDA it must be in RAM (tmpfs, ramfs,
+            hugetlbfs): the slots are pinned there, and Linux does not pin a disk file's pages.
         copy_threads: threads for host-to-host copies of CPU tensors.
 
     Example:
