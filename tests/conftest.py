@@ -3,6 +3,8 @@ from __future__ import annotations
 import math
 import os
 import random
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -42,6 +44,19 @@ class RNGState:
         random.setstate(sd["python"])
         np.random.set_state(sd["numpy"])
         torch.set_rng_state(sd["torch"])
+
+
+@pytest.fixture
+def ram_dir():
+    """A fresh directory in /dev/shm, removed afterwards: a local_dir that, with CUDA (real or
+    faked), may hold the local tier (its files must be in RAM to be pinned)."""
+    from ckptmgr.storage.tier import ram_filesystem
+
+    if not os.path.isdir("/dev/shm") or ram_filesystem("/dev/shm") is not True:
+        pytest.skip("needs /dev/shm on tmpfs")
+    path = tempfile.mkdtemp(prefix="ckptmgr-test-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def make_training(seed: int = 0):

@@ -203,7 +203,7 @@ def test_pinned_images_are_read_where_they_lie_and_verified(root, tmp_path):
             read_tensors_pinned({name: images[name][:-1]}, manifest, CPU, mgr._ring, "tier")
 
 
-def test_restores_in_the_saving_process_read_its_pinned_slot(root, tmp_path, monkeypatch):
+def test_restores_in_the_saving_process_read_its_pinned_slot(root, tmp_path, monkeypatch, ram_dir):
     """With CUDA (faked here: registration only), the slot files are pinned once at the first
     save; restoring that step reads them where they lie instead of from the files."""
     monkeypatch.setattr(cuda_shim, "available", lambda: True)
@@ -212,8 +212,7 @@ def test_restores_in_the_saving_process_read_its_pinned_slot(root, tmp_path, mon
     used = []
     real = restorer_mod.read_tensors_pinned
     monkeypatch.setattr(restorer_mod, "read_tensors_pinned", lambda *a, **k: used.append(1) or real(*a, **k))
-    local = str(tmp_path / "shm")
-    os.makedirs(local)
+    local = ram_dir  # in RAM, as a pinned tier must be
     state = {"w": torch.randn(20_000)}
     with CheckpointManager(root, staging=StagingOptions(local_dir=local)) as mgr:
         mgr.save(1, state).result()

@@ -75,7 +75,7 @@ def test_a_corrupt_step_leaves_the_target_as_it_was(root, loader, request):
             assert torch.equal(target[k], _state(1)[k]), k
 
 
-def test_the_pinned_slot_path_verifies_before_it_lands(root, tmp_path, monkeypatch):
+def test_the_pinned_slot_path_verifies_before_it_lands(root, tmp_path, monkeypatch, ram_dir):
     """A step held in this process's pinned staging slot (CUDA faked: registration only), damaged
     there and on disk: neither read writes into the target."""
     monkeypatch.setattr(cuda_shim, "available", lambda: True)
@@ -89,8 +89,7 @@ def test_the_pinned_slot_path_verifies_before_it_lands(root, tmp_path, monkeypat
     if hasattr(restorer_mod, "verify_images"):
         real_verify = restorer_mod.verify_images
         monkeypatch.setattr(restorer_mod, "verify_images", lambda *a, **k: pinned.append(1) or real_verify(*a, **k))
-    local = str(tmp_path / "shm")
-    os.makedirs(local)
+    local = ram_dir  # in RAM, as a pinned tier must be
     with CheckpointManager(root, staging=StagingOptions(local_dir=local), write_options=SMALL_CHUNKS) as mgr:
         mgr.save(1, _state(1)).result()
         mgr.wait()
