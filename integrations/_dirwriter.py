@@ -27,7 +27,6 @@ import os
 import queue
 import shutil
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -190,13 +189,9 @@ class DirectoryWriter:
         Raises:
             CkptTimeoutError: still busy after ``timeout`` seconds.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise CkptTimeoutError(f"{self._pending} checkpoint write(s) still running after {timeout} s")
-                self._idle.wait(left)
+            if not self._idle.wait_for(lambda: not self._pending, timeout):
+                raise CkptTimeoutError(f"{self._pending} checkpoint write(s) still running after {timeout} s")
         self.raise_errors()
 
     def raise_errors(self) -> None:

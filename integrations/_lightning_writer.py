@@ -23,7 +23,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -191,13 +190,9 @@ class Writer:
         Raises:
             CkptTimeoutError: still busy after ``timeout`` seconds.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise CkptTimeoutError(f"{self._pending} checkpoint write(s) still running after {timeout} s")
-                self._idle.wait(left)
+            if not self._idle.wait_for(lambda: not self._pending, timeout):
+                raise CkptTimeoutError(f"{self._pending} checkpoint write(s) still running after {timeout} s")
 
     def take_errors(self) -> list[BaseException]:
         with self._mu:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -84,11 +82,10 @@ def test_four_threads_on_one_manager_with_failing_storage(tmp_path, slots, reque
     ChaosFS.rng = random.Random(seed)
     ChaosFS.fail_p = 0.08
     # the tier in RAM, as on a GPU machine it must be (its files are pinned there)
-    local = tmp_path / "shm"
     if ram_filesystem("/dev/shm"):
-        local = Path(tempfile.mkdtemp(prefix="ckptmgr-stress-", dir="/dev/shm"))
-        request.addfinalizer(lambda: shutil.rmtree(local, ignore_errors=True))
+        local = Path(request.getfixturevalue("ram_dir"))
     else:
+        local = tmp_path / "shm"
         local.mkdir()
     mgr = CheckpointManager("chaos://stress", retention=KeepLatest(3),
                             staging=StagingOptions(slots=slots, local_dir=str(local)))

@@ -399,13 +399,9 @@ class Saver:
         Raises:
             CkptTimeoutError: still pending after ``timeout`` seconds.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._mu:
-            while self._unsettled:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise CkptTimeoutError(f"saves of steps {sorted(self._pending)} not finished after {timeout} s")
-                self._mu.wait(left)
+            if not self._mu.wait_for(lambda: not self._unsettled, timeout):
+                raise CkptTimeoutError(f"saves of steps {sorted(self._pending)} not finished after {timeout} s")
 
     # ------------------------------------------------------------ persist thread
 
