@@ -164,6 +164,36 @@ def test_a_step_in_this_process_is_copied_from_its_pinned_slot(root, monkeypatch
         assert got[k].is_cuda and torch.equal(got[k], state[k]), k
 
 
+def test_a_bad_pinned_chunk_leaves_the_gpu_target_as_it_was(root, ram_dir):
+    """From pinned images into a GPU target through spare device memory: the copies run while
+    the chunks are verified, and a bad chunk raises before anything moves into the target."""
+    from ckptmgr import CheckpointCorruptError, WriteOptions
+    from ckptmgr.restore.loaders import read_tensors_pinned
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    state = {f"p{i}": torch.randn(1 << 20, device="cuda", generator=g) for i in range(8)}
+    with CheckpointManager(root, staging=StagingOptions(local_dir=ram_dir),
+                           write_options=WriteOptions(chunk_size=1 << 20)) as mgr:
+        mgr.save(1, state).result()
+        manifest = mgr._manifest(1, mgr._tier)
+        with mgr._tier.reading(1) as images:
+            assert images is not None  # pinned where they lie
+            target = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+            got = read_tensors_pinned(images, manifest, torch.device("cuda", torch.cuda.current_device()),
+                                      mgr._ring, "tier", dests=target, through_device=True)
+            for k, v in state.items():
+                assert got[k] is target[k] and torch.equal(target[k], v), k
+            target = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+            copies = {n: image.clone() for n, image in images.items()}  # the slot itself stays intact
+            for image in copies.values():
+                image[image.numel() // 2] ^= 0xFF
+            with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+                read_tensors_pinned(copies, manifest, torch.device("cuda", torch.cuda.current_device()),
+                                    mgr._ring, "tier", dests=target, through_device=True)
+            torch.cuda.synchronize()
+            assert all(bool((t == 7.0).all()) for t in target.values())
+
+
 def test_kvikio_writes_and_reads_for_real(root):
     pytest.importorskip("kvikio")
     import ckptmgr.storage.cufile as gds

@@ -203,6 +203,27 @@ def test_pinned_images_are_read_where_they_lie_and_verified(root, tmp_path):
             read_tensors_pinned({name: images[name][:-1]}, manifest, CPU, mgr._ring, "tier")
 
 
+def test_pinned_images_with_a_bad_chunk_leave_a_target_as_it_was(root, tmp_path):
+    """Straight into a target, every chunk of the images is verified before the first copy:
+    a bad one (the last chunk, checked last) raises with the target's bytes unchanged."""
+    local = str(tmp_path / "shm")
+    os.makedirs(local)
+    state = {"w": torch.randn(50_000), "x": torch.randn(30_000)}
+    with CheckpointManager(root, staging=StagingOptions(local_dir=local),
+                           write_options=WriteOptions(chunk_size=8192)) as mgr:
+        mgr.save(1, state).result()
+        tier = mgr._tier
+        manifest = mgr._manifest(1, tier)
+        images = {n: torch.from_file(tier.path_of(1, n), shared=False, size=rec.size, dtype=torch.uint8)
+                  for n, rec in manifest.files.items()}
+        for image in images.values():
+            image[-1] ^= 0xFF
+        target = {"w": torch.full((50_000,), 7.0), "x": torch.full((30_000,), 7.0)}
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            read_tensors_pinned(images, manifest, CPU, mgr._ring, "tier", dests=target)
+        assert bool((target["w"] == 7.0).all()) and bool((target["x"] == 7.0).all())
+
+
 def test_restores_in_the_saving_process_read_its_pinned_slot(root, tmp_path, monkeypatch, ram_dir):
     """With CUDA (faked here: registration only), the slot files are pinned once at the first
     save; restoring that step reads them where they lie instead of from the files."""

@@ -29,7 +29,7 @@ from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import FileRecord, Manifest
 
 __all__ = ["Source", "check_regular", "header_problems", "local_path", "preflight", "run_all", "verify_files",
-           "verify_images"]
+           "verify_images", "wait_all"]
 
 
 _SCRATCH_BYTES = 256 << 20  # host memory the checking pass may use, whatever the chunk size
@@ -105,7 +105,12 @@ def header_problems(raw: bytes, fname: str, manifest: Manifest) -> list[str]:
 def run_all(pool: Executor, fn: Callable[..., None], items: Iterable[tuple[Any, ...]]) -> None:
     """Run ``fn(*item)`` for every item on ``pool``; once all have finished, raise the first
     failure (in item order). After a failure, items not yet started are cancelled."""
-    futures: list[Future[None]] = [pool.submit(fn, *item) for item in items]
+    wait_all([pool.submit(fn, *item) for item in items])
+
+
+def wait_all(futures: list[Future[None]]) -> None:
+    """Wait for every one of ``futures``; once all have finished, raise the first failure (in
+    list order). After a failure, those not yet started are cancelled."""
     first: BaseException | None = None
     for fut in futures:
         if first is None and not fut.cancelled() and fut.exception() is not None:

@@ -37,11 +37,18 @@ def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
         StorageError: the root exists but cannot be used.
         StepNotFoundError: a read-only local root that does not exist.
     """
+    if not isinstance(root, str) or not root:
+        raise ConfigError(f"root must be a non-empty path or URL string, got {root!r}")
+    if read_only not in (None, True, False):
+        raise ConfigError(f"read_only must be None, True or False, got {read_only!r}")
+    if "://" not in root and "::" not in root:  # a plain path: no need to import fsspec (a fresh
+        if s3_options is not None:  # process restoring from /dev/shm pays for every import)
+            raise ConfigError(f"s3_options were given for {root!r}, which is not an s3:// root")
+        return _local(os.path.normpath(os.path.abspath(os.path.expanduser(root))), root, storage_options,
+                      io_threads, direct_io, read_only)
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
 
-    if not isinstance(root, str) or not root:
-        raise ConfigError(f"root must be a non-empty path or URL string, got {root!r}")
     is_s3 = root.startswith(("s3://", "s3a://"))
     if s3_options is not None and not is_s3:
         raise ConfigError(f"s3_options were given for {root!r}, which is not an s3:// root")
@@ -61,18 +68,8 @@ def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
         raise ConfigError(f"bad storage_options for {root!r}: {exc}") from exc
     except OSError as exc:
         raise StorageError(f"cannot open checkpoint root {root!r}: {exc}") from exc
-    if read_only not in (None, True, False):
-        raise ConfigError(f"read_only must be None, True or False, got {read_only!r}")
     if isinstance(fs, LocalFileSystem):
-        if storage_options:
-            raise ConfigError(f"storage_options {sorted(storage_options)} have no meaning for the local root {root!r}")
-        from .local import LocalTarget
-
-        if read_only is None:
-            read_only = os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK)
-            if read_only:
-                log.info("opening %s read-only: this process cannot write to it", os.path.abspath(path))
-        return LocalTarget(path, io_threads=io_threads, direct_io=direct_io, read_only=read_only)
+        return _local(path, root, storage_options, io_threads, direct_io, read_only)
     from .fsspec import FsspecTarget
     from .s3 import S3Target, check_bucket_name
 
@@ -87,3 +84,16 @@ def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
         raise
     except Exception as exc:  # the storage's client raises its own types (botocore, aiohttp, ...)
         raise StorageError(f"cannot open checkpoint root {root!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def _local(path: str, root: str, storage_options: dict[str, Any] | None, io_threads: int, direct_io: bool,
+           read_only: bool | None) -> Target:
+    if storage_options:
+        raise ConfigError(f"storage_options {sorted(storage_options)} have no meaning for the local root {root!r}")
+    from .local import LocalTarget
+
+    if read_only is None:
+        read_only = os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK)
+        if read_only:
+            log.info("opening %s read-only: this process cannot write to it", os.path.abspath(path))
+    return LocalTarget(path, io_threads=io_threads, direct_io=direct_io, read_only=read_only)

@@ -10,8 +10,9 @@ at the ring's size (12 x 16 MiB) whatever the checkpoint's. Where the bytes land
 :mod:`~ckptmgr.loaders.landing` plan: one fresh device allocation per file, or the target's
 own tensors.
 
-The same machinery serves a step whose images are already pinned in this process (the
-staging slot): the chunks are then verified where they lie and copied straight from there.
+A step whose images are already pinned in this process (its staging slot, or a local-tier
+slot it adopted) is copied straight from there at the link's speed, its chunks verified
+where they lie by the ring's threads while the copies run (:func:`read_tensors_pinned`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ...errors import CheckpointCorruptError, CkptTimeoutError
 from ...format.checksum import chunk_ranges, crc32c_hex
 from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import FileRecord, Manifest
-from ..preflight import Source, run_all
+from ..preflight import Source, run_all, wait_all
 from .host import _build_views
 from .landing import Entry, Landing, plan_landing
 
@@ -144,9 +145,8 @@ def file_entries(manifest: Manifest, fname: str, where: str) -> list[Entry]:
     return out
 
 
-# fetch(buffer index, begin, end) -> (the bytes [begin, end) of the file in host memory, their
-# CRC32C, or None where they were verified already)
-Fetch = Callable[[int, int, int], tuple[torch.Tensor, str | None]]
+# fetch(buffer index, begin, end) -> (the bytes [begin, end) of the file in host memory, their CRC32C)
+Fetch = Callable[[int, int, int], tuple[torch.Tensor, str]]
 
 
 class _Chunk(NamedTuple):
@@ -172,7 +172,7 @@ def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, wher
     def task(c: _Chunk) -> None:
         with ring.lease() as slot:
             src, crc = c.fetch(slot, c.begin, c.end)
-            if crc is not None and crc != c.rec.crc32c[c.number]:
+            if crc != c.rec.crc32c[c.number]:
                 raise CheckpointCorruptError(f"{where}: {c.fname}: checksum mismatch in bytes [{c.begin}, {c.end})")
             if streams is None:
                 c.landing.land(c.begin, src)
@@ -184,23 +184,24 @@ def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, wher
     run_all(ring.pool, task, [(c,) for c in chunks])
 
 
-def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where: str,
-              dests: dict[str, torch.Tensor] | None, fetch_for: Callable[[str, FileRecord], Fetch],
-              through_device: bool = False) -> dict[str, torch.Tensor]:
-    fetches = {fname: fetch_for(fname, rec) for fname, rec in manifest.files.items()}  # checked before allocating
+def _plan_all(manifest: Manifest, device: torch.device, where: str, dests: dict[str, torch.Tensor] | None,
+              through_device: bool) -> dict[str, Landing]:
+    """A landing plan for every file of the step (see :mod:`.landing`)."""
     try:
-        landings = {fname: plan_landing(file_entries(manifest, fname, where), rec.header_size,
-                                        rec.size - rec.header_size, device, dests, through_device=through_device)
-                    for fname, rec in manifest.files.items()}
+        return {fname: plan_landing(file_entries(manifest, fname, where), rec.header_size,
+                                    rec.size - rec.header_size, device, dests, through_device=through_device)
+                for fname, rec in manifest.files.items()}
     except torch.OutOfMemoryError:
         if not through_device:
             raise
         raise NoDeviceRoom(f"{where}: no room on {device} to land the step before it moves into the target") from None
-    chunks = [_Chunk(fname, rec, landings[fname], fetches[fname], i, b, e)
-              for fname, rec in manifest.files.items()
-              for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
-    _pipeline(chunks, device, ring, where)
-    if through_device:  # every chunk verified: only now does the target change
+
+
+def _finish(manifest: Manifest, device: torch.device, landings: dict[str, Landing], where: str,
+            through_device: bool) -> dict[str, torch.Tensor]:
+    """Every chunk has landed and verified: move what landed in spare memory into the target
+    (only now does the target change) and build the step's tensors."""
+    if through_device:
         for landing in landings.values():
             landing.commit()
         if device.type == "cuda":
@@ -210,6 +211,18 @@ def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where:
         out.update(landing.tensors())
     _build_views(manifest, out, where)
     return out
+
+
+def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where: str,
+              dests: dict[str, torch.Tensor] | None, fetch_for: Callable[[str, FileRecord], Fetch],
+              through_device: bool = False) -> dict[str, torch.Tensor]:
+    fetches = {fname: fetch_for(fname, rec) for fname, rec in manifest.files.items()}  # checked before allocating
+    landings = _plan_all(manifest, device, where, dests, through_device)
+    chunks = [_Chunk(fname, rec, landings[fname], fetches[fname], i, b, e)
+              for fname, rec in manifest.files.items()
+              for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
+    _pipeline(chunks, device, ring, where)
+    return _finish(manifest, device, landings, where, through_device)
 
 
 def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: torch.device,
@@ -233,7 +246,7 @@ def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: tor
             raise CheckpointCorruptError(f"{where}: {fname} has chunks of {rec.chunk_size} bytes, "
                                          f"more than the ring's {ring.slot_bytes}")
 
-        def fetch(slot: int, b: int, e: int) -> tuple[torch.Tensor, str | None]:
+        def fetch(slot: int, b: int, e: int) -> tuple[torch.Tensor, str]:
             whole = ring.buffer(slot)
             buf = whole[:e - b]
             arr = buf.numpy()
@@ -250,23 +263,54 @@ def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: tor
 def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, device: torch.device,
                         ring: PinnedRing, where: str, dests: dict[str, torch.Tensor] | None = None, *,
                         verified: bool = False, through_device: bool = False) -> dict[str, torch.Tensor]:
-    """Every tensor of a step whose file images are already in pinned host memory (the
-    staging slot of this process): copied straight from there, each chunk verified on the
-    ring's threads just before its copy (unless ``verified``: every chunk was checked, where
-    it lies, before this call). ``through_device`` as for :func:`read_tensors_ring`.
+    """Every tensor of a step whose file images are already in pinned host memory (this
+    process's staging slot, or a local-tier slot it adopted): copied straight from there.
+
+    The copies are queued from the calling thread on a stream of their own, chunk by chunk
+    (an image is pinned in pieces of whole chunks, so no copy crosses two), while the ring's
+    threads verify every chunk where it lies; both only read the images, which the caller
+    holds against reuse. The step thus moves at the link's speed with the checksums beside
+    it rather than in front of it. Where the bytes land is decided as for
+    :func:`read_tensors_ring`: fresh memory, which a failed step simply drops; or, with
+    ``through_device``, spare device memory that moves into ``dests`` only once every chunk
+    has verified. Straight into ``dests`` (neither), every chunk is verified before the first
+    copy, unless ``verified``: the caller did, where they lie, before this call.
 
     Raises:
-        CheckpointCorruptError: an image does not match the manifest.
+        CheckpointCorruptError: an image does not match the manifest, or a chunk fails its
+            checksum (``dests`` untouched).
         NoDeviceRoom: ``through_device`` and the step does not fit on the device.
     """
-    def fetch_for(fname: str, rec: FileRecord) -> Fetch:
+    for fname, rec in manifest.files.items():
         image = images.get(fname)
         if image is None or image.numel() != rec.size:
             raise CheckpointCorruptError(f"{where}: the staged image of {fname} does not match the manifest")
+    landings = _plan_all(manifest, device, where, dests, through_device)
+    chunks = [(fname, rec, i, b, e) for fname, rec in manifest.files.items()
+              for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
+    arrays = {fname: images[fname].numpy() for fname in manifest.files}
 
-        def fetch(slot: int, b: int, e: int) -> tuple[torch.Tensor, str | None]:
-            src = image[b:e]
-            return src, None if verified else crc32c_hex(src.numpy())
-        return fetch
+    def check(fname: str, rec: FileRecord, i: int, b: int, e: int) -> None:
+        if crc32c_hex(arrays[fname][b:e]) != rec.crc32c[i]:
+            raise CheckpointCorruptError(f"{where}: {fname}: checksum mismatch in bytes [{b}, {e})")
 
-    return _read_all(manifest, device, ring, where, dests, fetch_for, through_device)
+    checks = [] if verified else [ring.pool.submit(check, *c) for c in chunks]
+    if checks and not through_device and dests is not None:  # landing in place: every chunk first
+        wait_all(checks)
+        checks = []
+    stream = _cuda.staging_stream(device) if device.type == "cuda" else None
+    try:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for fname, _, _, b, e in chunks:
+                landings[fname].land(b, images[fname][b:e])
+    except BaseException:
+        for fut in checks:
+            fut.cancel()
+        with contextlib.suppress(Exception):  # the started checks end before the images may go
+            wait_all(checks)
+        raise
+    finally:  # the copies end before any memory they write is released or moved
+        if stream is not None:
+            stream.synchronize()
+    wait_all(checks)
+    return _finish(manifest, device, landings, where, through_device)
