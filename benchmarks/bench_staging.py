@@ -355,6 +355,21 @@ def table(title: str, size: int, res: dict[str, Any], ceiling_gbps: float) -> st
     return "\n".join(lines)
 
 
+def _merged(path: str, report: dict[str, Any]) -> dict[str, Any]:
+    """``report``'s targets added to those of the report in ``path`` (same commit, rounds and
+    saves; anything else is refused rather than mixed)."""
+    with open(path) as f:
+        old = json.load(f)
+    for key in ("commit", "device", "rounds", "saves_per_process"):
+        if old.get(key) != report[key]:
+            raise SystemExit(f"--merge: {path} has {key} {old.get(key)!r}, this run {report[key]!r}")
+    for gib, entry in report["sizes"].items():
+        into = old["sizes"].setdefault(gib, entry)
+        if into is not entry:
+            into["targets"].update(entry["targets"])
+    return old
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, action="append", help="state size (repeatable); default 4 and 16")
@@ -366,6 +381,9 @@ def main() -> None:
     ap.add_argument("--tools", default=None, help="comma-separated subset of the tools (default: all)")
     ap.add_argument("--big-tools", default="ckptmgr block,ckptmgr overlap,DCP async_save (pinned stager),torch.save",
                     help="tools for sizes over 8 GiB")
+    ap.add_argument("--targets", default="shm,disk", help="where to save: shm (/dev/shm), disk, or both")
+    ap.add_argument("--merge", action="store_true",
+                    help="add these targets to an existing --out of the same commit (a run split over calls)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "staging.json"))
     ap.add_argument("--child", nargs=5, metavar=("TOOL", "DIR", "GIB", "DEVICE", "SAVES"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -397,7 +415,10 @@ def main() -> None:
         print(f"{gib} GiB: {count} tensors, pinned D2H {d2h:.1f} GB/s, disk write {disk}", flush=True)
         chosen = args.tools.split(",") if args.tools else all_tools
         tools = chosen if gib <= 8 else [t for t in chosen if t in args.big_tools.split(",")]
+        wanted = set(args.targets.split(","))
         for tname, tdir in (("/dev/shm", args.shm_dir), ("disk", args.disk_dir)):
+            if ("shm" if tname == "/dev/shm" else "disk") not in wanted:
+                continue
             print(f" target {tname}", flush=True)
             use = tools if tname == "disk" or gib <= 8 else [t for t in tools if t.startswith("ckptmgr")]
             entry["targets"][tname] = bench(gib, tdir, args.device, args.saves if gib <= 8 else 2, args.rounds, use)
@@ -405,6 +426,8 @@ def main() -> None:
         report["sizes"][f"{gib:g}"] = entry
     shutil.rmtree(args.shm_dir, ignore_errors=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    if args.merge and os.path.exists(args.out):
+        report = _merged(args.out, report)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print("\n\n".join(text))

@@ -6,7 +6,9 @@
 
 Each benchmark runs in a process of its own, on the same data for every tool it compares:
 
-* ``staging``: bench_staging.py, what a save costs the training loop and when it is durable;
+* ``staging``: bench_staging.py, what a save costs the training loop and when it is durable
+  (``staging-shm`` and ``staging-disk``: one target each, into the same staging.json, for
+  machines that limit how long one command runs);
 * ``restore``: bench_restore.py, every restore in a fresh process (onto the GPU when there is one);
 * ``training``: bench_training.py, step-time overhead of checkpointing a transformer;
 * ``s3``: bench_s3.py, upload to moto's S3 server with injected latency (needs ``moto``).
@@ -26,6 +28,7 @@ import platform
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -47,6 +50,10 @@ def _commands(device: str, quick: bool, out: str, scratch: str) -> dict[str, lis
         "staging": ["bench_staging.py", "--gib", gib, "--device", device, *save_tools,
                     "--shm-dir", "/dev/shm/ckptmgr-bench-run", "--disk-dir", os.path.join(scratch, "staging"),
                     "--out", os.path.join(out, "staging.json")],
+        **{f"staging-{t}": ["bench_staging.py", "--gib", gib, "--device", device, *save_tools, "--targets", t,
+                            "--merge", "--shm-dir", "/dev/shm/ckptmgr-bench-run",
+                            "--disk-dir", os.path.join(scratch, "staging"), "--out", os.path.join(out, "staging.json")]
+           for t in ("shm", "disk")},
         "restore": ["bench_restore.py", "--gib", gib, "--device", device, *load_tools,
                     "--shm-dir", "/dev/shm/ckptmgr-bench-restore", "--disk-dir", os.path.join(scratch, "restore"),
                     "--out", os.path.join(out, "restore.json")],
@@ -70,8 +77,8 @@ def main() -> int:
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                            cwd=HERE).stdout.strip() or "unknown"
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
-    run = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "commit": commit, "torch": torch.__version__,
-           "device": gpu or f"cpu ({os.cpu_count()} cores)", "parts": {}}
+    run: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "commit": commit,
+                           "torch": torch.__version__, "device": gpu or f"cpu ({os.cpu_count()} cores)", "parts": {}}
     commands = _commands(args.device, args.quick, args.out, args.scratch)
     failed = []
     for part in args.parts.split(","):
@@ -88,6 +95,12 @@ def main() -> int:
         if rc != 0:
             failed.append(part)
             print(f"== {part}: FAILED with exit code {rc}", flush=True)
+    previous = os.path.join(args.out, "run.json")  # parts run by earlier calls into the same --out
+    if os.path.exists(previous):
+        with open(previous) as f:
+            earlier = json.load(f)
+        if earlier.get("commit") == run["commit"]:
+            run["parts"] = {**earlier.get("parts", {}), **run["parts"]}
     with open(os.path.join(args.out, "run.json"), "w") as f:
         json.dump(run, f, indent=1)
     sys.path.insert(0, HERE)
