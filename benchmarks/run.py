@@ -91,16 +91,16 @@ def main() -> int:
         print(f"== {part}: {' '.join(commands[part])}", flush=True)
         t = time.perf_counter()
         rc = subprocess.run([sys.executable, *commands[part]], cwd=HERE).returncode
-        run["parts"][part] = {"rc": rc, "seconds": round(time.perf_counter() - t, 1)}
+        run["parts"][part] = {"rc": rc, "seconds": round(time.perf_counter() - t, 1), "commit": commit}
         if rc != 0:
             failed.append(part)
             print(f"== {part}: FAILED with exit code {rc}", flush=True)
     previous = os.path.join(args.out, "run.json")  # parts run by earlier calls into the same --out
-    if os.path.exists(previous):
+    if os.path.exists(previous):  # (each part names the commit it ran at)
         with open(previous) as f:
-            earlier = json.load(f)
-        if earlier.get("commit") == run["commit"]:
-            run["parts"] = {**earlier.get("parts", {}), **run["parts"]}
+            earlier = json.load(f).get("parts", {})
+        run["parts"] = {**{k: {"commit": "?", **v} if isinstance(v, dict) else v for k, v in earlier.items()},
+                        **run["parts"]}
     with open(os.path.join(args.out, "run.json"), "w") as f:
         json.dump(run, f, indent=1)
     sys.path.insert(0, HERE)
