@@ -360,13 +360,14 @@ def _merged(path: str, report: dict[str, Any]) -> dict[str, Any]:
     saves; anything else is refused rather than mixed)."""
     with open(path) as f:
         old = json.load(f)
-    for key in ("commit", "device", "rounds", "saves_per_process"):
+    for key in ("device", "rounds", "saves_per_process"):
         if old.get(key) != report[key]:
             raise SystemExit(f"--merge: {path} has {key} {old.get(key)!r}, this run {report[key]!r}")
     for gib, entry in report["sizes"].items():
         into = old["sizes"].setdefault(gib, entry)
         if into is not entry:
             into["targets"].update(entry["targets"])
+    old["target_commits"] = {**old.get("target_commits", {}), **report["target_commits"]}
     return old
 
 
@@ -397,8 +398,9 @@ def main() -> None:
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
         "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                 cwd=os.path.dirname(__file__) or ".").stdout.strip(),
+        "commit": os.environ.get("CKPTMGR_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=os.path.dirname(__file__) or ".").stdout.strip(),
         "rounds": args.rounds, "saves_per_process": args.saves, "sizes": {},
     }
     text = []
@@ -421,6 +423,7 @@ def main() -> None:
                 continue
             print(f" target {tname}", flush=True)
             use = tools if tname == "disk" or gib <= 8 else [t for t in tools if t.startswith("ckptmgr")]
+            report.setdefault("target_commits", {})[tname] = report["commit"]
             entry["targets"][tname] = bench(gib, tdir, args.device, args.saves if gib <= 8 else 2, args.rounds, use)
             text.append(table(f"{gib:g} GiB ({count} tensors) to {tname}", size, entry["targets"][tname], d2h))
         report["sizes"][f"{gib:g}"] = entry

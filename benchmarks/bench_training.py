@@ -389,8 +389,9 @@ def main() -> None:
     print("\n".join(lines))
     report = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       cwd=os.path.dirname(__file__) or ".").stdout.strip(),
+              "commit": os.environ.get("CKPTMGR_COMMIT") or subprocess.run(
+                  ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                  cwd=os.path.dirname(__file__) or ".").stdout.strip(),
               "args": vars(args), "summary": summary, "rounds": rounds}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

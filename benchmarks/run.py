@@ -90,7 +90,8 @@ def main() -> int:
             continue
         print(f"== {part}: {' '.join(commands[part])}", flush=True)
         t = time.perf_counter()
-        rc = subprocess.run([sys.executable, *commands[part]], cwd=HERE).returncode
+        rc = subprocess.run([sys.executable, *commands[part]], cwd=HERE,
+                            env={**os.environ, "CKPTMGR_COMMIT": commit}).returncode
         run["parts"][part] = {"rc": rc, "seconds": round(time.perf_counter() - t, 1), "commit": commit}
         if rc != 0:
             failed.append(part)
