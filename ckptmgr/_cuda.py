@@ -53,7 +53,7 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
 
 
 def staging_stream(device: torch.device) -> Any:
-    """A dedicated stream for device-to-host copies on ``device``.
+    """A side stream on ``device`` for copies between host and device (from PyTorch's pool).
 
     Created from the caller's (main) thread: streams are per device, and creating them from
     a worker thread would bind them to whatever device that thread has current.

@@ -580,3 +580,21 @@ def test_fsspec_a_second_manager_keeps_a_save_in_flight_and_the_commit_checks_fi
             assert writer.steps() == [1]
     finally:
         GatedFS.gate = None
+
+
+@pytest.mark.parametrize("form", ["plain", "file:", "file://", "relative", "tilde"])
+def test_local_roots_resolve_to_the_same_directory_in_every_form(tmp_path, monkeypatch, form):
+    """A plain path opens without fsspec; "file:" forms go through it; all name one directory."""
+    from ckptmgr.storage import open_target
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    want = tmp_path / "ckpt"
+    root = {"plain": str(want), "file:": f"file:{want}", "file://": f"file://{want}", "relative": "ckpt",
+            "tilde": "~/ckpt"}[form]
+    target = open_target(root)
+    try:
+        assert os.path.realpath(target.path) == os.path.realpath(want)
+        assert want.is_dir() and not (tmp_path / "file:").exists()
+    finally:
+        target.io_pool.shutdown()

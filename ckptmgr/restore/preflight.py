@@ -17,8 +17,10 @@ import json
 import os
 import queue
 import stat
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
+from concurrent.futures import wait as futures_wait
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,8 +30,8 @@ from ..errors import CheckpointCorruptError, CkptTimeoutError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import FileRecord, Manifest
 
-__all__ = ["Source", "check_regular", "header_problems", "local_path", "preflight", "run_all", "verify_files",
-           "verify_images", "wait_all"]
+__all__ = ["Source", "check_regular", "drain", "header_problems", "local_path", "preflight", "run_all",
+           "verify_files", "verify_images", "wait_all"]
 
 
 _SCRATCH_BYTES = 256 << 20  # host memory the checking pass may use, whatever the chunk size
@@ -106,6 +108,31 @@ def run_all(pool: Executor, fn: Callable[..., None], items: Iterable[tuple[Any, 
     """Run ``fn(*item)`` for every item on ``pool``; once all have finished, raise the first
     failure (in item order). After a failure, items not yet started are cancelled."""
     wait_all([pool.submit(fn, *item) for item in items])
+
+
+def drain(futures: list[Future[None]], timeout: float = 600.0) -> None:
+    """Cancel what of ``futures`` has not started and wait for every started one to end, also
+    through an interrupt (raised once they have ended): they may read memory the caller is
+    about to release. Their own failures are left to :func:`wait_all`.
+
+    Raises:
+        CkptTimeoutError: started ones still running after ``timeout`` seconds.
+    """
+    for fut in futures:
+        fut.cancel()
+    interrupted: BaseException | None = None
+    pending = [f for f in futures if not f.cancelled()]
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        try:
+            futures_wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+        except BaseException as exc:  # re-raised below
+            interrupted = interrupted or exc
+        pending = [f for f in pending if not f.done()]
+    if interrupted is not None:
+        raise interrupted
+    if pending:
+        raise CkptTimeoutError(f"{len(pending)} started checks did not end within {timeout} s")
 
 
 def wait_all(futures: list[Future[None]]) -> None:

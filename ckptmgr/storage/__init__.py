@@ -41,8 +41,9 @@ def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
         raise ConfigError(f"root must be a non-empty path or URL string, got {root!r}")
     if read_only not in (None, True, False):
         raise ConfigError(f"read_only must be None, True or False, got {read_only!r}")
-    if "://" not in root and "::" not in root:  # a plain path: no need to import fsspec (a fresh
-        if s3_options is not None:  # process restoring from /dev/shm pays for every import)
+    # A plain path (not "file:/x") needs no fsspec: a fresh process restoring from /dev/shm pays for every import
+    if "://" not in root and "::" not in root and ":" not in root.split("/", 1)[0]:
+        if s3_options is not None:
             raise ConfigError(f"s3_options were given for {root!r}, which is not an s3:// root")
         return _local(os.path.normpath(os.path.abspath(os.path.expanduser(root))), root, storage_options,
                       io_threads, direct_io, read_only)

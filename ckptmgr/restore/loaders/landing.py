@@ -13,7 +13,8 @@ parts that overlap each span; on a GPU the copies are asynchronous on the loader
 
 A restore into a target on a GPU may instead land *through spare device memory*
 (``plan_landing(..., through_device=True)``): the file lands in one fresh device allocation,
-checked chunk by chunk as it arrives exactly as a restore into fresh memory is, and only
+its chunks checked as they arrive (or, from pinned images, beside the copies) exactly as a
+restore into fresh memory is, and only
 once every chunk of the step has verified does :meth:`Landing.commit` move the bytes into
 the target's tensors with device-to-device copies (a memcpy for each large tensor, the
 small ones fused: one kernel launch per ~100 tensors, not one copy per tensor). The target
@@ -57,14 +58,20 @@ class Landing:
         # (target bytes, landed bytes) that commit() copies; owned by the restoring thread
         self._moves = moves or []
 
+    @property
+    def into_target(self) -> bool:
+        """True when some bytes land straight in a target's own tensors."""
+        return any(direct for _, _, direct in self._outputs) and not self._moves
+
     def commit(self) -> None:
         """Move what landed in spare device memory into the target's tensors (asynchronous on
         the current stream; a no-op for a plan that lands in place). Call once every chunk
         of the step has verified."""
         moves, self._moves = self._moves, []
         small = [(d, s) for d, s in moves if s.numel() < _MEMCPY_BYTES]
-        for d, s in moves:  # large: one device memcpy each (as fused byte-wise copies, 4.8 GB
-            if s.numel() >= _MEMCPY_BYTES:  # took 41 ms on an H200)
+        # large: one device memcpy each (as fused byte-wise copies, 4.8 GB took 41 ms on an H200)
+        for d, s in moves:
+            if s.numel() >= _MEMCPY_BYTES:
                 d.copy_(s, non_blocking=True)
         if small:  # small: fused, one kernel launch per ~100 tensors
             torch._foreach_copy_([d for d, _ in small], [s for _, s in small], non_blocking=True)

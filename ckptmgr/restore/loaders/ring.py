@@ -1,5 +1,6 @@
 """Pinned-ring loader: parallel reads into a small reusable pinned ring, each chunk copied to
-the GPU by the thread that read it, its checksum verified before the copy.
+the GPU by the thread that read it, its checksum verified before the copy; and the copy of
+file images already pinned in this process, verified beside the copies.
 
 For files on disk, NFS or object stores, and one-shot restores from /dev/shm. Each checksum
 chunk of every file is one task on the ring's reader threads: read the chunk into the
@@ -20,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
@@ -30,7 +31,7 @@ from ...errors import CheckpointCorruptError, CkptTimeoutError
 from ...format.checksum import chunk_ranges, crc32c_hex
 from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import FileRecord, Manifest
-from ..preflight import Source, run_all, wait_all
+from ..preflight import Source, drain, run_all, wait_all
 from .host import _build_views
 from .landing import Entry, Landing, plan_landing
 
@@ -168,6 +169,10 @@ def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, wher
     raised once every started task has given its buffer back.
     """
     streams = ring.streams(device) if device.type == "cuda" else None
+    ready = None
+    if streams is not None:  # the copies come after the work queued on what they write
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(torch.cuda.current_stream(device))
 
     def task(c: _Chunk) -> None:
         with ring.lease() as slot:
@@ -177,6 +182,8 @@ def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, wher
             if streams is None:
                 c.landing.land(c.begin, src)
                 return
+            assert ready is not None
+            streams[slot].wait_event(ready)
             with torch.cuda.stream(streams[slot]):
                 c.landing.land(c.begin, src)
             streams[slot].synchronize()
@@ -294,23 +301,25 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
         if crc32c_hex(arrays[fname][b:e]) != rec.crc32c[i]:
             raise CheckpointCorruptError(f"{where}: {fname}: checksum mismatch in bytes [{b}, {e})")
 
-    checks = [] if verified else [ring.pool.submit(check, *c) for c in chunks]
-    if checks and not through_device and dests is not None:  # landing in place: every chunk first
-        wait_all(checks)
-        checks = []
-    stream = _cuda.staging_stream(device) if device.type == "cuda" else None
+    in_place = not through_device and any(landing.into_target for landing in landings.values())
+    checks: list[Future[None]] = []
+    stream = None
     try:
+        if not verified:
+            checks.extend(ring.pool.submit(check, *c) for c in chunks)
+        if in_place:  # straight into the target: every chunk verified first
+            wait_all(checks)
+        if device.type == "cuda":
+            stream = _cuda.staging_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # after the work queued on what it writes
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for fname, _, _, b, e in chunks:
                 landings[fname].land(b, images[fname][b:e])
-    except BaseException:
-        for fut in checks:
-            fut.cancel()
-        with contextlib.suppress(Exception):  # the started checks end before the images may go
-            wait_all(checks)
-        raise
-    finally:  # the copies end before any memory they write is released or moved
         if stream is not None:
             stream.synchronize()
-    wait_all(checks)
+        wait_all(checks)
+    finally:  # whatever happened: the copies and the started checks end before the images or the
+        if stream is not None:  # memory the copies write may go
+            stream.synchronize()
+        drain(checks)
     return _finish(manifest, device, landings, where, through_device)
