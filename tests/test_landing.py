@@ -177,6 +177,14 @@ def test_a_corrupt_newest_step_falls_back_and_the_target_ends_at_the_older_step(
     assert torch.equal(target["w"], one["w"])
 
 
+def _saved_tier_images(mgr, state, *, shared):
+    """Save ``state`` as step 1 and map its local-tier files (``shared``: writes reach the files)."""
+    mgr.save(1, state).result()
+    manifest = mgr._manifest(1, mgr._tier)
+    return manifest, {n: torch.from_file(mgr._tier.path_of(1, n), shared=shared, size=rec.size, dtype=torch.uint8)
+                      for n, rec in manifest.files.items()}
+
+
 def test_pinned_images_are_read_where_they_lie_and_verified(root, tmp_path):
     local = str(tmp_path / "shm")
     os.makedirs(local)
@@ -184,11 +192,7 @@ def test_pinned_images_are_read_where_they_lie_and_verified(root, tmp_path):
     state["v"] = state["w"][4:9]
     with CheckpointManager(root, staging=StagingOptions(local_dir=local),
                            write_options=WriteOptions(chunk_size=8192)) as mgr:
-        mgr.save(1, state).result()
-        tier = mgr._tier
-        manifest = mgr._manifest(1, tier)
-        images = {n: torch.from_file(tier.path_of(1, n), shared=True, size=rec.size, dtype=torch.uint8)
-                  for n, rec in manifest.files.items()}
+        manifest, images = _saved_tier_images(mgr, state, shared=True)
         got = read_tensors_pinned(images, manifest, CPU, mgr._ring, "tier")
         assert_tree_equal({k: got[k] for k in ("w", "b", "v")}, {k: state[k] for k in ("w", "b", "v")})
         target = {"w": torch.zeros(50_000)}
@@ -211,11 +215,7 @@ def test_pinned_images_with_a_bad_chunk_leave_a_target_as_it_was(root, tmp_path)
     state = {"w": torch.randn(50_000), "x": torch.randn(30_000)}
     with CheckpointManager(root, staging=StagingOptions(local_dir=local),
                            write_options=WriteOptions(chunk_size=8192)) as mgr:
-        mgr.save(1, state).result()
-        tier = mgr._tier
-        manifest = mgr._manifest(1, tier)
-        images = {n: torch.from_file(tier.path_of(1, n), shared=False, size=rec.size, dtype=torch.uint8)
-                  for n, rec in manifest.files.items()}
+        manifest, images = _saved_tier_images(mgr, state, shared=False)
         for image in images.values():
             image[-1] ^= 0xFF
         target = {"w": torch.full((50_000,), 7.0), "x": torch.full((30_000,), 7.0)}

@@ -31,7 +31,7 @@ from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import FileRecord, Manifest
 
 __all__ = ["Source", "check_regular", "drain", "header_problems", "local_path", "preflight", "run_all",
-           "verify_files", "verify_images", "wait_all"]
+           "submit_image_checks", "verify_files", "verify_images", "wait_all"]
 
 
 _SCRATCH_BYTES = 256 << 20  # host memory the checking pass may use, whatever the chunk size
@@ -238,10 +238,25 @@ def verify_images(images: dict[str, torch.Tensor], manifest: Manifest, pool: Exe
     Raises:
         CheckpointCorruptError: the first chunk (in file order) that fails.
     """
+    wait_all(submit_image_checks(images, manifest, pool, where))
+
+
+def submit_image_checks(images: dict[str, torch.Tensor], manifest: Manifest, pool: Executor,
+                        where: str) -> list[Future[None]]:
+    """Start checking every checksum chunk of file images in memory on ``pool``, one task per
+    chunk in file order; each raises CheckpointCorruptError if its chunk fails. The caller
+    waits for them (:func:`wait_all`, :func:`drain`) before the images may go."""
     arrays = {fname: images[fname].numpy() for fname in manifest.files}
 
     def task(fname: str, rec: FileRecord, i: int, b: int, e: int) -> None:
         if crc32c_hex(arrays[fname][b:e]) != rec.crc32c[i]:
             raise _mismatch(where, fname, b, e)
 
-    run_all(pool, task, _chunks(manifest))
+    futures: list[Future[None]] = []
+    try:
+        for c in _chunks(manifest):
+            futures.append(pool.submit(task, *c))
+    except BaseException:  # (a pool shut down meanwhile) those queued end before this raises
+        drain(futures)
+        raise
+    return futures

@@ -45,7 +45,7 @@ def open_target(root: str, storage_options: dict[str, Any] | None = None, *,
     if "://" not in root and "::" not in root and ":" not in root.split("/", 1)[0]:
         if s3_options is not None:
             raise ConfigError(f"s3_options were given for {root!r}, which is not an s3:// root")
-        return _local(os.path.normpath(os.path.abspath(os.path.expanduser(root))), root, storage_options,
+        return _local(os.path.abspath(os.path.expanduser(root)), root, storage_options,
                       io_threads, direct_io, read_only)
     import fsspec
     from fsspec.implementations.local import LocalFileSystem

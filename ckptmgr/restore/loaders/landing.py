@@ -60,8 +60,9 @@ class Landing:
 
     @property
     def into_target(self) -> bool:
-        """True when some bytes land straight in a target's own tensors."""
-        return any(direct for _, _, direct in self._outputs) and not self._moves
+        """True when some tensors come back as a target's own (straight there, or through
+        spare device memory at :meth:`commit`)."""
+        return any(direct for _, _, direct in self._outputs)
 
     def commit(self) -> None:
         """Move what landed in spare device memory into the target's tensors (asynchronous on

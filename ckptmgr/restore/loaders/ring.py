@@ -31,7 +31,7 @@ from ...errors import CheckpointCorruptError, CkptTimeoutError
 from ...format.checksum import chunk_ranges, crc32c_hex
 from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import FileRecord, Manifest
-from ..preflight import Source, drain, run_all, wait_all
+from ..preflight import Source, drain, run_all, submit_image_checks, wait_all
 from .host import _build_views
 from .landing import Entry, Landing, plan_landing
 
@@ -293,30 +293,21 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
         if image is None or image.numel() != rec.size:
             raise CheckpointCorruptError(f"{where}: the staged image of {fname} does not match the manifest")
     landings = _plan_all(manifest, device, where, dests, through_device)
-    chunks = [(fname, rec, i, b, e) for fname, rec in manifest.files.items()
-              for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
-    arrays = {fname: images[fname].numpy() for fname in manifest.files}
-
-    def check(fname: str, rec: FileRecord, i: int, b: int, e: int) -> None:
-        if crc32c_hex(arrays[fname][b:e]) != rec.crc32c[i]:
-            raise CheckpointCorruptError(f"{where}: {fname}: checksum mismatch in bytes [{b}, {e})")
-
     in_place = not through_device and any(landing.into_target for landing in landings.values())
     checks: list[Future[None]] = []
     stream = None
     try:
         if not verified:
-            checks.extend(ring.pool.submit(check, *c) for c in chunks)
+            checks = submit_image_checks(images, manifest, ring.pool, where)
         if in_place:  # straight into the target: every chunk verified first
             wait_all(checks)
         if device.type == "cuda":
             stream = _cuda.staging_stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))  # after the work queued on what it writes
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for fname, _, _, b, e in chunks:
-                landings[fname].land(b, images[fname][b:e])
-        if stream is not None:
-            stream.synchronize()
+            for fname, rec in manifest.files.items():
+                for b, e in chunk_ranges(rec.size, rec.chunk_size):
+                    landings[fname].land(b, images[fname][b:e])
         wait_all(checks)
     finally:  # whatever happened: the copies and the started checks end before the images or the
         if stream is not None:  # memory the copies write may go
