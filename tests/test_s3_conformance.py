@@ -284,6 +284,31 @@ def test_the_commit_checks_every_object_is_there(server, bucket, monkeypatch):
         assert mgr.steps() == []
 
 
+def test_a_commit_between_another_writers_check_and_claim_is_never_overwritten(server, bucket, monkeypatch):
+    """Writer A commits step 4 and gives up its claim just before writer B claims step 4: B
+    must see A's manifest and stop, not upload its files over A's committed ones."""
+    from ckptmgr.storage import s3 as s3mod
+
+    url = f"s3://{bucket}/between"
+    real = s3mod.S3Target.call
+    with manager(url, server) as a, manager(url, server) as b:
+        fired = []
+
+        def call(target, m, **kw):
+            if target is b._target and m == "put_object" and kw.get("Key", "").endswith("writer.lease") and not fired:
+                fired.append(1)
+                a.save(4, state_of(4)).result(timeout=60)  # committed, claim given up
+            return real(target, m, **kw)
+
+        monkeypatch.setattr(s3mod.S3Target, "call", call)
+        h = b.save(4, {**state_of(5), "writer": "b"})
+        with pytest.raises((StepExistsError, SaveError)):
+            h.result(timeout=60)
+        assert fired == [1]
+    with manager(url, server) as mgr:
+        assert_tree_equal(mgr.restore(4), state_of(4))
+
+
 def _share_root(server, bucket, tmp_path, iterations: int) -> None:
     url = f"s3://{bucket}/shared"
     bdir = tmp_path / "barrier"

@@ -216,7 +216,7 @@ class FsspecTarget:
     def _strategy(self, step: int, prefix: str) -> ManifestLastCommit:
         check_step(step)
         self._check_writable(f"save step {step}")
-        return ManifestLastCommit(self, step, prefix, self.keeper, self.lease_stale_s, pool=self.io_pool,
+        return ManifestLastCommit(self, step, prefix, self.keeper, self.lease_stale_s,
                                   on_commit=lambda: self.root_id(create=True))
 
     def begin(self, step: int, prefix: str = "") -> _FsspecStepWriter:

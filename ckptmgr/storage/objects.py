@@ -27,7 +27,6 @@ import posixpath
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -101,7 +100,7 @@ class ManifestLastCommit:
     location = ""  # files go straight to the step's prefix
 
     def __init__(self, store: ObjectStore, step: int, prefix: str, keeper: LeaseKeeper, stale_after_s: float,
-                 pool: Executor | None = None, on_commit: Callable[[], object] | None = None) -> None:
+                 on_commit: Callable[[], object] | None = None) -> None:
         self.store = store
         self.step = step
         self._on_commit = on_commit  # run once the files are checked, before the manifest is written
@@ -116,13 +115,11 @@ class ManifestLastCommit:
         self._held = False
         self._checked = False  # the commit's check found the lease ours
         try:
-            # Whether the step is committed already, asked while the claim is made (one round trip).
-            committed = pool.submit(store.exists, self._manifest) if pool is not None else None
-            try:
-                self._claim(stale_after_s)
-            finally:
-                done = committed.result() if committed is not None else store.exists(self._manifest)
-            if done:
+            self._claim(stale_after_s)
+            # Asked only once the claim is held: a writer gives its claim up after writing its
+            # manifest, so a commit before this claim is seen here (asked beside the claim, a
+            # commit landing between the two went unseen and this writer overwrote its files).
+            if store.exists(self._manifest):
                 self.close()
                 raise StepExistsError(f"step {step} is already committed at {store.url}")
         except BaseException:
