@@ -163,7 +163,7 @@ class CheckpointManager:
         if self._tier is not None:  # slots an earlier process left committed: adopt, write out the newer
             root_id = self._target.root_id()  # (read only: a root gets its identity with its first commit)
             found = self._tier.scan(staging.slots, root_id=root_id, root_is_empty=not durable)
-            self._saver.adopt(found, set(durable), root_id)
+            self._saver.adopt(found, set(durable), root_id, on_mapped=self._restorer.check_adopted)
 
     def _start_up(self) -> list[int]:
         """Remove leftovers of interrupted saves whose writers are gone, then list the
@@ -528,6 +528,7 @@ class CheckpointManager:
             left = 0
         deleting = not self._deleter.close(left)
         hung = self._saver.hung
+        self._restorer.cancel_checks()
         if not hung:
             self._ring.close()
         if self._tier is not None:

@@ -247,3 +247,44 @@ def test_slots_pinned_in_pieces_take_copies_split_at_the_boundaries(root, monkey
         if mode == "pieces":
             slot = mgr._saver.pool.slots[0]
             assert slot.piece == 1 << 20 and all(len(b.registered) > 1 for b in slot.buffers if b.nbytes > 1 << 20)
+
+
+def test_an_adopted_tier_slot_lands_in_the_gpu_target_in_place_and_a_damaged_one_never(root, ram_dir):
+    """A restarted job adopts the slot its predecessor left in the tier; the slot was verified
+    at start-up, so the restore copies straight into the target (no spare device memory);
+    a slot damaged before the start never reaches the target."""
+    from ckptmgr import CheckpointCorruptError, SaveError, Schedule, WriteOptions
+
+    opts = {"staging": StagingOptions(slots=1, local_dir=ram_dir), "write_options": WriteOptions(chunk_size=1 << 20),
+            "schedule": Schedule(durable_every=2)}  # odd steps stay in the tier
+    g = torch.Generator(device="cuda").manual_seed(4)
+    state = {f"p{i}": torch.randn(1 << 20, device="cuda", generator=g) for i in range(8)}
+    for damaged in (False, True):
+        with CheckpointManager(root, **opts) as mgr:
+            mgr.save(2 * damaged + 1, state).result()
+            path = mgr._tier.path_of(2 * damaged + 1, "data-00000.safetensors")
+        if damaged:
+            with open(path, "r+b") as f:
+                f.seek(-5, 2)
+                b = f.read(1)
+                f.seek(-5, 2)
+                f.write(bytes([b[0] ^ 0x01]))
+        with CheckpointManager(root, **opts) as mgr:
+            target = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            if damaged:
+                with pytest.raises(CheckpointCorruptError, match="step 3"):
+                    mgr.restore(3, target=target)
+                torch.cuda.synchronize()
+                assert all(bool((t == 7.0).all()) for t in target.values())
+                with pytest.raises(SaveError, match="no longer matches"):  # nor written to the root
+                    mgr.wait(timeout=60)
+            else:
+                mgr.restore(1, target=target)
+                torch.cuda.synchronize()
+                assert torch.cuda.max_memory_allocated() - before < 1 << 20  # in place: nothing borrowed
+                for k, v in state.items():
+                    assert torch.equal(target[k], v), k
+                mgr.wait(timeout=60)

@@ -3,7 +3,10 @@ fallback to an older step when the newest does not verify.
 
 A step is read from the local tier when a slot holds it (verified like any other copy; on a
 mismatch the durable copy is read instead), else from the durable target under the
-retention guard, so that the deleter cannot remove it mid-read.
+retention guard, so that the deleter cannot remove it mid-read. The slots a manager adopts
+at start-up (an earlier process's, after a crash) are verified right then, on the ring's
+threads while the saver pins them (:meth:`Restorer.check_adopted`): the restore that
+follows a restart waits for those checks and then only copies.
 
 Every read of a step follows one order: the manifest (checksum and schema), the target
 check, the preflight of every file (regular, sized, header equal to the index), then the
@@ -20,12 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import warnings
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Any, NoReturn
 
 import torch
 
-from ..errors import CheckpointCorruptError, CkptError, ConfigError, StepNotFoundError, StorageError
+from ..errors import CheckpointCorruptError, CkptError, CkptTimeoutError, ConfigError, StepNotFoundError, StorageError
 from ..format.layout import ST_TO_DTYPE
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.tree import unflatten
@@ -38,19 +44,21 @@ from .loaders import PinnedRing, read_tensors, read_tensors_inplace, read_tensor
 from .loaders.gds import read_tensors_gds
 from .loaders.landing import lands_in_target
 from .loaders.ring import NoDeviceRoom, file_entries
-from .preflight import check_regular, local_path, preflight, verify_files, verify_images
+from .preflight import check_regular, local_path, preflight, submit_image_checks, verify_files, verify_images, wait_all
 
 __all__ = ["LOADERS", "Restorer"]
 
 log = logging.getLogger("ckptmgr")
 LOADERS = ("auto", "inplace", "ring", "host", "gds")
 _CPU = torch.device("cpu")
+_ADOPTED_CHECK_WAIT = 600.0  # seconds a restore waits for the checks of an adopted slot
 
 
 class Restorer:
-    """Restores committed steps for one manager. Stateless between calls: each call owns
-    what it allocates, and borrows ring buffers from ``ring`` one lease at a time, so calls
-    from several threads at once never share a buffer."""
+    """Restores committed steps for one manager. Each call owns what it allocates, and
+    borrows ring buffers from ``ring`` one lease at a time, so calls from several threads at
+    once never share a buffer. The one state kept between calls is the checks started on
+    adopted tier slots (:meth:`check_adopted`)."""
 
     def __init__(self, target: Target, tier: LocalTier | None, guard: StepGuard,
                  ring: PinnedRing, allow_pickle: bool) -> None:
@@ -59,6 +67,55 @@ class Restorer:
         self.guard = guard
         self.ring = ring
         self.allow_pickle = allow_pickle
+        self._mu = threading.Lock()
+        # step -> (its manifest, the checks of its adopted tier slot's images)      (guarded by _mu)
+        self._adopted: dict[int, tuple[Manifest, list[Future[None]]]] = {}
+
+    def check_adopted(self, manifest: Manifest, images: dict[str, torch.Tensor]) -> None:
+        """Start verifying every checksum chunk of an adopted tier slot's file ``images``
+        against its ``manifest``, on the ring's threads (called at start-up while the saver
+        pins the images, which takes longer). A restore of the step then waits for these
+        checks instead of checking again, and copies straight into its target. Bytes of a
+        committed slot change only after its step is invisible: a restore uses the checks
+        only while the slot still holds this very manifest."""
+        if any(fname not in images or images[fname].numel() != rec.size for fname, rec in manifest.files.items()):
+            return  # (a restore reports it, naming the file)
+        where = f"{self.tier.url if self.tier is not None else 'local tier'}: step {manifest.step}"
+        try:
+            checks = submit_image_checks(images, manifest, self.ring.pool, where)
+        except RuntimeError as exc:  # (a pool shut down meanwhile) the restore verifies instead
+            log.debug("%s: checks at adoption not started: %s", where, exc)
+            return
+        with self._mu:
+            self._adopted[manifest.step] = (manifest, checks)
+
+    def cancel_checks(self) -> None:
+        """Cancel the checks of adopted slots not started yet (the manager closes)."""
+        with self._mu:
+            adopted, self._adopted = list(self._adopted.values()), {}
+        for _, checks in adopted:
+            for fut in checks:
+                fut.cancel()
+
+    def _verified_at_adoption(self, step: int, manifest: Manifest, where: str) -> bool:
+        """True when the adopted tier slot of ``step`` passed every check
+        :meth:`check_adopted` started (waiting for those still running), for exactly this
+        ``manifest``; False when there were none to trust.
+
+        Raises:
+            CheckpointCorruptError: a chunk failed its checksum.
+            CkptTimeoutError: the checks did not end within their time.
+        """
+        with self._mu:
+            found = self._adopted.get(step)
+        if found is None or found[0] != manifest:
+            return False
+        checks = found[1]
+        if futures_wait(checks, timeout=_ADOPTED_CHECK_WAIT).not_done:
+            raise CkptTimeoutError(f"{where}: the checks of the adopted slot did not end within "
+                                   f"{_ADOPTED_CHECK_WAIT} s")
+        wait_all(checks)
+        return not any(fut.cancelled() for fut in checks)
 
     def source_of(self, step: int) -> Target | LocalTier:
         if self.tier is not None and step in self.tier.steps():
@@ -170,6 +227,8 @@ class Restorer:
             loader = "host"  # chunks larger than the ring's buffers: read them whole
         use_images = loader == "inplace" and images is not None
         preflight(source, step, manifest, where, images if use_images else None)
+        if use_images and isinstance(source, LocalTier) and not verified:
+            verified = self._verified_at_adoption(step, manifest, where)
         entries = [e for fname in manifest.files for e in file_entries(manifest, fname, where)]
         direct = lands_in_target(entries, dests, _CPU if loader == "host" else device) and not verified
         paths = {name: local_path(source, step, name) or "" for name in manifest.files}
@@ -183,7 +242,7 @@ class Restorer:
                     return read_tensors_pinned(images, manifest, device, self.ring, where, dests, through_device=True)
             if direct:
                 verify_images(images, manifest, self.ring.pool, where)
-            return read_tensors_pinned(images, manifest, device, self.ring, where, dests, verified=direct)
+            return read_tensors_pinned(images, manifest, device, self.ring, where, dests, verified=direct or verified)
         if loader == "inplace":
             return read_tensors_inplace(paths, manifest, device, source.io_pool, where, dests)
         if loader == "gds":

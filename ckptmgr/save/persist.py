@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import CheckpointCorruptError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import FileRecord, Manifest
 from ..storage import StepWriter, Target
@@ -112,6 +113,7 @@ class PersistJob:
     local_s: float | None = None  # when the local tier listed the step
     nbytes: int = 0  # the files' bytes, all together
     durable: bool = True  # the schedule wants this step on the durable target
+    adopted: bool = False  # an earlier process's local-tier slot: checked against its manifest as it is written
     # the local commit (see commit_local); its result is the files' records
     local_commit: Future[dict[str, FileRecord]] | None = None
     # (Saver._mu) the persist thread took the job; the local commit released the slot
@@ -161,7 +163,9 @@ def persist(job: PersistJob, *, target: Target, chunk_size: int) -> SaveInfo:
         writer = target.begin(m.step, job.prefix)
         chunk = next(iter(m.files.values())).chunk_size if m.files else chunk_size
         known_ahead = bool(m.files) or local is not None  # checksums computed once, not twice
-        written = writer.write_files(files, chunk, checksum=not known_ahead)
+        written = writer.write_files(files, chunk, checksum=not known_ahead or job.adopted)
+        if job.adopted:
+            _check_adopted(m, files, written, target.url)
         if local is not None:
             try:
                 m.files = local.result()
@@ -201,6 +205,21 @@ def persist(job: PersistJob, *, target: Target, chunk_size: int) -> SaveInfo:
              "%.3f s (%.2f GB/s)", info.step, info.bytes / 1e6, info.staging_s, info.blocked_s, info.total_s,
              info.throughput_gbps)
     return info
+
+
+def _check_adopted(m: Manifest, files: list[tuple[str, np.ndarray[Any, Any]]], written: list[tuple[str, ...]],
+                   url: str) -> None:
+    """An adopted slot's bytes, checksummed as they were written, against the manifest they
+    were committed with in the tier (the slot may have been damaged while no process held it).
+
+    Raises:
+        CheckpointCorruptError: they differ; the step is not committed to ``url``.
+    """
+    for (name, _), crcs in zip(files, written, strict=True):
+        rec = m.files.get(name)
+        if rec is None or tuple(crcs) != tuple(rec.crc32c):
+            raise CheckpointCorruptError(f"step {m.step}: {name} in the local tier no longer matches its manifest "
+                                         f"(damaged since it was committed there); not written to {url}")
 
 
 def _committed(target: Target, step: int) -> bool:

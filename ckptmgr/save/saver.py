@@ -41,12 +41,13 @@ holds the step and no newer step has committed; a success is logged.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._threads import DaemonPool
 from ..errors import CkptTimeoutError, SaveError, SaveSkippedError, StepExistsError, StorageError
@@ -59,6 +60,9 @@ from ..storage.tier import LocalTier
 from .persist import PersistJob, SaveInfo, commit_local, persist
 from .slots import SlotPool
 from .staging import Stager, StagingJob
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["RETRY_FIRST_S", "RETRY_MAX_S", "Saver", "Ticket"]
 
@@ -567,10 +571,13 @@ class Saver:
 
     # ------------------------------------------------------------ start and end
 
-    def adopt(self, found: dict[int, Manifest], durable: set[int], root_id: str | None) -> None:
+    def adopt(self, found: dict[int, Manifest], durable: set[int], root_id: str | None, *,
+              on_mapped: Callable[[Manifest, dict[str, torch.Tensor]], None] | None = None) -> None:
         """Take over the slots an earlier process left committed in the tier (those
         :meth:`LocalTier.scan` found to belong to this root); queue the durable write of the
-        steps that never reached the target. ``root_id``: the root's identity, if it has one."""
+        steps that never reached the target. ``root_id``: the root's identity, if it has one.
+        ``on_mapped``: told each slot's manifest and file images once they are mapped and
+        before they are pinned (with CUDA only: only pinned images are read where they lie)."""
         assert self._tier is not None
         if root_id is not None:
             self._tier.bind(root_id)
@@ -579,14 +586,16 @@ class Saver:
         for index, m in sorted(found.items()):
             names = sorted(m.files)
             chunk = next(iter(m.files.values())).chunk_size if m.files else self._chunk_size
-            slot = self.pool.adopt(index, m.step, [m.files[n].size for n in names], chunk, durable=m.step in durable)
+            told = None if on_mapped is None else functools.partial(on_mapped, m)
+            slot = self.pool.adopt(index, m.step, [m.files[n].size for n in names], chunk, durable=m.step in durable,
+                                   on_mapped=told)
             if m.step in durable:
                 continue
             log.warning("step %d exists only in the local tier %s (the last run stopped before writing it); "
                         "it is written to %s unless a newer one is", m.step, self._tier.path, self._target.url)
             staging = StagingJob(None, [], None)
             job = PersistJob(m, names, [m.files[n].header_size for n in names], slot, staging,
-                             time.perf_counter(), 0.0, 0.0, nbytes=sum(m.files[n].size for n in names))
+                             time.perf_counter(), 0.0, 0.0, nbytes=sum(m.files[n].size for n in names), adopted=True)
             job.released = True  # (the slot is not busy: the newest of these is written, the others superseded)
             self.pool.mark_wanted(slot, True)
             adopted.append((job, Ticket(m.step, Future(), staging)))

@@ -384,8 +384,11 @@ class SlotPool:
             self._drop(slot, b)
         slot.buffers, slot.segments = [], []
 
-    def adopt(self, index: int, step: int, sizes: list[int], chunk_size: int, *, durable: bool) -> Slot:
-        """Take over the committed tmpfs slot ``index`` an earlier process left (at start-up)."""
+    def adopt(self, index: int, step: int, sizes: list[int], chunk_size: int, *, durable: bool,
+              on_mapped: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Slot:
+        """Take over the committed tmpfs slot ``index`` an earlier process left (at start-up).
+        ``on_mapped``: told the file images once mapped, before they are pinned (only with
+        CUDA), so that they can be verified meanwhile."""
         assert self.tier is not None
         slot = self.slots[index]
         slot.kind = "tmpfs"
@@ -396,6 +399,8 @@ class SlotPool:
             finally:
                 os.close(fd)
         slot.segments = [b.tensor for b in slot.buffers]
+        if on_mapped is not None and _cuda.available():
+            on_mapped({file_name(i): b.tensor for i, b in enumerate(slot.buffers)})
         saved, self.chunk_size = self.chunk_size, chunk_size  # pinned in pieces of its own chunks
         try:
             self._pin(slot, hurry=True)

@@ -1,0 +1,164 @@
+"""The slots of the local tier that a restarted job adopts are verified at start-up, beside
+their pinning, so that the restore that follows only copies: and a slot damaged before the
+restart never reaches a target. CUDA is faked (registration only): what the pinned path does
+with real copies is tested on a GPU in test_cuda.py."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import ckptmgr._cuda as cuda_shim
+import ckptmgr.restore.restorer as restorer_mod
+from ckptmgr import CheckpointCorruptError, CheckpointManager, SaveError, Schedule, StagingOptions, WriteOptions
+
+SMALL_CHUNKS = WriteOptions(chunk_size=4096)
+DURABLE_EVEN = Schedule(durable_every=2)  # odd steps stay in the local tier
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(20_000, generator=g), "b": torch.randn(3_000, generator=g).bfloat16(),
+            "c": torch.randint(0, 100, (5_000,), generator=g), "n": seed}
+
+
+def _target() -> dict:
+    return {"a": torch.zeros(20_000), "b": torch.zeros(3_000, dtype=torch.bfloat16),
+            "c": torch.zeros(5_000, dtype=torch.int64), "n": 0}
+
+
+@pytest.fixture
+def pinned(monkeypatch):
+    """CUDA's pinning faked, and the image checks the restorer starts recorded with the thread
+    that started them."""
+    monkeypatch.setattr(cuda_shim, "available", lambda: True)
+    monkeypatch.setattr(cuda_shim, "host_register", lambda p, n, read_only=False: None)
+    monkeypatch.setattr(cuda_shim, "host_unregister", lambda p: None)
+    started: list[tuple[str, str]] = []
+    real_submit, real_verify = restorer_mod.submit_image_checks, restorer_mod.verify_images
+
+    def submit(images, manifest, pool, where):
+        started.append(("at adoption", where))
+        return real_submit(images, manifest, pool, where)
+
+    def verify(images, manifest, pool, where):
+        started.append(("at restore", where))
+        return real_verify(images, manifest, pool, where)
+
+    monkeypatch.setattr(restorer_mod, "submit_image_checks", submit)
+    monkeypatch.setattr(restorer_mod, "verify_images", verify)
+    return started
+
+
+def _leave_step_3_in_the_tier(root: str, local: str) -> str:
+    """Steps 2 (durable) and 3 (local tier only), then close: step 3 stays in the tier for the
+    next start. Returns the path of its first data file there."""
+    with CheckpointManager(root, staging=StagingOptions(slots=1, local_dir=local), write_options=SMALL_CHUNKS,
+                           schedule=DURABLE_EVEN) as mgr:
+        mgr.save(2, _state(2)).result()
+        mgr.save(3, _state(3)).result()
+        assert mgr._tier.steps() == {3: 0}
+        path = mgr._tier.path_of(3, "data-00000.safetensors")
+    assert os.path.exists(path)
+    return path
+
+
+def _open(root: str, local: str) -> CheckpointManager:
+    return CheckpointManager(root, staging=StagingOptions(slots=1, local_dir=local), write_options=SMALL_CHUNKS,
+                             schedule=DURABLE_EVEN)
+
+
+def test_an_adopted_slot_is_verified_at_start_up_and_its_restore_only_copies(root, ram_dir, pinned):
+    _leave_step_3_in_the_tier(root, ram_dir)
+    with _open(root, ram_dir) as mgr:
+        assert [when for when, _ in pinned] == ["at adoption"]  # started by the constructor
+        assert "step 3" in pinned[0][1] and ram_dir in pinned[0][1]
+        target = _target()
+        a = target["a"]
+        out = mgr.restore(3, target=target, loader="inplace")
+        assert out["n"] == 3 and target["a"] is a
+        for k in ("a", "b", "c"):
+            assert torch.equal(target[k], _state(3)[k]), k
+        assert len(pinned) == 1  # no second pass: the restore waited for the checks of the adoption
+        mgr.wait(timeout=60)  # (the adopted step is written to the root meanwhile)
+
+
+def test_a_slot_damaged_before_the_restart_never_reaches_the_target(root, ram_dir, pinned):
+    path = _leave_step_3_in_the_tier(root, ram_dir)
+    with open(path, "r+b") as f:  # a byte of the last chunk flipped while no process held the tier
+        f.seek(-3, 2)
+        b = f.read(1)
+        f.seek(-3, 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    with _open(root, ram_dir) as mgr:
+        target = _target()
+        with pytest.raises(CheckpointCorruptError, match=r"step 3.*checksum mismatch"):
+            mgr.restore(3, target=target, loader="inplace")
+        assert not any(bool(target[k].any()) for k in ("a", "b", "c"))
+        with pytest.warns(RuntimeWarning, match="skipping step 3"):
+            out = mgr.restore(target=target, loader="inplace")
+        assert out["n"] == 2 and torch.equal(target["a"], _state(2)["a"])
+        with pytest.raises(SaveError, match=r"step 3.*no longer matches its manifest"):
+            mgr.wait(timeout=60)
+        # never committed to the root, where it would pass for a good step
+        assert not os.path.exists(os.path.join(root, "step_000000000003"))
+    assert next(when for when, _ in pinned) == "at adoption"
+
+
+def test_a_damaged_slot_is_not_written_to_the_root_even_without_cuda(root, ram_dir, caplog):
+    """The adoption writes out the steps the last run left only in the tier: their bytes are
+    checksummed on the way and compared with the tier's manifest before the commit."""
+    path = _leave_step_3_in_the_tier(root, ram_dir)
+    with open(path, "r+b") as f:
+        f.seek(-1000, 2)  # in the data, not the header
+        b = f.read(1)
+        f.seek(-1000, 2)
+        f.write(bytes([b[0] ^ 0x04]))
+    with _open(root, ram_dir) as mgr:
+        with pytest.raises(SaveError, match=r"step 3.*no longer matches"):
+            mgr.wait(timeout=60)
+        assert not os.path.exists(os.path.join(root, "step_000000000003"))
+        with pytest.warns(RuntimeWarning, match="skipping step 3.*checksum mismatch"):
+            assert mgr.restore()["n"] == 2
+
+
+def test_checks_of_an_adopted_slot_cover_only_the_step_it_held(root, ram_dir, pinned):
+    """Once the slot is reused for a newer step, that step is verified by its own restore."""
+    _leave_step_3_in_the_tier(root, ram_dir)
+    with _open(root, ram_dir) as mgr:
+        mgr.wait(timeout=60)  # step 3 written to the root: the only slot may be reused
+        mgr.save(5, _state(5)).result()
+        assert mgr._tier.steps() == {5: 0}
+        target = _target()
+        mgr.restore(5, target=target, loader="inplace")
+        assert torch.equal(target["a"], _state(5)["a"])
+        assert [when for when, _ in pinned] == ["at adoption", "at restore"]
+
+
+def test_restores_from_several_threads_share_the_checks_of_the_adoption(root, ram_dir, pinned):
+    _leave_step_3_in_the_tier(root, ram_dir)
+    with _open(root, ram_dir) as mgr:
+        gate = threading.Barrier(3, timeout=60)
+        got: dict[int, dict] = {}
+        errors: list[BaseException] = []
+
+        def restore(i: int) -> None:
+            try:
+                gate.wait()
+                got[i] = mgr.restore(3, device="cpu", loader="inplace")
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=restore, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors and len(got) == 3
+        for out in got.values():
+            assert torch.equal(out["a"], _state(3)["a"]) and torch.equal(out["c"], _state(3)["c"])
+        assert len(pinned) == 1
+        mgr.wait(timeout=60)
