@@ -9,23 +9,61 @@ pending work up to a deadline, says in the log what did not finish, and lets the
 
 Everything ckptmgr runs in the background (persist, storage I/O, checksums, host copies,
 retention) runs on these pools.
+
+:func:`collector_paused` holds Python's cyclic garbage collector off while a restore runs.
+A restore builds tens of objects per stored tensor (the manifest, the headers, the landing
+plan, the tree), nearly all acyclic and freed by reference counting when it returns; with
+the collector on, that many allocations set off full collections, each of which traverses
+the whole process's heap (torch's modules, the model) and finds nothing to free. Measured on
+one restore of 10,000 small tensors: two full collections, 0.2 s of its 0.37 s.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
-__all__ = ["DaemonPool"]
+__all__ = ["DaemonPool", "collector_paused"]
 
 T = TypeVar("T")
 _Item = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 _serial = itertools.count()
+
+_gc_mu = threading.Lock()
+_gc_holders = 0  # calls inside collector_paused()                                (guarded by _gc_mu)
+_gc_was_enabled = False  # the collector was on when the first of them came in      (guarded by _gc_mu)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Hold the cyclic garbage collector off until the last of the calls inside this (from any
+    thread) has left, then turn it back on if it was on when the first came in. Reference
+    counting still frees everything acyclic meanwhile.
+
+    Example:
+        >>> with collector_paused():
+        ...     tree = build_many_small_objects()
+    """
+    global _gc_holders, _gc_was_enabled
+    with _gc_mu:
+        if _gc_holders == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_holders += 1
+    try:
+        yield
+    finally:
+        with _gc_mu:
+            _gc_holders -= 1
+            if _gc_holders == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 class DaemonPool(Executor):

@@ -23,6 +23,7 @@ import torch
 
 from . import __version__
 from . import _lifecycle as lifecycle
+from ._threads import collector_paused
 from .distributed.coordinator import coordinator_for, rank_file_prefix, rank_prefix
 from .distributed.restore import restore_newest_dist, restore_step_dist
 from .distributed.save import coordinate, fingerprints, share_of
@@ -475,15 +476,16 @@ class CheckpointManager:
             raise ConfigError(f"loader must be one of {', '.join(map(repr, LOADERS))}, got {loader!r}")
         if loader in ("inplace", "ring", "gds") and dev is None and target is None:
             raise ConfigError(f"loader={loader!r} loads onto a device: pass device= or a target")
-        if self._coord is not None and step is not None:
-            return restore_step_dist(self._restorer, self._coord, self._resolve_step(step), target, dev, loader,
-                                     rank_map)
-        if self._coord is not None:
-            return restore_newest_dist(self._restorer, self._coord, self.steps(), target, dev, loader, rank_map)
-        if step is not None:
-            return self._restorer.restore_step(self._resolve_step(step), target, dev, loader, rank_map)
-        self._check_open()
-        return self._restorer.restore_newest(self.steps(), target, dev, loader, rank_map)
+        with collector_paused():  # (see _threads: the collector finds nothing to free in what a restore builds)
+            if self._coord is not None and step is not None:
+                return restore_step_dist(self._restorer, self._coord, self._resolve_step(step), target, dev, loader,
+                                         rank_map)
+            if self._coord is not None:
+                return restore_newest_dist(self._restorer, self._coord, self.steps(), target, dev, loader, rank_map)
+            if step is not None:
+                return self._restorer.restore_step(self._resolve_step(step), target, dev, loader, rank_map)
+            self._check_open()
+            return self._restorer.restore_newest(self.steps(), target, dev, loader, rank_map)
 
     # ------------------------------------------------------------ lifecycle
 

@@ -511,3 +511,43 @@ def test_a_restore_holds_its_slot_and_a_waiting_save_goes_on_after(root, local_d
     assert saved.is_set()
     assert torch.equal(got[0]["w"], first["w"])
     mgr.close(timeout=30)
+
+
+def test_the_collector_is_held_off_while_any_restore_runs_and_then_restored(root):
+    """Two restores at once from two threads: the cyclic collector is off while either runs,
+    on again after the last has left, and left off when the caller had turned it off."""
+    import gc
+
+    inside, leave = threading.Barrier(3, timeout=60), threading.Barrier(3, timeout=60)
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
+        mgr.save(1, {"w": torch.arange(10)}).result()
+        real = mgr._restorer.restore_step
+        seen: list[bool] = []
+
+        def gated(*args, **kwargs):
+            seen.append(gc.isenabled())
+            inside.wait()
+            leave.wait()
+            return real(*args, **kwargs)
+
+        was = gc.isenabled()
+        gc.enable()
+        try:
+            mgr._restorer.restore_step = gated
+            out: list[dict] = []
+            workers = [threading.Thread(target=lambda: out.append(mgr.restore(1))) for _ in range(2)]
+            for t in workers:
+                t.start()
+            inside.wait()  # both restores are running
+            assert seen == [False, False] and not gc.isenabled()
+            leave.wait()
+            for t in workers:
+                t.join(timeout=60)
+            assert len(out) == 2 and all(torch.equal(o["w"], torch.arange(10)) for o in out)
+            assert gc.isenabled()  # back on after the last
+            mgr._restorer.restore_step = real
+            gc.disable()
+            mgr.restore(1)
+            assert not gc.isenabled()  # the caller's choice stands
+        finally:
+            (gc.enable if was else gc.disable)()

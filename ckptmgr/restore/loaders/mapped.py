@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ... import _cuda
+from ..._threads import collector_paused
 from ...errors import CheckpointCorruptError
 from ...format.checksum import chunk_ranges, crc32c_hex
 from ...format.layout import ST_TO_DTYPE
@@ -163,11 +164,12 @@ def load_file(path: str | os.PathLike[str], device: str | torch.device | None = 
     Example:
         >>> tensors = ckptmgr.load_file("/dev/shm/model.safetensors", device="cuda")  # doctest: +SKIP
     """
-    mf = open_mapped(os.fspath(path))
-    try:
-        return to_device(mf, torch.device(device) if device is not None else torch.device("cpu"))
-    finally:
-        mf.close()
+    with collector_paused():
+        mf = open_mapped(os.fspath(path))
+        try:
+            return to_device(mf, torch.device(device) if device is not None else torch.device("cpu"))
+        finally:
+            mf.close()
 
 
 def read_tensors_inplace(paths: dict[str, str], manifest: Manifest, device: torch.device, io_pool: Any,
