@@ -77,11 +77,15 @@ class _Checker:
         return value
 
     def ints(self, value: Any, field: str, lo: int, hi: int, *, max_len: int) -> list[int]:
+        if type(value) is list and len(value) <= max_len and all(type(v) is int and lo <= v <= hi for v in value):
+            return value  # (the common case, without a field name per item; else the message below)
         if not isinstance(value, list) or len(value) > max_len:
             raise self.fail(field, f"must be a list of at most {max_len} ints, got {_show(value)}")
         return [self.int_in(v, f"{field}[{i}]", lo, hi) for i, v in enumerate(value)]
 
     def keys(self, obj: Any, field: str, allowed: frozenset[str], required: frozenset[str]) -> dict[str, Any]:
+        if type(obj) is dict and required <= obj.keys() <= allowed:
+            return obj
         if not isinstance(obj, dict):
             raise self.fail(field, f"must be an object, got {_show(obj)}")
         missing = sorted(required - obj.keys())

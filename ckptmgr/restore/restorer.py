@@ -43,7 +43,7 @@ from .apply import apply_target, check_target
 from .loaders import PinnedRing, read_tensors, read_tensors_inplace, read_tensors_pinned, read_tensors_ring
 from .loaders.gds import read_tensors_gds
 from .loaders.landing import lands_in_target
-from .loaders.ring import NoDeviceRoom, file_entries
+from .loaders.ring import NoDeviceRoom, entries_by_file
 from .preflight import check_regular, local_path, preflight, submit_image_checks, verify_files, verify_images, wait_all
 
 __all__ = ["LOADERS", "Restorer"]
@@ -229,7 +229,7 @@ class Restorer:
         preflight(source, step, manifest, where, images if use_images else None)
         if use_images and isinstance(source, LocalTier) and not verified:
             verified = self._verified_at_adoption(step, manifest, where)
-        entries = [e for fname in manifest.files for e in file_entries(manifest, fname, where)]
+        entries = [e for file in entries_by_file(manifest, where).values() for e in file]
         direct = lands_in_target(entries, dests, _CPU if loader == "host" else device) and not verified
         paths = {name: local_path(source, step, name) or "" for name in manifest.files}
         # Into a target on a GPU: land through spare device memory when it fits (each chunk

@@ -25,7 +25,7 @@ from ...storage.cufile import kvikio_module
 from ..preflight import run_all
 from .host import _build_views
 from .landing import Landing, plan_landing
-from .ring import file_entries
+from .ring import entries_by_file
 
 __all__ = ["read_tensors_gds"]
 
@@ -77,10 +77,10 @@ def read_tensors_gds(paths: dict[str, str], manifest: Manifest, device: torch.de
     """
     kvikio = kvikio_module()
     out: dict[str, torch.Tensor] = {}
+    entries = entries_by_file(manifest, where)
     for fname, rec in manifest.files.items():
         path = paths[fname]
-        landing = plan_landing(file_entries(manifest, fname, where), rec.header_size, rec.size - rec.header_size,
-                               device, dests)
+        landing = plan_landing(entries[fname], rec.header_size, rec.size - rec.header_size, device, dests)
         f = kvikio.CuFile(path, "r")
         try:
             futures = [(b, e, f.pread(_buffer(dst), e - b, b)) for b, e, dst in landing.spans]

@@ -35,7 +35,7 @@ from ..preflight import Source, drain, run_all, submit_image_checks, wait_all
 from .host import _build_views
 from .landing import Entry, Landing, plan_landing
 
-__all__ = ["NoDeviceRoom", "PinnedRing", "file_entries", "read_tensors_pinned", "read_tensors_ring"]
+__all__ = ["NoDeviceRoom", "PinnedRing", "entries_by_file", "read_tensors_pinned", "read_tensors_ring"]
 
 _LEASE_TIMEOUT = 600.0  # seconds; only a caller outside the ring's threads could ever wait
 
@@ -132,17 +132,19 @@ def _page_aligned(nbytes: int) -> torch.Tensor:
     return raw[skip:skip + nbytes]
 
 
-def file_entries(manifest: Manifest, fname: str, where: str) -> list[Entry]:
-    """The stored tensors of data file ``fname`` as the (validated) manifest describes them."""
-    out = []
+def entries_by_file(manifest: Manifest, where: str) -> dict[str, list[Entry]]:
+    """The stored tensors of each data file of the (validated) manifest, in one pass over its
+    tensors (a step of 10,000 tensors in 8 files is 10,000 steps, not 80,000)."""
+    out: dict[str, list[Entry]] = {fname: [] for fname in manifest.files}
     for name, e in manifest.tensors.items():
-        if e.get("file") != fname:
+        entries = out.get(e.get("file"))  # type: ignore[arg-type]
+        if entries is None:
             continue
         dtype = ST_TO_DTYPE.get(e["dtype"])
         if dtype is None:
             raise CheckpointCorruptError(f"{where}: tensor {name!r} has unknown dtype {e['dtype']!r}")
-        b, en = (int(x) for x in e["offsets"])
-        out.append(Entry(name, dtype, tuple(int(s) for s in e["shape"]), b, en))
+        b, en = e["offsets"]
+        entries.append(Entry(name, dtype, tuple(map(int, e["shape"])), int(b), int(en)))
     return out
 
 
@@ -194,9 +196,10 @@ def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, wher
 def _plan_all(manifest: Manifest, device: torch.device, where: str, dests: dict[str, torch.Tensor] | None,
               through_device: bool) -> dict[str, Landing]:
     """A landing plan for every file of the step (see :mod:`.landing`)."""
+    entries = entries_by_file(manifest, where)
     try:
-        return {fname: plan_landing(file_entries(manifest, fname, where), rec.header_size,
-                                    rec.size - rec.header_size, device, dests, through_device=through_device)
+        return {fname: plan_landing(entries[fname], rec.header_size, rec.size - rec.header_size, device, dests,
+                                    through_device=through_device)
                 for fname, rec in manifest.files.items()}
     except torch.OutOfMemoryError:
         if not through_device:
