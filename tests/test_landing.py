@@ -251,3 +251,40 @@ def test_load_file_still_reads_foreign_unaligned_tensors(tmp_path):
     save_file({"a": torch.arange(3, dtype=torch.int8), "b": torch.arange(5, dtype=torch.float32)}, path)
     got = ckptmgr.load_file(path)
     assert torch.equal(got["b"], torch.arange(5, dtype=torch.float32))
+
+
+def test_local_chunks_move_through_the_ring_in_pieces_and_are_verified_whole(root, monkeypatch):
+    """Chunks larger than the ring's pieces go through its buffer's two halves in turn; the
+    chunk's checksum covers every piece, so a flipped byte in its last piece is found."""
+    from ckptmgr.restore.loaders.ring import PinnedRing
+    from ckptmgr.storage.local import LocalTarget
+
+    reads: list[int] = []
+    real = LocalTarget.read_chunk
+    monkeypatch.setattr(LocalTarget, "read_chunk",
+                        lambda self, step, name, off, buf, n: reads.append(n) or real(self, step, name, off, buf, n))
+    state = {"w": torch.randn(300_000), "b": torch.randn(1001).bfloat16(), "i": torch.arange(5000)}
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False),
+                           write_options=WriteOptions(chunk_size=64 << 10)) as mgr:
+        mgr.save(1, state).result()
+        mgr._ring = mgr._restorer.ring = PinnedRing(3, 64 << 10, piece_bytes=16 << 10)
+        got = mgr.restore(1, device="cpu", loader="ring")
+        assert_tree_equal(got, state)
+        assert reads and max(reads) <= 16 << 10 and len(reads) > 4 * 10  # pieces, not chunks
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        mgr.restore(1, target=target, loader="ring")
+        assert_tree_equal(target, state)
+        path = os.path.join(root, "step_000000000001", "data-00000.safetensors")
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:  # in the last piece of a whole chunk in the middle of the file
+            at = (size // 2) // (64 << 10) * (64 << 10) - 100
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0x20]))
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch in bytes"):
+            mgr.restore(1, device="cpu", loader="ring")
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            mgr.restore(1, target=target, loader="ring")
+        assert not any(bool(t.any()) for t in target.values())
