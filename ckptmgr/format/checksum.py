@@ -16,7 +16,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-__all__ = ["chunk_ranges", "crc32c_extend", "crc32c_hex", "crc32c_hex_pieces"]
+__all__ = ["chunk_ranges", "crc32c_hex", "crc32c_hex_pieces"]
 
 _RELEASE_GIL = 1  # crc32c's gil_release_mode: always release
 
@@ -24,12 +24,6 @@ _RELEASE_GIL = 1  # crc32c's gil_release_mode: always release
 def crc32c_hex(data: np.ndarray[Any, Any]) -> str:
     """CRC32C of a contiguous uint8 numpy array, as 8 hex digits. Releases the GIL."""
     return f"{crc32c.crc32c(data, 0, _RELEASE_GIL):08x}"  # type: ignore[arg-type]
-
-
-def crc32c_extend(data: np.ndarray[Any, Any], crc: int) -> int:
-    """``crc`` (the CRC32C of the bytes before ``data``) extended over ``data``, a contiguous
-    uint8 array. Releases the GIL."""
-    return int(crc32c.crc32c(data, crc, _RELEASE_GIL))  # type: ignore[arg-type]
 
 
 def crc32c_hex_pieces(pieces: list[np.ndarray[Any, Any]]) -> str:

@@ -1,22 +1,15 @@
 """Pinned-ring loader: parallel reads into a small reusable pinned ring, each chunk copied to
-the GPU by the thread that read it and verified on the way; and the copy of file images
-already pinned in this process, verified beside the copies.
+the GPU by the thread that read it, its checksum verified before the copy; and the copy of
+file images already pinned in this process, verified beside the copies.
 
 For files on disk, NFS or object stores, and one-shot restores from /dev/shm. Each checksum
-chunk of every file is one task on the ring's reader threads. A local file's chunk moves in
-pieces of :data:`PIECE_BYTES` through the two halves of the thread's pinned buffer in turn:
-read a piece into one half, extend the chunk's CRC32C over it, queue its copy to where it
-lands on the buffer's own stream, and read the next piece into the other half meanwhile;
-once the chunk's last piece is read its checksum is compared. Another source (an object
-store: one ranged read per chunk) reads the whole chunk into the buffer and verifies it
-before the copy. With a dozen threads the reads, the checksums and the copies all overlap;
-host memory stays at the ring's size (12 x 8 MiB for local files) whatever the
-checkpoint's. The buffers are pinned at their first use, in a fresh process the largest
-fixed cost of a restore from /dev/shm (12 x 16 MiB took 0.09 s on an H200, 12 x 4 MiB 0.025
-s): hence pieces rather than whole chunks. Where the bytes land is a
+chunk of every file is one task on the ring's reader threads: read the chunk into the
+thread's pinned buffer (allocated once per manager and reused), compute its CRC32C, copy it
+to where it lands on the buffer's own stream, and wait for the copy before reading the next.
+With a dozen threads the reads, the checksums and the copies all overlap; host memory stays
+at the ring's size (12 x 16 MiB) whatever the checkpoint's. Where the bytes land is a
 :mod:`~ckptmgr.loaders.landing` plan: one fresh device allocation per file, or the target's
-own tensors; a chunk that fails its checksum has landed only where a failed step is
-dropped (fresh or spare memory), or in a target whose every chunk was verified before.
+own tensors.
 
 A step whose images are already pinned in this process (its staging slot, or a local-tier
 slot it adopted) is copied straight from there at the link's speed, its chunks verified
@@ -31,12 +24,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from ... import _cuda
 from ...errors import CheckpointCorruptError, CkptTimeoutError
-from ...format.checksum import chunk_ranges, crc32c_extend, crc32c_hex
+from ...format.checksum import chunk_ranges, crc32c_hex
 from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import FileRecord, Manifest
 from ..preflight import Source, drain, run_all, submit_image_checks, wait_all
@@ -46,8 +38,6 @@ from .landing import Entry, Landing, plan_landing
 __all__ = ["NoDeviceRoom", "PinnedRing", "entries_by_file", "read_tensors_pinned", "read_tensors_ring"]
 
 _LEASE_TIMEOUT = 600.0  # seconds; only a caller outside the ring's threads could ever wait
-PIECE_BYTES = 4 << 20  # a local file's chunk moves through a ring buffer's halves in pieces of this size
-_DIRECT_ALIGN = 4096  # a direct read may fill its buffer up to its length rounded up to this
 
 
 class NoDeviceRoom(Exception):
@@ -56,19 +46,17 @@ class NoDeviceRoom(Exception):
 
 
 class PinnedRing:
-    """``threads`` host buffers (pinned with CUDA, plain without; ``2 * piece_bytes`` each, or
-    a whole chunk of up to ``slot_bytes`` where a source is read chunk by chunk), a copy
-    stream per buffer, and the reader threads, made at first use and shared by every restore
-    of one manager.
+    """``threads`` host buffers of ``slot_bytes`` each (pinned with CUDA, plain without), a
+    copy stream per buffer, and the reader threads, made at first use and shared by every
+    restore of one manager.
 
     Restores may run at once (several threads of the caller): a buffer is *leased* by one
     task at a time (:meth:`lease`), under the ring's lock, from the read into it until its
     copy has finished, so no two restores ever fill or copy from the same buffer.
     """
 
-    def __init__(self, threads: int, slot_bytes: int, piece_bytes: int = PIECE_BYTES) -> None:
-        self.slot_bytes = slot_bytes  # the largest chunk read whole (larger: the host loader)
-        self.piece_bytes = piece_bytes
+    def __init__(self, threads: int, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
         self.slots = threads
         self.threads = threads
         self._mu = threading.Lock()
@@ -96,15 +84,15 @@ class PinnedRing:
             self._buffers = [None] * self.slots
             self._streams = {}
 
-    def buffer(self, index: int, nbytes: int) -> torch.Tensor:
-        """The host buffer of lease ``index``, of at least ``nbytes``; only its holder calls
-        this. Made (or grown) at its first use, so that in a fresh process the buffers are
-        pinned by the reader threads at once, each while the others already read."""
+    def buffer(self, index: int) -> torch.Tensor:
+        """The host buffer of lease ``index``; only its holder calls this. Made at its first
+        use, so that in a fresh process the buffers are pinned by the reader threads at once,
+        each while the others already read (pinning 18 x 16 MiB in a row took 0.10 s on an
+        H200, half the time of a 4 GiB restore from /dev/shm)."""
         buf = self._buffers[index]
-        if buf is None or buf.numel() < nbytes:
-            self._buffers[index] = buf = None  # (the smaller one goes first)
+        if buf is None:
             make = _cuda.pinned_empty if _cuda.available() else _page_aligned
-            buf = self._buffers[index] = make(nbytes)
+            buf = self._buffers[index] = make(self.slot_bytes)
         return buf
 
     def streams(self, device: torch.device) -> list[Any]:
@@ -160,9 +148,8 @@ def entries_by_file(manifest: Manifest, where: str) -> dict[str, list[Entry]]:
     return out
 
 
-# fetch(buffer, begin, end): read the bytes [begin, end) of the file into the start of
-# ``buffer`` (which has room for end - begin rounded up to _DIRECT_ALIGN)
-Fetch = Callable[[np.ndarray[Any, Any], int, int], None]
+# fetch(buffer index, begin, end) -> (the bytes [begin, end) of the file in host memory, their CRC32C)
+Fetch = Callable[[int, int, int], tuple[torch.Tensor, str]]
 
 
 class _Chunk(NamedTuple):
@@ -173,17 +160,15 @@ class _Chunk(NamedTuple):
     number: int  # of the checksum chunk in its file
     begin: int
     end: int
-    piece: int  # read in pieces of this many bytes (the whole chunk: read, verified, then copied)
 
 
 def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, where: str) -> None:
     """Each chunk (of every file, one continuous stream) is one task on the ring's threads:
-    lease a buffer, move the chunk through it to its landing on the buffer's own stream
-    (:func:`_move_whole`, :func:`_move_in_pieces`), verify it, and wait for every copy out of
-    the buffer before the lease ends. Every thread reads, checks and copies on its own, so
-    the copy engine always has a copy queued and no thread waits for another. The first
-    failure (in file order) cancels what has not started and is raised once every started
-    task has given its buffer back.
+    lease a buffer, fetch the chunk into it, verify it, copy it to its landing on the
+    buffer's own stream and wait for that copy before the lease ends. Every thread reads,
+    checks and copies on its own, so the copy engine always has a copy queued and no thread
+    waits for another. The first failure (in file order) cancels what has not started and is
+    raised once every started task has given its buffer back.
     """
     streams = ring.streams(device) if device.type == "cuda" else None
     ready = None
@@ -193,63 +178,19 @@ def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, wher
 
     def task(c: _Chunk) -> None:
         with ring.lease() as slot:
-            stream = None
-            if streams is not None:
-                assert ready is not None
-                stream = streams[slot]
-                stream.wait_event(ready)
-            try:
-                if c.piece < c.end - c.begin:
-                    if _move_in_pieces(c, ring.buffer(slot, 2 * c.piece), stream) != c.rec.crc32c[c.number]:
-                        raise _mismatch(c, where)
-                else:
-                    _move_whole(c, ring.buffer(slot, _round_up(c.end - c.begin)), stream, where)
-            finally:  # no copy out of the buffer outlives the lease
-                if stream is not None:
-                    stream.synchronize()
+            src, crc = c.fetch(slot, c.begin, c.end)
+            if crc != c.rec.crc32c[c.number]:
+                raise CheckpointCorruptError(f"{where}: {c.fname}: checksum mismatch in bytes [{c.begin}, {c.end})")
+            if streams is None:
+                c.landing.land(c.begin, src)
+                return
+            assert ready is not None
+            streams[slot].wait_event(ready)
+            with torch.cuda.stream(streams[slot]):
+                c.landing.land(c.begin, src)
+            streams[slot].synchronize()
 
     run_all(ring.pool, task, [(c,) for c in chunks])
-
-
-def _mismatch(c: _Chunk, where: str) -> CheckpointCorruptError:
-    return CheckpointCorruptError(f"{where}: {c.fname}: checksum mismatch in bytes [{c.begin}, {c.end})")
-
-
-def _move_whole(c: _Chunk, buf: torch.Tensor, stream: Any, where: str) -> None:
-    """Read the chunk into ``buf``, verify it, then queue its copy."""
-    n = c.end - c.begin
-    c.fetch(buf.numpy(), c.begin, c.end)
-    if crc32c_hex(buf[:n].numpy()) != c.rec.crc32c[c.number]:
-        raise _mismatch(c, where)
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        c.landing.land(c.begin, buf[:n])
-
-
-def _move_in_pieces(c: _Chunk, buf: torch.Tensor, stream: Any) -> str:
-    """Move the chunk in pieces through the two halves of ``buf`` in turn: a half is read
-    into again only once the copy out of it has ended. Returns the chunk's CRC32C."""
-    halves = (buf[:c.piece], buf[c.piece:2 * c.piece])
-    copied: list[Any] = [None, None]  # the event of the last copy out of each half
-    crc = 0
-    for k, b in enumerate(range(c.begin, c.end, c.piece)):
-        e, half = min(b + c.piece, c.end), halves[k % 2]
-        if copied[k % 2] is not None:
-            copied[k % 2].synchronize()
-        arr = half.numpy()
-        c.fetch(arr, b, e)
-        crc = crc32c_extend(arr[:e - b], crc)
-        if stream is None:
-            c.landing.land(b, half[:e - b])
-            continue
-        with torch.cuda.stream(stream):
-            c.landing.land(b, half[:e - b])
-        copied[k % 2] = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        copied[k % 2].record(stream)
-    return f"{crc:08x}"
-
-
-def _round_up(n: int) -> int:
-    return -(-n // _DIRECT_ALIGN) * _DIRECT_ALIGN
 
 
 def _plan_all(manifest: Manifest, device: torch.device, where: str, dests: dict[str, torch.Tensor] | None,
@@ -283,11 +224,11 @@ def _finish(manifest: Manifest, device: torch.device, landings: dict[str, Landin
 
 
 def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where: str,
-              dests: dict[str, torch.Tensor] | None, fetch_for: Callable[[str, FileRecord], tuple[Fetch, int]],
+              dests: dict[str, torch.Tensor] | None, fetch_for: Callable[[str, FileRecord], Fetch],
               through_device: bool = False) -> dict[str, torch.Tensor]:
     fetches = {fname: fetch_for(fname, rec) for fname, rec in manifest.files.items()}  # checked before allocating
     landings = _plan_all(manifest, device, where, dests, through_device)
-    chunks = [_Chunk(fname, rec, landings[fname], fetches[fname][0], i, b, e, fetches[fname][1])
+    chunks = [_Chunk(fname, rec, landings[fname], fetches[fname], i, b, e)
               for fname, rec in manifest.files.items()
               for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
     _pipeline(chunks, device, ring, where)
@@ -310,18 +251,21 @@ def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: tor
     where = f"{source.url}: step {step}"
     read_chunk = getattr(source, "read_chunk", None)
 
-    def fetch_for(fname: str, rec: FileRecord) -> tuple[Fetch, int]:
-        """How a chunk of ``fname`` is read, and in pieces of how many bytes."""
+    def fetch_for(fname: str, rec: FileRecord) -> Fetch:
         if rec.chunk_size > ring.slot_bytes:
             raise CheckpointCorruptError(f"{where}: {fname} has chunks of {rec.chunk_size} bytes, "
                                          f"more than the ring's {ring.slot_bytes}")
 
-        def fetch(buf: np.ndarray[Any, Any], b: int, e: int) -> None:
+        def fetch(slot: int, b: int, e: int) -> tuple[torch.Tensor, str]:
+            whole = ring.buffer(slot)
+            buf = whole[:e - b]
+            arr = buf.numpy()
             if read_chunk is not None:  # a cold file is read with O_DIRECT into the pinned buffer
-                read_chunk(step, fname, b, buf, e - b)
+                read_chunk(step, fname, b, whole.numpy(), e - b)
             else:
-                source.read_into(step, fname, b, [buf[:e - b]])
-        return fetch, ring.piece_bytes if read_chunk is not None else rec.chunk_size
+                source.read_into(step, fname, b, [arr])
+            return buf, crc32c_hex(arr)
+        return fetch
 
     return _read_all(manifest, device, ring, where, dests, fetch_for, through_device)
 
