@@ -36,8 +36,9 @@ def test_run_measures_peers_and_draws_the_chart(tmp_path):
     assert "| stall per save (s) | value |" in r.stdout
 
 
-def test_committed_gpu_report_matches_its_data(tmp_path):
-    src = pathlib.Path(BENCH, "results", "h200-report")
+@pytest.mark.parametrize("report", ["h200-report", "h200-2026-11-22c/report", "h200-2026-11-22d/report"])
+def test_committed_gpu_report_matches_its_data(tmp_path, report):
+    src = pathlib.Path(BENCH, "results", report)
     for f in src.glob("*.json"):
         if f.name != "summary.json":
             (tmp_path / f.name).write_bytes(f.read_bytes())
