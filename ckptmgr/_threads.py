@@ -45,25 +45,28 @@ _gc_was_enabled = False  # the collector was on when the first of them came in  
 def collector_paused() -> Iterator[None]:
     """Hold the cyclic garbage collector off until the last of the calls inside this (from any
     thread) has left, then turn it back on if it was on when the first came in. Reference
-    counting still frees everything acyclic meanwhile.
+    counting still frees everything acyclic meanwhile. The pause is process-wide: a restore
+    that hangs (a collective that never completes) holds the collector off meanwhile.
 
     Example:
         >>> with collector_paused():
         ...     tree = build_many_small_objects()
     """
     global _gc_holders, _gc_was_enabled
-    with _gc_mu:
-        if _gc_holders == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_holders += 1
+    held = False
     try:
+        with _gc_mu:
+            if _gc_holders == 0:
+                _gc_was_enabled = gc.isenabled()
+                gc.disable()
+            _gc_holders, held = _gc_holders + 1, True
         yield
     finally:
-        with _gc_mu:
-            _gc_holders -= 1
-            if _gc_holders == 0 and _gc_was_enabled:
-                gc.enable()
+        if held:
+            with _gc_mu:
+                _gc_holders -= 1
+                if _gc_holders == 0 and _gc_was_enabled:
+                    gc.enable()
 
 
 class DaemonPool(Executor):

@@ -522,6 +522,7 @@ class CheckpointManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._closed = True
         lifecycle.forget(self)
+        self._restorer.cancel_checks()  # (of adopted slots: not needed any more)
         lost, kept = self._saver.close(timeout)  # (lost: still being written; kept: failed, in the tier)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
@@ -530,7 +531,6 @@ class CheckpointManager:
             left = 0
         deleting = not self._deleter.close(left)
         hung = self._saver.hung
-        self._restorer.cancel_checks()
         if not hung:
             self._ring.close()
         if self._tier is not None:

@@ -10,8 +10,10 @@ import threading
 
 import pytest
 import torch
+from conftest import assert_tree_equal
 
 import ckptmgr._cuda as cuda_shim
+import ckptmgr.restore.loaders.ring as ring_mod
 import ckptmgr.restore.restorer as restorer_mod
 from ckptmgr import CheckpointCorruptError, CheckpointManager, SaveError, Schedule, StagingOptions, WriteOptions
 
@@ -48,8 +50,14 @@ def pinned(monkeypatch):
         started.append(("at restore", where))
         return real_verify(images, manifest, pool, where)
 
+    def beside(images, manifest, pool, where):
+        started.append(("beside the copies", where))
+        return real_beside(images, manifest, pool, where)
+
+    real_beside = ring_mod.submit_image_checks
     monkeypatch.setattr(restorer_mod, "submit_image_checks", submit)
     monkeypatch.setattr(restorer_mod, "verify_images", verify)
+    monkeypatch.setattr(ring_mod, "submit_image_checks", beside)
     return started
 
 
@@ -83,6 +91,9 @@ def test_an_adopted_slot_is_verified_at_start_up_and_its_restore_only_copies(roo
         for k in ("a", "b", "c"):
             assert torch.equal(target[k], _state(3)[k]), k
         assert len(pinned) == 1  # no second pass: the restore waited for the checks of the adoption
+        again = _target()
+        mgr.restore(3, target=again, loader="inplace")  # a later restore verifies again
+        assert torch.equal(again["a"], _state(3)["a"]) and [when for when, _ in pinned][1:] == ["at restore"]
         mgr.wait(timeout=60)  # (the adopted step is written to the root meanwhile)
 
 
@@ -103,8 +114,10 @@ def test_a_slot_damaged_before_the_restart_never_reaches_the_target(root, ram_di
         assert out["n"] == 2 and torch.equal(target["a"], _state(2)["a"])
         with pytest.raises(SaveError, match=r"step 3.*no longer matches its manifest"):
             mgr.wait(timeout=60)
-        # never committed to the root, where it would pass for a good step
-        assert not os.path.exists(os.path.join(root, "step_000000000003"))
+        # never committed to the root, where it would pass for a good step; gone from the tier
+        assert not os.path.exists(os.path.join(root, "step_000000000003")) and mgr.steps() == [2]
+        mgr.save(3, _state(3)).result(timeout=60)  # the job goes on: the step is free, so is the only slot
+        assert_tree_equal(mgr.restore(3, device="cpu"), _state(3))
     assert next(when for when, _ in pinned) == "at adoption"
 
 
@@ -121,8 +134,9 @@ def test_a_damaged_slot_is_not_written_to_the_root_even_without_cuda(root, ram_d
         with pytest.raises(SaveError, match=r"step 3.*no longer matches"):
             mgr.wait(timeout=60)
         assert not os.path.exists(os.path.join(root, "step_000000000003"))
-        with pytest.warns(RuntimeWarning, match="skipping step 3.*checksum mismatch"):
-            assert mgr.restore()["n"] == 2
+        assert mgr.steps() == [2] and mgr.restore()["n"] == 2  # removed from the tier, not skipped
+        mgr.save(3, _state(3)).result(timeout=60)  # the job goes on from step 2
+        assert_tree_equal(mgr.restore(), _state(3))
 
 
 def test_checks_of_an_adopted_slot_cover_only_the_step_it_held(root, ram_dir, pinned):
@@ -138,7 +152,7 @@ def test_checks_of_an_adopted_slot_cover_only_the_step_it_held(root, ram_dir, pi
         assert [when for when, _ in pinned] == ["at adoption", "at restore"]
 
 
-def test_restores_from_several_threads_share_the_checks_of_the_adoption(root, ram_dir, pinned):
+def test_restores_from_several_threads_after_the_adoption_all_verify(root, ram_dir, pinned):
     _leave_step_3_in_the_tier(root, ram_dir)
     with _open(root, ram_dir) as mgr:
         gate = threading.Barrier(3, timeout=60)
@@ -160,5 +174,5 @@ def test_restores_from_several_threads_share_the_checks_of_the_adoption(root, ra
         assert not errors and len(got) == 3
         for out in got.values():
             assert torch.equal(out["a"], _state(3)["a"]) and torch.equal(out["c"], _state(3)["c"])
-        assert len(pinned) == 1
+        assert [when for when, _ in pinned].count("at adoption") == 1  # started once, used by one of them
         mgr.wait(timeout=60)

@@ -50,7 +50,14 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from .._threads import DaemonPool
-from ..errors import CkptTimeoutError, SaveError, SaveSkippedError, StepExistsError, StorageError
+from ..errors import (
+    CheckpointCorruptError,
+    CkptTimeoutError,
+    SaveError,
+    SaveSkippedError,
+    StepExistsError,
+    StorageError,
+)
 from ..format.layout import Plan
 from ..format.manifest import Manifest
 from ..options import Schedule, StagingOptions
@@ -523,9 +530,14 @@ class Saver:
         step = job.step
         staged = job.staging.finished_at is not None
         retry = error is not None and staged and job.coordinate is None and _retryable(error)
+        damaged = job.adopted and isinstance(error, CheckpointCorruptError)
         protect = False
         try:
-            self.pool.release(job.slot, step=step if staged else None, durable=error is None)
+            if damaged and self._tier is not None:  # nobody may restore it, and its slot is free again
+                log.error("step %d in the local tier %s is damaged (%s); it is removed from there", step,
+                          self._tier.path, error)
+                self._tier.invalidate(job.slot.index)
+            self.pool.release(job.slot, step=step if staged and not damaged else None, durable=error is None)
             with self._mu:
                 self._pending.pop(step, None)
                 if error is None:
@@ -583,7 +595,7 @@ class Saver:
             self._tier.bind(root_id)
             self._root_bound = True
         adopted: list[tuple[PersistJob, Ticket]] = []
-        for index, m in sorted(found.items()):
+        for index, m in sorted(found.items(), key=lambda item: -item[1].step):  # the newest first
             names = sorted(m.files)
             chunk = next(iter(m.files.values())).chunk_size if m.files else self._chunk_size
             told = None if on_mapped is None else functools.partial(on_mapped, m)
