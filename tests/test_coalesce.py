@@ -221,3 +221,17 @@ def test_a_step_meant_for_the_durable_tier_gives_way_only_to_a_newer_one_so_mean
         mgr.wait(timeout=60)
         assert durable_steps(root) == [3, 6]
         assert mgr.stats()["durable_superseded"] == 0 and mgr.stats()["local_only"] == 3
+
+
+def test_with_one_slot_a_step_kept_local_by_the_schedule_gives_way_to_the_next_save(root, local_dir):
+    """The default single slot: a step the schedule keeps in the local tier only is the newest
+    committed step and its only copy, yet the next save takes its slot (it waited forever)."""
+    schedule = Schedule(durable_every=2)  # odd steps stay in the local tier
+    staging = StagingOptions(slots=1, local_dir=local_dir, busy_timeout=60)
+    with CheckpointManager(root, staging=staging, schedule=schedule) as mgr:
+        for step in (2, 3, 5, 6, 7):
+            mgr.save(step, _state(step)).result(timeout=60)
+        assert mgr.latest_step() == 7 and mgr._tier.steps() == {7: 0}
+        assert_tree_equal(mgr.restore(), _state(7))
+        assert durable_steps(root) == [2, 6]
+        assert mgr.stats()["busy_wait_s"] < 60

@@ -232,7 +232,7 @@ class Saver:
                 durable = schedule.durable(step, None if self._last_durable is None else now - self._last_durable)
                 if durable or not local:
                     self._last_durable = now
-        self.pool.mark_wanted(slot, durable and local)
+        self.pool.mark_wanted(slot, durable and local, local_only=local and not durable)
         pjob = PersistJob(manifest, [f.name for f in plan.files], [len(f.header) for f in plan.files],
                           slot, job, t0, 0.0, waited, nbytes=sum(sizes), durable=durable or not local,
                           local_commit=Future() if local else None)

@@ -71,6 +71,7 @@ class Slot:
     preparing: bool = False  # reserved by prepare(): the next save waits for it, never skips it
     replaced: int | None = None  # the step the slot held before acquire() handed it to a save
     wanted: bool = False  # ``step`` waits for its durable write (only a newer such step supersedes it)
+    local_only: bool = False  # the schedule keeps ``step`` in the local tier only: a newer save may take the slot
 
     @property
     def piece(self) -> int:
@@ -134,10 +135,11 @@ class SlotPool:
                 newest = held
         return newest
 
-    def mark_wanted(self, slot: Slot, wanted: bool) -> None:
-        """The step being staged into ``slot`` (held by the caller) is meant for the durable target."""
+    def mark_wanted(self, slot: Slot, wanted: bool, *, local_only: bool = False) -> None:
+        """The step being staged into ``slot`` (held by the caller) is meant for the durable
+        target (``wanted``), or by the schedule for the local tier only (``local_only``)."""
         with self._cond:
-            slot.wanted = wanted
+            slot.wanted, slot.local_only = wanted, local_only
 
     def _reusable(self, s: Slot, newest: int | None, newest_wanted: int | None) -> int | None:
         """How freely ``s`` may be reused (lower first), or None when it may not be."""
@@ -150,6 +152,8 @@ class SlotPool:
         if newest is not None and s.step < newest and (
                 not s.wanted or (newest_wanted is not None and s.step < newest_wanted)):
             return 2  # (a step waiting for its durable write gives way only to a newer one that does)
+        if s.local_only:
+            return 3  # kept local by the schedule: a newer save takes its place (else one slot would stall)
         committed_here = self.tier is not None and s.kind == "tmpfs" and self.tier.holds(s.index) == s.step
         return None if committed_here else 3  # never the only copy of the newest committed step
 
@@ -212,7 +216,7 @@ class SlotPool:
                             "is dropped", slot.index, slot.step)
             old, slot.busy = slot.step, True
             slot.replaced = old if not slot.durable else None
-            slot.step, slot.durable, slot.wanted = None, False, False
+            slot.step, slot.durable, slot.wanted, slot.local_only = None, False, False, False
         if old is not None and slot.kind == "tmpfs" and self.tier is not None:
             self.tier.invalidate(slot.index)  # the manifest goes before the data changes
         return slot, waited
