@@ -249,12 +249,23 @@ def test_slots_pinned_in_pieces_take_copies_split_at_the_boundaries(root, monkey
             assert slot.piece == 1 << 20 and all(len(b.registered) > 1 for b in slot.buffers if b.nbytes > 1 << 20)
 
 
-def test_an_adopted_tier_slot_lands_in_the_gpu_target_in_place_and_a_damaged_one_never(root, ram_dir):
+def test_an_adopted_tier_slot_lands_in_the_gpu_target_in_place_and_a_damaged_one_never(root, ram_dir, monkeypatch):
     """A restarted job adopts the slot its predecessor left in the tier; the slot was verified
     at start-up, so the restore copies straight into the target (no spare device memory);
     a slot damaged before the start never reaches the target."""
-    from ckptmgr import CheckpointCorruptError, SaveError, Schedule, WriteOptions
+    import threading
 
+    from ckptmgr import CheckpointCorruptError, SaveError, Schedule, WriteOptions
+    from ckptmgr.storage.local import LocalTarget
+
+    restored = threading.Event()  # the durable write of step 3 (which removes it from the tier) waits
+    real_begin = LocalTarget.begin
+
+    def begin_after_the_restore(self, step, prefix=""):
+        assert step != 3 or restored.wait(60)
+        return real_begin(self, step, prefix)
+
+    monkeypatch.setattr(LocalTarget, "begin", begin_after_the_restore)
     opts = {"staging": StagingOptions(slots=1, local_dir=ram_dir), "write_options": WriteOptions(chunk_size=1 << 20),
             "schedule": Schedule(durable_every=2)}  # odd steps stay in the tier
     g = torch.Generator(device="cuda").manual_seed(4)
@@ -279,6 +290,7 @@ def test_an_adopted_tier_slot_lands_in_the_gpu_target_in_place_and_a_damaged_one
                     mgr.restore(3, target=target)
                 torch.cuda.synchronize()
                 assert all(bool((t == 7.0).all()) for t in target.values())
+                restored.set()
                 with pytest.raises(SaveError, match="no longer matches"):  # nor written to the root
                     mgr.wait(timeout=60)
             else:

@@ -5,31 +5,24 @@ with real copies is tested on a GPU in test_cuda.py."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
 from conftest import assert_tree_equal
+from test_restore_atomic import _damage_last_chunk, _state, _target, _untouched
 
 import ckptmgr._cuda as cuda_shim
 import ckptmgr.restore.loaders.ring as ring_mod
 import ckptmgr.restore.restorer as restorer_mod
 from ckptmgr import CheckpointCorruptError, CheckpointManager, SaveError, Schedule, StagingOptions, WriteOptions
+from ckptmgr.storage.local import LocalTarget
 
 SMALL_CHUNKS = WriteOptions(chunk_size=4096)
 DURABLE_EVEN = Schedule(durable_every=2)  # odd steps stay in the local tier
-
-
-def _state(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"a": torch.randn(20_000, generator=g), "b": torch.randn(3_000, generator=g).bfloat16(),
-            "c": torch.randint(0, 100, (5_000,), generator=g), "n": seed}
-
-
-def _target() -> dict:
-    return {"a": torch.zeros(20_000), "b": torch.zeros(3_000, dtype=torch.bfloat16),
-            "c": torch.zeros(5_000, dtype=torch.int64), "n": 0}
 
 
 @pytest.fixture
@@ -97,21 +90,26 @@ def test_an_adopted_slot_is_verified_at_start_up_and_its_restore_only_copies(roo
         mgr.wait(timeout=60)  # (the adopted step is written to the root meanwhile)
 
 
-def test_a_slot_damaged_before_the_restart_never_reaches_the_target(root, ram_dir, pinned):
+def test_a_slot_damaged_before_the_restart_never_reaches_the_target(root, ram_dir, pinned, monkeypatch):
     path = _leave_step_3_in_the_tier(root, ram_dir)
-    with open(path, "r+b") as f:  # a byte of the last chunk flipped while no process held the tier
-        f.seek(-3, 2)
-        b = f.read(1)
-        f.seek(-3, 2)
-        f.write(bytes([b[0] ^ 0x10]))
+    _damage_last_chunk(path)  # while no process held the tier
+    restored = threading.Event()  # the durable write of step 3 (which removes it from the tier) waits
+    real_begin = LocalTarget.begin
+
+    def begin_after_the_restores(self, step, prefix=""):
+        assert step != 3 or restored.wait(60)
+        return real_begin(self, step, prefix)
+
+    monkeypatch.setattr(LocalTarget, "begin", begin_after_the_restores)
     with _open(root, ram_dir) as mgr:
         target = _target()
         with pytest.raises(CheckpointCorruptError, match=r"step 3.*checksum mismatch"):
             mgr.restore(3, target=target, loader="inplace")
-        assert not any(bool(target[k].any()) for k in ("a", "b", "c"))
+        assert _untouched(target)
         with pytest.warns(RuntimeWarning, match="skipping step 3"):
             out = mgr.restore(target=target, loader="inplace")
         assert out["n"] == 2 and torch.equal(target["a"], _state(2)["a"])
+        restored.set()
         with pytest.raises(SaveError, match=r"step 3.*no longer matches its manifest"):
             mgr.wait(timeout=60)
         # never committed to the root, where it would pass for a good step; gone from the tier
@@ -175,4 +173,23 @@ def test_restores_from_several_threads_after_the_adoption_all_verify(root, ram_d
         for out in got.values():
             assert torch.equal(out["a"], _state(3)["a"]) and torch.equal(out["c"], _state(3)["c"])
         assert [when for when, _ in pinned].count("at adoption") == 1  # started once, used by one of them
+        mgr.wait(timeout=60)
+
+
+def test_checks_of_an_adopted_slot_that_do_not_end_in_time_are_done_again_by_the_restore(root, ram_dir, pinned,
+                                                                                          monkeypatch, caplog):
+    _leave_step_3_in_the_tier(root, ram_dir)
+    stuck: list[Future[None]] = []
+    monkeypatch.setattr(restorer_mod, "submit_image_checks",
+                        lambda *a: stuck.append(Future()) or stuck)  # checks that never end
+    monkeypatch.setattr(restorer_mod, "_ADOPTED_CHECK_WAIT", 0.2)
+    with _open(root, ram_dir) as mgr:
+        assert len(stuck) == 1
+        target = _target()
+        with caplog.at_level(logging.WARNING, logger="ckptmgr"):
+            mgr.restore(3, target=target, loader="inplace")
+        assert "did not end within 0.2 s; verifying again" in caplog.text
+        assert [when for when, _ in pinned] == ["at restore"] and stuck[0].cancelled()
+        for k in ("a", "b", "c"):
+            assert torch.equal(target[k], _state(3)[k]), k
         mgr.wait(timeout=60)

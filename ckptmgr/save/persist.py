@@ -215,9 +215,8 @@ def _check_adopted(m: Manifest, files: list[tuple[str, np.ndarray[Any, Any]]], w
     Raises:
         CheckpointCorruptError: they differ; the step is not committed to ``url``.
     """
-    for (name, _), crcs in zip(files, written, strict=True):
-        rec = m.files.get(name)
-        if rec is None or tuple(crcs) != tuple(rec.crc32c):
+    for (name, _), crcs in zip(files, written, strict=True):  # (the job's files are the manifest's)
+        if tuple(crcs) != tuple(m.files[name].crc32c):
             raise CheckpointCorruptError(f"step {m.step}: {name} in the local tier no longer matches its manifest "
                                          f"(damaged since it was committed there); not written to {url}")
 
