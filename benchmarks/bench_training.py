@@ -16,6 +16,11 @@ with fused AdamW (~4.8 GB of state, ~50 ms steps at batch 1024 on an H100/H200).
   local tier and ``ckptmgr.Schedule(durable_every=--durable-every)`` (0: every save is meant
   for the durable target): when saves come faster than the disk absorbs them, each one still
   lands in the local tier at copy speed and the durable write goes to the newest step;
+* ``ckptmgr overlap+device`` and ``ckptmgr coalesce+device``: the same with
+  ``StagingOptions(device_buffer_bytes=...)`` (``--device-buffer-gib``): the state is first
+  copied into a buffer on the GPU (device to device), so ``wait_staged()`` returns after that
+  copy and the copy to the host runs from the buffer behind the next steps. Costs that much
+  GPU memory (the peak GPU column shows it);
 * ``Lightning AsyncCheckpointIO``: its ``save_checkpoint`` (clones on the GPU, writes in a
   thread);
 * ``DCP async_save``: with a pinned DefaultStager, ``staging_completion`` awaited before the
@@ -95,7 +100,10 @@ class Saver:
     before the next one, ``finish`` after the timed loop."""
 
     def __init__(self, mode: str, directory: str, args: argparse.Namespace) -> None:
+        device = mode.endswith("+device")
+        mode = mode.removesuffix("+device")
         self.mode, self.dir = mode, directory
+        buffer = int(args.device_buffer_gib * 2**30) if device else 0
         self.pending: Any = None
         self.errors: list[str] = []
         self.stager: Any = None
@@ -106,9 +114,10 @@ class Saver:
         if mode == "ckptmgr coalesce":
             schedule = Schedule(durable_every=args.durable_every) if args.durable_every else None
             self.mgr = CheckpointManager(os.path.join(directory, "root"), schedule=schedule,
-                                         staging=StagingOptions(slots=args.slots or 3, local_dir=args.local_dir))
+                                         staging=StagingOptions(slots=args.slots or 3, local_dir=args.local_dir,
+                                                                device_buffer_bytes=buffer))
         elif mode.startswith("ckptmgr"):
-            staging = StagingOptions(slots=args.slots or 1, local_dir=args.local_dir)
+            staging = StagingOptions(slots=args.slots or 1, local_dir=args.local_dir, device_buffer_bytes=buffer)
             self.mgr = CheckpointManager(os.path.join(directory, "root"), staging=staging)
         elif mode == "Lightning AsyncCheckpointIO":
             try:
@@ -324,6 +333,8 @@ def main() -> None:
                     help="ckptmgr coalesce: Schedule(durable_every=N) (0: every save meant for the durable target)")
     ap.add_argument("--durable-mbps", type=float, default=0.0, help="cap the durable target's write rate (MB/s)")
     ap.add_argument("--local-dir", default="/dev/shm", help="ckptmgr's local tier (a tmpfs)")
+    ap.add_argument("--device-buffer-gib", type=float, default=64.0,
+                    help="the +device modes' StagingOptions.device_buffer_bytes, in GiB (grown only to the state's size)")
     ap.add_argument("--modes", default="none,ckptmgr block,ckptmgr overlap,Lightning AsyncCheckpointIO,"
                                        "DCP async_save")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "training.json"))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|coalesce|pinning|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|tier|timeline|parts4|lightning|hf]...
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|coalesce|training-device|pinning|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|tier|timeline|parts4|lightning|hf]...
 # Packages the GPU image lacks are installed from .whl/ when present.
 set -uo pipefail
 out="${1:?output directory}"; shift
@@ -23,7 +23,7 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests staging4 training)
 for part in "${parts[@]}"; do
   case "$part" in
-    tests) python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_cuda_restore_trust.py tests/test_lightning_cuda.py tests/test_tier_ram.py 2>&1 | tee "$out/tests.txt" ;;
+    tests) python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_cuda_snapshot.py tests/test_cuda_restore_trust.py tests/test_lightning_cuda.py tests/test_tier_ram.py 2>&1 | tee "$out/tests.txt" ;;
     staging4) python3 benchmarks/bench_staging.py --gib 4 --out "$out/staging4.json" 2>&1 | tee "$out/staging4.txt" ;;
     staging16) python3 benchmarks/bench_staging.py --gib 16 --out "$out/staging16.json" 2>&1 | tee "$out/staging16.txt" ;;
     training) python3 benchmarks/bench_training.py --repeat 3 --dir /var/tmp/ckptmgr-bench-train \
@@ -33,13 +33,16 @@ for part in "${parts[@]}"; do
     restore16) python3 benchmarks/bench_restore.py --gib 16 --repeat 2 --sources shm --out "$out/restore16.json" \
               2>&1 | tee "$out/restore16.txt" ;;
     parts4) python3 benchmarks/bench_restore_parts.py --gib 4 --out "$out/parts4.json" 2>&1 | tee "$out/parts4.txt" ;;
+    training-device) python3 benchmarks/bench_training.py --repeat 3 --modes "none,ckptmgr overlap,ckptmgr overlap+device" \
+              --dir /var/tmp/ckptmgr-bench-train --out "$out/training-device.json" 2>&1 | tee "$out/training-device.txt" ;;
     training25) python3 benchmarks/bench_training.py --model linear --every 25 --steps 100 --warmup 5 \
               --modes "none,ckptmgr overlap" --repeat 3 --dir /var/tmp/ckptmgr-bench-train25 \
               --out "$out/training25.json" 2>&1 | tee "$out/training25.txt" ;;
     hf) python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_hf_trainer.py 2>&1 | tee "$out/hf-tests.txt"
         python3 benchmarks/bench_hf_trainer.py --workdir /var/tmp --out "$out" 2>&1 | tee "$out/hf.txt" ;;
     coalesce) python3 benchmarks/bench_training.py --model linear --every 25 --steps 200 --warmup 5 \
-              --modes "none,ckptmgr overlap,ckptmgr coalesce" --repeat 3 --dir /var/tmp/ckptmgr-bench-coalesce \
+              --modes "${CKPTMGR_COALESCE_MODES:-none,ckptmgr overlap,ckptmgr coalesce,ckptmgr coalesce+device}" \
+              --repeat 3 --dir /var/tmp/ckptmgr-bench-coalesce \
               --out "$out/coalesce.json" 2>&1 | tee "$out/coalesce.txt" ;;
     pinning) python3 benchmarks/bench_pinning.py --dir /var/tmp --out "$out/pinning.json" 2>&1 | tee "$out/pinning.txt" ;;
     lightning) python3 benchmarks/bench_lightning.py --steps 60 --every 20 --repeat 3 --out "$out/lightning.json" 2>&1 | tee "$out/lightning.txt"

@@ -55,7 +55,7 @@ class SaveHandle:
     def staged(self) -> bool:
         """True once the state has been copied and may be mutated."""
         staging = self._ticket.staging
-        return staging is None or staging.done()
+        return staging is None or staging.safe()
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the state has been copied off the caller's tensors.
@@ -71,7 +71,7 @@ class SaveHandle:
         if staging is None:
             return
         try:
-            staging.wait(timeout)
+            staging.wait_safe(timeout)
         except CkptTimeoutError:
             raise
         except Exception as exc:

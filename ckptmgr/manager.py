@@ -194,8 +194,10 @@ class CheckpointManager:
         step took over: saves came faster than the target absorbs them), ``local_only``
         (steps the :class:`Schedule` kept in the local tier only),
         ``slot_allocations`` and ``slot_registrations`` (host buffers created and pinned;
-        they stop growing after the first save of a state of fixed size), ``deleted``
-        (steps removed by the retention policy).
+        they stop growing after the first save of a state of fixed size),
+        ``device_buffer_bytes`` (GPU memory held for snapshots, see
+        ``StagingOptions.device_buffer_bytes``), ``deleted`` (steps removed by the retention
+        policy).
         """
         return {**self._saver.stats(), "deleted": len(self._deleter.deleted)}
 
@@ -297,8 +299,8 @@ class CheckpointManager:
             CapacityError: the state does not fit ``StagingOptions.max_host_bytes``.
         """
         self._check_open()
-        _, _, sizes, _ = self._plan(state)
-        self._saver.prepare(sizes)
+        _, plan, sizes, _ = self._plan(state)
+        self._saver.prepare(sizes, plan)
 
     def _raise_unobserved(self) -> None:
         deletion_error = self._deleter.take_error()

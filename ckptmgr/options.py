@@ -86,6 +86,15 @@ class StagingOptions:
         local_dir: where local-tier slots live. With CUDA it must be in RAM (tmpfs, ramfs,
             hugetlbfs): the slots are pinned there, and Linux does not pin a disk file's pages.
         copy_threads: threads for host-to-host copies of CPU tensors.
+        device_buffer_bytes: GPU memory, per device, for a snapshot of the state's GPU
+            tensors on their own device. A save then copies them there first (device to
+            device: a few ms for 5 GB), the state may change as soon as that copy is done
+            (``save()`` with ``block=True`` returns then, ``handle.wait_staged()`` too), and
+            the copy to the host slot runs from the buffer in the background. Tensors that do
+            not fit go straight to the host as without a buffer. The buffer is allocated at
+            the first save (or by :meth:`CheckpointManager.prepare`), grown to what a save
+            needs up to this size, and kept until the manager closes. 0 (the default): no
+            extra GPU memory; the state may change once its copy to the host has landed.
 
     Example:
         >>> StagingOptions(slots=2, on_busy="skip").slots
@@ -99,8 +108,12 @@ class StagingOptions:
     local_tier: bool | None = None
     local_dir: str = "/dev/shm"
     copy_threads: int = 4
+    device_buffer_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if type(self.device_buffer_bytes) is not int or self.device_buffer_bytes < 0:
+            raise ConfigError(f"StagingOptions.device_buffer_bytes must be an int >= 0, "
+                              f"got {self.device_buffer_bytes!r}")
         for name in ("slots", "copy_threads"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:

@@ -153,7 +153,7 @@ class Saver:
         self._guard = guard
         self._retention = retention
         self.pool = SlotPool(opts.slots, tier=tier, max_host_bytes=opts.max_host_bytes, chunk_size=chunk_size)
-        self._stager = Stager(opts.copy_threads)
+        self._stager = Stager(opts.copy_threads, device_buffer_bytes=opts.device_buffer_bytes)
         self._side = DaemonPool(1, thread_name_prefix="ckptmgr-local-commit")
         self._mu = threading.Condition()
         self._pending: dict[int, PersistJob] = {}
@@ -212,7 +212,7 @@ class Saver:
             self.pool.fit(slot, sizes)
             job = self._stager.stage(plan, slot.segments, slot.piece)
             if block:
-                job.wait()
+                job.wait_safe()
         except BaseException:
             try:  # (interrupted while copies run: they must land before the slot is free again)
                 if job is not None:
@@ -342,9 +342,12 @@ class Saver:
                                                       "recorded"))
             self._settled()
 
-    def prepare(self, sizes: list[int]) -> None:
+    def prepare(self, sizes: list[int], plan: Plan | None = None) -> None:
         """Make and pin the slots never filled yet, on a helper thread; a save that needs one
-        of them waits for it (never skips), and :meth:`wait` waits for it."""
+        of them waits for it (never skips), and :meth:`wait` waits for it. With ``plan``
+        (training thread), also allocate the device snapshot buffers it needs, now."""
+        if plan is not None:
+            self._stager.reserve(plan)
         with self._mu:
             if self._closing:
                 return
@@ -665,4 +668,5 @@ class Saver:
         with self._mu:
             counts = dict(self._counts)
         return {**self.pool.counts, "slot_allocations": self.pool.allocations,
-                "slot_registrations": self.pool.registrations, **counts}
+                "slot_registrations": self.pool.registrations,
+                "device_buffer_bytes": self._stager.buffers.allocated(), **counts}

@@ -5,10 +5,14 @@ already queued on the caller's current stream (so the copy sees the finished val
 step that produced them). CPU tensors are copied in pieces by a few threads; torch's copy
 releases the GIL, so those threads run in parallel with each other and with the caller.
 
-:meth:`Stager.stage` returns once every copy is *enqueued*; :meth:`StagingJob.wait` returns
-once every copy has *landed*. Only after that may the caller change the state. The job
-keeps the source tensors alive until then, so that freeing them cannot recycle their memory
-while a copy still reads it.
+:meth:`Stager.stage` returns once every copy is *enqueued*; :meth:`StagingJob.wait_safe`
+returns once every copy has read its source, after which the caller may change the state;
+:meth:`StagingJob.wait` returns once every byte has *landed* in the slot. The two are the same
+moment unless a device snapshot buffer is used (:mod:`ckptmgr.save.snapshot`): then the GPU
+tensors are first copied into it, the state is safe to change after those device-to-device
+copies, and the slot fills from the buffer afterwards. The job keeps the source tensors alive
+until they have landed, so that freeing them cannot recycle their memory while a copy still
+reads it.
 
 A slot pinned in pieces (see :mod:`ckptmgr.save.buffers`) cannot take one device-to-host
 copy across two pieces (CUDA refuses it), so a GPU tensor whose bytes straddle a piece
@@ -30,6 +34,7 @@ from .. import _cuda
 from .._threads import DaemonPool
 from ..errors import CkptTimeoutError
 from ..format.layout import ST_TO_DTYPE, Plan, StoredTensor
+from .snapshot import DeviceBuffers, buffer_view, plan_snapshot
 
 __all__ = ["Stager", "StagingJob"]
 
@@ -72,19 +77,64 @@ def _copy_all(pairs: list[_Pair]) -> None:
         dst.copy_(src)
 
 
-class StagingJob:
-    """The copies of one save: enqueued, and waitable until they have landed."""
+def _wait_events(done: _cuda.CopyDone, deadline: float | None, timeout: float | None) -> None:
+    if deadline is None:
+        done.synchronize()
+        return
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise CkptTimeoutError(f"the device-to-host copies did not finish within {timeout} s")
+        time.sleep(0.0005)
 
-    def __init__(self, cuda_done: _cuda.CopyDone | None, futures: list[Future[None]], keepalive: Any) -> None:
+
+class StagingJob:
+    """The copies of one save: enqueued, and waitable until the state may change (*safe*)
+    and until every byte is in the slot (*landed*)."""
+
+    def __init__(self, cuda_done: _cuda.CopyDone | None, futures: list[Future[None]], keepalive: Any, *,
+                 cuda_safe: _cuda.CopyDone | None = None, snapshot_bytes: int = 0) -> None:
         self._cuda_done = cuda_done
+        self._cuda_safe = cuda_safe  # None: safe when landed
         self._futures = futures
         self._keepalive: Any = keepalive
+        self.snapshot_bytes = snapshot_bytes  # bytes copied through a device snapshot buffer
         self.finished_at: float | None = None if (cuda_done or futures) else time.perf_counter()
+        self.safe_at: float | None = self.finished_at
 
     def done(self) -> bool:
         """True when every copy has landed (or failed)."""
         return self.finished_at is not None or (
             all(f.done() for f in self._futures) and (self._cuda_done is None or self._cuda_done.query()))
+
+    def safe(self) -> bool:
+        """True when every copy has read its source: the state may be changed."""
+        if self._cuda_safe is None or self.safe_at is not None:
+            return self.done()
+        return all(f.done() for f in self._futures) and self._cuda_safe.query()
+
+    def _wait_futures(self, timeout: float | None) -> None:
+        _, pending = wait_futures(self._futures, timeout)
+        if pending:
+            raise CkptTimeoutError(f"the staging copies did not finish within {timeout} s")
+        for f in self._futures:
+            f.result()
+
+    def wait_safe(self, timeout: float | None = None) -> None:
+        """Block until every copy has read its source (then the state may be changed).
+
+        Raises:
+            CkptTimeoutError: copies still running after ``timeout`` seconds.
+            Exception: the error of a failed copy.
+        """
+        if self._cuda_safe is None:
+            self.wait(timeout)
+            return
+        if self.safe_at is not None:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._wait_futures(timeout)
+        _wait_events(self._cuda_safe, deadline, timeout)
+        self.safe_at = time.perf_counter()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every copy has landed.
@@ -96,34 +146,33 @@ class StagingJob:
         if self.finished_at is not None:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
-        _, pending = wait_futures(self._futures, timeout)
-        if pending:
-            raise CkptTimeoutError(f"the staging copies did not finish within {timeout} s")
-        for f in self._futures:
-            f.result()
+        self._wait_futures(timeout)
         if self._cuda_done is not None:
-            if deadline is None:
-                self._cuda_done.synchronize()
-            else:
-                while not self._cuda_done.query():
-                    if time.monotonic() > deadline:
-                        raise CkptTimeoutError(f"the device-to-host copies did not finish within {timeout} s")
-                    time.sleep(0.0005)
+            _wait_events(self._cuda_done, deadline, timeout)
         self.finished_at = time.perf_counter()
+        if self.safe_at is None:
+            self.safe_at = self.finished_at
         self._keepalive = None  # the sources may be freed now
 
 
 class Stager:
-    """Copies plans into slots. Create and call it from the training (main) thread."""
+    """Copies plans into slots. Create and call it from the training (main) thread.
 
-    def __init__(self, copy_threads: int, *, daemon: bool = True) -> None:
-        # daemon=False: ordinary worker threads, for owners that stop them at a known point
-        # (a Lightning plugin's teardown) and must leave no daemon thread behind
+    Args:
+        copy_threads: threads for host-to-host copies.
+        device_buffer_bytes: the device snapshot buffer's size per device (0: none; see
+            :mod:`ckptmgr.save.snapshot`).
+        daemon: False for ordinary worker threads, for owners that stop them at a known
+            point (a Lightning plugin's teardown) and must leave no daemon thread behind.
+    """
+
+    def __init__(self, copy_threads: int, *, device_buffer_bytes: int = 0, daemon: bool = True) -> None:
         self._pool: DaemonPool | ThreadPoolExecutor = (
             DaemonPool(copy_threads, thread_name_prefix="ckptmgr-copy") if daemon
             else ThreadPoolExecutor(copy_threads, thread_name_prefix="ckptmgr-copy"))
         self._threads = copy_threads
         self._streams: dict[torch.device, Any] = {}
+        self.buffers = DeviceBuffers(device_buffer_bytes)  # (training thread)
 
     def _stream(self, device: torch.device) -> Any:
         # Made on first use from the caller's thread; see _cuda.staging_stream.
@@ -131,32 +180,52 @@ class Stager:
             self._streams[device] = _cuda.staging_stream(device)
         return self._streams[device]
 
+    def reserve(self, plan: Plan) -> None:
+        """Allocate the device snapshot buffers ``plan`` needs now, so that the first save
+        does not (nothing is copied)."""
+        snap = plan_snapshot(plan, self.buffers.capacity)
+        for device, n in snap.needed.items():
+            self.buffers.get(device, n, self._stream(device))
+
     def stage(self, plan: Plan, segments: list[torch.Tensor], piece: int = 0) -> StagingJob:
         """Enqueue every copy of ``plan`` into ``segments`` (one per file); no device-to-host
         copy crosses a multiple of ``piece`` bytes of its segment (0: no limit)."""
+        snap = plan_snapshot(plan, self.buffers.capacity)
         gpu: dict[torch.device, list[_Pair]] = defaultdict(list)
+        through: dict[torch.device, list[_Pair]] = defaultdict(list)  # (buffer view, source)
         cpu: list[_Pair] = []
+        bufs = {d: self.buffers.get(d, n, self._stream(d)) for d, n in snap.needed.items()}
         for f, seg in zip(plan.files, segments, strict=True):
             hs = len(f.header)
             seg[:hs].copy_(torch.frombuffer(bytearray(f.header), dtype=torch.uint8))
             for t in f.tensors:
                 if t.end == t.begin:
                     continue
+                if id(t) in snap.through:
+                    device, offset = snap.through[id(t)]
+                    through[device].append((buffer_view(bufs[device], offset, t), t.source))
+                    continue
                 pair = (_dst_view(seg, hs, t), t.source)
                 if t.source.device.type == "cpu":
                     cpu.extend(_cpu_pieces(*pair))
                 else:
                     gpu[t.source.device].extend(_split_at(*pair, hs + t.begin, piece))
-        done = None
-        if gpu:
-            streams = []
-            for device, pairs in gpu.items():
-                stream = self._stream(device)
+        done = safe = None
+        devices = list(dict.fromkeys([*through, *gpu]))
+        if devices:
+            streams = [self._stream(d) for d in devices]
+            for device, stream in zip(devices, streams, strict=True):
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
-                    for dst, src in pairs:
+                    for dst, src in [*through.get(device, ()), *gpu.get(device, ())]:
                         dst.copy_(src, non_blocking=True)
-                streams.append(stream)
+            if snap.runs:
+                safe = _cuda.CopyDone(streams)
+                for r in snap.runs:
+                    with torch.cuda.stream(self._stream(r.device)):
+                        src = bufs[r.device][r.dev:r.dev + r.end - r.begin]
+                        for dst, part in _split_at(segments[r.file][r.begin:r.end], src, r.begin, piece):
+                            dst.copy_(part, non_blocking=True)
             done = _cuda.CopyDone(streams)
         futures = []
         if cpu:
@@ -173,9 +242,10 @@ class Stager:
             if batch:
                 futures.append(self._pool.submit(_copy_all, batch))
         # (the pairs keep split copies' contiguous temporaries alive until the copies land)
-        return StagingJob(done, futures, keepalive=(plan, gpu))
+        return StagingJob(done, futures, keepalive=(plan, gpu, through), cuda_safe=safe, snapshot_bytes=snap.bytes)
 
     def close(self, timeout: float | None = None) -> None:
+        self.buffers.clear()
         if isinstance(self._pool, DaemonPool):
             self._pool.stop(timeout=timeout)
         else:

@@ -1,0 +1,112 @@
+"""The device snapshot buffer, for real: run on the GPU machine (``pytest -m cuda``)."""
+
+import pytest
+import torch
+
+import ckptmgr.save.buffers as buffers
+from ckptmgr import CheckpointManager, StagingOptions, WriteOptions
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def gpu_state(seed: int = 0) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return {
+        "w": torch.randn(1024, 1024, device="cuda", generator=g),  # 4 MiB
+        "h": torch.randn(4096, device="cuda", generator=g).bfloat16(),
+        "t": torch.randn(64, 32, device="cuda", generator=g).t(),  # non-contiguous
+        "b": torch.rand(999, device="cuda", generator=g) > 0.5,
+        "cpu": torch.arange(1000),
+        "n": 3,
+    }
+
+
+def snapshot(state: dict) -> dict:
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+
+def check(mgr: CheckpointManager, step: int, expected: dict) -> None:
+    got = mgr.restore(step=step, device="cuda")
+    for k, v in expected.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(got[k].to(v.device), v), (step, k)
+        else:
+            assert got[k] == v
+
+
+@pytest.mark.parametrize("capacity", [1 << 30, 1 << 20])  # all of it; all but "w"
+@pytest.mark.parametrize(("slots", "local_tier"), [(1, True), (2, True), (2, False)])
+@pytest.mark.parametrize("block", [True, False])
+def test_the_state_may_change_once_it_is_on_the_device_and_every_step_is_exact(root, capacity, slots, local_tier,
+                                                                                block):
+    state = gpu_state()
+    opts = StagingOptions(slots=slots, local_tier=local_tier, device_buffer_bytes=capacity)
+    with CheckpointManager(root, staging=opts) as mgr:
+        handles, expected = [], []
+        for step in range(4):
+            expected.append(snapshot(state))
+            h = mgr.save(step, state, block=block)
+            h.wait_staged()
+            assert h.staged()
+            through = h._ticket.staging.snapshot_bytes
+            assert through > 0 and (through < 4 << 20) == (capacity < 4 << 20)
+            for v in state.values():  # queued on the default stream right behind the snapshot
+                if isinstance(v, torch.Tensor):
+                    v.add_(1) if v.dtype != torch.bool else v.logical_not_()
+            handles.append(h)  # the next save follows at once: its snapshot queues behind this drain
+        for step, h in enumerate(handles):
+            h.result(timeout=60)
+            check(mgr, step, expected[step])
+
+
+def test_the_buffer_is_the_only_gpu_memory_taken_and_is_made_once(root):
+    state = {f"p{i}": torch.randn(1 << 20, device="cuda") for i in range(16)}  # 64 MiB
+    state_bytes = 16 * (4 << 20)
+    with CheckpointManager(root, staging=StagingOptions(slots=2, device_buffer_bytes=1 << 30)) as mgr:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        mgr.prepare(state)  # allocates the buffer now
+        held = mgr.stats()["device_buffer_bytes"]
+        assert state_bytes <= held <= state_bytes + 4096
+        assert torch.cuda.memory_allocated() - before == held
+        mgr.wait()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        for step in range(5):
+            mgr.save(step, state, block=False).wait_staged()
+        mgr.wait()
+        assert torch.cuda.max_memory_allocated() == base
+        assert mgr.stats()["device_buffer_bytes"] == held
+    with CheckpointManager(root, staging=StagingOptions(device_buffer_bytes=10 << 20)) as mgr:
+        mgr.save(10, state).result()  # two of the 4 MiB tensors fit; the others go straight to the host
+        assert 8 << 20 <= mgr.stats()["device_buffer_bytes"] <= 10 << 20
+        check(mgr, 10, state)
+
+
+@pytest.mark.parametrize("mode", ["pieces", "populate"])
+def test_drains_are_split_at_the_slot_pinning_boundaries(root, monkeypatch, mode):
+    """A copy across two host registrations fails: the drain from the buffer is split at
+    the boundaries as the direct copies are."""
+    monkeypatch.setattr(buffers, "PIN_MODE", mode)
+    monkeypatch.setattr(buffers, "PIN_PIECE_BYTES", 1 << 20)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    state = {f"p{i}": torch.randn(300_000 + 1000 * i, device="cuda", generator=g) for i in range(6)}
+    state["t"] = torch.randn(700, 900, device="cuda", generator=g).t()
+    state["h"] = torch.randn(3_000_000, device="cuda", generator=g).bfloat16()
+    opts = WriteOptions(chunk_size=256 << 10, max_file_bytes=8 << 20)
+    staging = StagingOptions(slots=2, device_buffer_bytes=12 << 20)  # most of it; the rest direct
+    with CheckpointManager(root, write_options=opts, staging=staging) as mgr:
+        for step in range(3):
+            expected = snapshot(state)
+            mgr.save(step, state, block=step % 2 == 0).wait_staged()
+            for v in state.values():
+                v.add_(1)
+            mgr.wait()
+            check(mgr, step, expected)
+            target = {k: torch.zeros_like(v) for k, v in state.items()}
+            mgr.restore(step, target=target)
+            for k, v in expected.items():
+                assert torch.equal(target[k], v), (mode, step, k)
