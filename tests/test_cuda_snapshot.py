@@ -110,3 +110,26 @@ def test_drains_are_split_at_the_slot_pinning_boundaries(root, monkeypatch, mode
             mgr.restore(step, target=target)
             for k, v in expected.items():
                 assert torch.equal(target[k], v), (mode, step, k)
+
+
+def test_a_buffer_the_device_has_no_room_for_is_given_up_with_a_warning_and_saves_go_on(root, caplog):
+    state = {f"p{i}": torch.randn(1 << 22, device="cuda") for i in range(8)}  # 128 MiB
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    with CheckpointManager(root, staging=StagingOptions(device_buffer_bytes=1 << 30)) as mgr:
+        # room for half of the state's buffer: its allocation fails for real
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (64 << 20)) / total)
+        try:
+            with caplog.at_level("WARNING", logger="ckptmgr"):
+                first = mgr.save(1, state)
+                second = mgr.save(2, state, block=False)
+                second.wait_staged()
+                mgr.wait()
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        assert caplog.text.count("no room for a device snapshot buffer") == 1
+        assert first._ticket.staging.snapshot_bytes == second._ticket.staging.snapshot_bytes == 0
+        assert mgr.stats()["device_buffer_bytes"] == 0
+        check(mgr, 1, state)
+        check(mgr, 2, state)

@@ -88,6 +88,7 @@ def test_a_tensor_that_does_not_fit_goes_to_the_host_and_later_ones_may_still_fi
     assert names == {"big", "small"}
     assert snap.bytes == 40 and len(snap.runs) == 1
     assert plan_snapshot(_plan(state), 0).runs == []
+    assert plan_snapshot(_plan(state), 1 << 20, {torch.device("meta")}).runs == []  # a device without room
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])

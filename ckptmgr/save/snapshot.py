@@ -28,6 +28,7 @@ filled to goes straight to the host; later ones may still fit.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,8 @@ import torch
 from ..format.layout import ST_TO_DTYPE, Plan, StoredTensor
 
 __all__ = ["DeviceBuffers", "Run", "SnapshotPlan", "plan_snapshot"]
+
+log = logging.getLogger("ckptmgr")
 
 _ALIGN = 256  # run starts in the buffer, in bytes (a multiple of every dtype's item size)
 
@@ -65,9 +68,11 @@ class SnapshotPlan:
         return sum(r.end - r.begin for r in self.runs)
 
 
-def plan_snapshot(plan: Plan, capacity: int) -> SnapshotPlan:
+def plan_snapshot(plan: Plan, capacity: int, off: frozenset[torch.device] | set[torch.device] = frozenset()
+                  ) -> SnapshotPlan:
     """Place the GPU tensors of ``plan`` in buffers of ``capacity`` bytes per device (runs
-    of tensors adjacent in their file image stay adjacent; see the module docstring)."""
+    of tensors adjacent in their file image stay adjacent; see the module docstring); none
+    of those on a device in ``off``."""
     out = SnapshotPlan()
     if capacity <= 0:
         return out
@@ -77,7 +82,7 @@ def plan_snapshot(plan: Plan, capacity: int) -> SnapshotPlan:
         for t in sorted(f.tensors, key=lambda t: t.begin):
             device = t.source.device
             n = t.end - t.begin
-            if n == 0 or device.type == "cpu":
+            if n == 0 or device.type == "cpu" or device in off:
                 continue
             begin = hs + t.begin
             run = last.get(device)
@@ -112,16 +117,28 @@ class DeviceBuffers:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._buffers: dict[torch.device, torch.Tensor] = {}
+        self.off: set[torch.device] = set()  # devices where a buffer could not be allocated
 
-    def get(self, device: torch.device, nbytes: int, stream: Any) -> torch.Tensor:
-        """The buffer of ``device``, at least ``nbytes`` long. Call with ``stream`` (the
-        device's staging stream) current: a new buffer is allocated on that stream."""
+    def plan(self, plan: Plan) -> SnapshotPlan:
+        return plan_snapshot(plan, self.capacity, self.off)
+
+    def get(self, device: torch.device, nbytes: int, stream: Any) -> torch.Tensor | None:
+        """The buffer of ``device``, at least ``nbytes`` long; None when the device has no
+        room for it (logged once; that device's tensors then go straight to the host from
+        now on: the buffer only ever speeds a save up, it never fails one). ``stream`` is
+        the device's staging stream: a new buffer is allocated on it."""
         buf = self._buffers.get(device)
         if buf is None or buf.numel() < nbytes:
             self._buffers.pop(device, None)  # freed on the staging stream: stream order keeps
             # its pending drains ahead of any reuse
-            with torch.cuda.stream(stream):
-                buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            try:
+                with torch.cuda.stream(stream):
+                    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            except torch.OutOfMemoryError as exc:
+                self.off.add(device)
+                log.warning("no room for a device snapshot buffer of %d bytes on %s (%s); saves copy the "
+                            "tensors there straight to the host", nbytes, device, str(exc).splitlines()[0])
+                return None
             self._buffers[device] = buf
         return buf
 

@@ -34,7 +34,7 @@ from .. import _cuda
 from .._threads import DaemonPool
 from ..errors import CkptTimeoutError
 from ..format.layout import ST_TO_DTYPE, Plan, StoredTensor
-from .snapshot import DeviceBuffers, buffer_view, plan_snapshot
+from .snapshot import DeviceBuffers, buffer_view
 
 __all__ = ["Stager", "StagingJob"]
 
@@ -70,6 +70,12 @@ def _cpu_pieces(dst: torch.Tensor, src: torch.Tensor) -> list[_Pair]:
     d = dst.reshape(-1).view(torch.uint8)
     s = src.reshape(-1).view(torch.uint8)
     return [(d[i:i + _PIECE], s[i:i + _PIECE]) for i in range(0, d.numel(), _PIECE)]
+
+
+def _through_buffer(bufs: dict[torch.device, torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    buf = bufs[device]
+    assert buf is not None  # (a device whose buffer could not be made is off in the plan)
+    return buf
 
 
 def _copy_all(pairs: list[_Pair]) -> None:
@@ -183,18 +189,19 @@ class Stager:
     def reserve(self, plan: Plan) -> None:
         """Allocate the device snapshot buffers ``plan`` needs now, so that the first save
         does not (nothing is copied)."""
-        snap = plan_snapshot(plan, self.buffers.capacity)
-        for device, n in snap.needed.items():
+        for device, n in self.buffers.plan(plan).needed.items():
             self.buffers.get(device, n, self._stream(device))
 
     def stage(self, plan: Plan, segments: list[torch.Tensor], piece: int = 0) -> StagingJob:
         """Enqueue every copy of ``plan`` into ``segments`` (one per file); no device-to-host
         copy crosses a multiple of ``piece`` bytes of its segment (0: no limit)."""
-        snap = plan_snapshot(plan, self.buffers.capacity)
+        snap = self.buffers.plan(plan)
+        bufs = {d: self.buffers.get(d, n, self._stream(d)) for d, n in snap.needed.items()}
+        if self.buffers.off.intersection(snap.needed):
+            snap = self.buffers.plan(plan)  # without the devices that had no room
         gpu: dict[torch.device, list[_Pair]] = defaultdict(list)
         through: dict[torch.device, list[_Pair]] = defaultdict(list)  # (buffer view, source)
         cpu: list[_Pair] = []
-        bufs = {d: self.buffers.get(d, n, self._stream(d)) for d, n in snap.needed.items()}
         for f, seg in zip(plan.files, segments, strict=True):
             hs = len(f.header)
             seg[:hs].copy_(torch.frombuffer(bytearray(f.header), dtype=torch.uint8))
@@ -203,7 +210,7 @@ class Stager:
                     continue
                 if id(t) in snap.through:
                     device, offset = snap.through[id(t)]
-                    through[device].append((buffer_view(bufs[device], offset, t), t.source))
+                    through[device].append((buffer_view(_through_buffer(bufs, device), offset, t), t.source))
                     continue
                 pair = (_dst_view(seg, hs, t), t.source)
                 if t.source.device.type == "cpu":
@@ -223,7 +230,7 @@ class Stager:
                 safe = _cuda.CopyDone(streams)
                 for r in snap.runs:
                     with torch.cuda.stream(self._stream(r.device)):
-                        src = bufs[r.device][r.dev:r.dev + r.end - r.begin]
+                        src = _through_buffer(bufs, r.device)[r.dev:r.dev + r.end - r.begin]
                         for dst, part in _split_at(segments[r.file][r.begin:r.end], src, r.begin, piece):
                             dst.copy_(part, non_blocking=True)
             done = _cuda.CopyDone(streams)
