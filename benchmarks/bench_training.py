@@ -334,7 +334,8 @@ def main() -> None:
     ap.add_argument("--durable-mbps", type=float, default=0.0, help="cap the durable target's write rate (MB/s)")
     ap.add_argument("--local-dir", default="/dev/shm", help="ckptmgr's local tier (a tmpfs)")
     ap.add_argument("--device-buffer-gib", type=float, default=64.0,
-                    help="the +device modes' StagingOptions.device_buffer_bytes, in GiB (grown only to the state's size)")
+                    help="the +device modes' StagingOptions.device_buffer_bytes, in GiB "
+                         "(grown only to the state's size)")
     ap.add_argument("--modes", default="none,ckptmgr block,ckptmgr overlap,Lightning AsyncCheckpointIO,"
                                        "DCP async_save")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "training.json"))

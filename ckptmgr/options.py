@@ -88,13 +88,16 @@ class StagingOptions:
         copy_threads: threads for host-to-host copies of CPU tensors.
         device_buffer_bytes: GPU memory, per device, for a snapshot of the state's GPU
             tensors on their own device. A save then copies them there first (device to
-            device: a few ms for 5 GB), the state may change as soon as that copy is done
-            (``save()`` with ``block=True`` returns then, ``handle.wait_staged()`` too), and
-            the copy to the host slot runs from the buffer in the background. Tensors that do
-            not fit go straight to the host as without a buffer. The buffer is allocated at
-            the first save (or by :meth:`CheckpointManager.prepare`), grown to what a save
-            needs up to this size, and kept until the manager closes. 0 (the default): no
-            extra GPU memory; the state may change once its copy to the host has landed.
+            device: a few ms for 5 GB), and the copy to the host slot runs from the buffer in
+            the background. The state may change once the tensors that fit are in the buffer
+            and those that did not fit have reached the host (``save()`` with ``block=True``
+            returns then, ``handle.wait_staged()`` too); a save that comes before the previous
+            one's copy from the buffer ended waits for it there. The buffer is allocated at
+            the first save (or by :meth:`CheckpointManager.prepare`: call it after the first
+            optimizer step, when the optimizer state exists), grown to what a save needs up
+            to this size, and kept until the manager closes; a device without room for it is
+            warned about once and copies straight to the host. 0 (the default): no extra GPU
+            memory; the state may change once its copy to the host has landed.
 
     Example:
         >>> StagingOptions(slots=2, on_busy="skip").slots

@@ -102,6 +102,9 @@ class CkptmgrIOMixin:
                               "must be 'wait'")
         if self._staging.local_tier:
             raise ConfigError("CkptmgrCheckpointIO writes .ckpt files; StagingOptions.local_tier does not apply")
+        if self._staging.device_buffer_bytes:
+            raise ConfigError("CkptmgrCheckpointIO copies straight to the host; StagingOptions.device_buffer_bytes "
+                              "applies to CheckpointManager")
         super().__init__()
         self.overlap = overlap
         self.async_direct_saves = async_direct_saves

@@ -1,8 +1,11 @@
 """The device snapshot buffer, for real: run on the GPU machine (``pytest -m cuda``)."""
 
+import itertools
+
 import pytest
 import torch
 
+import ckptmgr._cuda as cuda_shim
 import ckptmgr.save.buffers as buffers
 from ckptmgr import CheckpointManager, StagingOptions, WriteOptions
 
@@ -133,3 +136,69 @@ def test_a_buffer_the_device_has_no_room_for_is_given_up_with_a_warning_and_save
         assert mgr.stats()["device_buffer_bytes"] == 0
         check(mgr, 1, state)
         check(mgr, 2, state)
+
+
+def hold_drains(monkeypatch, cycles: int = 1 << 30) -> None:
+    """Queue a GPU sleep (~0.5 s) right after each save's *safe* event, so its drain from the
+    buffer (and its *landed* event) come later on the GPU's own clock."""
+    real, n = cuda_shim.CopyDone, itertools.count()
+
+    def held(streams):
+        event = real(streams)
+        if next(n) % 2 == 0:  # the first of a save's two: safe
+            for s in streams:
+                with torch.cuda.stream(s):
+                    torch.cuda._sleep(cycles)
+        return event
+
+    monkeypatch.setattr(cuda_shim, "CopyDone", held)
+
+
+def mutate(state: dict) -> None:
+    for v in state.values():
+        if isinstance(v, torch.Tensor):
+            v.add_(1) if v.dtype != torch.bool else v.logical_not_()
+
+
+def test_the_state_is_safe_to_change_before_its_bytes_have_landed(root, monkeypatch):
+    hold_drains(monkeypatch)
+    state = gpu_state()
+    expected = snapshot(state)
+    with CheckpointManager(root, staging=StagingOptions(device_buffer_bytes=1 << 30)) as mgr:
+        h = mgr.save(1, state)  # blocking: returns when safe
+        assert h.staged() and not h._ticket.staging.done()
+        mutate(state)
+        h.result(timeout=60)
+        check(mgr, 1, expected)
+
+
+def test_a_buffer_grown_while_an_older_drain_is_queued_keeps_both_steps_exact(root, monkeypatch):
+    hold_drains(monkeypatch)
+    state = gpu_state()
+    with CheckpointManager(root, staging=StagingOptions(slots=2, device_buffer_bytes=1 << 30)) as mgr:
+        first = snapshot(state)
+        h1 = mgr.save(1, state)
+        small = mgr.stats()["device_buffer_bytes"]
+        state["x"] = torch.randn(1 << 24, device="cuda")  # 64 MiB more: the buffer is made again
+        second = snapshot(state)
+        h2 = mgr.save(2, state, block=False)
+        assert not h1._ticket.staging.done()  # the first drain still reads the old buffer
+        assert mgr.stats()["device_buffer_bytes"] > small
+        h2.wait_staged()  # (after the first drain: one stream)
+        mutate(state)
+        h1.result(timeout=60)
+        h2.result(timeout=60)
+        check(mgr, 1, first)
+        check(mgr, 2, second)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensors_of_two_devices_in_one_file(root):
+    state = {f"p{i}": torch.randn(1 << 18, device=f"cuda:{i % 2}") for i in range(8)}
+    expected = snapshot(state)
+    with CheckpointManager(root, staging=StagingOptions(device_buffer_bytes=1 << 30)) as mgr:
+        h = mgr.save(1, state)
+        mutate(state)
+        h.result(timeout=60)
+        assert mgr.stats()["device_buffer_bytes"] >= 8 << 20
+        check(mgr, 1, expected)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import assert_tree_equal
 
-from ckptmgr import CheckpointCorruptError, ConfigError
+from ckptmgr import CheckpointCorruptError, ConfigError, StagingOptions
 from ckptmgr.format import torchzip
 from ckptmgr.integrations.lightning import CkptmgrCheckpointIO
 
@@ -130,6 +130,8 @@ def test_the_whole_checkpoint_dict_round_trips_and_damage_is_caught(tmp_path):
 def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="overlap"):
         CkptmgrCheckpointIO(overlap=1)
+    with pytest.raises(ConfigError, match="device_buffer_bytes"):
+        CkptmgrCheckpointIO(staging=StagingOptions(device_buffer_bytes=1 << 30))
     with pytest.raises(TypeError, match="storage_options"):
         CkptmgrCheckpointIO().save_checkpoint({}, str(tmp_path / "x.ckpt"), storage_options={"a": 1})
     with pytest.raises(FileNotFoundError):

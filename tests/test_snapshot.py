@@ -1,6 +1,7 @@
-"""The device snapshot buffer's layout (CPU: GPU tensors stand in as meta tensors) and the
-option's contract on a machine without CUDA. The copies themselves are tested on the GPU
-(tests/test_cuda.py)."""
+"""The device snapshot buffer's layout (CPU: GPU tensors stand in as meta tensors), the
+staging job's two moments (safe, landed) with stand-in events, and the option's contract on
+a machine without CUDA. The copies themselves are tested on the GPU
+(tests/test_cuda_snapshot.py)."""
 
 import dataclasses
 import itertools
@@ -14,6 +15,7 @@ from ckptmgr import CheckpointManager, ConfigError, StagingOptions
 from ckptmgr.format.layout import Plan, plan_layout
 from ckptmgr.format.tree import flatten
 from ckptmgr.save.snapshot import plan_snapshot
+from ckptmgr.save.staging import Stager, StagingJob
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.bool, torch.int64, torch.float16]
 
@@ -40,17 +42,18 @@ def _random_state(rng: random.Random, n: int) -> dict:
 
 def _check(plan: Plan, capacity: int) -> None:
     snap = plan_snapshot(plan, capacity)
-    tensors = {id(t): (i, len(f.header), t) for i, f in enumerate(plan.files) for t in f.tensors}
+    tensors = {(i, len(f.header) + t.begin): (i, len(f.header), t) for i, f in enumerate(plan.files)
+               for t in f.tensors if t.end > t.begin}
     # every tensor held in the buffer lies inside one run, at the run's offsets, aligned for its dtype
     for key, (device, dev) in snap.through.items():
         i, hs, t = tensors[key]
         assert t.source.device == device and t.source.device.type != "cpu" and t.end > t.begin
         run = [r for r in snap.runs if r.file == i and r.begin <= hs + t.begin and hs + t.end <= r.end]
         assert len(run) == 1
-        assert dev == run[0].dev + (hs + t.begin - run[0].begin)
+        assert dev == run[0].at + (hs + t.begin - run[0].begin)
         assert dev % t.source.element_size() == 0
     # runs are disjoint in the buffer, inside the capacity, and made only of held tensors' bytes
-    spans = sorted((r.dev, r.dev + r.end - r.begin) for r in snap.runs)
+    spans = sorted((r.at, r.at + r.end - r.begin) for r in snap.runs)
     assert all(a_end <= b for (_, a_end), (b, _) in itertools.pairwise(spans))
     assert all(end <= capacity for _, end in spans)
     held = sum(t.end - t.begin for k, (_, _, t) in tensors.items() if k in snap.through)
@@ -88,7 +91,9 @@ def test_a_tensor_that_does_not_fit_goes_to_the_host_and_later_ones_may_still_fi
     assert names == {"big", "small"}
     assert snap.bytes == 40 and len(snap.runs) == 1
     assert plan_snapshot(_plan(state), 0).runs == []
-    assert plan_snapshot(_plan(state), 1 << 20, {torch.device("meta")}).runs == []  # a device without room
+    meta = torch.device("meta")
+    assert plan_snapshot(_plan(state), 1 << 20, {meta: 0}).runs == []  # a device without room
+    assert plan_snapshot(_plan(state), 1 << 20, {meta: 1000}).bytes == 40  # one that had room for less
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
@@ -108,3 +113,55 @@ def test_a_state_without_gpu_tensors_saves_as_before_and_holds_no_buffer(root):
         h.result(timeout=30)
         assert mgr.stats()["device_buffer_bytes"] == 0
         assert_tree_equal(mgr.restore(1), expected)
+
+
+class _Event:
+    """Stands in for a CUDA event (this machine has no CUDA)."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_a_job_stays_safe_while_its_drain_is_still_queued():
+    landed, safe = _Event(False), _Event(True)
+    job = StagingJob(landed, [], keepalive=object(), cuda_safe=safe)
+    assert job.safe() and not job.done()
+    job.wait_safe(timeout=1)
+    assert job.safe() and not job.done() and job.safe_at is not None and job.finished_at is None
+    job.wait()  # (the stand-in lands on synchronize)
+    assert job.safe() and job.done()
+
+
+def test_a_job_without_a_buffer_is_safe_when_it_has_landed():
+    landed = _Event(False)
+    job = StagingJob(landed, [], keepalive=object())
+    assert not job.safe()
+    job.wait_safe()
+    assert landed.done and job.safe() and job.done()
+
+
+def test_an_interrupt_after_copies_are_enqueued_waits_for_them_before_the_slot_goes(root, monkeypatch):
+    """The slot is released when save() fails: no copy may still be writing into it then."""
+    real = Stager._submit_cpu
+    seen: list = []
+
+    def interrupted(self, cpu, futures):
+        real(self, cpu, futures)
+        seen.extend(futures)
+        raise KeyboardInterrupt
+
+    state = {"w": torch.randn(16_000_000)}  # 64 MB: several copy tasks, still running when it raises
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
+        monkeypatch.setattr(Stager, "_submit_cpu", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.save(1, state)
+        assert seen and all(f.done() for f in seen)
+        monkeypatch.undo()
+        mgr.save(2, state).result(timeout=60)
+        assert_tree_equal(mgr.restore(2), state)

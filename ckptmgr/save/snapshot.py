@@ -45,21 +45,22 @@ _ALIGN = 256  # run starts in the buffer, in bytes (a multiple of every dtype's 
 
 @dataclass
 class Run:
-    """Bytes ``[begin, end)`` of file image ``file`` held at ``[dev, dev + end - begin)`` of
+    """Bytes ``[begin, end)`` of file image ``file`` held at ``[at, at + end - begin)`` of
     the buffer of ``device``."""
 
     device: torch.device
     file: int
     begin: int
     end: int
-    dev: int
+    at: int
 
 
 @dataclass
 class SnapshotPlan:
     """What one save copies through the device buffers."""
 
-    through: dict[int, tuple[torch.device, int]] = field(default_factory=dict)  # id(StoredTensor) -> buffer offset
+    # (file index, offset in its image) of each tensor held -> (device, offset in its buffer)
+    through: dict[tuple[int, int], tuple[torch.device, int]] = field(default_factory=dict)
     runs: list[Run] = field(default_factory=list)
     needed: dict[torch.device, int] = field(default_factory=dict)  # bytes used per device
 
@@ -68,37 +69,35 @@ class SnapshotPlan:
         return sum(r.end - r.begin for r in self.runs)
 
 
-def plan_snapshot(plan: Plan, capacity: int, off: frozenset[torch.device] | set[torch.device] = frozenset()
-                  ) -> SnapshotPlan:
-    """Place the GPU tensors of ``plan`` in buffers of ``capacity`` bytes per device (runs
-    of tensors adjacent in their file image stay adjacent; see the module docstring); none
-    of those on a device in ``off``."""
+def plan_snapshot(plan: Plan, capacity: int, limits: dict[torch.device, int] | None = None) -> SnapshotPlan:
+    """Place the GPU tensors of ``plan`` in buffers of ``capacity`` bytes per device, or of
+    ``limits[device]`` where given (runs of tensors adjacent in their file image stay
+    adjacent; see the module docstring)."""
     out = SnapshotPlan()
-    if capacity <= 0:
-        return out
     last: dict[torch.device, Run] = {}
     for i, f in enumerate(plan.files):
         hs = len(f.header)
         for t in sorted(f.tensors, key=lambda t: t.begin):
             device = t.source.device
             n = t.end - t.begin
-            if n == 0 or device.type == "cpu" or device in off:
+            cap = capacity if limits is None else limits.get(device, capacity)
+            if n == 0 or device.type == "cpu" or cap <= 0:
                 continue
             begin = hs + t.begin
             run = last.get(device)
-            if run is not None and run.file == i and run.end == begin and run.dev + (begin - run.begin) + n <= capacity:
-                dev = run.dev + (begin - run.begin)
+            if run is not None and run.file == i and run.end == begin and run.at + (begin - run.begin) + n <= cap:
+                at = run.at + (begin - run.begin)
                 run.end = begin + n
             else:
                 used = out.needed.get(device, 0)
-                dev = -(-used // _ALIGN) * _ALIGN + begin % _ALIGN
-                if dev + n > capacity:
+                at = -(-used // _ALIGN) * _ALIGN + begin % _ALIGN
+                if at + n > cap:
                     continue  # straight to the host
-                run = Run(device, i, begin, begin + n, dev)
+                run = Run(device, i, begin, begin + n, at)
                 out.runs.append(run)
                 last[device] = run
-            out.through[id(t)] = (device, dev)
-            out.needed[device] = max(out.needed.get(device, 0), dev + n)
+            out.through[(i, begin)] = (device, at)
+            out.needed[device] = max(out.needed.get(device, 0), at + n)
     return out
 
 
@@ -110,41 +109,49 @@ def buffer_view(buf: torch.Tensor, offset: int, t: StoredTensor) -> torch.Tensor
 class DeviceBuffers:
     """One snapshot buffer per device, grown to what a save needs up to ``capacity`` bytes.
 
-    Owned by the stager, and so used only from the training thread; every use of a buffer's
-    memory is enqueued on the staging stream of its device.
+    Owned by the stager's caller, the training thread (``save()``, ``prepare()``, ``close()``);
+    :meth:`allocated` may be read from any thread. Every use of a buffer's memory is enqueued
+    on the staging stream of its device.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._buffers: dict[torch.device, torch.Tensor] = {}
-        self.off: set[torch.device] = set()  # devices where a buffer could not be allocated
+        self._limits: dict[torch.device, int] = {}  # devices that had no room for more: their size
 
     def plan(self, plan: Plan) -> SnapshotPlan:
-        return plan_snapshot(plan, self.capacity, self.off)
+        return plan_snapshot(plan, self.capacity, self._limits)
 
-    def get(self, device: torch.device, nbytes: int, stream: Any) -> torch.Tensor | None:
-        """The buffer of ``device``, at least ``nbytes`` long; None when the device has no
-        room for it (logged once; that device's tensors then go straight to the host from
-        now on: the buffer only ever speeds a save up, it never fails one). ``stream`` is
-        the device's staging stream: a new buffer is allocated on it."""
-        buf = self._buffers.get(device)
-        if buf is None or buf.numel() < nbytes:
-            self._buffers.pop(device, None)  # freed on the staging stream: stream order keeps
-            # its pending drains ahead of any reuse
-            try:
-                with torch.cuda.stream(stream):
-                    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            except torch.OutOfMemoryError as exc:
-                self.off.add(device)
-                log.warning("no room for a device snapshot buffer of %d bytes on %s (%s); saves copy the "
-                            "tensors there straight to the host", nbytes, device, str(exc).splitlines()[0])
-                return None
-            self._buffers[device] = buf
-        return buf
+    def get(self, device: torch.device, nbytes: int, stream: Any) -> bool:
+        """Make the buffer of ``device`` at least ``nbytes`` long; False when the device has
+        no room for that (logged). The buffer then stays as it was, and this device's later
+        plans fit in it (nothing when there is none): the buffer only ever speeds a save up,
+        it never fails one. ``stream`` is the device's staging stream: a new buffer is
+        allocated on it, so the caching allocator reuses its memory only in that stream's
+        order (after the drains queued from the old one)."""
+        old = self._buffers.get(device)
+        if old is not None and old.numel() >= nbytes:
+            return True
+        try:
+            with torch.cuda.stream(stream):
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.cuda.OutOfMemoryError as exc:
+            self._limits[device] = 0 if old is None else old.numel()
+            log.warning("no room for a device snapshot buffer of %d bytes on %s (%s); %s", nbytes, device,
+                        str(exc).splitlines()[0] if str(exc) else "out of memory",
+                        "saves copy the tensors there straight to the host" if old is None else
+                        f"saves keep the buffer of {old.numel()} bytes, and copy what does not fit straight "
+                        "to the host")
+            return False
+        self._buffers[device] = buf  # the old one (if any) goes once its queued drains have read it
+        return True
+
+    def buffer(self, device: torch.device) -> torch.Tensor:
+        return self._buffers[device]
 
     def allocated(self) -> int:
         """Bytes of device memory held by the buffers."""
-        return sum(b.numel() for b in self._buffers.values())
+        return sum(b.numel() for b in list(self._buffers.values()))
 
     def clear(self) -> None:
         self._buffers.clear()

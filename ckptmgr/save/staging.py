@@ -34,7 +34,7 @@ from .. import _cuda
 from .._threads import DaemonPool
 from ..errors import CkptTimeoutError
 from ..format.layout import ST_TO_DTYPE, Plan, StoredTensor
-from .snapshot import DeviceBuffers, buffer_view
+from .snapshot import DeviceBuffers, SnapshotPlan, buffer_view
 
 __all__ = ["Stager", "StagingJob"]
 
@@ -72,30 +72,29 @@ def _cpu_pieces(dst: torch.Tensor, src: torch.Tensor) -> list[_Pair]:
     return [(d[i:i + _PIECE], s[i:i + _PIECE]) for i in range(0, d.numel(), _PIECE)]
 
 
-def _through_buffer(bufs: dict[torch.device, torch.Tensor | None], device: torch.device) -> torch.Tensor:
-    buf = bufs[device]
-    assert buf is not None  # (a device whose buffer could not be made is off in the plan)
-    return buf
-
-
 def _copy_all(pairs: list[_Pair]) -> None:
     for dst, src in pairs:
         dst.copy_(src)
 
 
-def _wait_events(done: _cuda.CopyDone, deadline: float | None, timeout: float | None) -> None:
+def _wait_events(done: _cuda.CopyDone, deadline: float | None, timeout: float | None, what: str) -> None:
     if deadline is None:
         done.synchronize()
         return
     while not done.query():
         if time.monotonic() > deadline:
-            raise CkptTimeoutError(f"the device-to-host copies did not finish within {timeout} s")
+            raise CkptTimeoutError(f"the {what} did not finish within {timeout} s")
         time.sleep(0.0005)
 
 
 class StagingJob:
     """The copies of one save: enqueued, and waitable until the state may change (*safe*)
-    and until every byte is in the slot (*landed*)."""
+    and until every byte is in the slot (*landed*).
+
+    Written by whichever thread waits first (the training thread for *safe*, the local-commit
+    or persist thread for *landed*): ``safe_at`` and ``finished_at`` only ever go from None to
+    a time, and the values written are equivalent, so no lock is needed.
+    """
 
     def __init__(self, cuda_done: _cuda.CopyDone | None, futures: list[Future[None]], keepalive: Any, *,
                  cuda_safe: _cuda.CopyDone | None = None, snapshot_bytes: int = 0) -> None:
@@ -114,7 +113,9 @@ class StagingJob:
 
     def safe(self) -> bool:
         """True when every copy has read its source: the state may be changed."""
-        if self._cuda_safe is None or self.safe_at is not None:
+        if self.safe_at is not None:
+            return True
+        if self._cuda_safe is None:
             return self.done()
         return all(f.done() for f in self._futures) and self._cuda_safe.query()
 
@@ -139,7 +140,7 @@ class StagingJob:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         self._wait_futures(timeout)
-        _wait_events(self._cuda_safe, deadline, timeout)
+        _wait_events(self._cuda_safe, deadline, timeout, "copies off the state's GPU tensors")
         self.safe_at = time.perf_counter()
 
     def wait(self, timeout: float | None = None) -> None:
@@ -154,7 +155,7 @@ class StagingJob:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._wait_futures(timeout)
         if self._cuda_done is not None:
-            _wait_events(self._cuda_done, deadline, timeout)
+            _wait_events(self._cuda_done, deadline, timeout, "device-to-host copies")
         self.finished_at = time.perf_counter()
         if self.safe_at is None:
             self.safe_at = self.finished_at
@@ -194,62 +195,87 @@ class Stager:
 
     def stage(self, plan: Plan, segments: list[torch.Tensor], piece: int = 0) -> StagingJob:
         """Enqueue every copy of ``plan`` into ``segments`` (one per file); no device-to-host
-        copy crosses a multiple of ``piece`` bytes of its segment (0: no limit)."""
+        copy crosses a multiple of ``piece`` bytes of its segment (0: no limit).
+
+        If anything fails once copies are enqueued (an interrupt included), the ones already
+        enqueued are waited for before the error goes up: the slot may be reused after it.
+        """
         snap = self.buffers.plan(plan)
-        bufs = {d: self.buffers.get(d, n, self._stream(d)) for d, n in snap.needed.items()}
-        if self.buffers.off.intersection(snap.needed):
-            snap = self.buffers.plan(plan)  # without the devices that had no room
+        made = [self.buffers.get(d, n, self._stream(d)) for d, n in snap.needed.items()]  # every device
+        if not all(made):
+            snap = self.buffers.plan(plan)  # within what the devices had room for
         gpu: dict[torch.device, list[_Pair]] = defaultdict(list)
         through: dict[torch.device, list[_Pair]] = defaultdict(list)  # (buffer view, source)
         cpu: list[_Pair] = []
-        for f, seg in zip(plan.files, segments, strict=True):
+        for i, (f, seg) in enumerate(zip(plan.files, segments, strict=True)):
             hs = len(f.header)
             seg[:hs].copy_(torch.frombuffer(bytearray(f.header), dtype=torch.uint8))
             for t in f.tensors:
                 if t.end == t.begin:
                     continue
-                if id(t) in snap.through:
-                    device, offset = snap.through[id(t)]
-                    through[device].append((buffer_view(_through_buffer(bufs, device), offset, t), t.source))
+                held = snap.through.get((i, hs + t.begin))
+                if held is not None:
+                    device, at = held
+                    through[device].append((buffer_view(self.buffers.buffer(device), at, t), t.source))
                     continue
                 pair = (_dst_view(seg, hs, t), t.source)
                 if t.source.device.type == "cpu":
                     cpu.extend(_cpu_pieces(*pair))
                 else:
                     gpu[t.source.device].extend(_split_at(*pair, hs + t.begin, piece))
-        done = safe = None
-        devices = list(dict.fromkeys([*through, *gpu]))
-        if devices:
-            streams = [self._stream(d) for d in devices]
-            for device, stream in zip(devices, streams, strict=True):
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    for dst, src in [*through.get(device, ()), *gpu.get(device, ())]:
-                        dst.copy_(src, non_blocking=True)
-            if snap.runs:
-                safe = _cuda.CopyDone(streams)
-                for r in snap.runs:
-                    with torch.cuda.stream(self._stream(r.device)):
-                        src = _through_buffer(bufs, r.device)[r.dev:r.dev + r.end - r.begin]
-                        for dst, part in _split_at(segments[r.file][r.begin:r.end], src, r.begin, piece):
-                            dst.copy_(part, non_blocking=True)
-            done = _cuda.CopyDone(streams)
-        futures = []
-        if cpu:
-            total = sum(d.numel() * d.element_size() for d, _ in cpu)
-            per_task = max(_PIECE, -(-total // self._threads))
-            batch: list[_Pair] = []
-            size = 0
-            for pair in cpu:
-                batch.append(pair)
-                size += pair[0].numel() * pair[0].element_size()
-                if size >= per_task:
-                    futures.append(self._pool.submit(_copy_all, batch))
-                    batch, size = [], 0
-            if batch:
-                futures.append(self._pool.submit(_copy_all, batch))
+        streams: list[Any] = []
+        futures: list[Future[None]] = []
+        try:
+            safe, done = self._enqueue_gpu(snap, gpu, through, segments, piece, streams)
+            if cpu:
+                self._submit_cpu(cpu, futures)
+        except BaseException:
+            for stream in streams:
+                stream.synchronize()
+            wait_futures(futures, timeout=60)
+            raise
         # (the pairs keep split copies' contiguous temporaries alive until the copies land)
         return StagingJob(done, futures, keepalive=(plan, gpu, through), cuda_safe=safe, snapshot_bytes=snap.bytes)
+
+    def _enqueue_gpu(self, snap: SnapshotPlan, gpu: dict[torch.device, list[_Pair]],
+                     through: dict[torch.device, list[_Pair]], segments: list[torch.Tensor], piece: int,
+                     streams: list[Any]) -> tuple[_cuda.CopyDone | None, _cuda.CopyDone | None]:
+        """Each device's stream: the copies into its buffer and the direct copies, the *safe*
+        event, the drains from the buffer, the *landed* event. ``streams`` collects the
+        streams used so far (for the caller's clean-up)."""
+        devices = list(dict.fromkeys([*through, *gpu]))
+        if not devices:
+            return None, None
+        for device in devices:
+            stream = self._stream(device)
+            streams.append(stream)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for dst, src in [*through.get(device, ()), *gpu.get(device, ())]:
+                    dst.copy_(src, non_blocking=True)
+        safe = None
+        if snap.runs:
+            safe = _cuda.CopyDone(streams)
+            for r in snap.runs:
+                with torch.cuda.stream(self._stream(r.device)):
+                    src = self.buffers.buffer(r.device)[r.at:r.at + r.end - r.begin]
+                    for dst, part in _split_at(segments[r.file][r.begin:r.end], src, r.begin, piece):
+                        dst.copy_(part, non_blocking=True)
+        return safe, _cuda.CopyDone(streams)
+
+    def _submit_cpu(self, cpu: list[_Pair], futures: list[Future[None]]) -> None:
+        total = sum(d.numel() * d.element_size() for d, _ in cpu)
+        per_task = max(_PIECE, -(-total // self._threads))
+        batch: list[_Pair] = []
+        size = 0
+        for pair in cpu:
+            batch.append(pair)
+            size += pair[0].numel() * pair[0].element_size()
+            if size >= per_task:
+                futures.append(self._pool.submit(_copy_all, batch))
+                batch, size = [], 0
+        if batch:
+            futures.append(self._pool.submit(_copy_all, batch))
 
     def close(self, timeout: float | None = None) -> None:
         self.buffers.clear()
