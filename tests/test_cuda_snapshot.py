@@ -3,6 +3,7 @@
 import itertools
 
 import pytest
+import test_cuda
 import torch
 
 import ckptmgr._cuda as cuda_shim
@@ -16,15 +17,8 @@ pytestmark = [
 
 
 def gpu_state(seed: int = 0) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return {
-        "w": torch.randn(1024, 1024, device="cuda", generator=g),  # 4 MiB
-        "h": torch.randn(4096, device="cuda", generator=g).bfloat16(),
-        "t": torch.randn(64, 32, device="cuda", generator=g).t(),  # non-contiguous
-        "b": torch.rand(999, device="cuda", generator=g) > 0.5,
-        "cpu": torch.arange(1000),
-        "n": 3,
-    }
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    return {**test_cuda.gpu_state(seed), "b": torch.rand(999, device="cuda", generator=g) > 0.5}
 
 
 def snapshot(state: dict) -> dict:
