@@ -46,6 +46,7 @@ import math
 import pickle
 import re
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -292,7 +293,7 @@ FLOAT_NAMES = frozenset({"nan", "inf", "-inf"})  # the values of {"$float": ...}
 DTYPE_NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")  # what {"$dtype": ...} may name (a torch attribute)
 
 
-def unflatten(skeleton: JSON, tensors: dict[str, torch.Tensor], *, allow_pickle: bool) -> Any:
+def unflatten(skeleton: JSON, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool) -> Any:
     """Rebuild the state tree. Stateful objects come back as their state dicts.
 
     The skeleton of a manifest has passed ``schema.check_skeleton``; this still refuses, with

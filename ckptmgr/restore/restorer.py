@@ -32,14 +32,13 @@ from typing import Any, NoReturn
 import torch
 
 from ..errors import CheckpointCorruptError, CkptError, ConfigError, StepNotFoundError, StorageError
-from ..format.layout import ST_TO_DTYPE
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.tree import unflatten
 from ..retention.deleter import StepGuard
 from ..storage import Target
 from ..storage import cufile as _gds
 from ..storage.tier import LocalTier
-from .apply import apply_target, check_target
+from .apply import match_target
 from .loaders import PinnedRing, read_tensors, read_tensors_inplace, read_tensors_pinned, read_tensors_ring
 from .loaders.gds import read_tensors_gds
 from .loaders.landing import lands_in_target
@@ -300,19 +299,19 @@ class Restorer:
             from ..distributed.restore import restore_solo
 
             return restore_solo(self, source, step, manifest, target, device, loader, rank_map)
-        dests = None
+        plan = None
         if target is not None:
             # every difference is reported before a byte lands in the target's tensors
-            stand_ins = _placeholders(manifest)
-            skeleton = unflatten(manifest.state, stand_ins, allow_pickle=self.allow_pickle)
-            dests = check_target(target, skeleton, stand_ins)
+            plan = match_target(target, manifest.state, manifest.tensors, allow_pickle=self.allow_pickle)
             if device is None:
-                device = next((t.device for t in dests.values() if t.device.type == "cuda"), None)
+                device = next((t.device for t in plan.dests.values() if t.device.type == "cuda"), None)
         if device is not None and str(device) == "cuda":  # no index: the current device
             device = torch.device("cuda", torch.cuda.current_device())  # compares equal to its tensors' device
-        tensors = self._load(source, step, manifest, device or _CPU, loader, images, dests)
-        tree = unflatten(manifest.state, tensors, allow_pickle=self.allow_pickle)
-        return tree if target is None else apply_target(target, tree)
+        tensors = self._load(source, step, manifest, device or _CPU, loader, images,
+                             plan.dests if plan is not None else None)
+        if plan is not None:  # the bytes are in the target's tensors: copy what is not, load Stateful objects
+            return plan.finish(tensors)
+        return unflatten(manifest.state, tensors, allow_pickle=self.allow_pickle)
 
 
 def _raise_naming_step(exc: CheckpointCorruptError, url: str, step: int) -> NoReturn:
@@ -325,18 +324,3 @@ def _raise_naming_step(exc: CheckpointCorruptError, url: str, step: int) -> NoRe
 
 def _workers(pool: Any) -> int:
     return int(getattr(pool, "_max_workers", 8))
-
-
-def _placeholders(manifest: Manifest) -> dict[str, torch.Tensor]:
-    """Stand-ins with each stored tensor's dtype and shape and no memory behind them."""
-    out = {}
-    zeros: dict[torch.dtype, torch.Tensor] = {}  # one zero-dim tensor per dtype, expanded (no copy)
-    for name, e in manifest.tensors.items():
-        dtype = ST_TO_DTYPE.get(str(e.get("dtype")))
-        if dtype is None:
-            raise CheckpointCorruptError(f"tensor {name!r} has unknown dtype {e.get('dtype')!r}")
-        zero = zeros.get(dtype)
-        if zero is None:
-            zero = zeros[dtype] = torch.zeros((), dtype=dtype)
-        out[name] = zero.expand(e["shape"])  # the schema checked the shape: non-negative ints
-    return out
