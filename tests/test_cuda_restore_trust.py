@@ -155,3 +155,28 @@ def test_ten_thousand_small_tensors_land_in_a_gpu_target_exactly(root):
         torch.cuda.synchronize()
     for k, v in state.items():
         assert target[k].data_ptr() == ptrs[k] and torch.equal(target[k], v), k
+
+
+def test_a_model_and_its_optimizer_land_in_a_gpu_target_in_place(root):
+    """Parameters of any shape (that require grad) and an optimizer's state, restored into a
+    model on the GPU through spare device memory: the target's own memory, exact values."""
+    torch.manual_seed(4)
+
+    def parts():
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 3)).cuda()
+        return model, torch.optim.AdamW(model.parameters())
+
+    model, opt = parts()
+    model(torch.randn(5, 16, device="cuda")).sum().backward()
+    opt.step()
+    with CheckpointManager(root, staging=NO_TIER) as mgr:
+        mgr.save(1, {"model": model, "optim": opt, "w": model.state_dict()}).result()
+        m2, o2 = parts()
+        sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+        ptrs = [p.data_ptr() for p in m2.parameters()]
+        out = mgr.restore(1, target={"model": m2, "optim": o2, "w": sd})
+        torch.cuda.synchronize()
+    assert [p.data_ptr() for p in m2.parameters()] == ptrs and all(p.requires_grad for p in m2.parameters())
+    for (k, a), b in zip(model.state_dict().items(), m2.state_dict().values(), strict=True):
+        assert torch.equal(a, b) and out["w"][k] is sd[k] and torch.equal(sd[k], a), k
+    assert torch.equal(o2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])

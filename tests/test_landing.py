@@ -98,6 +98,33 @@ def test_through_device_memory_the_target_changes_only_at_commit(seed):
     assert all(torch.equal(got[n], t) for n, t in tensors.items())
 
 
+def test_through_device_memory_moves_typed_views_into_any_shape_and_parameters():
+    """The moves at commit are the targets themselves and typed views of what landed (a run of
+    one dtype split in one call): N-d and zero-dim shapes, parameters that require grad, and a
+    foreign file's unaligned tensor (moved as bytes) all end exactly as stored."""
+    g = torch.Generator().manual_seed(5)
+    tensors = {"m": torch.randn(3, 4, generator=g), "s": torch.randn((), generator=g),
+               "v": torch.randn(5, generator=g), "c": torch.randn(2, 2, 2, generator=g).double(),
+               "i": torch.arange(6, dtype=torch.int8).view(2, 3), "u": torch.randn(3, generator=g)}
+    entries, data_len = _entries(tensors)
+    # "u" starts one byte past its dtype's alignment, as a foreign file may place it
+    u = entries[-1]
+    entries[-1] = Entry(u.name, u.dtype, u.shape, u.begin + 1, u.end + 1)
+    data_len += 1
+    image = torch.zeros(8 + data_len, dtype=torch.uint8)
+    for e in entries:
+        image[8 + e.begin:8 + e.end] = tensors[e.name].reshape(-1).view(torch.uint8)
+    dests = {n: torch.nn.Parameter(torch.zeros_like(t)) if t.is_floating_point() else torch.zeros_like(t)
+             for n, t in tensors.items()}
+    landing = plan_landing(entries, 8, data_len, CPU, dests, through_device=True)
+    landing.land(0, image)
+    assert not any(t.any() for t in dests.values())
+    landing.commit()
+    got = landing.tensors()
+    for n, t in tensors.items():
+        assert got[n] is dests[n] and torch.equal(dests[n].detach(), t), n
+
+
 def test_leftovers_are_packed_with_the_file_alignment():
     tensors = {"a": torch.arange(3, dtype=torch.int8), "b": torch.arange(5, dtype=torch.float64),
                "c": torch.arange(7, dtype=torch.float32)}
