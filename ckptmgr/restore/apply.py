@@ -1,16 +1,13 @@
 """Restore into an existing target: check everything first, then copy in place.
 
-:func:`match_target` compares the target tree with the checkpoint's typed skeleton and its
-tensor index (Stateful objects are compared through their current ``state_dict()``) before
-a single byte is read, collects *every* difference, and raises ``StateMismatchError``. In
-the same pass it finds the target tensor each stored tensor lands in (the loaders write the
-bytes there) and builds the target-shaped result; :meth:`TargetPlan.finish` then only
-copies what did not land in place and calls ``load_state_dict`` on Stateful objects.
-
-:func:`check_target` and :func:`apply_target` do the same over a tree already rebuilt
-(placeholders, then the loaded tensors); a multi-rank restore uses them, and the matcher
-defers to them for the rare parts of a tree it does not walk itself, so both share one set
-of rules and messages.
+:func:`match_target` walks the target against the checkpoint's typed skeleton and tensor
+index (Stateful objects through their current ``state_dict()``) before a byte is read,
+collects *every* difference and raises ``StateMismatchError``; in the same walk it finds the
+target tensor each stored tensor lands in and builds the target-shaped result, so that
+:meth:`TargetPlan.finish` only copies what did not land in place and calls
+``load_state_dict``. :func:`check_target` and :func:`apply_target` do the same over rebuilt
+trees (a multi-rank restore uses them; the matcher defers to them for the rare parts it
+does not walk itself, so both share one set of rules and messages).
 
 An empty dict or list in the target accepts whatever the checkpoint holds there: optimizer
 state is created lazily, so a fresh optimizer's ``state`` is ``{}``.
