@@ -32,8 +32,9 @@ from manifest_tools import signed_bytes
 from ckptmgr import CheckpointCorruptError, CheckpointManager, PerRank, StagingOptions, StateMismatchError
 from ckptmgr.format.layout import DTYPE_TO_ST, ST_TO_DTYPE
 from ckptmgr.format.tree import flatten, unflatten
-from ckptmgr.restore.apply import apply_target, check_target, match_target
+from ckptmgr.restore.apply import apply_target, check_target
 from ckptmgr.restore.loaders.landing import Entry, usable_dest
+from ckptmgr.restore.match import match_target
 
 NO_TIER = StagingOptions(local_tier=False)
 CI = settings(max_examples=300, deadline=None, derandomize=True, database=None,

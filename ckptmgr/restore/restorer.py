@@ -38,11 +38,11 @@ from ..retention.deleter import StepGuard
 from ..storage import Target
 from ..storage import cufile as _gds
 from ..storage.tier import LocalTier
-from .apply import match_target
 from .loaders import PinnedRing, read_tensors, read_tensors_inplace, read_tensors_pinned, read_tensors_ring
 from .loaders.gds import read_tensors_gds
 from .loaders.landing import lands_in_target
 from .loaders.ring import NoDeviceRoom, entries_by_file
+from .match import match_target
 from .preflight import check_regular, local_path, preflight, submit_image_checks, verify_files, verify_images, wait_all
 
 __all__ = ["LOADERS", "Restorer"]

@@ -1,0 +1,313 @@
+"""Restore into an existing target in one walk, before a byte is read.
+
+:func:`match_target` walks the target against the checkpoint's typed skeleton and tensor
+index (Stateful objects through their current ``state_dict()``), collects *every* difference
+and raises ``StateMismatchError``; in the same walk it finds the target tensor each stored
+tensor lands in and builds the target-shaped result, so that :meth:`TargetPlan.finish` only
+copies what did not land in place and calls ``load_state_dict``. The rare parts it does not
+walk itself (numpy arrays, mismatched kinds, what an empty container accepts) are rebuilt
+with stand-in tensors and checked by :mod:`ckptmgr.restore.apply`'s walker, so both share one
+set of rules and messages.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointCorruptError, StateMismatchError
+from ..format.layout import ST_TO_DTYPE
+from ..format.tree import PerRank, decode_plain, is_stateful, unflatten
+from . import apply as _apply
+
+__all__ = ["TargetPlan", "match_target"]
+
+_PLAIN_TENSORS = _apply._PLAIN_TENSORS
+_ABSENT = _apply._ABSENT
+
+
+class _StandIns(Mapping[str, torch.Tensor]):
+    """Placeholders made on demand from the tensor index: each stored tensor's dtype and
+    shape and no memory behind them (one zero-dim tensor per dtype, expanded)."""
+
+    def __init__(self, index: Mapping[str, Any]) -> None:
+        self.index = index
+        self.names: dict[int, str] = {}  # id of a placeholder made -> its stored name
+        self._made: dict[str, torch.Tensor] = {}  # (keeps them alive: ids stay unique)
+        self._zeros: dict[torch.dtype, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._made.get(name)
+        if t is None:
+            e = self.index[name]
+            dtype = ST_TO_DTYPE.get(str(e.get("dtype")))
+            if dtype is None:
+                raise CheckpointCorruptError(f"tensor {name!r} has unknown dtype {e.get('dtype')!r}")
+            zero = self._zeros.get(dtype)
+            if zero is None:
+                zero = self._zeros[dtype] = torch.zeros((), dtype=dtype)
+            t = self._made[name] = zero.expand(e["shape"])  # the schema checked the shape
+            self.names[id(t)] = name
+        return t
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+class _Pending:
+    """A part of the result that exists only once the tensors are loaded."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any = None) -> None:
+        self.value = value  # a _Pending slot: filled by TargetPlan.finish
+
+
+class _PendingContainer(_Pending):
+    """A dict, list or tuple of the result that holds pending parts (``value``: the dict or
+    list with them in place; ``kind``: ``tuple`` when it becomes one)."""
+
+    __slots__ = ("kind",)
+
+    def __init__(self, value: Any, kind: type) -> None:
+        super().__init__(value)
+        self.kind = kind
+
+
+def _resolve(x: Any) -> Any:
+    if type(x) is _Pending:
+        return x.value
+    if type(x) is not _PendingContainer:
+        return x
+    c = x.value
+    if isinstance(c, dict):
+        for k, v in c.items():
+            if isinstance(v, _Pending):
+                c[k] = _resolve(v)
+        return c
+    items = [_resolve(v) for v in c]
+    return tuple(items) if x.kind is tuple else items
+
+
+_COPY, _LOAD, _APPLY, _CALL = range(4)  # kinds of TargetPlan steps
+_SCALARS = (str, int, float, bool, type(None))
+
+
+class TargetPlan:
+    """The outcome of :func:`match_target`: where each stored tensor lands, and what is left
+    to do once the bytes are loaded.
+
+    Attributes:
+        dests: stored tensor name -> the target's tensor (its local shard) at that place;
+            a loader writes the bytes straight there where dtype, shape and device fit.
+    """
+
+    def __init__(self, dests: dict[str, torch.Tensor], result: Any, steps: list[tuple[int, Any, Any]],
+                 allow_pickle: bool) -> None:
+        self.dests = dests
+        self._result = result
+        self._steps = steps  # in the order the walk met them, as apply_target runs its actions
+        self._allow_pickle = allow_pickle
+
+    def finish(self, tensors: Mapping[str, torch.Tensor]) -> Any:
+        """Copy into the target what did not land there, call ``load_state_dict`` on its
+        Stateful objects, and return the target-shaped result (as :func:`apply_target`).
+
+        Raises:
+            CheckpointCorruptError: a part of the skeleton cannot be rebuilt from ``tensors``.
+        """
+        ready: dict[int, Any] = {}  # rebuilt before anything in the target changes
+        for i, (kind, a, b) in enumerate(self._steps):
+            if kind == _LOAD:
+                ready[i] = unflatten(b, tensors, allow_pickle=self._allow_pickle)
+            elif kind == _APPLY:
+                target, node, path = a
+                applier = _apply._Applier()
+                b.value = applier.walk(target, unflatten(node, tensors, allow_pickle=self._allow_pickle), path)
+                if applier.problems:  # (the match saw the same shapes: not expected)
+                    raise StateMismatchError(applier.problems)
+                ready[i] = applier.actions
+        for i, (kind, a, b) in enumerate(self._steps):
+            if kind == _COPY:
+                src = tensors[b]
+                if src is not a:  # a loader landed it in place: nothing to copy
+                    _apply._copy(a, src)
+            elif kind == _LOAD:
+                a.load_state_dict(ready[i])
+            elif kind == _APPLY:
+                for act in ready[i]:
+                    act()
+            else:
+                a()
+        return _resolve(self._result)
+
+
+class _Matcher:
+    """One walk of the target against the skeleton: the same checks and messages as
+    :class:`_Applier` over a tree of placeholders (which it uses itself for the rare parts
+    it does not walk: numpy arrays, mismatched kinds, what an empty container accepts)."""
+
+    def __init__(self, index: Mapping[str, Any], allow_pickle: bool) -> None:
+        self.index = index
+        self.allow_pickle = allow_pickle
+        self.stand_ins = _StandIns(index)
+        self.checker = _apply._Applier(self.stand_ins.names)  # checks a rebuilt part; records where tensors land
+        self.problems = self.checker.problems
+        self.dests = self.checker.dests
+        self.plain = _apply._Applier()  # walks parts without stored tensors (plain values) for good
+        self.plain.problems = self.problems
+        self.steps: list[tuple[int, Any, Any]] = []
+        self.pending = 0  # pending parts made so far
+
+    def _mismatch(self, path: tuple[Any, ...], target: torch.Tensor, entry: dict[str, Any]) -> None:
+        self.problems.append(f"{_apply._p(path)}: the target is {target.dtype} {list(target.shape)}, "
+                             f"the checkpoint {ST_TO_DTYPE.get(entry['dtype'])} {list(entry['shape'])}")
+
+    def _rebuilt(self, node: Any) -> Any:
+        """``node`` rebuilt with placeholders: checked as the restore will rebuild it."""
+        return unflatten(node, self.stand_ins, allow_pickle=self.allow_pickle)
+
+    def _deferred(self, target: Any, node: Any, path: tuple[Any, ...], apply: bool) -> Any:
+        """Check ``node`` rebuilt with placeholders; walk it for real once loaded."""
+        self.checker.walk(target, self._rebuilt(node), path, apply=False)
+        if not apply:
+            return None  # (inside a Stateful object: nothing to do, the result is discarded)
+        slot = _Pending()
+        self.pending += 1
+        self.steps.append((_APPLY, (target, node, path), slot))
+        return slot
+
+    def _concrete(self, target: Any, node: Any, path: tuple[Any, ...], apply: bool) -> Any:
+        """A node without stored tensors: decoded and walked now, its actions queued."""
+        value = node if type(node) in _SCALARS else unflatten(node, {}, allow_pickle=self.allow_pickle)
+        out = self.plain.walk(target, value, path, apply)
+        if self.plain.actions:
+            self.steps += [(_CALL, act, None) for act in self.plain.actions]
+            self.plain.actions = []
+        return out
+
+    def match(self, target: Any, node: Any, path: tuple[Any, ...], apply: bool = True) -> Any:
+        """Check ``node`` against ``target``; return the result node (or a pending one)."""
+        while isinstance(target, PerRank):
+            target = target.value
+        tag = None
+        if type(node) is dict:
+            tag = next(iter(node), None)
+            while tag == "$per_rank" or tag == "$stateful":  # rebuilt as what they hold
+                node = node[tag] if tag == "$per_rank" else node["state"]
+                if type(node) is not dict:
+                    tag = None
+                    break
+                tag = next(iter(node), None)
+        if is_stateful(target):
+            # Check against what the object holds now; load_state_dict does the copying.
+            self.match(target.state_dict(), node, path, apply=False)
+            if apply:
+                self.steps.append((_LOAD, target, node))
+            return target
+        if tag == "$tensor" or tag == "$dtensor":
+            if not isinstance(target, torch.Tensor):
+                return self._deferred(target, node, path, apply)
+            local = _apply.local_tensor(target)  # a DTensor is restored through its local shard
+            name = node[tag]
+            e = self.index[name]
+            if local.dtype != ST_TO_DTYPE.get(e["dtype"]) or local.shape != tuple(e["shape"]):
+                self._mismatch(path, local, e)
+            else:
+                self.dests[name] = local
+                if apply:
+                    self.steps.append((_COPY, local, name))
+            return target  # a DTensor stays a DTensor
+        if tag == "$dict":
+            if isinstance(target, dict) and target:
+                return self._dict(target, node, path, apply)
+            return self._deferred(target, node, path, apply)
+        if tag == "$tuple" or type(node) is list:
+            if isinstance(target, (list, tuple)) and target:
+                return self._seq(target, node, path, apply)
+            return self._deferred(target, node, path, apply)
+        if tag in ("$ndarray", "$npscalar"):
+            return self._deferred(target, node, path, apply)
+        return self._concrete(target, node, path, apply)  # plain values, torch.Size, pickled values
+
+    def _dict(self, target: dict[Any, Any], node: dict[str, Any], path: tuple[Any, ...], apply: bool) -> Any:
+        if "metadata" in node:
+            unflatten(node["metadata"], {}, allow_pickle=self.allow_pickle)  # checked; not in the result
+        body = node["$dict"]
+        items: dict[Any, Any]
+        if type(body) is dict:
+            items = body
+        else:  # [[key, value], ...]: keys rebuilt as the restore rebuilds them (the last value of a key wins)
+            items = {}
+            for k, v in body:
+                items[k if type(k) in _SCALARS else decode_plain(k)] = v
+        missing = [k for k in target if k not in items]
+        unexpected = [k for k in items if k not in target]
+        self.problems += [f"{_apply._p((*path, k))}: missing from the checkpoint" for k in missing]
+        self.problems += [f"{_apply._p((*path, k))}: in the checkpoint but not in the target" for k in unexpected]
+        out: dict[Any, Any] = OrderedDict() if node.get("type") == "OrderedDict" else {}
+        pending = self.pending
+        index, dests, steps = self.index, self.dests, self.steps
+        for k, v in items.items():
+            t = target.get(k, _ABSENT)
+            if t is _ABSENT:
+                out[k] = self._rebuilt(v)
+                continue
+            if type(t) in _PLAIN_TENSORS and type(v) is dict:  # the common leaf, inline
+                name = v.get("$tensor")
+                if name is not None:
+                    e = index[name]
+                    if t.dtype != ST_TO_DTYPE.get(e["dtype"]) or t.shape != tuple(e["shape"]):
+                        self._mismatch((*path, k), t, e)
+                    else:
+                        dests[name] = t
+                        if apply:
+                            steps.append((_COPY, t, name))
+                    out[k] = t
+                    continue
+            out[k] = self.match(t, v, (*path, k), apply)
+        if self.pending != pending:
+            self.pending += 1
+            return _PendingContainer(out, dict)
+        return out
+
+    def _seq(self, target: list[Any] | tuple[Any, ...], node: Any, path: tuple[Any, ...], apply: bool) -> Any:
+        body = node if type(node) is list else node["$tuple"]
+        if len(target) != len(body):
+            self._rebuilt(node)
+            self.problems.append(f"{_apply._p(path)}: the target has {len(target)} items, the checkpoint {len(body)}")
+            return target
+        pending = self.pending
+        items = [self.match(t, c, (*path, i), apply) for i, (t, c) in enumerate(zip(target, body, strict=True))]
+        kind = list if type(node) is list else tuple
+        if self.pending != pending:
+            self.pending += 1
+            return _PendingContainer(items, kind)
+        return items if kind is list else tuple(items)
+
+
+def match_target(target: Any, skeleton: Any, index: Mapping[str, Any], *, allow_pickle: bool) -> TargetPlan:
+    """Match ``target`` against a checkpoint's typed ``skeleton`` and tensor ``index`` (the
+    manifest's ``state`` and ``tensors``, validated), before a single byte is read.
+
+    Checks and messages are those of :func:`check_target` over the skeleton rebuilt with
+    placeholders, in one walk that builds no placeholder for a tensor the target holds.
+
+    Raises:
+        StateMismatchError: listing every difference; nothing has been modified.
+        CheckpointCorruptError: the skeleton cannot be rebuilt (checked as it is walked).
+    """
+    m = _Matcher(index, allow_pickle)
+    result = m.match(target, skeleton, ())
+    if m.problems:
+        raise StateMismatchError(m.problems)
+    return TargetPlan(m.dests, result, m.steps, allow_pickle)
