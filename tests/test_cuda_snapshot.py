@@ -167,9 +167,12 @@ def test_the_state_is_safe_to_change_before_its_bytes_have_landed(root, monkeypa
 
 
 def test_a_buffer_grown_while_an_older_drain_is_queued_keeps_both_steps_exact(root, monkeypatch):
-    hold_drains(monkeypatch)
+    hold_drains(monkeypatch, cycles=1 << 31)  # ~1 s
     state = gpu_state()
-    with CheckpointManager(root, staging=StagingOptions(slots=2, device_buffer_bytes=1 << 30)) as mgr:
+    opts = StagingOptions(slots=2, local_tier=False, device_buffer_bytes=1 << 30)
+    with CheckpointManager(root, staging=opts) as mgr:
+        mgr.prepare(state)
+        mgr.wait()  # both slots made: the second save only refits one, on this thread
         first = snapshot(state)
         h1 = mgr.save(1, state)
         small = mgr.stats()["device_buffer_bytes"]
