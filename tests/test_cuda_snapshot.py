@@ -168,19 +168,22 @@ def test_the_state_is_safe_to_change_before_its_bytes_have_landed(root, monkeypa
 
 def test_a_buffer_grown_while_an_older_drain_is_queued_keeps_both_steps_exact(root, monkeypatch):
     hold_drains(monkeypatch, cycles=1 << 31)  # ~1 s
-    state = gpu_state()
+    # "x" moves to the GPU between the saves: the files (and slots) stay the same size, and the
+    # buffer must grow. (A slot refitted to new sizes would unpin its old buffers, and
+    # cudaHostUnregister waits for the whole device.)
+    state = {**gpu_state(), "x": torch.randn(1 << 24)}
     opts = StagingOptions(slots=2, local_tier=False, device_buffer_bytes=1 << 30)
     with CheckpointManager(root, staging=opts) as mgr:
         mgr.prepare(state)
-        mgr.wait()  # both slots made: the second save only refits one, on this thread
+        mgr.wait()  # both slots made
         first = snapshot(state)
         h1 = mgr.save(1, state)
         small = mgr.stats()["device_buffer_bytes"]
-        state["x"] = torch.randn(1 << 24, device="cuda")  # 64 MiB more: the buffer is made again
+        state["x"] = state["x"].cuda()
         second = snapshot(state)
         h2 = mgr.save(2, state, block=False)
         assert not h1._ticket.staging.done()  # the first drain still reads the old buffer
-        assert mgr.stats()["device_buffer_bytes"] > small
+        assert mgr.stats()["device_buffer_bytes"] >= small + (64 << 20)
         h2.wait_staged()  # (after the first drain: one stream)
         mutate(state)
         h1.result(timeout=60)
