@@ -183,7 +183,7 @@ def test_a_buffer_grown_while_an_older_drain_is_queued_keeps_both_steps_exact(ro
         second = snapshot(state)
         h2 = mgr.save(2, state, block=False)
         assert not h1._ticket.staging.done()  # the first drain still reads the old buffer
-        assert mgr.stats()["device_buffer_bytes"] >= small + (64 << 20)
+        assert mgr.stats()["device_buffer_bytes"] > max(small, 64 << 20)
         h2.wait_staged()  # (after the first drain: one stream)
         mutate(state)
         h1.result(timeout=60)
