@@ -278,3 +278,43 @@ def test_load_file_still_reads_foreign_unaligned_tensors(tmp_path):
     save_file({"a": torch.arange(3, dtype=torch.int8), "b": torch.arange(5, dtype=torch.float32)}, path)
     got = ckptmgr.load_file(path)
     assert torch.equal(got["b"], torch.arange(5, dtype=torch.float32))
+
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_moves_through_spare_memory_keep_every_bit(device):
+    """NaN payloads of bf16 and fp16 survive the fused copy at commit (it copies integers of
+    the same width; a fused float copy rewrites them), and dtypes without a fused float copy
+    (uint16, uint32, uint64, bool, fp8, complex) move too, small and large, in one file."""
+    dev = torch.device(device)
+    def bits(values, dtype, width):  # the exact bit patterns, as signed integers of the width
+        return torch.tensor([v - (1 << (8 * width)) if v >= 1 << (8 * width - 1) else v for v in values],
+                            dtype={2: torch.int16, 4: torch.int32}[width]).view(dtype)
+
+    tensors = {
+        "bf": bits([0x7F81, 0xFFC1, 0x7FC0, 0x0001], torch.bfloat16, 2),
+        "h": bits([0x7C01, 0xFE01, 0x3C00, 0x0001], torch.float16, 2),
+        "f": bits([0x7F800001, 0xFFC00001], torch.float32, 4),
+        "u16": torch.arange(7, dtype=torch.int32).to(torch.uint16),
+        "u32": torch.arange(5, dtype=torch.int64).to(torch.uint32),
+        "u64": torch.arange(3).to(torch.uint64),
+        "b": torch.tensor([True, False, True]),
+        "f8": torch.arange(4, dtype=torch.int8).view(torch.float8_e4m3fn),
+        "c": torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64),
+        "large": (torch.arange((2 << 20) // 2, dtype=torch.int16) | 0x7F81).view(torch.bfloat16),
+    }
+    entries, data_len = _entries(tensors)
+    image = torch.zeros(8 + data_len, dtype=torch.uint8)
+    for e in entries:
+        image[8 + e.begin:8 + e.end] = tensors[e.name].reshape(-1).view(torch.uint8)
+    dests = {n: torch.zeros(t.shape, dtype=t.dtype, device=dev) for n, t in tensors.items()}
+    landing = plan_landing(entries, 8, data_len, dev, dests, through_device=True)
+    landing.land(0, image.to(dev))
+    landing.commit()
+    for n, t in tensors.items():
+        got = dests[n].cpu()
+        width = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        assert torch.equal(got.view(width), t.view(width)), n

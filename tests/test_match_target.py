@@ -338,6 +338,87 @@ def test_a_skeleton_value_that_cannot_be_rebuilt_is_refused_before_any_byte_land
     assert not target["w"].any()
 
 
+def _craft(root: str, mutate) -> None:
+    """Rewrite step 1's manifest as an attacker would, its checksum made valid again."""
+    path = os.path.join(root, "step_000000000001", "manifest.json")
+    with open(path) as f:
+        obj = json.load(f)
+    del obj["manifest_crc32c"]
+    mutate(obj)
+    with open(path, "wb") as f:
+        f.write(signed_bytes(obj))
+
+
+def _zeroed_linear() -> torch.nn.Linear:
+    m = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    return m
+
+
+@pytest.mark.parametrize("loader", ["ring", "inplace", "host"])
+def test_a_repeated_key_whose_dropped_value_cannot_be_rebuilt_changes_nothing(root, loader):
+    """A crafted Stateful node in list form names "weight" twice: first as a numpy array of a
+    bf16 tensor (which cannot be rebuilt), then as the real tensor. The restore rebuilds both,
+    so the first one is refused before any byte lands in the module."""
+    with CheckpointManager(root, staging=NO_TIER) as mgr:
+        mgr.save(1, {"m": torch.nn.Linear(4, 2), "bf": torch.ones(3, dtype=torch.bfloat16)}).result()
+
+    def repeat(obj):
+        node = obj["state"]["$dict"]["m"]["state"]
+        node["$dict"] = [["weight", {"$ndarray": "bf"}]] + [[k, v] for k, v in node["$dict"].items()]
+
+    _craft(root, repeat)
+    target = {"m": _zeroed_linear(), "bf": torch.zeros(3, dtype=torch.bfloat16)}
+    with CheckpointManager(root, staging=NO_TIER) as mgr, pytest.raises(CheckpointCorruptError, match="numpy"):
+        mgr.restore(1, target=target, loader=loader)
+    assert not any(p.any() for p in target["m"].parameters()) and not target["bf"].any()
+
+
+def test_dict_metadata_without_its_ordereddict_type_is_refused_at_the_manifest(root):
+    with CheckpointManager(root, staging=NO_TIER) as mgr:
+        mgr.save(1, {"m": torch.nn.Linear(4, 2)}).result()
+    _craft(root, lambda obj: obj["state"]["$dict"]["m"]["state"].pop("type"))
+    target = {"m": _zeroed_linear()}
+    with CheckpointManager(root, staging=NO_TIER) as mgr:
+        for kw in ({"target": target}, {}):
+            with pytest.raises(CheckpointCorruptError, match="metadata belongs to an OrderedDict"):
+                mgr.restore(1, **kw)
+    assert not any(p.any() for p in target["m"].parameters())
+
+
+@pytest.mark.parametrize("loader", ["ring", "inplace", "host"])
+def test_target_leaves_that_share_memory_end_as_copied_in_walk_order(root, loader):
+    """Tied weights and views in the target: the stored tensors land apart and are copied in
+    turn (as copying each leaf would), never over each other in place (which also failed the
+    loaders' check of what landed: "checksum mismatch", and a fallback to older steps)."""
+    a, b, w = torch.full((4,), 1.0), torch.full((4,), 2.0), torch.arange(8.0)
+    with CheckpointManager(root, staging=NO_TIER) as mgr:
+        mgr.save(1, {"a": a, "b": b, "v": torch.full((4,), 7.0), "w": w}).result()
+    tied, base = torch.zeros(4), torch.zeros(8)
+    target = {"a": tied, "b": tied, "v": base[::2], "w": base}
+    with CheckpointManager(root, staging=NO_TIER) as mgr:
+        mgr.restore(1, target=target, loader=loader)
+    assert torch.equal(tied, b) and torch.equal(base, w)
+
+
+def test_target_tensors_that_cannot_be_written_are_refused_before_any_byte_lands(root):
+    with CheckpointManager(root, staging=NO_TIER) as mgr:
+        mgr.save(1, {"a": torch.ones(4), "b": torch.ones(3), "c": torch.ones(2)}).result()
+    with torch.inference_mode():
+        frozen = torch.zeros(2)
+    target = {"a": torch.zeros(4), "b": torch.zeros(1).expand(3), "c": frozen}
+    with CheckpointManager(root, staging=NO_TIER) as mgr, pytest.raises(StateMismatchError) as err:
+        mgr.restore(1, target=target)
+    assert "state['b']: the target has elements that share memory" in str(err.value)
+    assert "state['c']: the target is an inference tensor" in str(err.value)
+    assert not target["a"].any()
+    with torch.inference_mode(), CheckpointManager(root, staging=NO_TIER) as mgr:  # where it can be written
+        mgr.restore(1, target={"c": frozen, "a": torch.zeros(4), "b": torch.zeros(3)})
+    assert torch.equal(frozen, torch.ones(2))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -341,6 +341,8 @@ def check_skeleton(skeleton: JSON, *, tensors: Container[str] | None, where: str
             if node.get("type", "OrderedDict") != "OrderedDict":
                 raise fail(f"unknown dict type {str(node['type'])[:40]}")
             if "metadata" in node:
+                if node.get("type") != "OrderedDict":
+                    raise fail("$dict metadata belongs to an OrderedDict (type missing)")
                 stack.append((node["metadata"], depth + 1, (*path, ".metadata"), _PLAIN))
             if isinstance(val, dict):
                 stack.extend((v, depth + 2, (*path, f"[{k[:60]!r}]"), mode) for k, v in val.items())

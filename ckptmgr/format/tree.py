@@ -333,6 +333,8 @@ def unflatten(skeleton: JSON, tensors: Mapping[str, torch.Tensor], *, allow_pick
                 except TypeError:
                     raise CheckpointCorruptError(f"a skeleton dict key is not hashable: {k!r:.80}") from None
             if "metadata" in node:
+                if not isinstance(out, OrderedDict):
+                    raise CheckpointCorruptError(f"$dict metadata without type OrderedDict: {node!r:.80}")
                 out._metadata = dec(node["metadata"], depth + 1)  # type: ignore[attr-defined]
             return out
         if tag == "$tuple":

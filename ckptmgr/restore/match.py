@@ -121,11 +121,14 @@ class TargetPlan:
     def finish(self, tensors: Mapping[str, torch.Tensor]) -> Any:
         """Copy into the target what did not land there, call ``load_state_dict`` on its
         Stateful objects, and return the target-shaped result (as :func:`apply_target`).
+        Call once, after every byte verified.
 
-        Raises:
-            CheckpointCorruptError: a part of the skeleton cannot be rebuilt from ``tensors``.
+        The loaders may already have written into the target, so nothing here may fail on
+        the checkpoint's account: every part rebuilt here was rebuilt with stand-ins by
+        :func:`match_target` first. An error from here is a bug (or a Stateful object's own
+        ``load_state_dict`` failing), not a bad checkpoint.
         """
-        ready: dict[int, Any] = {}  # rebuilt before anything in the target changes
+        ready: dict[int, Any] = {}  # rebuilt before the copies and load_state_dict calls below
         for i, (kind, a, b) in enumerate(self._steps):
             if kind == _LOAD:
                 ready[i] = unflatten(b, tensors, allow_pickle=self._allow_pickle)
@@ -171,6 +174,20 @@ class _Matcher:
     def _mismatch(self, path: tuple[Any, ...], target: torch.Tensor, entry: dict[str, Any]) -> None:
         self.problems.append(f"{_apply._p(path)}: the target is {target.dtype} {list(target.shape)}, "
                              f"the checkpoint {ST_TO_DTYPE.get(entry['dtype'])} {list(entry['shape'])}")
+
+    def _unusual(self, path: tuple[Any, ...], t: torch.Tensor, name: str, apply: bool) -> None:
+        """A matching target tensor that is not contiguous, or is an inference tensor: refused
+        here when it cannot be written at all, so that the failure comes before any byte lands."""
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            self.problems.append(f"{_apply._p(path)}: the target is an inference tensor (made under "
+                                 "torch.inference_mode()) and cannot be written outside it")
+        elif torch._debug_has_internal_overlap(t) == 1:  # (1: MemOverlap.Yes)
+            self.problems.append(f"{_apply._p(path)}: the target has elements that share memory (an expanded "
+                                 "tensor) and cannot be written")
+        else:
+            self.dests[name] = t
+            if apply:
+                self.steps.append((_COPY, t, name))
 
     def _rebuilt(self, node: Any) -> Any:
         """``node`` rebuilt with placeholders: checked as the restore will rebuild it."""
@@ -222,6 +239,8 @@ class _Matcher:
             e = self.index[name]
             if local.dtype != ST_TO_DTYPE.get(e["dtype"]) or local.shape != tuple(e["shape"]):
                 self._mismatch(path, local, e)
+            elif not local.is_contiguous() or local.is_inference():
+                self._unusual(path, local, name, apply)
             else:
                 self.dests[name] = local
                 if apply:
@@ -249,7 +268,10 @@ class _Matcher:
         else:  # [[key, value], ...]: keys rebuilt as the restore rebuilds them (the last value of a key wins)
             items = {}
             for k, v in body:
-                items[k if type(k) in _SCALARS else decode_plain(k)] = v
+                key = k if type(k) in _SCALARS else decode_plain(k)
+                if key in items:  # (a crafted skeleton) the value it replaces is still rebuilt by the restore:
+                    self._rebuilt(items[key])  # checked now, before any byte lands
+                items[key] = v
         missing = [k for k in target if k not in items]
         unexpected = [k for k in items if k not in target]
         self.problems += [f"{_apply._p((*path, k))}: missing from the checkpoint" for k in missing]
@@ -268,6 +290,8 @@ class _Matcher:
                     e = index[name]
                     if t.dtype != ST_TO_DTYPE.get(e["dtype"]) or t.shape != tuple(e["shape"]):
                         self._mismatch((*path, k), t, e)
+                    elif not t.is_contiguous() or t.is_inference():
+                        self._unusual((*path, k), t, name, apply)
                     else:
                         dests[name] = t
                         if apply:
@@ -310,4 +334,31 @@ def match_target(target: Any, skeleton: Any, index: Mapping[str, Any], *, allow_
     result = m.match(target, skeleton, ())
     if m.problems:
         raise StateMismatchError(m.problems)
+    for name in _sharing_memory(m.dests):
+        del m.dests[name]  # loaded apart, then copied in walk order, as apply_target would
     return TargetPlan(m.dests, result, m.steps, allow_pickle)
+
+
+def _sharing_memory(dests: dict[str, torch.Tensor]) -> set[str]:
+    """The names whose target tensors share memory with another's (tied weights, views):
+    landing them in place would write one stored tensor over another, and the loaders'
+    checks of what landed would fail. Conservative for interleaved strided views. (Host and
+    device pointers share one address space in a CUDA process, so they are compared as they
+    are.)"""
+    spans = []
+    for name, t in dests.items():
+        n = t.nbytes
+        if n:
+            ptr = t.data_ptr()
+            if not t.is_contiguous():
+                n = (1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
+            spans.append((ptr, ptr + n, name))
+    spans.sort()
+    shared: set[str] = set()
+    end, owner = -1, ""
+    for begin, stop, name in spans:
+        if begin < end:
+            shared.update((name, owner))
+        if stop > end:
+            end, owner = stop, name
+    return shared
