@@ -289,7 +289,7 @@ def test_moves_through_spare_memory_keep_every_bit(device):
     """NaN payloads of bf16 and fp16 survive the fused copy at commit (it copies integers of
     the same width; a fused float copy rewrites them), and dtypes without a fused float copy
     (uint16, uint32, uint64, bool, fp8, complex) move too, small and large, in one file."""
-    dev = torch.device(device)
+    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else CPU  # (as a restore names it)
     def bits(values, dtype, width):  # the exact bit patterns, as signed integers of the width
         return torch.tensor([v - (1 << (8 * width)) if v >= 1 << (8 * width - 1) else v for v in values],
                             dtype={2: torch.int16, 4: torch.int32}[width]).view(dtype)
@@ -314,6 +314,7 @@ def test_moves_through_spare_memory_keep_every_bit(device):
     landing = plan_landing(entries, 8, data_len, dev, dests, through_device=True)
     landing.land(0, image.to(dev))
     landing.commit()
+    assert all(landing.tensors()[n] is dests[n] for n in tensors)  # every one moved into its target
     for n, t in tensors.items():
         got = dests[n].cpu()
         width = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
