@@ -284,28 +284,37 @@ _DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.ski
     not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
-@pytest.mark.parametrize("device", _DEVICES)
-def test_moves_through_spare_memory_keep_every_bit(device):
-    """NaN payloads of bf16 and fp16 survive the fused copy at commit (it copies integers of
-    the same width; a fused float copy rewrites them), and dtypes without a fused float copy
-    (uint16, uint32, uint64, bool, fp8, complex) move too, small and large, in one file."""
-    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else CPU  # (as a restore names it)
+def _bit_patterns() -> dict[str, torch.Tensor]:
     def bits(values, dtype, width):  # the exact bit patterns, as signed integers of the width
         return torch.tensor([v - (1 << (8 * width)) if v >= 1 << (8 * width - 1) else v for v in values],
                             dtype={2: torch.int16, 4: torch.int32}[width]).view(dtype)
 
-    tensors = {
+    return {
         "bf": bits([0x7F81, 0xFFC1, 0x7FC0, 0x0001], torch.bfloat16, 2),
+        "bf2": bits([0xFF81, 0x7FFF], torch.bfloat16, 2),
         "h": bits([0x7C01, 0xFE01, 0x3C00, 0x0001], torch.float16, 2),
         "f": bits([0x7F800001, 0xFFC00001], torch.float32, 4),
         "u16": torch.arange(7, dtype=torch.int32).to(torch.uint16),
         "u32": torch.arange(5, dtype=torch.int64).to(torch.uint32),
+        "u32b": torch.arange(9, dtype=torch.int64).to(torch.uint32),
         "u64": torch.arange(3).to(torch.uint64),
         "b": torch.tensor([True, False, True]),
         "f8": torch.arange(4, dtype=torch.int8).view(torch.float8_e4m3fn),
         "c": torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64),
         "large": (torch.arange((2 << 20) // 2, dtype=torch.int16) | 0x7F81).view(torch.bfloat16),
     }
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("names", ["bf,bf2", "h", "f", "u32,u32b", "u16,u64", "bf,h,f,u16,u32,u64,b,f8,c,large"])
+def test_moves_through_spare_memory_keep_every_bit(device, names):
+    """NaN payloads of bf16, fp16 and fp32 survive the fused copy at commit (it copies
+    integers of the same width; a fused float copy of one dtype may go through float and
+    rewrite them), and dtypes without a fused copy (uint16/32/64, bool, fp8, complex) move
+    too: files of one dtype (one fused copy) and a mixed one, small tensors and a large one."""
+    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else CPU  # (as a restore names it)
+    patterns = _bit_patterns()
+    tensors = {n: patterns[n] for n in names.split(",")}
     entries, data_len = _entries(tensors)
     image = torch.zeros(8 + data_len, dtype=torch.uint8)
     for e in entries:
