@@ -9,6 +9,9 @@ uses these functions.
 
 An empty dict or list in the target accepts whatever the checkpoint holds there: optimizer
 state is created lazily, so a fresh optimizer's ``state`` is ``{}``.
+
+:mod:`ckptmgr.restore.match` uses this module's private walker and helpers (``_Applier``,
+``_p``, ``_copy``, ``_PLAIN_TENSORS``, ``_ABSENT``): one set of rules and messages for both.
 """
 
 from __future__ import annotations

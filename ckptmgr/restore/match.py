@@ -160,6 +160,8 @@ class _Matcher:
     it does not walk: numpy arrays, mismatched kinds, what an empty container accepts)."""
 
     def __init__(self, index: Mapping[str, Any], allow_pickle: bool) -> None:
+        # Owned by one match_target() call on the caller's thread: ``problems`` and ``dests``
+        # are shared on purpose with the walkers below, which add to the same lists.
         self.index = index
         self.allow_pickle = allow_pickle
         self.stand_ins = _StandIns(index)
