@@ -5,6 +5,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 
 import numpy as np
 import pytest
@@ -57,6 +58,22 @@ def ram_dir():
     path = tempfile.mkdtemp(prefix="ckptmgr-test-", dir="/dev/shm")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def hold_durable_write(monkeypatch, step: int) -> threading.Event:
+    """Hold the durable write of ``step`` (to a local root) until the returned event is set
+    (at most 60 s): a test gets to look at the step before that write changes anything."""
+    from ckptmgr.storage.local import LocalTarget
+
+    go = threading.Event()
+    real_begin = LocalTarget.begin
+
+    def begin(self, s, prefix=""):
+        assert s != step or go.wait(60)
+        return real_begin(self, s, prefix)
+
+    monkeypatch.setattr(LocalTarget, "begin", begin)
+    return go
 
 
 def make_training(seed: int = 0):

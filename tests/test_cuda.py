@@ -253,19 +253,11 @@ def test_an_adopted_tier_slot_lands_in_the_gpu_target_in_place_and_a_damaged_one
     """A restarted job adopts the slot its predecessor left in the tier; the slot was verified
     at start-up, so the restore copies straight into the target (no spare device memory);
     a slot damaged before the start never reaches the target."""
-    import threading
+    from conftest import hold_durable_write
 
     from ckptmgr import CheckpointCorruptError, SaveError, Schedule, WriteOptions
-    from ckptmgr.storage.local import LocalTarget
 
-    restored = threading.Event()  # the durable write of step 3 (which removes it from the tier) waits
-    real_begin = LocalTarget.begin
-
-    def begin_after_the_restore(self, step, prefix=""):
-        assert step != 3 or restored.wait(60)
-        return real_begin(self, step, prefix)
-
-    monkeypatch.setattr(LocalTarget, "begin", begin_after_the_restore)
+    restored = hold_durable_write(monkeypatch, 3)  # (that write removes the damaged step from the tier)
     opts = {"staging": StagingOptions(slots=1, local_dir=ram_dir), "write_options": WriteOptions(chunk_size=1 << 20),
             "schedule": Schedule(durable_every=2)}  # odd steps stay in the tier
     g = torch.Generator(device="cuda").manual_seed(4)

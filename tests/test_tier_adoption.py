@@ -12,14 +12,13 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from conftest import assert_tree_equal
+from conftest import assert_tree_equal, hold_durable_write
 from test_restore_atomic import _damage_last_chunk, _state, _target, _untouched
 
 import ckptmgr._cuda as cuda_shim
 import ckptmgr.restore.loaders.ring as ring_mod
 import ckptmgr.restore.restorer as restorer_mod
 from ckptmgr import CheckpointCorruptError, CheckpointManager, SaveError, Schedule, StagingOptions, WriteOptions
-from ckptmgr.storage.local import LocalTarget
 
 SMALL_CHUNKS = WriteOptions(chunk_size=4096)
 DURABLE_EVEN = Schedule(durable_every=2)  # odd steps stay in the local tier
@@ -93,14 +92,7 @@ def test_an_adopted_slot_is_verified_at_start_up_and_its_restore_only_copies(roo
 def test_a_slot_damaged_before_the_restart_never_reaches_the_target(root, ram_dir, pinned, monkeypatch):
     path = _leave_step_3_in_the_tier(root, ram_dir)
     _damage_last_chunk(path)  # while no process held the tier
-    restored = threading.Event()  # the durable write of step 3 (which removes it from the tier) waits
-    real_begin = LocalTarget.begin
-
-    def begin_after_the_restores(self, step, prefix=""):
-        assert step != 3 or restored.wait(60)
-        return real_begin(self, step, prefix)
-
-    monkeypatch.setattr(LocalTarget, "begin", begin_after_the_restores)
+    restored = hold_durable_write(monkeypatch, 3)  # (that write removes the damaged step from the tier)
     with _open(root, ram_dir) as mgr:
         target = _target()
         with pytest.raises(CheckpointCorruptError, match=r"step 3.*checksum mismatch"):

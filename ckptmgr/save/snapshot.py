@@ -74,10 +74,12 @@ def plan_snapshot(plan: Plan, capacity: int, limits: dict[torch.device, int] | N
     ``limits[device]`` where given (runs of tensors adjacent in their file image stay
     adjacent; see the module docstring)."""
     out = SnapshotPlan()
+    if capacity <= 0:  # (the default: no buffer, and no work on the save path; limits only lower it)
+        return out
     last: dict[torch.device, Run] = {}
     for i, f in enumerate(plan.files):
         hs = len(f.header)
-        for t in sorted(f.tensors, key=lambda t: t.begin):
+        for t in f.tensors:  # (in file order, as the layout lays them out)
             device = t.source.device
             n = t.end - t.begin
             cap = capacity if limits is None else limits.get(device, capacity)

@@ -230,9 +230,10 @@ class Stager:
             if cpu:
                 self._submit_cpu(cpu, futures)
         except BaseException:
-            for stream in streams:
-                stream.synchronize()
-            wait_futures(futures, timeout=60)
+            try:  # the copies already enqueued land first (bounded, as Saver.save bounds its own wait)
+                StagingJob(_cuda.CopyDone(streams) if streams else None, futures, None).wait(timeout=60)
+            except BaseException:
+                pass  # (the error raised is the first one)
             raise
         # (the pairs keep split copies' contiguous temporaries alive until the copies land)
         return StagingJob(done, futures, keepalive=(plan, gpu, through), cuda_safe=safe, snapshot_bytes=snap.bytes)
