@@ -302,6 +302,80 @@ def test_a_temporary_of_a_writer_on_another_machine_lives_until_its_heartbeat_is
     assert not os.path.exists(os.path.join(root, name)) and not os.path.exists(lock)
 
 
+@pytest.mark.parametrize("claim", ["whole", "named"])
+def test_a_lock_file_is_locked_and_holds_its_lease(tmp_path, monkeypatch, claim):
+    import fcntl
+
+    from ckptmgr.storage import commit
+    from ckptmgr.storage.lease import Lease, LeaseKeeper
+
+    if claim == "named":
+        monkeypatch.setattr(commit, "_TMPFILE", 0)
+    elif not commit._TMPFILE:
+        pytest.skip("no O_TMPFILE on this platform")
+    root = str(tmp_path)
+    writer = commit.RenameCommit(root, 5, LeaseKeeper("test", 60.0))
+    try:
+        lock = writer.location + ".lock"
+        with open(lock, "rb") as f:
+            lease = Lease.from_bytes(f.read())
+        assert lease is not None and lease.pid == os.getpid()
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        with pytest.raises(FileExistsError):  # a second claim of the same name fails, as O_EXCL would
+            commit._claim_whole(root, lock, lease) if claim == "whole" else os.open(lock, os.O_CREAT | os.O_EXCL)
+    finally:
+        writer.abort()
+    assert os.listdir(root) == []
+
+
+@pytest.mark.parametrize("claim", ["whole", "named"])
+def test_a_writer_killed_while_claiming_its_step(tmp_path, claim):
+    """Killed while writing its lease: a lock file claimed whole never appeared, so the next
+    start finds nothing; one created by name first is empty and unlocked, which the clean-up
+    cannot tell from a live writer's, so it stays until its heartbeat is stale."""
+    from ckptmgr.storage import commit
+    from ckptmgr.storage.lease import LEASE_STALE_S
+
+    if claim == "whole" and not commit._TMPFILE:
+        pytest.skip("no O_TMPFILE on this platform")
+    root = saved_root(str(tmp_path / "run"), steps=(1,))
+    code = (
+        "import sys, time\n"
+        f"sys.path.insert(0, {HERE!r})\n"
+        "from test_storage_trust import mgr_of, state_of\n"
+        "from ckptmgr.storage import commit\n"
+        + ("commit._TMPFILE = 0\n" if claim == "named" else "")
+        + "def stuck(*args):\n"
+        "    print('claiming', flush=True)\n"
+        "    time.sleep(600)\n"
+        "commit.pwrite_all = stuck\n"
+        f"with mgr_of({root!r}) as m:\n"
+        "    m.save(2, state_of(2)).result()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "claiming"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    with mgr_of(root) as m:
+        assert m.steps() == [1]
+    left = [n for n in os.listdir(root) if n.startswith(".step_")]
+    if claim == "whole":
+        assert left == []
+        return
+    assert len(left) == 1 and left[0].endswith(".lock") and os.path.getsize(os.path.join(root, left[0])) == 0
+    old = time.time() - LEASE_STALE_S - 60
+    os.utime(os.path.join(root, left[0]), (old, old))
+    with mgr_of(root):
+        pass
+    assert [n for n in os.listdir(root) if n.startswith(".step_")] == []
+
+
 def test_the_commit_checks_every_file_is_there(tmp_path):
     root = str(tmp_path / "run")
     gate, inside = threading.Event(), threading.Event()

@@ -56,6 +56,7 @@ log = logging.getLogger("ckptmgr")
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_TMPFILE = getattr(os, "O_TMPFILE", 0)  # Linux: lock files claimed whole (see _claim_whole)
 
 
 class CommitStrategy(Protocol):
@@ -125,6 +126,12 @@ class RenameCommit:
         keeper.add(self)
 
     def _claim(self, lease: Lease) -> int:
+        fd = _claim_whole(self.root, self._lock_path, lease)
+        if fd >= 0:
+            return fd
+        # No anonymous files here (NFS, old kernels, no /proc): create, then lock and write.
+        # A writer killed in between leaves an empty lock file that the clean-up keeps until
+        # its heartbeat is stale, as it must for a writer it cannot tell from a live one.
         fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -223,6 +230,35 @@ class RenameCommit:
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _claim_whole(root: str, path: str, lease: Lease) -> int:
+    """Make the lock file ``path`` appear whole: an anonymous file in ``root``
+    (``O_TMPFILE``), ``flock()``ed and holding ``lease``, linked into place, so no one ever
+    sees it unlocked or empty, and a writer killed before the link leaves nothing behind.
+    Returns its descriptor, or -1 where the file system or kernel has no anonymous files.
+    Raises ``FileExistsError`` when ``path`` exists, as ``O_EXCL`` would."""
+    if not _TMPFILE:
+        return -1
+    try:
+        fd = os.open(root, os.O_RDWR | _TMPFILE | _CLOEXEC, 0o644)
+    except OSError:  # EOPNOTSUPP, EISDIR (kernels before 3.11), EINVAL, ...
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        pwrite_all(fd, np.frombuffer(lease.to_bytes(), dtype=np.uint8), 0)
+        try:
+            os.link(f"/proc/self/fd/{fd}", path)  # (linkat with AT_SYMLINK_FOLLOW: the open file)
+        except FileExistsError:
+            raise
+        except OSError:  # no /proc: fall back to a named claim
+            os.close(fd)
+            return -1
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+    return fd
 
 
 def _temp_gone(root: str, temp: str, stale_after_s: float) -> tuple[bool, int]:
