@@ -394,6 +394,45 @@ def test_slots_are_populated_then_pinned_in_pieces_with_pauses_only_in_the_backg
     assert sorted(fake.unregistered) == sorted(fake.registered)
 
 
+@pytest.mark.parametrize("kernel", ["populate-write", "older"])
+def test_pages_are_populated_in_pieces_keeping_their_bytes(tmp_path, monkeypatch, kernel):
+    """One madvise call holds the memory-map lock for reading throughout, and every other
+    thread's page faults can queue behind it: so a buffer is populated a piece at a time.
+    Kernels without MADV_POPULATE_WRITE write each page once, keeping its value."""
+    import ctypes
+    import mmap
+
+    import ckptmgr.save.buffers as buffers
+
+    monkeypatch.setattr(buffers, "POPULATE_PIECE_BYTES", 1 << 20)
+    nbytes = (5 << 20) + 12345
+    path = tmp_path / "image"
+    want = os.urandom(nbytes)
+    path.write_bytes(want)
+    with open(path, "r+b") as f:
+        buf = buffers.file_buffer(f.fileno(), nbytes, str(path))
+    calls: list[tuple[int, int]] = []
+    real = ctypes.CDLL(None, use_errno=True)
+    real.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    class Libc:
+        @staticmethod
+        def madvise(ptr, n, advice):
+            calls.append((ptr.value, n.value))
+            return -1 if kernel == "older" else real.madvise(ptr, n, advice)
+
+    monkeypatch.setattr(buffers, "_libc", Libc())
+    start = buf.tensor.data_ptr()
+    buffers._populate(start, nbytes, buf.tensor)
+    if kernel == "older":
+        assert len(calls) == 1  # refused: every page is written instead
+    else:
+        assert [p for p, _ in calls] == list(range(start, start + nbytes, 1 << 20))
+        assert max(n for _, n in calls) == 1 << 20 and sum(n for _, n in calls) == nbytes
+    assert bytes(buf.tensor.numpy()) == want and path.read_bytes() == want
+    assert start % mmap.PAGESIZE == 0
+
+
 def test_staging_copies_are_split_at_piece_boundaries():
     from ckptmgr.save.staging import _split_at
 
