@@ -25,9 +25,10 @@ call. A thread that maps or unmaps memory meanwhile (another buffer being made, 
 driver, malloc) waits for the lock as a writer, and every page fault of every other thread,
 the training thread's included, queues behind that writer. Measured on an H200 with the
 every-25-steps loop of bench_training.py (three slots of 4.83 GB, eight files each, made
-eight files at a time while the loop ran): one call per file stalled the GPU for 0.15-1.1 s
-at a time, +3.5 to +12.5% on the step time over 200 steps; one call per 16 MiB left no
-stall, +1.04 to +1.10%, the same as with every slot made before the loop (+0.95%).
+eight files at a time while the loop ran): one call per file left the GPU idle for 0.19-1.14 s
+at a time in four runs of five, +1.0 to +12.5% on the step time over 200 steps; one call per
+16 MiB left no stall, +1.04 to +1.10%, as with every slot made before the loop (+0.93 to
++0.95%).
 
 A copy that spans two separately registered ranges fails (``cudaErrorInvalidValue``), so
 pieces are aligned to the file's checksum chunks (every piece is a whole number of chunks
