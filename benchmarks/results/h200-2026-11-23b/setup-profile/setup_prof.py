@@ -1,5 +1,16 @@
 """Where the every-25 coalesce+device overhead goes: GPU step times from CUDA events, and
-host-side marks of ckptmgr's set-up work on one clock. Variants via argv[1]."""
+host-side marks of ckptmgr's set-up work on one clock.
+
+    python setup_prof.py VARIANT OUT.json     # from the repository root, on a GPU
+
+VARIANT: ``none`` (no checkpoints), ``current`` (the installed ckptmgr), ``prepared`` (every
+slot made before the timed window), ``chunk`` (pages populated 16 MiB per madvise call),
+``chunk2`` (the same, two files made at a time), ``parpop`` (each file populated by 8
+threads), ``pause10`` (10 ms between pinned pieces). The JSON files beside this script are
+its output on H200s (``first-call/`` at 9e31887, the others at 5a76896 plus that commit's
+lock claim; neither had the 16 MiB populate, which ``chunk`` patches in).
+"""
+import itertools
 import json
 import os
 import shutil
@@ -10,11 +21,14 @@ import time
 import torch
 
 sys.path.insert(0, "benchmarks")
-from bench_training import Linear24  # noqa: E402
+from bench_training import Linear24
 
-from ckptmgr import CheckpointManager, StagingOptions  # noqa: E402
-from ckptmgr.save import buffers, slots, staging  # noqa: E402
-from ckptmgr import _cuda  # noqa: E402
+from ckptmgr import (
+    CheckpointManager,
+    StagingOptions,
+    _cuda,
+)
+from ckptmgr.save import buffers, slots, staging
 
 variant = sys.argv[1]
 out = sys.argv[2]
@@ -119,7 +133,7 @@ def step_fn(step, pending):
     return None
 
 
-for s in range(5):
+for _ in range(5):
     step_fn(0 if mgr is None else -1, None)
 torch.cuda.synchronize()
 events = []
@@ -149,7 +163,7 @@ for step in range(1, 201):
 torch.cuda.synchronize()
 total = time.perf_counter() - t_start
 gpu = [ev0.elapsed_time(e) / 1000 for e in events]
-gpu_steps = [gpu[0]] + [b - a for a, b in zip(gpu, gpu[1:])]
+gpu_steps = [gpu[0]] + [b - a for a, b in itertools.pairwise(gpu)]
 if mgr is not None:
     stats = mgr.stats()
     mgr.close()
