@@ -7,8 +7,8 @@ VARIANT: ``none`` (no checkpoints), ``current`` (the installed ckptmgr), ``prepa
 slot made before the timed window), ``chunk`` (pages populated 16 MiB per madvise call),
 ``chunk2`` (the same, two files made at a time), ``parpop`` (each file populated by 8
 threads), ``pause10`` (10 ms between pinned pieces). The JSON files beside this script are
-its output on H200s (``first-call/`` at 9e31887, the others at 5a76896 plus that commit's
-lock claim; neither had the 16 MiB populate, which ``chunk`` patches in).
+its output on H200s, two calls (``first-call/`` and the others), both at 9e31887: one
+``madvise`` call per file, which ``chunk`` replaces by one per 16 MiB.
 """
 import itertools
 import json
