@@ -302,8 +302,9 @@ def test_a_temporary_of_a_writer_on_another_machine_lives_until_its_heartbeat_is
     assert not os.path.exists(os.path.join(root, name)) and not os.path.exists(lock)
 
 
-@pytest.mark.parametrize("claim", ["whole", "named"])
+@pytest.mark.parametrize("claim", ["whole", "named", "whole-without-proc"])
 def test_a_lock_file_is_locked_and_holds_its_lease(tmp_path, monkeypatch, claim):
+    import errno
     import fcntl
 
     from ckptmgr.storage import commit
@@ -313,8 +314,18 @@ def test_a_lock_file_is_locked_and_holds_its_lease(tmp_path, monkeypatch, claim)
         monkeypatch.setattr(commit, "_TMPFILE", 0)
     elif not commit._TMPFILE:
         pytest.skip("no O_TMPFILE on this platform")
+    if claim == "whole-without-proc":  # the anonymous file cannot be linked: claimed by name instead
+        def no_proc(src, dst, **kw):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", src)
+        monkeypatch.setattr(commit.os, "link", no_proc)
+    claims: list[int] = []
+    real_claim = commit._claim_whole
+    monkeypatch.setattr(commit, "_claim_whole", lambda *a: claims.append(real_claim(*a)) or claims[-1])
+    fds = len(os.listdir("/proc/self/fd"))
     root = str(tmp_path)
     writer = commit.RenameCommit(root, 5, LeaseKeeper("test", 60.0))
+    # the path taken: the anonymous file linked into place, or the claim by name
+    assert claims == ([writer._lock_fd] if claim == "whole" else [-1])
     try:
         lock = writer.location + ".lock"
         with open(lock, "rb") as f:
@@ -327,10 +338,11 @@ def test_a_lock_file_is_locked_and_holds_its_lease(tmp_path, monkeypatch, claim)
         finally:
             os.close(fd)
         with pytest.raises(FileExistsError):  # a second claim of the same name fails, as O_EXCL would
-            commit._claim_whole(root, lock, lease) if claim == "whole" else os.open(lock, os.O_CREAT | os.O_EXCL)
+            writer._claim(lease)
     finally:
         writer.abort()
     assert os.listdir(root) == []
+    assert len(os.listdir("/proc/self/fd")) == fds  # no descriptor left open on any path
 
 
 @pytest.mark.parametrize("claim", ["whole", "named"])

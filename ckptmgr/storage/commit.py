@@ -248,7 +248,10 @@ def _claim_whole(root: str, path: str, lease: Lease) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         pwrite_all(fd, np.frombuffer(lease.to_bytes(), dtype=np.uint8), 0)
         try:
-            os.link(f"/proc/self/fd/{fd}", path)  # (linkat with AT_SYMLINK_FOLLOW: the open file)
+            # linkat(AT_SYMLINK_FOLLOW) links the open file itself; os.link only calls linkat,
+            # not link() (which links the /proc entry and fails with EXDEV), given a dir_fd
+            with open_dir(os.path.dirname(path)) as dfd:
+                os.link(f"/proc/self/fd/{fd}", os.path.basename(path), dst_dir_fd=dfd, follow_symlinks=True)
         except FileExistsError:
             raise
         except OSError:  # no /proc: fall back to a named claim
