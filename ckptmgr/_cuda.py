@@ -16,6 +16,7 @@ __all__ = [
     "host_register",
     "host_unregister",
     "pinned_empty",
+    "ready_event",
     "staging_stream",
 ]
 
@@ -59,6 +60,14 @@ def staging_stream(device: torch.device) -> Any:
     a worker thread would bind them to whatever device that thread has current.
     """
     return torch.cuda.Stream(device=device)
+
+
+def ready_event(device: torch.device) -> Any:
+    """An event recorded now on ``device``'s current stream: work that waits for it comes
+    after everything the caller has queued there so far."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
 
 
 class CopyDone:

@@ -292,3 +292,29 @@ def test_an_adopted_tier_slot_lands_in_the_gpu_target_in_place_and_a_damaged_one
                 for k, v in state.items():
                     assert torch.equal(target[k], v), k
                 mgr.wait(timeout=60)
+
+
+def test_a_save_of_more_tensors_than_a_stream_queues_leaves_the_caller_ahead_of_the_gpu(root):
+    """A stream queues about a thousand operations: the copies of 3000 tensors, waiting for
+    the step still running, must not hold the caller until that step ends (the GPU would
+    then idle while the caller finished queuing them)."""
+    state = {f"p{i}": torch.full((256,), float(i), device="cuda") for i in range(3000)}
+    a = torch.randn(8192, 8192, device="cuda")
+    x = torch.zeros(8192, 8192, device="cuda")
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
+        mgr.save(0, state).result()  # (the slot exists)
+        for _ in range(100):  # a long queue of kernels, not yet finished at save()
+            x.copy_(a @ a).div_(x.abs().max() + 1)
+        for v in state.values():
+            v.add_(1)  # queued behind them: the copies must see it
+        queued = torch.cuda.Event()
+        queued.record()
+        h = mgr.save(1, state, block=False)
+        assert not queued.query()  # save() returned while the GPU still ran the queued work
+        h.wait_staged(timeout=120)
+        for v in state.values():
+            v.add_(1)
+        h.result(timeout=120)
+        got = mgr.restore(step=1, device="cuda")
+        for i in range(3000):
+            assert torch.equal(got[f"p{i}"], torch.full((256,), float(i + 1), device="cuda")), i

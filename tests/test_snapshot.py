@@ -15,7 +15,7 @@ from ckptmgr import CheckpointManager, ConfigError, StagingOptions
 from ckptmgr.format.layout import Plan, plan_layout
 from ckptmgr.format.tree import flatten
 from ckptmgr.save.snapshot import plan_snapshot
-from ckptmgr.save.staging import Stager, StagingJob
+from ckptmgr.save.staging import Stager, StagingJob, _Enqueued, _resolved
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.bool, torch.int64, torch.float16]
 
@@ -130,7 +130,7 @@ class _Event:
 
 def test_a_job_stays_safe_while_its_drain_is_still_queued():
     landed, safe = _Event(False), _Event(True)
-    job = StagingJob(landed, [], keepalive=object(), cuda_safe=safe)
+    job = StagingJob(_resolved(_Enqueued(done=landed, safe=safe)), keepalive=object())
     assert job.safe() and not job.done()
     job.wait_safe(timeout=1)
     assert job.safe() and not job.done() and job.safe_at is not None and job.finished_at is None
@@ -140,7 +140,7 @@ def test_a_job_stays_safe_while_its_drain_is_still_queued():
 
 def test_a_job_without_a_buffer_is_safe_when_it_has_landed():
     landed = _Event(False)
-    job = StagingJob(landed, [], keepalive=object())
+    job = StagingJob(_resolved(_Enqueued(done=landed)), keepalive=object())
     assert not job.safe()
     job.wait_safe()
     assert landed.done and job.safe() and job.done()

@@ -468,3 +468,62 @@ def test_a_failing_local_tier_does_not_fail_the_durable_save(root, tmp_path, mon
         assert mgr.steps() == [1]
     with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
         assert_tree_equal(mgr.restore(1), state)  # verified: the checksums were computed all the same
+
+
+def test_a_non_blocking_save_returns_while_its_copies_are_still_being_enqueued(root, monkeypatch):
+    """The copies are enqueued by the stager's feeder thread, not by the caller: save(block=False)
+    returns at once even when enqueueing them is held up, and wait_staged() waits for it."""
+    from ckptmgr.save.staging import Stager
+
+    real = Stager._enqueue
+    gate, entered = threading.Event(), threading.Event()
+    threads: list[str] = []
+
+    def held(self, *args):
+        threads.append(threading.current_thread().name)
+        entered.set()
+        assert gate.wait(30)
+        return real(self, *args)
+
+    monkeypatch.setattr(Stager, "_enqueue", held)
+    state = big_state()
+    want = clone(state)
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
+        h = mgr.save(1, state, block=False)
+        assert entered.wait(30)
+        assert not h.staged()
+        with pytest.raises(CkptTimeoutError, match="enqueued"):
+            h.wait_staged(timeout=0.05)
+        gate.set()
+        h.wait_staged(timeout=30)
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                v.add_(1)
+        h.result(timeout=60)
+        assert_tree_equal(mgr.restore(1), want)
+    assert threads == ["ckptmgr-stage_" + threads[0].rsplit("_", 1)[1]]
+
+
+def test_a_copy_that_fails_on_the_feeder_thread_fails_its_save_and_frees_the_slot(root, monkeypatch):
+    from ckptmgr.save import staging
+
+    real = staging._dst_view
+    calls = {"n": 0}
+
+    def breaks_once(*args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("copy refused")
+        return real(*args)
+
+    monkeypatch.setattr(staging, "_dst_view", breaks_once)
+    state = big_state()
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False, slots=1)) as mgr:
+        h = mgr.save(1, state, block=False)
+        with pytest.raises(SaveError, match="copy refused"):
+            h.wait_staged(timeout=30)
+        with pytest.raises(SaveError, match="copy refused"):
+            h.result(timeout=60)
+        mgr.save(2, state).result(timeout=60)  # the one slot is free again
+        assert mgr.steps() == [2]
+        assert_tree_equal(mgr.restore(2), state)

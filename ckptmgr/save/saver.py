@@ -608,7 +608,7 @@ class Saver:
                 continue
             log.warning("step %d exists only in the local tier %s (the last run stopped before writing it); "
                         "it is written to %s unless a newer one is", m.step, self._tier.path, self._target.url)
-            staging = StagingJob(None, [], None)
+            staging = StagingJob(None, None)
             job = PersistJob(m, names, [m.files[n].header_size for n in names], slot, staging,
                              time.perf_counter(), 0.0, 0.0, nbytes=sum(m.files[n].size for n in names), adopted=True)
             job.released = True  # (the slot is not busy: the newest of these is written, the others superseded)

@@ -26,6 +26,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -87,44 +88,80 @@ def _wait_events(done: _cuda.CopyDone, deadline: float | None, timeout: float | 
         time.sleep(0.0005)
 
 
+@dataclass
+class _Enqueued:
+    """What a staging task enqueued: the *landed* and *safe* events of its GPU copies (None:
+    none; ``safe`` None: safe when landed) and the futures of its host-to-host copies."""
+
+    done: _cuda.CopyDone | None = None
+    safe: _cuda.CopyDone | None = None
+    futures: list[Future[None]] = field(default_factory=list)
+    keepalive: Any = None  # split copies' contiguous temporaries, until the copies land
+
+
 class StagingJob:
-    """The copies of one save: enqueued, and waitable until the state may change (*safe*)
-    and until every byte is in the slot (*landed*).
+    """The copies of one save: enqueued by the stager's feeder thread, and waitable until the
+    state may change (*safe*) and until every byte is in the slot (*landed*).
 
     Written by whichever thread waits first (the training thread for *safe*, the local-commit
     or persist thread for *landed*): ``safe_at`` and ``finished_at`` only ever go from None to
-    a time, and the values written are equivalent, so no lock is needed.
+    a time, and the values written are equivalent, so no lock is needed. ``enqueued`` is a
+    future, resolved by the feeder thread once every copy is enqueued.
     """
 
-    def __init__(self, cuda_done: _cuda.CopyDone | None, futures: list[Future[None]], keepalive: Any, *,
-                 cuda_safe: _cuda.CopyDone | None = None, snapshot_bytes: int = 0) -> None:
-        self._cuda_done = cuda_done
-        self._cuda_safe = cuda_safe  # None: safe when landed
-        self._futures = futures
+    def __init__(self, enqueued: Future[_Enqueued] | None, keepalive: Any, *, snapshot_bytes: int = 0) -> None:
+        self._enqueued = _resolved(_Enqueued()) if enqueued is None else enqueued
         self._keepalive: Any = keepalive
         self.snapshot_bytes = snapshot_bytes  # bytes copied through a device snapshot buffer
-        self.finished_at: float | None = None if (cuda_done or futures) else time.perf_counter()
+        self.finished_at: float | None = time.perf_counter() if enqueued is None else None
         self.safe_at: float | None = self.finished_at
+
+    def _copies(self) -> _Enqueued | None:
+        """What was enqueued, once it all is (None before; raises the feeder's error)."""
+        if not self._enqueued.done():
+            return None
+        return self._enqueued.result()
 
     def done(self) -> bool:
         """True when every copy has landed (or failed)."""
-        return self.finished_at is not None or (
-            all(f.done() for f in self._futures) and (self._cuda_done is None or self._cuda_done.query()))
+        if self.finished_at is not None:
+            return True
+        if self._enqueued.done() and self._enqueued.exception() is not None:
+            return True
+        e = self._copies()
+        return e is not None and all(f.done() for f in e.futures) and (e.done is None or e.done.query())
 
     def safe(self) -> bool:
         """True when every copy has read its source: the state may be changed."""
         if self.safe_at is not None:
             return True
-        if self._cuda_safe is None:
+        if self._enqueued.done() and self._enqueued.exception() is not None:
             return self.done()
-        return all(f.done() for f in self._futures) and self._cuda_safe.query()
+        e = self._copies()
+        if e is None:
+            return False
+        if e.safe is None:
+            return self.done()
+        return all(f.done() for f in e.futures) and e.safe.query()
 
-    def _wait_futures(self, timeout: float | None) -> None:
-        _, pending = wait_futures(self._futures, timeout)
+    def _wait_enqueued(self, timeout: float | None) -> _Enqueued:
+        """Block until every copy is enqueued, raising the feeder's error if it had one."""
+        done, _ = wait_futures([self._enqueued], timeout)
+        if not done:
+            raise CkptTimeoutError(f"the staging copies were not all enqueued within {timeout} s")
+        return self._enqueued.result()
+
+    @staticmethod
+    def _wait_futures(futures: list[Future[None]], timeout: float | None) -> None:
+        _, pending = wait_futures(futures, timeout)
         if pending:
             raise CkptTimeoutError(f"the staging copies did not finish within {timeout} s")
-        for f in self._futures:
+        for f in futures:
             f.result()
+
+    @staticmethod
+    def _left(deadline: float | None) -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def wait_safe(self, timeout: float | None = None) -> None:
         """Block until every copy has read its source (then the state may be changed).
@@ -133,14 +170,15 @@ class StagingJob:
             CkptTimeoutError: copies still running after ``timeout`` seconds.
             Exception: the error of a failed copy.
         """
-        if self._cuda_safe is None:
-            self.wait(timeout)
-            return
         if self.safe_at is not None:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._wait_futures(timeout)
-        _wait_events(self._cuda_safe, deadline, timeout, "copies off the state's GPU tensors")
+        e = self._wait_enqueued(timeout)
+        if e.safe is None:
+            self.wait(self._left(deadline))
+            return
+        self._wait_futures(e.futures, self._left(deadline))
+        _wait_events(e.safe, deadline, timeout, "copies off the state's GPU tensors")
         self.safe_at = time.perf_counter()
 
     def wait(self, timeout: float | None = None) -> None:
@@ -153,17 +191,27 @@ class StagingJob:
         if self.finished_at is not None:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._wait_futures(timeout)
-        if self._cuda_done is not None:
-            _wait_events(self._cuda_done, deadline, timeout, "device-to-host copies")
+        e = self._wait_enqueued(timeout)
+        self._wait_futures(e.futures, self._left(deadline))
+        if e.done is not None:
+            _wait_events(e.done, deadline, timeout, "device-to-host copies")
         self.finished_at = time.perf_counter()
         if self.safe_at is None:
             self.safe_at = self.finished_at
-        self._keepalive = None  # the sources may be freed now
+        self._keepalive = e.keepalive = None  # the sources may be freed now
 
 
 class Stager:
-    """Copies plans into slots. Create and call it from the training (main) thread.
+    """Copies plans into slots. Create it and call :meth:`stage` from the training thread.
+
+    :meth:`stage` does only what must happen on the caller's thread at the moment of the
+    save: it marks, on each device's current stream, the point the copies must come after,
+    and makes any device snapshot buffer the save needs. Everything else (the per-tensor
+    views and every copy) is enqueued by one *feeder* thread, in save order. The training
+    thread thus never blocks on a full CUDA launch queue: a stream holds about a thousand
+    pending operations, and the copies of a state of more tensors than that, queued behind
+    the step still running, would otherwise hold the caller until that step ended, and then
+    for as long as the first copies took to make room, with the GPU idle meanwhile.
 
     Args:
         copy_threads: threads for host-to-host copies.
@@ -177,8 +225,11 @@ class Stager:
         self._pool: DaemonPool | ThreadPoolExecutor = (
             DaemonPool(copy_threads, thread_name_prefix="ckptmgr-copy") if daemon
             else ThreadPoolExecutor(copy_threads, thread_name_prefix="ckptmgr-copy"))
+        self._feeder: DaemonPool | ThreadPoolExecutor = (
+            DaemonPool(1, thread_name_prefix="ckptmgr-stage") if daemon
+            else ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-stage"))
         self._threads = copy_threads
-        self._streams: dict[torch.device, Any] = {}
+        self._streams: dict[torch.device, Any] = {}  # (training thread)
         self.buffers = DeviceBuffers(device_buffer_bytes)  # (training thread)
 
     def _stream(self, device: torch.device) -> Any:
@@ -194,16 +245,31 @@ class Stager:
             self.buffers.get(device, n, self._stream(device))
 
     def stage(self, plan: Plan, segments: list[torch.Tensor], piece: int = 0) -> StagingJob:
-        """Enqueue every copy of ``plan`` into ``segments`` (one per file); no device-to-host
-        copy crosses a multiple of ``piece`` bytes of its segment (0: no limit).
+        """Start copying ``plan`` into ``segments`` (one per file): every copy is enqueued by
+        the feeder thread, after the work queued on the caller's current streams when this is
+        called (so the copies see the state as it is now). No device-to-host copy crosses a
+        multiple of ``piece`` bytes of its segment (0: no limit).
 
-        If anything fails once copies are enqueued (an interrupt included), the ones already
-        enqueued are waited for before the error goes up: the slot may be reused after it.
+        If anything fails once copies are enqueued, the ones already enqueued are waited for
+        before the job reports the error: the slot may be reused after it.
         """
         snap = self.buffers.plan(plan)
         made = [self.buffers.get(d, n, self._stream(d)) for d, n in snap.needed.items()]  # every device
         if not all(made):
             snap = self.buffers.plan(plan)  # within what the devices had room for
+        devices = list(dict.fromkeys(t.source.device for f in plan.files for t in f.tensors
+                                     if t.source.device.type != "cpu"))
+        ready = {d: _cuda.ready_event(d) for d in devices}  # where each device's copies start
+        streams = {d: self._stream(d) for d in devices}
+        buffers = {d: self.buffers.buffer(d) for d in snap.needed}
+        enqueued = self._feeder.submit(self._enqueue, plan, segments, piece, snap, ready, streams, buffers)
+        return StagingJob(enqueued, keepalive=plan, snapshot_bytes=snap.bytes)
+
+    # ------------------------------------------------------------ feeder thread
+
+    def _enqueue(self, plan: Plan, segments: list[torch.Tensor], piece: int, snap: SnapshotPlan,
+                 ready: dict[torch.device, Any], streams: dict[torch.device, Any],
+                 buffers: dict[torch.device, torch.Tensor]) -> _Enqueued:
         gpu: dict[torch.device, list[_Pair]] = defaultdict(list)
         through: dict[torch.device, list[_Pair]] = defaultdict(list)  # (buffer view, source)
         cpu: list[_Pair] = []
@@ -216,53 +282,58 @@ class Stager:
                 held = snap.through.get((i, hs + t.begin))
                 if held is not None:
                     device, at = held
-                    through[device].append((buffer_view(self.buffers.buffer(device), at, t), t.source))
+                    through[device].append((buffer_view(buffers[device], at, t), t.source))
                     continue
                 pair = (_dst_view(seg, hs, t), t.source)
                 if t.source.device.type == "cpu":
                     cpu.extend(_cpu_pieces(*pair))
                 else:
                     gpu[t.source.device].extend(_split_at(*pair, hs + t.begin, piece))
-        streams: list[Any] = []
-        futures: list[Future[None]] = []
+        out = _Enqueued()
+        used: list[Any] = []
         try:
-            safe, done = self._enqueue_gpu(snap, gpu, through, segments, piece, streams)
+            out.safe, out.done = self._enqueue_gpu(snap, gpu, through, segments, piece, ready, streams, buffers,
+                                                   used)
             if cpu:
-                self._submit_cpu(cpu, futures)
+                self._submit_cpu(cpu, out.futures)
         except BaseException:
             try:  # the copies already enqueued land first (bounded, as Saver.save bounds its own wait)
-                StagingJob(_cuda.CopyDone(streams) if streams else None, futures, None).wait(timeout=60)
+                StagingJob(_resolved(_Enqueued(_cuda.CopyDone(used) if used else None, None, out.futures)),
+                           None).wait(timeout=60)
             except BaseException:
                 pass  # (the error raised is the first one)
             raise
-        # (the pairs keep split copies' contiguous temporaries alive until the copies land)
-        return StagingJob(done, futures, keepalive=(plan, gpu, through), cuda_safe=safe, snapshot_bytes=snap.bytes)
+        out.keepalive = (gpu, through)
+        return out
 
-    def _enqueue_gpu(self, snap: SnapshotPlan, gpu: dict[torch.device, list[_Pair]],
+    @staticmethod
+    def _enqueue_gpu(snap: SnapshotPlan, gpu: dict[torch.device, list[_Pair]],
                      through: dict[torch.device, list[_Pair]], segments: list[torch.Tensor], piece: int,
-                     streams: list[Any]) -> tuple[_cuda.CopyDone | None, _cuda.CopyDone | None]:
+                     ready: dict[torch.device, Any], streams: dict[torch.device, Any],
+                     buffers: dict[torch.device, torch.Tensor],
+                     used: list[Any]) -> tuple[_cuda.CopyDone | None, _cuda.CopyDone | None]:
         """Each device's stream: the copies into its buffer and the direct copies, the *safe*
-        event, the drains from the buffer, the *landed* event. ``streams`` collects the
-        streams used so far (for the caller's clean-up)."""
+        event, the drains from the buffer, the *landed* event. ``used`` collects the streams
+        used so far (for the caller's clean-up)."""
         devices = list(dict.fromkeys([*through, *gpu]))
         if not devices:
             return None, None
         for device in devices:
-            stream = self._stream(device)
-            streams.append(stream)
-            stream.wait_stream(torch.cuda.current_stream(device))
+            stream = streams[device]
+            used.append(stream)
+            stream.wait_event(ready[device])
             with torch.cuda.stream(stream):
                 for dst, src in [*through.get(device, ()), *gpu.get(device, ())]:
                     dst.copy_(src, non_blocking=True)
         safe = None
         if snap.runs:
-            safe = _cuda.CopyDone(streams)
+            safe = _cuda.CopyDone(used)
             for r in snap.runs:
-                with torch.cuda.stream(self._stream(r.device)):
-                    src = self.buffers.buffer(r.device)[r.at:r.at + r.end - r.begin]
+                with torch.cuda.stream(streams[r.device]):
+                    src = buffers[r.device][r.at:r.at + r.end - r.begin]
                     for dst, part in _split_at(segments[r.file][r.begin:r.end], src, r.begin, piece):
                         dst.copy_(part, non_blocking=True)
-        return safe, _cuda.CopyDone(streams)
+        return safe, _cuda.CopyDone(used)
 
     def _submit_cpu(self, cpu: list[_Pair], futures: list[Future[None]]) -> None:
         total = sum(d.numel() * d.element_size() for d, _ in cpu)
@@ -280,7 +351,14 @@ class Stager:
 
     def close(self, timeout: float | None = None) -> None:
         self.buffers.clear()
-        if isinstance(self._pool, DaemonPool):
-            self._pool.stop(timeout=timeout)
-        else:
-            self._pool.shutdown(wait=True)
+        for pool in (self._feeder, self._pool):  # (the feeder first: it submits to the copy pool)
+            if isinstance(pool, DaemonPool):
+                pool.stop(timeout=timeout)
+            else:
+                pool.shutdown(wait=True)
+
+
+def _resolved(value: _Enqueued) -> Future[_Enqueued]:
+    f: Future[_Enqueued] = Future()
+    f.set_result(value)
+    return f
