@@ -299,21 +299,20 @@ def test_a_save_of_more_tensors_than_a_stream_queues_leaves_the_caller_ahead_of_
     the step still running, must not hold the caller until that step ends (the GPU would
     then idle while the caller finished queuing them)."""
     state = {f"p{i}": torch.full((256,), float(i), device="cuda") for i in range(3000)}
+    tensors = list(state.values())
     a = torch.randn(8192, 8192, device="cuda")
     x = torch.zeros(8192, 8192, device="cuda")
     with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
         mgr.save(0, state).result()  # (the slot exists)
-        for _ in range(100):  # a long queue of kernels, not yet finished at save()
+        for _ in range(100):  # seconds of GPU work in a few hundred launches, queued at save()
             x.copy_(a @ a).div_(x.abs().max() + 1)
-        for v in state.values():
-            v.add_(1)  # queued behind them: the copies must see it
+        torch._foreach_add_(tensors, 1)  # queued behind them (a few launches): the copies must see it
         queued = torch.cuda.Event()
         queued.record()
         h = mgr.save(1, state, block=False)
         assert not queued.query()  # save() returned while the GPU still ran the queued work
         h.wait_staged(timeout=120)
-        for v in state.values():
-            v.add_(1)
+        torch._foreach_add_(tensors, 1)
         h.result(timeout=120)
         got = mgr.restore(step=1, device="cuda")
         for i in range(3000):
