@@ -1,5 +1,7 @@
 """The CUDA paths, for real: run on the GPU machine (``pytest -m cuda``); skipped elsewhere."""
 
+import time
+
 import pytest
 import torch
 
@@ -300,17 +302,16 @@ def test_a_save_of_more_tensors_than_a_stream_queues_leaves_the_caller_ahead_of_
     then idle while the caller finished queuing them)."""
     state = {f"p{i}": torch.full((256,), float(i), device="cuda") for i in range(3000)}
     tensors = list(state.values())
-    a = torch.randn(8192, 8192, device="cuda")
-    x = torch.zeros(8192, 8192, device="cuda")
     with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
         mgr.save(0, state).result()  # (the slot exists)
-        for _ in range(100):  # seconds of GPU work in a few hundred launches, queued at save()
-            x.copy_(a @ a).div_(x.abs().max() + 1)
-        torch._foreach_add_(tensors, 1)  # queued behind them (a few launches): the copies must see it
+        torch.cuda._sleep(int(5e9))  # one kernel spinning for seconds, queued at save()
+        torch._foreach_add_(tensors, 1)  # queued behind it: the copies must see it
         queued = torch.cuda.Event()
         queued.record()
+        t = time.perf_counter()
         h = mgr.save(1, state, block=False)
-        assert not queued.query()  # save() returned while the GPU still ran the queued work
+        took = time.perf_counter() - t
+        assert not queued.query(), f"save() returned after {took:.3f} s, when the GPU had run the queued work"
         h.wait_staged(timeout=120)
         torch._foreach_add_(tensors, 1)
         h.result(timeout=120)
