@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from ..errors import CheckpointCorruptError, StateMismatchError
 from ..format.layout import ST_TO_DTYPE
 from ..format.tree import PerRank, decode_plain, is_stateful, unflatten
 from . import apply as _apply
+from .loaders.landing import Dests
 
 __all__ = ["TargetPlan", "match_target"]
 
@@ -107,13 +109,18 @@ class TargetPlan:
     to do once the bytes are loaded.
 
     Attributes:
-        dests: stored tensor name -> the target's tensor (its local shard) at that place;
-            a loader writes the bytes straight there where dtype, shape and device fit.
+        dests: stored tensor name -> the target's tensor (its local shard) at that place, for
+            each that can take the stored bytes as they are (see :class:`Dests`): a loader
+            writes them straight there where the device fits. The others are copied by
+            :meth:`finish`.
+        device: the first CUDA device among the target's matching tensors (None: none is on
+            a GPU): where a restore into this target loads by default.
     """
 
-    def __init__(self, dests: dict[str, torch.Tensor], result: Any, steps: list[tuple[int, Any, Any]],
-                 allow_pickle: bool) -> None:
+    def __init__(self, dests: Dests, device: torch.device | None, result: Any,
+                 steps: list[tuple[int, Any, Any]], allow_pickle: bool) -> None:
         self.dests = dests
+        self.device = device
         self._result = result
         self._steps = steps  # in the order the walk met them, as apply_target runs its actions
         self._allow_pickle = allow_pickle
@@ -167,6 +174,10 @@ class _Matcher:
         self.stand_ins = _StandIns(index)
         self.checker = _apply._Applier(self.stand_ins.names)  # checks a rebuilt part; records where tensors land
         self.problems = self.checker.problems
+        # Where each stored tensor goes: ``spans`` holds (first byte, end, name, device, tensor)
+        # of each target tensor that can take the stored bytes as they are (contiguous, plain
+        # values, writable, not empty: the candidates to land in place), ``dests`` the others
+        self.spans: list[_Span] = []
         self.dests = self.checker.dests
         self.plain = _apply._Applier()  # walks parts without stored tensors (plain values) for good
         self.plain.problems = self.problems
@@ -177,19 +188,28 @@ class _Matcher:
         self.problems.append(f"{_apply._p(path)}: the target is {target.dtype} {list(target.shape)}, "
                              f"the checkpoint {ST_TO_DTYPE.get(entry['dtype'])} {list(entry['shape'])}")
 
-    def _unusual(self, path: tuple[Any, ...], t: torch.Tensor, name: str, apply: bool) -> None:
-        """A matching target tensor that is not contiguous, or is an inference tensor: refused
-        here when it cannot be written at all, so that the failure comes before any byte lands."""
-        if t.is_inference() and not torch.is_inference_mode_enabled():
+    def _leaf(self, path: tuple[Any, ...], t: torch.Tensor, name: str, apply: bool) -> None:
+        """``t`` matches stored tensor ``name``: note it as where the bytes land (in place when
+        it takes them as they are), or refuse it now when it cannot be written at all, so that
+        the failure comes before any byte lands. (:meth:`_dict` inlines the common case.)"""
+        if t.is_contiguous() and not (t.is_inference() or t.is_conj() or t.is_neg()) and t.nbytes:
+            ptr = t.data_ptr()
+            self.spans.append((ptr, ptr + t.nbytes, name, t.device, t))
+        elif t.is_inference() and not torch.is_inference_mode_enabled():
             self.problems.append(f"{_apply._p(path)}: the target is an inference tensor (made under "
                                  "torch.inference_mode()) and cannot be written outside it")
+            return
         elif torch._debug_has_internal_overlap(t) == 1:  # (1: MemOverlap.Yes)
             self.problems.append(f"{_apply._p(path)}: the target has elements that share memory (an expanded "
                                  "tensor) and cannot be written")
+            return
+        elif t.is_contiguous() and not (t.is_conj() or t.is_neg()) and t.nbytes:  # (inside inference_mode())
+            ptr = t.data_ptr()
+            self.spans.append((ptr, ptr + t.nbytes, name, t.device, t))
         else:
             self.dests[name] = t
-            if apply:
-                self.steps.append((_COPY, t, name))
+        if apply:
+            self.steps.append((_COPY, t, name))
 
     def _rebuilt(self, node: Any) -> Any:
         """``node`` rebuilt with placeholders: checked as the restore will rebuild it."""
@@ -241,12 +261,8 @@ class _Matcher:
             e = self.index[name]
             if local.dtype != ST_TO_DTYPE.get(e["dtype"]) or local.shape != tuple(e["shape"]):
                 self._mismatch(path, local, e)
-            elif not local.is_contiguous() or local.is_inference():
-                self._unusual(path, local, name, apply)
             else:
-                self.dests[name] = local
-                if apply:
-                    self.steps.append((_COPY, local, name))
+                self._leaf(path, local, name, apply)
             return target  # a DTensor stays a DTensor
         if tag == "$dict":
             if isinstance(target, dict) and target:
@@ -280,7 +296,7 @@ class _Matcher:
         self.problems += [f"{_apply._p((*path, k))}: in the checkpoint but not in the target" for k in unexpected]
         out: dict[Any, Any] = OrderedDict() if node.get("type") == "OrderedDict" else {}
         pending = self.pending
-        index, dests, steps = self.index, self.dests, self.steps
+        index, steps, spans = self.index, self.steps, self.spans
         for k, v in items.items():
             t = target.get(k, _ABSENT)
             if t is _ABSENT:
@@ -292,12 +308,13 @@ class _Matcher:
                     e = index[name]
                     if t.dtype != ST_TO_DTYPE.get(e["dtype"]) or t.shape != tuple(e["shape"]):
                         self._mismatch((*path, k), t, e)
-                    elif not t.is_contiguous() or t.is_inference():
-                        self._unusual((*path, k), t, name, apply)
-                    else:
-                        dests[name] = t
+                    elif t.is_contiguous() and not (t.is_inference() or t.is_conj() or t.is_neg()) and (n := t.nbytes):
+                        ptr = t.data_ptr()
+                        spans.append((ptr, ptr + n, name, t.device, t))
                         if apply:
                             steps.append((_COPY, t, name))
+                    else:
+                        self._leaf((*path, k), t, name, apply)
                     out[k] = t
                     continue
             out[k] = self.match(t, v, (*path, k), apply)
@@ -336,31 +353,48 @@ def match_target(target: Any, skeleton: Any, index: Mapping[str, Any], *, allow_
     result = m.match(target, skeleton, ())
     if m.problems:
         raise StateMismatchError(m.problems)
-    for name in _sharing_memory(m.dests):
-        del m.dests[name]  # loaded apart, then copied in walk order, as apply_target would
-    return TargetPlan(m.dests, result, m.steps, allow_pickle)
+    dests, device = _in_place(m.spans, m.dests)
+    return TargetPlan(dests, device, result, m.steps, allow_pickle)
 
 
-def _sharing_memory(dests: dict[str, torch.Tensor]) -> set[str]:
-    """The names whose target tensors share memory with another's (tied weights, views):
-    landing them in place would write one stored tensor over another, and the loaders'
-    checks of what landed would fail. Conservative for interleaved strided views. (Host and
-    device pointers share one address space in a CUDA process, so they are compared as they
-    are.)"""
-    spans = []
-    for name, t in dests.items():
+_Span = tuple[int, int, str, torch.device, torch.Tensor]  # (first byte, end, name, device, target tensor)
+
+
+def _in_place(spans: list[_Span], rest: dict[str, torch.Tensor]) -> tuple[Dests, torch.device | None]:
+    """The target tensors of ``spans`` that take their stored bytes in place: all of them but
+    any that shares memory with another target tensor (of ``spans`` or ``rest``); and the
+    first CUDA device among all of them.
+
+    Target tensors that share memory (tied weights, views) are all left to be loaded apart
+    and copied in walk order, as apply_target would: landing them in place would write one
+    stored tensor over another, and the loaders' checks of what landed would fail. The
+    check is conservative for interleaved strided views. (Host and device pointers share one
+    address space in a CUDA process, so they are compared as they are.)
+    """
+    devices = {s[3] for s in spans}  # (one, nearly always)
+    every: list[tuple[int, int, str]] = [s[:3] for s in spans]
+    for name, t in rest.items():  # (strided, empty, conjugate, ...) copied at finish; in the check too
         n = t.nbytes
         if n:
             ptr = t.data_ptr()
             if not t.is_contiguous():
-                n = (1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
-            spans.append((ptr, ptr + n, name))
-    spans.sort()
+                n = (1 + sum((d - 1) * st for d, st in zip(t.shape, t.stride(), strict=True))) * t.element_size()
+            every.append((ptr, ptr + n, name))
+    every.sort(key=_FIRST)
     shared: set[str] = set()
     end, owner = -1, ""
-    for begin, stop, name in spans:
+    for begin, stop, name in every:
         if begin < end:
             shared.update((name, owner))
         if stop > end:
             end, owner = stop, name
-    return shared
+    out = Dests({s[2]: s[4] for s in spans if s[2] not in shared} if shared else {s[2]: s[4] for s in spans})
+    if shared and len(devices) > 1:
+        devices = {s[3] for s in spans if s[2] not in shared}
+    out.device = next(iter(devices)) if len(devices) == 1 else None
+    if any(d.type == "cuda" for d in devices):
+        return out, next(s[3] for s in spans if s[3].type == "cuda")
+    return out, next((t.device for t in rest.values() if t.is_cuda), None)
+
+
+_FIRST = itemgetter(0)

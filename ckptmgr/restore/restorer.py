@@ -304,7 +304,7 @@ class Restorer:
             # every difference is reported before a byte lands in the target's tensors
             plan = match_target(target, manifest.state, manifest.tensors, allow_pickle=self.allow_pickle)
             if device is None:
-                device = next((t.device for t in plan.dests.values() if t.is_cuda), None)
+                device = plan.device
         if device is not None and str(device) == "cuda":  # no index: the current device
             device = torch.device("cuda", torch.cuda.current_device())  # compares equal to its tensors' device
         tensors = self._load(source, step, manifest, device or _CPU, loader, images,

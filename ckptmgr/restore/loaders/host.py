@@ -21,7 +21,7 @@ from ...format.checksum import chunk_ranges, crc32c_hex_pieces
 from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import Manifest
 from ..preflight import Source, run_all
-from .landing import Entry, usable_dest
+from .landing import Entry, checked_dests, usable_dest
 
 __all__ = ["Source", "read_tensors", "view_of"]
 
@@ -58,14 +58,15 @@ def _read_file(target: Source, step: int, manifest: Manifest, fname: str,
     header = np.empty(rec.header_size, dtype=np.uint8)
     regions: list[_Region] = [(0, header)]
     pos = rec.header_size
+    checked = checked_dests(dests, _CPU)
     for name, e in sorted(entries, key=lambda item: int(item[1]["offsets"][0])):
         begin, end = (int(x) for x in e["offsets"])
         dtype, shape = _dtype(e["dtype"], where), [int(s) for s in e["shape"]]
         if rec.header_size + begin != pos or end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointCorruptError(f"{where}: tensor {name!r} has bad offsets {[begin, end]}")
-        want = Entry(name, dtype, tuple(shape), begin, end)
-        t = dests[name] if dests is not None and usable_dest(dests.get(name), want, _CPU) else (
-            torch.empty(shape, dtype=dtype))
+        t = dests.get(name) if dests is not None else None
+        if t is None or not (checked or usable_dest(t, Entry(name, dtype, tuple(shape), begin, end), _CPU)):
+            t = torch.empty(shape, dtype=dtype)
         out[name] = t
         regions.append((pos, _as_bytes(t)))
         pos += end - begin

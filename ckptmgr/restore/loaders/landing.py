@@ -26,24 +26,26 @@ without it the restorer verifies first instead.
 from __future__ import annotations
 
 import bisect
+from operator import itemgetter
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["Entry", "Landing", "lands_in_target", "plan_landing", "usable_dest"]
+__all__ = ["Dests", "Entry", "Landing", "checked_dests", "lands_in_target", "plan_landing", "usable_dest"]
 
 _PACK_ALIGN = 64  # each packed run starts on a boundary any dtype accepts
 _MEMCPY_BYTES = 1 << 20  # moves of at least this many bytes are one memcpy each, smaller ones fused
-# Moves copy integers of the same width as the dtype: byte-exact whatever the dtype (a fused
-# copy of bf16 or fp16 goes through float and would rewrite NaN payloads; some dtypes have no
-# fused copy at all).
+# Moves copy every dtype as a dtype whose fused copy keeps every bit: float32 and float64 as
+# themselves (their fused copy computes in the dtype: NaN payloads of float32 measured kept on an
+# H200), the rest as signed integers of their width (a fused copy of bf16 or fp16 goes through float
+# and would rewrite NaN payloads; uint16/32/64, bool and float8 have no exact fused copy, or none).
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_FUSED = frozenset({torch.float32, torch.float64, *_INT_OF_WIDTH.values()})  # moved in fused copies
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed as integers of its element's width (itself for a width without one)."""
-    as_int = _INT_OF_WIDTH.get(t.element_size())
-    return t if as_int is None or t.dtype == as_int else t.view(as_int)
+def _move_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a move of ``dtype`` copies as (itself where no same-width integer exists)."""
+    return dtype if dtype in _FUSED else _INT_OF_WIDTH.get(dtype.itemsize, dtype)
 
 
 class Entry(NamedTuple):
@@ -56,17 +58,43 @@ class Entry(NamedTuple):
     end: int
 
 
+class Dests(dict[str, torch.Tensor]):
+    """Target tensors by stored tensor name, each already checked (by
+    :func:`ckptmgr.restore.match.match_target`) to take its stored tensor's bytes as they are:
+    the stored dtype and shape, contiguous, not a conjugate or negative view, writable, not
+    empty, sharing memory with no other target tensor. ``device`` is the one device they are
+    all on (None: several), where the loaders land them with no second check (of ten thousand
+    tensors, each check costs more than a restore into fresh memory spends on the tensor)."""
+
+    device: torch.device | None = None
+
+
+def checked_dests(dests: dict[str, torch.Tensor] | None, device: torch.device | None) -> bool:
+    """True when every tensor of ``dests`` is known to take its bytes as it is on ``device``."""
+    return type(dests) is Dests and dests.device is not None and dests.device == device
+
+
+_ENTRY_BEGIN = itemgetter(3)  # Entry.begin
+_SPAN_BEGIN = itemgetter(0)  # the file offset a span begins at
+
+
+class _Moves(NamedTuple):
+    """What :meth:`Landing.commit` copies: targets (or same-width views of them) and what landed
+    for them, viewed alike (see :data:`_FUSED`)."""
+
+    fused: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]]  # dtype -> (targets, sources)
+    single: list[tuple[torch.Tensor, torch.Tensor]]  # (target, source): large, or no fused copy
+
+
 class Landing:
     """Spans of one file (absolute file offsets, sorted) and the tensors they produce."""
 
     def __init__(self, spans: list[tuple[int, int, torch.Tensor]],
-                 outputs: list[tuple[Entry, torch.Tensor, bool]],
-                 moves: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None) -> None:
+                 outputs: list[tuple[Entry, torch.Tensor, bool]], moves: _Moves | None = None) -> None:
         self.spans = spans
         self._outputs = outputs  # (entry, raw bytes or the target tensor, is the target)
         self._ends = [e for _, e, _ in spans]
-        # (target, what landed for it, bytes) that commit() copies; owned by the restoring thread
-        self._moves = moves or []
+        self._moves = moves  # what commit() copies, ready to copy; owned by the restoring thread
 
     @property
     def into_target(self) -> bool:
@@ -76,21 +104,16 @@ class Landing:
 
     def commit(self) -> None:
         """Move what landed in spare device memory into the target's tensors (asynchronous on
-        the current stream; a no-op for a plan that lands in place). Call once every chunk
-        of the step has verified."""
-        moves, self._moves = self._moves, []
-        small: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # width -> (targets, sources)
+        the current stream; a no-op for a plan that lands in place, and the second time).
+        Call once every chunk of the step has verified."""
+        moves, self._moves = self._moves, None
+        if moves is None:
+            return
         with torch.no_grad():  # (the targets may be parameters that require grad)
-            for d, s, nbytes in moves:
-                width = d.element_size()
-                if nbytes >= _MEMCPY_BYTES or width not in _INT_OF_WIDTH:  # large: one device memcpy each
-                    _bits(d).copy_(_bits(s), non_blocking=True)  # (as fused byte-wise copies, 4.8 GB took
-                else:  # 41 ms on an H200)
-                    dst, src = small.setdefault(width, ([], []))
-                    dst.append(_bits(d))
-                    src.append(_bits(s))
-            for dst, src in small.values():  # small: fused, one kernel launch per ~100 tensors of a width
-                torch._foreach_copy_(dst, src, non_blocking=True)
+            for d, s in moves.single:  # large: one device memcpy each (as fused byte-wise copies,
+                d.copy_(s, non_blocking=True)  # 4.8 GB took 41 ms on an H200)
+            for dsts, srcs in moves.fused.values():  # small: one kernel launch per ~100 tensors of a dtype
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The file's tensors, in file order; call once every byte has landed."""
@@ -134,7 +157,11 @@ def usable_dest(t: torch.Tensor | None, entry: Entry, device: torch.device | Non
 
 def lands_in_target(entries: list[Entry], dests: dict[str, torch.Tensor] | None, device: torch.device) -> bool:
     """True when a landing plan for ``entries`` would write into any of ``dests``' tensors."""
-    return dests is not None and any(usable_dest(dests.get(e.name), e, device) for e in entries)
+    if not dests:
+        return False
+    if checked_dests(dests, device):
+        return any(e.name in dests for e in entries)
+    return any(usable_dest(dests.get(e.name), e, device) for e in entries)
 
 
 def plan_landing(entries: list[Entry], data_start: int, data_len: int, device: torch.device,
@@ -151,25 +178,35 @@ def plan_landing(entries: list[Entry], data_start: int, data_len: int, device: t
     Raises:
         torch.OutOfMemoryError: ``through_device`` and no room on the device for the step.
     """
-    entries = sorted(entries, key=lambda e: e.begin)
-    direct = {e.name: dests[e.name] for e in entries
-              if dests is not None and usable_dest(dests.get(e.name), e, device)}
+    entries = sorted(entries, key=_ENTRY_BEGIN)
+    direct: dict[str, torch.Tensor] = {}  # name -> the target tensor it lands in
+    hits: list[Entry] = []  # their entries
+    rest: list[Entry] = []  # the entries that land in fresh memory
+    if dests:
+        checked = checked_dests(dests, device)
+        for e in entries:
+            t = dests.get(e.name)
+            if t is not None and (checked or usable_dest(t, e, device)):
+                direct[e.name] = t
+                hits.append(e)
+            else:
+                rest.append(e)
     if not direct:
         region = torch.empty(data_len, dtype=torch.uint8, device=device)
         return Landing([(data_start, data_start + data_len, region)] if data_len else [],
                        [(e, region[e.begin:e.end], False) for e in entries])
-    fresh = _pack([e for e in entries if e.name not in direct], device)
+    fresh = _pack(rest, device)
     spans = [(data_start + b, data_start + e, dst) for b, e, dst in fresh.spans]
-    moves: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+    moves = None
     if through_device:  # the targets' entries, in runs of their own spare memory
-        staged = _pack([e for e in entries if e.name in direct], device, raw=False)
+        staged = _pack(hits, device, raw=False)
         spans += [(data_start + b, data_start + e, dst) for b, e, dst in staged.spans]
         moves = _moves(staged, direct)
     else:
-        spans += [(data_start + e.begin, data_start + e.end, _as_bytes(direct[e.name]))
-                  for e in entries if e.name in direct]
-    spans.sort(key=lambda s: s[0])
-    return Landing(spans, [(e, direct[e.name], True) if e.name in direct else (e, fresh.raw[e.name], False)
+        spans += [(data_start + e.begin, data_start + e.end, _as_bytes(direct[e.name])) for e in hits]
+    spans.sort(key=_SPAN_BEGIN)
+    raw = fresh.raw
+    return Landing(spans, [(e, raw[e.name], False) if e.name in raw else (e, direct[e.name], True)
                            for e in entries], moves)
 
 
@@ -209,27 +246,48 @@ def _pack(entries: list[Entry], device: torch.device, *, raw: bool = True) -> _P
     return _Packed(spans, raws, memory)
 
 
-def _moves(staged: _Packed, direct: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """(target, the bytes landed for it as a tensor of the target's dtype and shape, bytes)
-    for every entry of ``staged``: each run of neighbours of one dtype is viewed as that dtype
-    and split in one call (ten thousand small tensors cost one call, not three views each)."""
-    out: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+def _moves(staged: _Packed, direct: dict[str, torch.Tensor]) -> _Moves:
+    """The copies from ``staged`` into the targets ``direct``, in one pass: each run of file
+    neighbours of one dtype is viewed as its move dtype (:func:`_move_dtype`) and split in one
+    call, and each target is moved as itself where that is its own dtype (ten thousand small
+    float32 tensors cost no view at all; bf16 ones one view each)."""
+    fused: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    single: list[tuple[torch.Tensor, torch.Tensor]] = []
     for run, mem in staged.runs:
-        i, rb = 0, run[0].begin
-        while i < len(run):
+        i, n, rb, base = 0, len(run), run[0].begin, mem.storage_offset()
+        while i < n:
             dtype, j = run[i].dtype, i + 1
-            while j < len(run) and run[j].dtype == dtype:
+            while j < n and run[j].dtype == dtype:
                 j += 1
             group, size = run[i:j], dtype.itemsize
             b, e = group[0].begin - rb, group[-1].end - rb
-            if (mem.storage_offset() + b) % size:  # a foreign file's unaligned tensor: moved as bytes
-                out += [(_as_bytes(direct[x.name]), mem[x.begin - rb:x.end - rb], x.end - x.begin) for x in group]
-            else:
-                views = mem[b:e].view(dtype).split_with_sizes([(x.end - x.begin) // size for x in group])
-                for x, v in zip(group, views, strict=True):
-                    out.append((direct[x.name], v if len(x.shape) == 1 else v.view(x.shape), x.end - x.begin))
             i = j
-    return out
+            if (base + b) % size:  # a foreign file's unaligned tensor: moved as bytes
+                single += [(_as_bytes(direct[x.name]), mem[x.begin - rb:x.end - rb]) for x in group]
+                continue
+            move = _move_dtype(dtype)
+            counts = [(x.end - x.begin) // size for x in group]
+            srcs = list(mem[b:e].view(move).split_with_sizes(counts))
+            dsts = [direct[x.name] for x in group]
+            if move is not dtype:
+                dsts = [d.view(move) for d in dsts]  # (same width: same shape)
+            if any(len(x.shape) != 1 for x in group):
+                srcs = [v if len(x.shape) == 1 else v.view(x.shape) for x, v in zip(group, srcs, strict=True)]
+            if move not in _FUSED:
+                single += zip(dsts, srcs, strict=True)
+            elif max(counts) * size < _MEMCPY_BYTES:  # (the common case: all of them small)
+                lists = fused.setdefault(move, ([], []))
+                lists[0].extend(dsts)
+                lists[1].extend(srcs)
+            else:
+                lists = fused.setdefault(move, ([], []))
+                for d, v, c in zip(dsts, srcs, counts, strict=True):
+                    if c * size >= _MEMCPY_BYTES:
+                        single.append((d, v))
+                    else:
+                        lists[0].append(d)
+                        lists[1].append(v)
+    return _Moves({k: v for k, v in fused.items() if v[0]}, single)
 
 
 def _view(raw: torch.Tensor, e: Entry) -> torch.Tensor:
