@@ -293,7 +293,9 @@ def _bit_patterns() -> dict[str, torch.Tensor]:
         "bf": bits([0x7F81, 0xFFC1, 0x7FC0, 0x0001], torch.bfloat16, 2),
         "bf2": bits([0xFF81, 0x7FFF], torch.bfloat16, 2),
         "h": bits([0x7C01, 0xFE01, 0x3C00, 0x0001], torch.float16, 2),
-        "f": bits([0x7F800001, 0xFFC00001], torch.float32, 4),
+        "f": bits([0x7F800001, 0xFFC00001, 0x00000001, 0x80000000, 0x807FFFFF], torch.float32, 4),
+        "d": torch.tensor([0x7FF0000000000001, 0x7FF8000000000001, 1, -(1 << 63)],
+                          dtype=torch.int64).view(torch.float64),
         "u16": torch.arange(7, dtype=torch.int32).to(torch.uint16),
         "u32": torch.arange(5, dtype=torch.int64).to(torch.uint32),
         "u32b": torch.arange(9, dtype=torch.int64).to(torch.uint32),
@@ -306,12 +308,14 @@ def _bit_patterns() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("device", _DEVICES)
-@pytest.mark.parametrize("names", ["bf,bf2", "h", "f", "u32,u32b", "u16,u64", "bf,h,f,u16,u32,u64,b,f8,c,large"])
+@pytest.mark.parametrize("names", ["bf,bf2", "h", "f", "d", "u32,u32b", "u16,u64",
+                                   "bf,h,f,d,u16,u32,u64,b,f8,c,large"])
 def test_moves_through_spare_memory_keep_every_bit(device, names):
-    """NaN payloads of bf16, fp16 and fp32 survive the fused copy at commit (it copies
-    integers of the same width; a fused float copy of one dtype may go through float and
-    rewrite them), and dtypes without a fused copy (uint16/32/64, bool, fp8, complex) move
-    too: files of one dtype (one fused copy) and a mixed one, small tensors and a large one."""
+    """NaN payloads, subnormals and negative zeros survive the fused copies at commit: bf16
+    and fp16 move as integers of the same width (a fused copy of theirs goes through float and
+    rewrites NaN payloads), fp32 and fp64 as themselves (their fused copy computes in the
+    dtype); dtypes without a fused copy (uint16/32/64, bool, fp8, complex) move too: files of
+    one dtype (one fused copy) and a mixed one, small tensors and a large one."""
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else CPU  # (as a restore names it)
     patterns = _bit_patterns()
     tensors = {n: patterns[n] for n in names.split(",")}
