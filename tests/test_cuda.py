@@ -292,4 +292,3 @@ def test_an_adopted_tier_slot_lands_in_the_gpu_target_in_place_and_a_damaged_one
                 for k, v in state.items():
                     assert torch.equal(target[k], v), k
                 mgr.wait(timeout=60)
-

@@ -192,18 +192,15 @@ class _Matcher:
         """``t`` matches stored tensor ``name``: note it as where the bytes land (in place when
         it takes them as they are), or refuse it now when it cannot be written at all, so that
         the failure comes before any byte lands. (:meth:`_dict` inlines the common case.)"""
-        if t.is_contiguous() and not (t.is_inference() or t.is_conj() or t.is_neg()) and t.nbytes:
-            ptr = t.data_ptr()
-            self.spans.append((ptr, ptr + t.nbytes, name, t.device, t))
-        elif t.is_inference() and not torch.is_inference_mode_enabled():
+        if t.is_inference() and not torch.is_inference_mode_enabled():
             self.problems.append(f"{_apply._p(path)}: the target is an inference tensor (made under "
                                  "torch.inference_mode()) and cannot be written outside it")
             return
-        elif torch._debug_has_internal_overlap(t) == 1:  # (1: MemOverlap.Yes)
+        if torch._debug_has_internal_overlap(t) == 1:  # (1: MemOverlap.Yes; never for a contiguous one)
             self.problems.append(f"{_apply._p(path)}: the target has elements that share memory (an expanded "
                                  "tensor) and cannot be written")
             return
-        elif t.is_contiguous() and not (t.is_conj() or t.is_neg()) and t.nbytes:  # (inside inference_mode())
+        if t.is_contiguous() and not (t.is_conj() or t.is_neg()) and t.nbytes:
             ptr = t.data_ptr()
             self.spans.append((ptr, ptr + t.nbytes, name, t.device, t))
         else:

@@ -117,26 +117,25 @@ class StagingJob:
         self.safe_at: float | None = self.finished_at
 
     def _copies(self) -> _Enqueued | None:
-        """What was enqueued, once it all is (None before; raises the feeder's error)."""
-        if not self._enqueued.done():
-            return None
-        return self._enqueued.result()
+        """What was enqueued, once all of it is; None before that and when the feeder failed
+        (``_wait_enqueued`` raises its error)."""
+        f = self._enqueued
+        return f.result() if f.done() and f.exception() is None else None
+
+    def _failed(self) -> bool:
+        return self._enqueued.done() and self._enqueued.exception() is not None
 
     def done(self) -> bool:
         """True when every copy has landed (or failed)."""
-        if self.finished_at is not None:
-            return True
-        if self._enqueued.done() and self._enqueued.exception() is not None:
+        if self.finished_at is not None or self._failed():
             return True
         e = self._copies()
         return e is not None and all(f.done() for f in e.futures) and (e.done is None or e.done.query())
 
     def safe(self) -> bool:
         """True when every copy has read its source: the state may be changed."""
-        if self.safe_at is not None:
+        if self.safe_at is not None or self._failed():
             return True
-        if self._enqueued.done() and self._enqueued.exception() is not None:
-            return self.done()
         e = self._copies()
         if e is None:
             return False
