@@ -30,6 +30,7 @@ from manifest_tools import signed_bytes
 from ckptmgr import CheckpointManager, CkptError, StagingOptions, WriteOptions
 
 NO_TIER = StagingOptions(local_tier=False)
+LOADERS = ["host", "ring", "ring-cold", "inplace"]
 CI = settings(max_examples=150, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 SLOW = settings(max_examples=3000, deadline=None, database=None,
@@ -96,8 +97,24 @@ def _target() -> dict[str, Any]:
             "py": s["py"], "dtype": torch.float32, "epoch": 0}
 
 
+def _evict(root: Root) -> None:
+    """Out of the page cache, so that the ring reads the files as a queue of direct reads."""
+    for dirpath, _, names in os.walk(root.path):
+        for n in names:
+            fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def _restore(root: Root, step: int | None, loader: str, into_target: bool) -> Any:
-    """Restore, checking the all-or-nothing promise: a failure leaves the target untouched."""
+    """Restore, checking the all-or-nothing promise: a failure leaves the target untouched.
+    ``"ring-cold"``: the ring, with the files out of the page cache first."""
+    if loader == "ring-cold":
+        _evict(root)
+        loader = "ring"
     target = _target() if into_target else None
     try:
         with warnings.catch_warnings():
@@ -162,7 +179,7 @@ def _fuzz_bytes(root: Root, data: st.DataObject) -> None:
     if changed == root.original[name]:
         return
     root.write(name, changed)
-    loader = data.draw(st.sampled_from(["host", "ring", "inplace"]), label="loader")
+    loader = data.draw(st.sampled_from(LOADERS), label="loader")
     _check_exact_or_error(root, loader, data.draw(st.booleans(), label="into_target"))
 
 
@@ -226,7 +243,7 @@ def _fuzz_structure(root: Root, data: st.DataObject) -> None:
     except (ValueError, RecursionError):
         return
     root.write("manifest.json", raw)
-    loader = data.draw(st.sampled_from(["host", "ring", "inplace"]), label="loader")
+    loader = data.draw(st.sampled_from(LOADERS), label="loader")
     into_target = data.draw(st.booleans(), label="into_target")
     for step in (2, None):
         with contextlib.suppress(CkptError):
@@ -254,7 +271,7 @@ def _fuzz_unsigned(root: Root, data: st.DataObject) -> None:
     raw = json.dumps(obj, indent=1).encode()
     changed = _mutate(raw, data.draw(st.lists(mutation, min_size=1, max_size=3), label="ops"))
     root.write("manifest.json", changed)
-    loader = data.draw(st.sampled_from(["host", "ring", "inplace"]), label="loader")
+    loader = data.draw(st.sampled_from(LOADERS), label="loader")
     for step in (2, None):
         with contextlib.suppress(CkptError):
             _restore(root, step, loader, data.draw(st.booleans(), label="into_target"))
@@ -275,7 +292,7 @@ def test_damaged_unchecksummed_manifests_raise_only_ckpt_errors_long(fuzz_root, 
 
 def test_the_fuzz_root_restores_exactly_when_undamaged(fuzz_root):
     fuzz_root.reset()
-    for loader in ("host", "ring", "inplace"):
+    for loader in LOADERS:
         for into_target in (False, True):
             out = _restore(fuzz_root, 2, loader, into_target)
             assert_tree_equal(_plain(out), _plain(_state(2)))

@@ -12,8 +12,10 @@ and marking follow none. The root itself may be a link (the user named it).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
+import mmap
 import os
 import posixpath
 import stat
@@ -24,8 +26,8 @@ import numpy as np
 
 from ..errors import CheckpointCorruptError
 
-__all__ = ["DIRECT_ALIGN", "NOT_REGULAR", "fsync_dir", "open_dir", "open_regular", "pread_chunk", "preadv_into",
-           "pwrite_all", "remove_ours", "sibling", "stat_regular"]
+__all__ = ["DIRECT_ALIGN", "NOT_REGULAR", "DirectFile", "fsync_dir", "open_dir", "open_direct", "open_regular",
+           "pread_chunk", "preadv_into", "pwrite_all", "remove_ours", "sibling", "stat_regular"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -34,7 +36,6 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _DIRECT = getattr(os, "O_DIRECT", 0)
-_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024  # buffers per readv call
 DIRECT_ALIGN = 4096  # offset, length and address alignment this module uses for O_DIRECT reads
 NOT_REGULAR = "is not a regular file (a symbolic link, directory, FIFO or device); ckptmgr reads only regular files"
@@ -179,7 +180,7 @@ def preadv_into(path: str, offset: int, out: list[np.ndarray[Any, Any]], *, dir_
 
 def pread_chunk(path: str, offset: int, buf: np.ndarray[Any, Any], length: int, *, dir_fd: int | None = None) -> str:
     """Fill ``buf[:length]`` with the regular file ``path``'s bytes from ``offset``: a chunk
-    whose last page is in the page cache is copied from it (``"cached"``), any other is read
+    mostly in the page cache is copied from it (``"cached"``), any other is read
     with ``O_DIRECT`` straight into ``buf`` (``"direct"``: no page-cache copy and no cache
     pollution, as fast readers of cold files do), with plain reads where the filesystem
     refuses it (tmpfs, some NFS) or the alignment does not allow it (``"buffered"``).
@@ -199,8 +200,7 @@ def pread_chunk(path: str, offset: int, buf: np.ndarray[Any, Any], length: int, 
         how = "buffered"
         if (_DIRECT and length and offset % DIRECT_ALIGN == 0 and buf.ctypes.data % DIRECT_ALIGN == 0
                 and buf.size >= -(-length // DIRECT_ALIGN) * DIRECT_ALIGN):
-            last = (length - 1) // DIRECT_ALIGN * DIRECT_ALIGN  # (the first may hold a header just read)
-            how = "cached" if _page_cached(fd, view[last:], offset + last) else "direct"
+            how = "cached" if _mostly_cached(fd, offset, length) else "direct"
         if how == "direct":
             done, how = _read_direct(fd, view, offset, length)
         while done < length:
@@ -213,16 +213,111 @@ def pread_chunk(path: str, offset: int, buf: np.ndarray[Any, Any], length: int, 
         os.close(fd)
 
 
-def _page_cached(fd: int, view: memoryview, offset: int) -> bool:
-    """Whether the page at ``offset`` is in the page cache (read into ``view`` without waiting).
-    One page only: a miss of a larger non-waiting read may start readahead, whose bytes a
-    direct read would then fetch a second time. True where the kernel cannot tell."""
-    if not _NOWAIT:
-        return True
+class DirectFile:
+    """A regular file open for ``O_DIRECT`` reads of aligned blocks (see :func:`open_direct`),
+    read from any number of threads at once. Falls back to plain reads, for good, where the
+    filesystem refuses a direct read after accepting the open."""
+
+    def __init__(self, plain: int, direct: int, where: str) -> None:
+        self.where = where
+        self._plain = plain  # both descriptors are owned by this object until close()
+        self._direct = direct
+        self._fallback = False  # set once, by the first refused read; a stale read of it costs one retry
+
+    def read(self, offset: int, view: memoryview, length: int) -> None:
+        """Fill ``view[:length]`` with the bytes from ``offset`` (a multiple of
+        :data:`DIRECT_ALIGN`, as is ``view``'s address); ``view`` may be written up to
+        ``length`` rounded up to :data:`DIRECT_ALIGN`.
+
+        Raises:
+            CheckpointCorruptError: the file ended before ``offset + length``.
+        """
+        done = 0
+        if not self._fallback:
+            end = -(-length // DIRECT_ALIGN) * DIRECT_ALIGN
+            try:
+                while done < length:
+                    n = os.preadv(self._direct, [view[done:end]], offset + done)
+                    if n <= 0 or (n % DIRECT_ALIGN and done + n < length):
+                        raise CheckpointCorruptError(f"{self.where} ended early, at byte {offset + done + max(n, 0)}")
+                    done += n
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._fallback = True  # refused here: plain reads from where it stopped
+        while done < length:
+            n = os.preadv(self._plain, [view[done:length]], offset + done)
+            if n == 0:
+                raise CheckpointCorruptError(f"{self.where} ended early, at byte {offset + done}")
+            done += n
+
+    def close(self) -> None:
+        os.close(self._direct)
+        os.close(self._plain)
+
+
+def open_direct(path: str, *, dir_fd: int | None = None, where: str | None = None) -> DirectFile | None:
+    """Regular file ``path`` (checked as :func:`open_regular` does) open for direct reads; or
+    ``None`` where most of it is in the page cache (copying from there is faster than reading
+    the device again) or the filesystem refuses ``O_DIRECT`` (tmpfs, some network
+    filesystems).
+
+    Raises:
+        FileNotFoundError: it does not exist.
+        CheckpointCorruptError: it is not a regular file, or a link out of its directory.
+    """
+    where = where or path
+    if not _DIRECT:
+        return None
+    fd = open_regular(path, dir_fd=dir_fd, where=where)
     try:
-        return os.preadv(fd, [view[:DIRECT_ALIGN]], offset, _NOWAIT) > 0
-    except OSError as exc:  # EAGAIN: not cached; EOPNOTSUPP and others: read it plainly
-        return exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK)
+        size = os.fstat(fd).st_size
+        if size == 0 or _mostly_cached(fd, 0, size):
+            os.close(fd)
+            return None
+        direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | _DIRECT | _CLOEXEC)  # the file just checked
+    except OSError:  # O_DIRECT refused (or no /proc): the caller reads through the page cache
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return DirectFile(fd, direct, where)
+
+
+def _libc_mincore() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MINCORE = _libc_mincore()
+
+
+def _mostly_cached(fd: int, offset: int, length: int) -> bool:
+    """Whether at least half the pages of bytes ``[offset, offset + length)`` (``offset`` a
+    multiple of the page size) are in the page cache, as ``mincore`` tells of a mapping of
+    them: nothing is read, so asking never brings a page in (a non-waiting read that misses
+    starts readahead, and the next ask would find the pages it brought). False where it
+    cannot be told."""
+    if _MINCORE is None or length <= 0 or offset % mmap.PAGESIZE:
+        return False
+    try:
+        with mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset) as mapped:
+            view = np.frombuffer(mapped, dtype=np.uint8)
+            address = view.ctypes.data
+            del view  # (the mapping closes only once nothing exports it)
+            pages = np.zeros(-(-length // mmap.PAGESIZE), dtype=np.uint8)
+            if _MINCORE(address, length, pages.ctypes.data) != 0:
+                return False
+            return bool(np.count_nonzero(pages & 1) * 2 >= pages.size)
+    except (OSError, ValueError):  # a file shorter than the range, an unmappable file
+        return False
 
 
 def _read_direct(fd: int, view: memoryview, offset: int, length: int) -> tuple[int, str]:

@@ -1,0 +1,301 @@
+"""Cold restore onto the GPU: fastsafetensors, ckptmgr, and prototypes of two read patterns
+with the whole restore's work (O_DIRECT reads into pinned buffers, CRC32C of each 16 MiB
+chunk, host-to-device copy), each in a fresh process after dropping the page cache.
+
+    python prof_tmp/cold_window.py DIR OUT.json ROUNDS
+    python prof_tmp/cold_window.py child MODE STEP_DIR   (internal)
+
+proto-chunk T: a task per 16 MiB chunk (one O_DIRECT read of the chunk), T threads = today's ring.
+proto-window T B N: one FIFO of B-byte O_DIRECT blocks in file order, T threads take the next;
+   N chunk buffers; the thread that reads a chunk's last block checks it and copies it.
+"""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+K = 1024
+ALIGN = 4096
+CUDA = os.environ.get("CW_CPU") is None
+
+
+def pinned(n):
+    import torch
+    if CUDA:
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    raw = torch.empty(n + 4096, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 4096
+    return raw[skip:skip + n]
+
+
+def copy(s, dst, src):
+    import torch
+    if s is None:
+        dst.copy_(src)
+        return
+    with torch.cuda.stream(s):
+        dst.copy_(src, non_blocking=True)
+    s.synchronize()
+
+
+def child(mode, step_dir):
+    import torch
+    if CUDA:
+        torch.cuda.init()
+        torch.empty(1, device="cuda")
+    files = sorted(os.path.join(step_dir, n) for n in os.listdir(step_dir) if n.endswith(".safetensors"))
+    if mode == "fst":
+        import fastsafetensors  # noqa: F401  (imports before the clock starts, as bench_restore.py does)
+    elif mode.startswith("ckptmgr"):
+        import ckptmgr  # noqa: F401
+    t = time.perf_counter()
+    first = [None]
+    if mode == "fst":
+        from fastsafetensors import fastsafe_open
+        f = fastsafe_open(files, device="cuda:0", nogds=True)
+        f.__enter__()
+        out = {k: f.get_tensor(k) for k in f}
+    elif mode.startswith("ckptmgr"):
+        opts = dict(kv.split("=") for kv in mode.split()[1:])
+        import ckptmgr.manager as mm
+        if "T" in opts:
+            orig_ring = mm.PinnedRing
+            mm.PinnedRing = lambda threads, slot: orig_ring(int(opts["T"]), slot)
+        import ckptmgr.storage.posix as px
+        if opts.get("probe") == "0":
+            px._page_cached = lambda fd, view, off: False
+        import ckptmgr.storage.local as lc
+        orig_pc = lc.pread_chunk
+
+        def pc(*a, **k):
+            if first[0] is None:
+                first[0] = time.perf_counter()
+            return orig_pc(*a, **k)
+        lc.pread_chunk = pc
+        import ckptmgr.restore.loaders.ring as rg
+        from ckptmgr import CheckpointManager, StagingOptions
+        marks = []
+        orig_buf = rg.PinnedRing.buffer
+
+        def buffer(self, i):
+            a = time.perf_counter()
+            r = orig_buf(self, i)
+            marks.append(("buffer", a - t, time.perf_counter() - t))
+            return r
+        rg.PinnedRing.buffer = buffer
+        orig_plan = rg._plan_all
+
+        def plan_all(*a, **k):
+            x = time.perf_counter()
+            r = orig_plan(*a, **k)
+            marks.append(("plan_all", x - t, time.perf_counter() - t))
+            return r
+        rg._plan_all = plan_all
+        prof = None
+        if opts.get("prof"):
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
+        with CheckpointManager(os.path.dirname(step_dir), staging=StagingOptions(local_tier=False)) as m:
+            marks.append(("opened", time.perf_counter() - t))
+            out = m.restore(int(step_dir.rsplit("_", 1)[1]), device="cuda" if CUDA else "cpu")
+            marks.append(("restored", time.perf_counter() - t))
+        marks.append(("closed", time.perf_counter() - t))
+        if prof is not None:
+            prof.disable()
+            import io
+            import pstats
+            sio = io.StringIO()
+            pstats.Stats(prof, stream=sio).sort_stats("cumulative").print_stats(45)
+            sys.stderr.write(sio.getvalue())
+        sys.stderr.write("MARKS " + json.dumps(marks[:6] + marks[-4:]) + "\n")
+    else:
+        out = proto(mode, step_dir, files, first)
+    if CUDA:
+        torch.cuda.synchronize()
+    took = time.perf_counter() - t
+    n = sum(v.numel() * v.element_size() for v in out.values())
+    return {"s": took, "bytes": n, "first_read": first[0] - t if first[0] else None}
+
+
+def proto(mode, step_dir, files, first):
+    import crc32c
+    import torch
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        man = json.load(f)
+    recs = {os.path.join(step_dir, k): v for k, v in man["files"].items()}
+    parts = mode.split()
+    kind, T = parts[0], int(parts[1])
+    chunk = 16 << 20
+    dev = {p: torch.empty(recs[p]["size"], dtype=torch.uint8, device="cuda" if CUDA else "cpu") for p in files}
+    fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in files}
+    chunks = [(p, b, min(b + chunk, recs[p]["size"]), i) for p in files
+              for i, b in enumerate(range(0, recs[p]["size"], chunk))]
+    bad = []
+    from concurrent.futures import ThreadPoolExecutor
+
+    if kind == "proto-chunk":
+        bufs = [None] * T
+        streams = [torch.cuda.Stream() if CUDA else None for _ in range(T)]
+        local = threading.local()
+        ids = iter(range(T))
+        mu = threading.Lock()
+
+        def task(c):
+            if not hasattr(local, "i"):
+                with mu:
+                    local.i = next(ids)
+                bufs[local.i] = pinned(chunk)
+            if first[0] is None:
+                first[0] = time.perf_counter()
+            p, b, e, n = c
+            buf = bufs[local.i]
+            mv = memoryview(buf.numpy())
+            ln = -(-(e - b) // ALIGN) * ALIGN
+            got = 0
+            while got < e - b:
+                r = os.preadv(fds[p], [mv[got:ln]], b + got)
+                if r <= 0:
+                    raise RuntimeError("short")
+                got += r
+            crc = crc32c.crc32c(buf.numpy()[:e - b], 0, 1)
+            if f"{crc:08x}" != recs[p]["crc32c"][n]:
+                bad.append(c)
+            s = streams[local.i]
+            copy(s, dev[p][b:e], buf[:e - b])
+
+        with ThreadPoolExecutor(T, thread_name_prefix="r") as pool:
+            list(pool.map(task, chunks))
+    else:
+        B, N = int(parts[2]) * K, int(parts[3])
+        blocks = [(ci, o) for ci, (p, b, e, n) in enumerate(chunks) for o in range(b, e, B)]
+        left = [0] * len(chunks)
+        for ci, _ in blocks:
+            left[ci] += 1
+        mu = threading.Lock()
+        cond = threading.Condition(mu)
+        free = list(range(N))
+        bufs = [None] * N
+        streams = [torch.cuda.Stream() if CUDA else None for _ in range(N)]
+        slot_of = {}
+        pos = [0]
+
+        def worker():
+            while True:
+                with mu:
+                    if pos[0] >= len(blocks):
+                        return
+                    ci, o = blocks[pos[0]]
+                    pos[0] += 1
+                    if ci not in slot_of:
+                        while not free:
+                            cond.wait(60)
+                        slot_of[ci] = free.pop()
+                    si = slot_of[ci]
+                    if bufs[si] is None:
+                        bufs[si] = pinned(chunk)
+                    buf = bufs[si]
+                if first[0] is None:
+                    first[0] = time.perf_counter()
+                p, b, e, n = chunks[ci]
+                end = min(o + B, e)
+                ln = -(-(end - o) // ALIGN) * ALIGN
+                mv = memoryview(buf.numpy())
+                os.preadv(fds[p], [mv[o - b:o - b + ln]], o)
+                with mu:
+                    left[ci] -= 1
+                    last = left[ci] == 0
+                if not last:
+                    continue
+                crc = crc32c.crc32c(buf.numpy()[:e - b], 0, 1)
+                if f"{crc:08x}" != recs[p]["crc32c"][n]:
+                    bad.append(chunks[ci])
+                s = streams[si]
+                copy(s, dev[p][b:e], buf[:e - b])
+                with mu:
+                    del slot_of[ci]
+                    free.append(si)
+                    cond.notify()
+
+        ths = [threading.Thread(target=worker) for _ in range(T)]
+        for x in ths:
+            x.start()
+        for x in ths:
+            x.join()
+    for fd in fds.values():
+        os.close(fd)
+    if bad:
+        raise SystemExit(f"bad chunks {bad[:3]}")
+    return dev
+
+
+def drop(files):
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        pass
+
+
+MODES = ["fst", "ckptmgr", "proto-chunk 12", "proto-chunk 16", "proto-window 16 512 4", "proto-window 16 512 8",
+         "proto-window 16 1024 6", "proto-window 32 512 6", "proto-window 12 2048 6"]
+
+
+def main():
+    if sys.argv[1] == "child":
+        print("RESULT " + json.dumps(child(sys.argv[2], sys.argv[3])))
+        return
+    d, out, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    modes = sys.argv[4].split(",") if len(sys.argv) > 4 else MODES
+    import shutil
+    sys.path.insert(0, "benchmarks")
+    from bench_staging import make_state
+
+    from ckptmgr import CheckpointManager, StagingOptions
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    state = make_state(float(os.environ.get("CW_GIB", "4")), "cpu", n_tensors=150)
+    with CheckpointManager(os.path.join(d, "root"), staging=StagingOptions(local_tier=False)) as m:
+        m.save(1, state).result()
+    del state
+    step_dir = os.path.join(d, "root", "step_000000000001")
+    files = sorted(os.path.join(step_dir, n) for n in os.listdir(step_dir) if n.endswith(".safetensors"))
+    size = sum(os.path.getsize(p) for p in files)
+    print(f"{len(files)} files {size / 1e9:.2f} GB", flush=True)
+    res = {}
+    for r in range(rounds):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        if r % 2:
+            order = order[::-1]
+        for mode in order:
+            drop(files)
+            p = subprocess.run([sys.executable, __file__, "child", mode, step_dir], capture_output=True, text=True,
+                               timeout=120)
+            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+            if os.environ.get("CW_ERR"):
+                print(p.stderr[-int(os.environ["CW_ERR"]):], flush=True)
+            if not line:
+                print(f"  {mode}: failed {p.stderr[-600:]}", flush=True)
+                continue
+            x = json.loads(line[0][7:])
+            res.setdefault(mode, []).append(x)
+            fr = f" first read {x['first_read']*1e3:.0f} ms" if x.get("first_read") else ""
+            print(f"  r{r} {mode:26s} {x['s']:.3f} s = {size / x['s'] / 1e9:.2f} GB/s{fr}", flush=True)
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+    print("median s (GB/s) [runs]:")
+    for k, v in sorted(res.items(), key=lambda kv: sorted(x["s"] for x in kv[1])[len(kv[1]) // 2]):
+        s = sorted(x["s"] for x in v)
+        med = s[len(s) // 2]
+        print(f"  {k:26s} {med:.3f} ({size / med / 1e9:.2f})  {[round(x['s'], 3) for x in v]}")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

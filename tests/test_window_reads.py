@@ -1,0 +1,249 @@
+"""Cold local files read as one queue of direct reads in file order: exact results through a
+few shared buffers, every chunk verified, the earliest bad chunk named, every buffer back
+after a failure, and several restores at once. Real files, evicted from the page cache."""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import ckptmgr.restore.restorer as restorer_mod
+from ckptmgr import CheckpointCorruptError, CheckpointManager, CkptTimeoutError, StagingOptions, WriteOptions
+from ckptmgr.restore.loaders import PinnedRing
+from ckptmgr.restore.loaders.window import BLOCK
+from ckptmgr.storage.posix import DIRECT_ALIGN, open_direct
+
+NO_TIER = StagingOptions(local_tier=False)
+CHUNK = 2 * BLOCK + 3 * DIRECT_ALIGN  # three reads per chunk, the last a short one
+SMALL = WriteOptions(chunk_size=CHUNK, max_file_bytes=6 << 20)  # several files of several chunks
+
+
+def _evict(root: str, step: str = "*") -> None:
+    for path in glob.glob(os.path.join(root, f"step_{step}", "*")):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _direct_ok(root: str) -> bool:
+    path = glob.glob(os.path.join(root, "step_*", "data-*"))[0]
+    try:
+        os.close(os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
+    except OSError:
+        return False
+    return hasattr(os, "O_DIRECT")
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {f"w{i}": torch.randn(700_000 + 997 * i, generator=g) for i in range(6)}
+    out["half"] = torch.randn(3, 5001, generator=g).bfloat16()
+    out["ids"] = torch.arange(12_345, dtype=torch.int64)
+    return out
+
+
+def _all_buffers_back(ring: PinnedRing) -> None:
+    with ring.lease_many(ring.slots, timeout=5):
+        pass
+
+
+@pytest.fixture
+def windowed(monkeypatch):
+    """How many files each restore read through the queue of direct reads."""
+    counts: list[int] = []
+    real = restorer_mod.read_tensors_ring.__globals__["_open_cold"]
+
+    def counted(*a, **k):
+        cold = real(*a, **k)
+        counts.append(len(cold))
+        return cold
+    monkeypatch.setitem(restorer_mod.read_tensors_ring.__globals__, "_open_cold", counted)
+    return counts
+
+
+def test_a_cold_step_of_many_chunks_restores_exactly_through_few_buffers(tmp_path, windowed):
+    root = str(tmp_path / "ckpt")
+    state = _state(1)
+    with CheckpointManager(root, staging=NO_TIER, write_options=SMALL) as mgr:
+        mgr.save(1, state).result()
+        files = glob.glob(os.path.join(root, "step_*", "data-*"))
+        assert len(files) >= 3 and all(os.path.getsize(p) > 3 * CHUNK for p in files)
+        for into_target in (False, True):
+            _evict(root)
+            if into_target:
+                target = {k: torch.zeros_like(v) for k, v in state.items()}
+                mgr.restore(1, target=target, loader="ring")
+                out = target
+            else:
+                out = mgr.restore(1, device="cpu", loader="ring")
+            for k, v in state.items():
+                assert torch.equal(out[k], v), k
+        _all_buffers_back(mgr._ring)
+    assert windowed[0] == (len(files) if _direct_ok(root) else 0)  # (into a target: read once to check first)
+
+
+def test_the_earliest_bad_chunk_is_named_and_every_buffer_comes_back(tmp_path, windowed):
+    root = str(tmp_path / "ckpt")
+    with CheckpointManager(root, staging=NO_TIER, write_options=SMALL) as mgr:
+        mgr.save(1, _state(1)).result()
+        mgr.save(2, _state(2)).result()
+        path = sorted(glob.glob(os.path.join(root, "step_000000000002", "data-*")))[0]
+        fd = os.open(path, os.O_RDWR)
+        try:
+            for chunk in (4, 2):  # the later one first: which fails first must not matter
+                at = chunk * CHUNK + BLOCK + 100  # in the chunk's second read
+                os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x40]), at)
+        finally:
+            os.close(fd)
+        _evict(root)
+        with pytest.raises(CheckpointCorruptError, match=rf"{os.path.basename(path)}: checksum mismatch in bytes "
+                                                         rf"\[{2 * CHUNK}, {3 * CHUNK}\)"):
+            mgr.restore(2, device="cpu", loader="ring")
+        _all_buffers_back(mgr._ring)
+        out = mgr.restore(1, device="cpu", loader="ring")  # the step before is intact
+        for k, v in _state(1).items():
+            assert torch.equal(out[k], v), k
+    assert windowed[0] >= 1 or not _direct_ok(root)
+
+
+def test_a_file_cut_short_after_the_checks_stops_the_reads(tmp_path, monkeypatch):
+    """Another process truncates a data file between the size check and the reads: the
+    restore fails naming the file, and no buffer stays leased."""
+    root = str(tmp_path / "ckpt")
+    real = restorer_mod.preflight
+
+    def then_truncate(source, step, manifest, where, images=None):
+        real(source, step, manifest, where, images)
+        path = sorted(glob.glob(os.path.join(root, "step_*", "data-*")))[-1]
+        os.truncate(path, os.path.getsize(path) - CHUNK - 5000)
+    monkeypatch.setattr(restorer_mod, "preflight", then_truncate)
+    with CheckpointManager(root, staging=NO_TIER, write_options=SMALL) as mgr:
+        mgr.save(1, _state(1)).result()
+        _evict(root)
+        with pytest.raises(CheckpointCorruptError, match="ended early"):
+            mgr.restore(1, device="cpu", loader="ring")
+        _all_buffers_back(mgr._ring)
+
+
+def test_restores_at_once_share_the_ring(tmp_path):
+    """Three threads restore at once (two cold steps read as queues of direct reads, one
+    cached step read chunk by chunk) through one manager's ring, ten times each; each
+    result is exact and every buffer is back at the end."""
+    root = str(tmp_path / "ckpt")
+    states = {s: _state(s) for s in (1, 2, 3)}
+    with CheckpointManager(root, staging=NO_TIER, write_options=SMALL) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st).result()
+        start = threading.Barrier(3, timeout=60)
+        wrong: list[str] = []
+
+        def run(step: int) -> None:
+            try:
+                start.wait()
+                for _ in range(10):
+                    if step == 3:
+                        for path in glob.glob(os.path.join(root, "step_000000000003", "*")):
+                            with open(path, "rb") as f:
+                                f.read()
+                    else:
+                        _evict(root, f"{step:09d}")
+                    out = mgr.restore(step, device="cpu", loader="ring")
+                    wrong.extend(f"{step}:{k}" for k, v in states[step].items() if not torch.equal(out[k], v))
+            except BaseException as exc:  # reported below
+                wrong.append(f"{step}: {exc!r}")
+
+        threads = [threading.Thread(target=run, args=(s,)) for s in states]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads)
+        assert wrong == []
+        _all_buffers_back(mgr._ring)
+
+
+def test_lease_many_takes_all_at_once_or_waits_for_them():
+    ring = PinnedRing(4, 4096, buffers=3)
+    assert (ring.threads, ring.slots) == (4, 3)
+    with ring.lease() as one:
+        with pytest.raises(CkptTimeoutError, match="no 3 restore buffers"), ring.lease_many(3, timeout=0.05):
+            pass
+        with ring.lease_many(2) as two:  # what is free is taken at once
+            assert sorted([one, *two]) == [0, 1, 2]
+        got: list[list[int]] = []
+        waiter = threading.Thread(target=lambda: got.append(_hold_all(ring)))
+        waiter.start()
+        _until(lambda: len(ring._returned._waiters) == 1)  # waiting for the held one  # type: ignore[attr-defined]
+        assert got == []
+    waiter.join(timeout=30)
+    assert got == [[0, 1, 2]]
+    ring.close()
+
+
+def _hold_all(ring: PinnedRing) -> list[int]:
+    with ring.lease_many(ring.slots, timeout=30) as held:
+        return sorted(held)
+
+
+def _until(cond, timeout: float = 30.0) -> None:
+    ev = threading.Event()
+    for _ in range(int(timeout * 1000)):
+        if cond():
+            return
+        ev.wait(0.001)
+    raise AssertionError("condition not reached")
+
+
+def test_a_direct_file_reads_exact_bytes_and_falls_back_where_refused(tmp_path):
+    data = np.random.default_rng(3).integers(0, 256, 3 * DIRECT_ALIGN + 77, dtype=np.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    assert open_direct(str(path)) is None  # all of it in the page cache: read from there
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    f = open_direct(str(path))
+    if f is None:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    try:
+        raw = bytearray(8 * DIRECT_ALIGN)
+        base = -np.frombuffer(raw, np.uint8).ctypes.data % DIRECT_ALIGN
+        aligned = memoryview(raw)[base:base + 4 * DIRECT_ALIGN]
+        f.read(0, aligned, data.size)  # the short end of the file
+        assert bytes(aligned[:data.size]) == data.tobytes()
+        with pytest.raises(CheckpointCorruptError, match="ended early"):
+            f.read(DIRECT_ALIGN, aligned, data.size)
+        unaligned = memoryview(raw)[base + 1:base + 1 + 4 * DIRECT_ALIGN]  # refused direct: read plainly
+        f.read(DIRECT_ALIGN, unaligned, 2 * DIRECT_ALIGN)
+        assert bytes(unaligned[:2 * DIRECT_ALIGN]) == data[DIRECT_ALIGN:3 * DIRECT_ALIGN].tobytes()
+    finally:
+        f.close()
+
+
+def test_open_direct_refuses_a_link_and_skips_memory_filesystems(tmp_path):
+    (tmp_path / "step").mkdir()
+    (tmp_path / "real.bin").write_bytes(b"x" * 10_000)
+    os.symlink(tmp_path / "real.bin", tmp_path / "step" / "data")
+    fd = os.open(tmp_path / "step", os.O_RDONLY)
+    try:
+        with pytest.raises(CheckpointCorruptError):
+            open_direct("data", dir_fd=fd)
+    finally:
+        os.close(fd)
+    if os.path.isdir("/dev/shm"):
+        shm = f"/dev/shm/ckptmgr-test-{os.getpid()}"
+        with open(shm, "wb") as f:
+            f.write(b"y" * 10_000)
+        try:
+            assert open_direct(shm) is None  # its pages are the page cache
+        finally:
+            os.unlink(shm)
