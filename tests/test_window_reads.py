@@ -247,3 +247,38 @@ def test_open_direct_refuses_a_link_and_skips_memory_filesystems(tmp_path):
             assert open_direct(shm) is None  # its pages are the page cache
         finally:
             os.unlink(shm)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cold_step_lands_exactly_on_the_gpu_and_a_bad_one_leaves_the_target(tmp_path, windowed):
+    """Onto a GPU: fresh device memory, and a target through spare device memory; a step
+    with a bad chunk fails with the target as it was."""
+    root = str(tmp_path / "ckpt")
+    state = _state(1)
+    with CheckpointManager(root, staging=NO_TIER, write_options=SMALL) as mgr:
+        mgr.save(1, state).result()
+        mgr.save(2, _state(2)).result()
+        _evict(root)
+        out = mgr.restore(1, device="cuda")
+        target = {k: torch.zeros_like(v, device="cuda") for k, v in state.items()}
+        _evict(root)
+        mgr.restore(1, target=target)
+        torch.cuda.synchronize()
+        for k, v in state.items():
+            assert torch.equal(out[k].cpu(), v) and torch.equal(target[k].cpu(), v), k
+        path = sorted(glob.glob(os.path.join(root, "step_000000000002", "data-*")))[-1]
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.pwrite(fd, bytes([os.pread(fd, 1, CHUNK + 7)[0] ^ 1]), CHUNK + 7)
+        finally:
+            os.close(fd)
+        _evict(root)
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            mgr.restore(2, target=target)
+        torch.cuda.synchronize()
+        for k, v in state.items():
+            assert torch.equal(target[k].cpu(), v), k
+        _all_buffers_back(mgr._ring)
+    if _direct_ok(root):
+        assert windowed[:2] == [windowed[0]] * 2 and windowed[0] >= 3
