@@ -56,7 +56,7 @@ def child(mode, step_dir):
         from fastsafetensors import fastsafe_open
         f = fastsafe_open(files, device="cuda:0", nogds=True)
         f.__enter__()
-        out = {k: f.get_tensor(k) for k in f}
+        out = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  (not a dict)
     elif mode.startswith("ckptmgr"):
         opts = dict(kv.split("=") for kv in mode.split()[1:])
         import ckptmgr.manager as mm
