@@ -299,12 +299,13 @@ def _libc_mincore() -> Any:
 _MINCORE = _libc_mincore()
 
 
-def _mostly_cached(fd: int, offset: int, length: int) -> bool:
-    """Whether at least half the pages of bytes ``[offset, offset + length)`` (``offset`` a
-    multiple of the page size) are in the page cache, as ``mincore`` tells of a mapping of
-    them: nothing is read, so asking never brings a page in (a non-waiting read that misses
-    starts readahead, and the next ask would find the pages it brought). False where it
-    cannot be told."""
+def _mostly_cached(fd: int, offset: int, length: int, samples: int = 16) -> bool:
+    """Whether at least half of ``samples`` pages spread evenly over bytes ``[offset, offset +
+    length)`` (``offset`` a multiple of the page size) are in the page cache, as ``mincore``
+    tells of a mapping of them: nothing is read, so asking never brings a page in (a
+    non-waiting read that misses starts readahead, and the next ask would find the pages it
+    brought), and a sample costs the same for a file of any size. False where it cannot be
+    told."""
     if _MINCORE is None or length <= 0 or offset % mmap.PAGESIZE:
         return False
     try:
@@ -312,10 +313,15 @@ def _mostly_cached(fd: int, offset: int, length: int) -> bool:
             view = np.frombuffer(mapped, dtype=np.uint8)
             address = view.ctypes.data
             del view  # (the mapping closes only once nothing exports it)
-            pages = np.zeros(-(-length // mmap.PAGESIZE), dtype=np.uint8)
-            if _MINCORE(address, length, pages.ctypes.data) != 0:
-                return False
-            return bool(np.count_nonzero(pages & 1) * 2 >= pages.size)
+            pages = -(-length // mmap.PAGESIZE)
+            picked = sorted({i * pages // samples for i in range(min(samples, pages))})
+            state = np.zeros(1, dtype=np.uint8)
+            resident = 0
+            for page in picked:
+                if _MINCORE(address + page * mmap.PAGESIZE, 1, state.ctypes.data) != 0:
+                    return False
+                resident += int(state[0]) & 1
+            return resident * 2 >= len(picked)
     except (OSError, ValueError):  # a file shorter than the range, an unmappable file
         return False
 

@@ -119,10 +119,14 @@ def read_window(spans: list[tuple[str, int, int]], files: dict[str, DirectFile],
     """
     queue = _Queue(spans, buffers)
     made = {i: threading.Lock() for i in buffers}  # the first use of a buffer makes it, once
+    memory: dict[int, tuple[torch.Tensor, memoryview]] = {}  # written under made[i], then only read
 
-    def memory(slot: int) -> torch.Tensor:
+    def buffer_of(slot: int) -> tuple[torch.Tensor, memoryview]:
         with made[slot]:
-            return buffer(slot)
+            if slot not in memory:
+                tensor = buffer(slot)
+                memory[slot] = tensor, memoryview(tensor.numpy())  # type: ignore[arg-type]
+            return memory[slot]
 
     def reader() -> None:
         ci = -1
@@ -130,10 +134,10 @@ def read_window(spans: list[tuple[str, int, int]], files: dict[str, DirectFile],
             while (block := queue.take()) is not None:
                 ci, begin, end, slot = block
                 fname, first, last = spans[ci]
-                view = memory(slot)[begin - first:].numpy()
-                files[fname].read(begin, memoryview(view), end - begin)  # type: ignore[arg-type]
+                tensor, view = buffer_of(slot)
+                files[fname].read(begin, view[begin - first:], end - begin)
                 if queue.read_one(ci):
-                    finish(ci, slot, memory(slot)[:last - first])
+                    finish(ci, slot, tensor[:last - first])
                     queue.release(ci)
         except BaseException as exc:  # recorded for the caller; an interrupt also passes on
             queue.fail(ci, exc)
