@@ -156,9 +156,9 @@ class CheckpointManager:
         self._saver = Saver(self._target, self._tier, staging, chunk_size=write_options.chunk_size,
                             deleter=self._deleter, guard=self._guard, durable=durable,
                             retention=self._coord is None or self._coord.is_leader)  # rank 0 decides retention
-        # restore onto a GPU: 16 threads (the queue depth that reads a cold disk fastest) sharing up to
-        # 12 buffers of 16 MiB, each pinned at its first use (16 whole-chunk readers were slower on an H200)
-        self._ring = PinnedRing(16, max(write_options.chunk_size, 16 << 20), buffers=min(12, os.cpu_count() or 1))
+        # restore onto a GPU: up to 12 readers (16 read slower on an H200), each pinning a 16 MiB buffer
+        # at its first use
+        self._ring = PinnedRing(min(12, os.cpu_count() or 1), max(write_options.chunk_size, 16 << 20))
         self._restorer = Restorer(self._target, self._tier, self._guard, self._ring, self._allow_pickle)
         lifecycle.close_at_exit(self)
         if self._tier is not None:  # slots an earlier process left committed: adopt, write out the newer

@@ -1,9 +1,11 @@
-"""Cold local files read as one queue of direct reads in file order: exact results through a
-few shared buffers, every chunk verified, the earliest bad chunk named, every buffer back
-after a failure, and several restores at once. Real files, evicted from the page cache."""
+"""Cold local files read as one queue of direct reads in file order, kept in flight with Linux
+AIO: exact results through a few shared buffers, every chunk verified, the earliest bad chunk
+named, every buffer back after a failure, several restores at once, and the chunk-by-chunk
+reads where no AIO context can be had. Real files, evicted from the page cache."""
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import threading
@@ -15,7 +17,8 @@ import torch
 import ckptmgr.restore.restorer as restorer_mod
 from ckptmgr import CheckpointCorruptError, CheckpointManager, CkptTimeoutError, StagingOptions, WriteOptions
 from ckptmgr.restore.loaders import PinnedRing
-from ckptmgr.restore.loaders.window import BLOCK
+from ckptmgr.restore.loaders import ring as ring_mod
+from ckptmgr.restore.loaders.window import BLOCK, _check_read
 from ckptmgr.storage.posix import DIRECT_ALIGN, open_direct
 
 NO_TIER = StagingOptions(local_tier=False)
@@ -63,7 +66,7 @@ def windowed(monkeypatch):
 
     def counted(*a, **k):
         cold = real(*a, **k)
-        counts.append(len(cold))
+        counts.append(len(cold.files) if cold is not None else 0)
         return cold
     monkeypatch.setitem(restorer_mod.read_tensors_ring.__globals__, "_open_cold", counted)
     return counts
@@ -170,9 +173,57 @@ def test_restores_at_once_share_the_ring(tmp_path):
         _all_buffers_back(mgr._ring)
 
 
+def test_without_an_aio_context_cold_chunks_are_read_one_by_one(tmp_path, monkeypatch, windowed):
+    """Where the kernel gives no AIO context (another OS, a container refusing io_setup,
+    fs.aio-max-nr reached), each cold chunk is one direct read on the ring's threads."""
+    from ckptmgr.storage.local import LocalTarget
+
+    hows: list[str] = []
+    real = LocalTarget.read_chunk
+    monkeypatch.setattr(LocalTarget, "read_chunk", lambda *a: hows.append(real(*a)) or hows[-1])
+    monkeypatch.setattr(ring_mod, "open_context", lambda depth: None)
+    root = str(tmp_path / "ckpt")
+    state = _state(4)
+    with CheckpointManager(root, staging=NO_TIER, write_options=SMALL) as mgr:
+        mgr.save(1, state).result()
+        _evict(root)
+        out = mgr.restore(1, device="cpu", loader="ring")
+    for k, v in state.items():
+        assert torch.equal(out[k], v), k
+    assert windowed == [0] and set(hows) == ({"direct"} if _direct_ok(root) else {"buffered"})
+
+
+def test_a_read_refused_direct_after_the_open_is_read_plainly(tmp_path):
+    data = np.random.default_rng(5).integers(0, 256, 3 * DIRECT_ALIGN, dtype=np.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    _evict_file(str(path))
+    f = open_direct(str(path))
+    if f is None:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    try:
+        landed = torch.zeros(2 * DIRECT_ALIGN, dtype=torch.uint8)
+        _check_read(f, -errno.EINVAL, DIRECT_ALIGN, 3 * DIRECT_ALIGN, landed)
+        assert bytes(landed.numpy()) == data[DIRECT_ALIGN:].tobytes()
+        with pytest.raises(CheckpointCorruptError, match="ended early, at byte 5096"):
+            _check_read(f, 1000, 4096, 8192, landed)
+        with pytest.raises(OSError, match="reading bytes"):
+            _check_read(f, -errno.EIO, 4096, 8192, landed)
+    finally:
+        f.close()
+
+
+def _evict_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def test_lease_many_takes_all_at_once_or_waits_for_them():
-    ring = PinnedRing(4, 4096, buffers=3)
-    assert (ring.threads, ring.slots) == (4, 3)
+    ring = PinnedRing(3, 4096)
     with ring.lease() as one:
         with pytest.raises(CkptTimeoutError, match="no 3 restore buffers"), ring.lease_many(3, timeout=0.05):
             pass
@@ -207,10 +258,7 @@ def test_a_direct_file_reads_exact_bytes_and_falls_back_where_refused(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(data.tobytes())
     assert open_direct(str(path)) is None  # all of it in the page cache: read from there
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
+    _evict_file(str(path))
     f = open_direct(str(path))
     if f is None:
         pytest.skip("this filesystem refuses O_DIRECT")

@@ -224,15 +224,22 @@ class DirectFile:
         self._direct = direct
         self._fallback = False  # set once, by the first refused read; a stale read of it costs one retry
 
-    def read(self, offset: int, view: memoryview, length: int) -> None:
+    @property
+    def direct_fd(self) -> int:
+        """The ``O_DIRECT`` descriptor, for reads submitted elsewhere (:mod:`.aio`)."""
+        return self._direct
+
+    def read(self, offset: int, view: memoryview, length: int, *, plain: bool = False) -> None:
         """Fill ``view[:length]`` with the bytes from ``offset`` (a multiple of
         :data:`DIRECT_ALIGN`, as is ``view``'s address); ``view`` may be written up to
-        ``length`` rounded up to :data:`DIRECT_ALIGN`.
+        ``length`` rounded up to :data:`DIRECT_ALIGN`. ``plain``: through the page cache,
+        for good (the filesystem refused a direct read).
 
         Raises:
             CheckpointCorruptError: the file ended before ``offset + length``.
         """
         done = 0
+        self._fallback = self._fallback or plain
         if not self._fallback:
             end = -(-length // DIRECT_ALIGN) * DIRECT_ALIGN
             try:

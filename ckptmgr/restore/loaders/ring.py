@@ -33,11 +33,12 @@ from ...errors import CheckpointCorruptError, CkptTimeoutError
 from ...format.checksum import chunk_ranges, crc32c_hex
 from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import FileRecord, Manifest
+from ...storage.aio import AioContext, open_context
 from ...storage.posix import DIRECT_ALIGN, DirectFile
 from ..preflight import Source, drain, run_all, submit_image_checks, wait_all
 from .host import _build_views
 from .landing import Entry, Landing, plan_landing
-from .window import CHUNKS_IN_FLIGHT, Finish, read_window
+from .window import CHUNKS_IN_FLIGHT, DEPTH, Finish, read_window
 
 __all__ = ["NoDeviceRoom", "PinnedRing", "entries_by_file", "read_tensors_pinned", "read_tensors_ring"]
 
@@ -50,21 +51,22 @@ class NoDeviceRoom(Exception):
 
 
 class PinnedRing:
-    """``buffers`` host buffers of ``slot_bytes`` each (pinned with CUDA, plain without;
-    default: one per thread), a copy stream per buffer, and ``threads`` reader threads, made
-    at first use and shared by every restore of one manager.
+    """``threads`` host buffers of ``slot_bytes`` each (pinned with CUDA, plain without), a
+    copy stream per buffer, the reader threads, and two threads that verify and copy the
+    chunks of direct reads (:mod:`.window`), made at first use and shared by every restore
+    of one manager.
 
     Restores may run at once (several threads of the caller): a buffer is *leased* by one
-    task at a time (:meth:`lease`), or by one step's readers together (:meth:`lease_many`),
+    task at a time (:meth:`lease`), or by one step's queue of direct reads (:meth:`lease_many`),
     under the ring's lock, from the read into it until its copy has finished, so no two
-    restores ever fill or copy from the same buffer. A task waits for a lease only while
-    others hold every buffer, and those others are running tasks, or the readers of a step
-    that hold no pool thread while they wait.
+    restores ever fill or copy from the same buffer. A reader thread waits for a lease only
+    while others hold every buffer: running tasks, or a queue whose chunks finish on the
+    verifier threads, which never wait for a lease.
     """
 
-    def __init__(self, threads: int, slot_bytes: int, *, buffers: int | None = None) -> None:
+    def __init__(self, threads: int, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
-        self.slots = buffers or threads
+        self.slots = threads
         self.threads = threads
         self._mu = threading.Lock()
         self._returned = threading.Condition(self._mu)  # notified when a leased buffer comes back
@@ -73,6 +75,7 @@ class PinnedRing:
         self._buffers: list[torch.Tensor | None] = [None] * self.slots
         self._streams: dict[torch.device, list[Any]] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._verifiers: ThreadPoolExecutor | None = None
         self._free: list[int] = list(range(self.slots))
 
     @property
@@ -82,11 +85,21 @@ class PinnedRing:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ckptmgr-restore")
             return self._pool
 
+    @property
+    def verifiers(self) -> ThreadPoolExecutor:
+        """Two threads that verify and copy the chunks a queue of direct reads brought in
+        (one keeps up with the disk; the second with a burst)."""
+        with self._mu:
+            if self._verifiers is None:
+                self._verifiers = ThreadPoolExecutor(2, thread_name_prefix="ckptmgr-verify")
+            return self._verifiers
+
     def close(self) -> None:
         with self._mu:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools, self._pool, self._verifiers = (self._pool, self._verifiers), None, None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
         with self._mu:
             self._buffers = [None] * self.slots
             self._streams = {}
@@ -232,13 +245,12 @@ def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, wher
     run_all(ring.pool, task, [(i,) for i in range(len(chunks))])
 
 
-def _windowed(chunks: list[_Chunk], files: dict[str, DirectFile], device: torch.device, ring: PinnedRing,
-              where: str) -> None:
+def _windowed(chunks: list[_Chunk], cold: Cold, device: torch.device, ring: PinnedRing, where: str) -> None:
     """The chunks of cold local files: read as one queue of direct reads (see :mod:`.window`)."""
     land = _lander(chunks, device, ring, where)
     with ring.lease_many(CHUNKS_IN_FLIGHT) as held:
-        read_window([(c.fname, c.begin, c.end) for c in chunks], files, held, ring.buffer, land,
-                    ring.pool.submit, ring.threads)
+        read_window([(c.fname, c.begin, c.end) for c in chunks], cold.files, held, ring.buffer, land,
+                    ring.verifiers.submit, cold.aio)
 
 
 def _plan_all(manifest: Manifest, device: torch.device, where: str, dests: dict[str, torch.Tensor] | None,
@@ -273,16 +285,15 @@ def _finish(manifest: Manifest, device: torch.device, landings: dict[str, Landin
 
 def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where: str,
               dests: dict[str, torch.Tensor] | None, fetch_for: Callable[[str, FileRecord], Fetch],
-              through_device: bool = False, cold: dict[str, DirectFile] | None = None) -> dict[str, torch.Tensor]:
+              through_device: bool = False, cold: Cold | None = None) -> dict[str, torch.Tensor]:
     fetches = {fname: fetch_for(fname, rec) for fname, rec in manifest.files.items()}  # checked before allocating
     landings = _plan_all(manifest, device, where, dests, through_device)
-    cold = cold or {}
     chunks = [_Chunk(fname, rec, landings[fname], fetches[fname], i, b, e)
               for fname, rec in manifest.files.items()
               for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
-    if cold:
-        _windowed([c for c in chunks if c.fname in cold], cold, device, ring, where)
-    _pipeline([c for c in chunks if c.fname not in cold], device, ring, where)
+    if cold is not None:
+        _windowed([c for c in chunks if c.fname in cold.files], cold, device, ring, where)
+    _pipeline([c for c in chunks if cold is None or c.fname not in cold.files], device, ring, where)
     return _finish(manifest, device, landings, where, through_device)
 
 
@@ -322,21 +333,28 @@ def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: tor
         return _read_all(manifest, device, ring, where, dests, fetch_for, through_device, cold)
 
 
-def _open_cold(source: Source, step: int, manifest: Manifest, opened: contextlib.ExitStack) -> dict[str, DirectFile]:
+class Cold(NamedTuple):
+    files: dict[str, DirectFile]  # the data files to read as a queue of direct reads
+    aio: AioContext  # what keeps the reads in flight (closed by the queue)
+
+
+def _open_cold(source: Source, step: int, manifest: Manifest, opened: contextlib.ExitStack) -> Cold | None:
     """The data files of ``step`` that ``source`` opens for direct reads (local files not in the
-    page cache, with chunks whole pages long), each closed by ``opened``."""
+    page cache, with chunks whole pages long), each closed by ``opened``, and a kernel AIO
+    context for them; ``None`` where there are none, or no context to be had."""
     open_direct = getattr(source, "open_direct", None)
-    cold: dict[str, DirectFile] = {}
     if open_direct is None:
-        return cold
+        return None
+    files: dict[str, DirectFile] = {}
     for fname, rec in manifest.files.items():
         if rec.chunk_size % DIRECT_ALIGN:
             continue
         f = open_direct(step, fname)
         if f is not None:
             opened.callback(f.close)
-            cold[fname] = f
-    return cold
+            files[fname] = f
+    aio = open_context(DEPTH) if files else None
+    return Cold(files, aio) if aio is not None else None
 
 
 def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, device: torch.device,

@@ -1,157 +1,160 @@
-"""Cold files read as the disk reads fastest: one queue of 512 KiB direct reads, in file order.
+"""Cold files read as the disk reads fastest: one queue of 512 KiB direct reads, in file order,
+kept in flight by the kernel.
 
 A step restored from a local disk whose files are not in the page cache is read with
-``O_DIRECT``, and how those reads reach the device decides the restore's speed. Sixteen
-threads, each taking the next 512 KiB block of one queue that runs through the files in order
-(the pattern of fastsafetensors' reader), keep sixteen requests in flight, all within a few
-megabytes of each other; on an H200 machine's disk this read a cold 4 GiB step in 1.84 s, where
-sixteen threads reading a whole 16 MiB chunk each took 2.02 s and twelve took 2.42 s
-(medians of 7 fresh processes, ``benchmarks/results/h200-2026-11-23d/cold-read``).
+``O_DIRECT``, and how the reads reach the device decides the restore's speed. Sixteen reads
+of 512 KiB in flight, all within a few megabytes of each other as the queue runs through the
+files in order (the pattern of fastsafetensors' reader), are what the disk serves fastest;
+submitted with Linux AIO from one thread (:mod:`~ckptmgr.storage.aio`) the queue never
+drains while Python gets back to it, which sixteen Python threads each issuing ``pread``
+could not do (``benchmarks/results/h200-2026-11-23d/cold-read``).
 
-Checksums stay per chunk: the blocks of a chunk land in one buffer of the ring, leased for
-the step before the first read; the thread that reads a chunk's last block verifies its
-CRC32C, copies it to its landing on the buffer's own stream and waits for the copy, then hands
-the buffer to the next chunk. A step thus holds at most :data:`CHUNKS_IN_FLIGHT` buffers,
-whatever its size.
+Checksums stay per chunk: the blocks of a chunk land in one ring buffer, leased for the step
+before the first read; once a chunk's last block is in, a task on the ring's threads verifies
+its CRC32C, copies it to its landing on the buffer's own stream and waits for the copy, and
+the buffer then serves the next chunk. A step holds at most :data:`CHUNKS_IN_FLIGHT` buffers,
+whatever its size. Only the calling thread touches the queue's state.
 """
 
 from __future__ import annotations
 
-import threading
+import errno
+import os
+import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as futures_wait
 
 import torch
 
-from ...errors import CkptTimeoutError
-from ...storage.posix import DirectFile
-from ..preflight import drain, wait_all
+from ...errors import CheckpointCorruptError, CkptTimeoutError
+from ...storage.aio import AioContext
+from ...storage.posix import DIRECT_ALIGN, DirectFile
+from ..preflight import drain
 
-__all__ = ["BLOCK", "CHUNKS_IN_FLIGHT", "read_window"]
+__all__ = ["BLOCK", "CHUNKS_IN_FLIGHT", "DEPTH", "read_window"]
 
 BLOCK = 512 << 10  # bytes per read; a multiple of the direct-I/O alignment
+DEPTH = 16  # reads in flight
 CHUNKS_IN_FLIGHT = 6  # chunk buffers one step uses: 16 reads of 512 KiB span at most two chunks
-_BUFFER_WAIT = 600.0  # seconds a reader waits for a chunk's buffer (another chunk's check and copy)
+_STALL = 600.0  # seconds without a read completing or a chunk finishing before the restore gives up
 
 # finish(chunk index, buffer index, the chunk's bytes): verify them and copy them to where they land
 Finish = Callable[[int, int, torch.Tensor], None]
 
 
-class _Queue:
-    """The blocks of one step and the chunk buffers they fill, shared by its reader threads.
-
-    Every field below is guarded by ``_mu``; the buffers' bytes are written by the threads
-    reading the blocks of the chunk that holds the buffer, and read by the one that finishes
-    it, after all of those reads have returned.
-    """
-
-    def __init__(self, spans: list[tuple[str, int, int]], buffers: list[int]) -> None:
-        self._mu = threading.Lock()
-        # notified (all waiters: each waits for its own reason) when a buffer comes back, when a
-        # chunk gets one (its further blocks need none), and on stop
-        self._changed = threading.Condition(self._mu)
-        self.blocks = [(ci, off, min(off + BLOCK, end)) for ci, (_, begin, end) in enumerate(spans)
-                       for off in range(begin, end, BLOCK)]
-        self.next = 0  # index in blocks of the next block to read
-        self.unread = [0] * len(spans)  # per chunk: blocks not yet read
-        for ci, _, _ in self.blocks:
-            self.unread[ci] += 1
-        self.holder: dict[int, int] = {}  # chunk index -> buffer index, from its first read to its copy
-        self.free = list(buffers)
-        self.failed: dict[int, BaseException] = {}  # chunk index -> what failed it
-        self.stop = False
-
-    def take(self) -> tuple[int, int, int, int] | None:
-        """The next block as (chunk index, begin, end, buffer index); ``None`` when none is left
-        or the step failed. Waits for a free buffer before the first block of a chunk.
-
-        Raises:
-            CkptTimeoutError: no buffer came back within the wait.
-        """
-        with self._mu:
-            while True:
-                if self.stop or self.next == len(self.blocks):
-                    return None
-                ci, begin, end = self.blocks[self.next]
-                slot = self.holder.get(ci)
-                if slot is None and self.free:
-                    slot = self.holder[ci] = self.free.pop()
-                    self._changed.notify_all()
-                if slot is not None:
-                    self.next += 1
-                    return ci, begin, end, slot
-                if not self._changed.wait(_BUFFER_WAIT):
-                    raise CkptTimeoutError(f"no chunk buffer came back within {_BUFFER_WAIT} s")
-
-    def read_one(self, ci: int) -> bool:
-        """Count one block of chunk ``ci`` as read; whether it was the chunk's last."""
-        with self._mu:
-            self.unread[ci] -= 1
-            return self.unread[ci] == 0
-
-    def release(self, ci: int) -> None:
-        """Chunk ``ci`` is verified and copied: its buffer serves the next chunk."""
-        with self._mu:
-            self.free.append(self.holder.pop(ci))
-            self._changed.notify_all()
-
-    def fail(self, ci: int, exc: BaseException) -> None:
-        with self._mu:
-            self.failed.setdefault(ci, exc)
-            self.stop = True
-            self._changed.notify_all()
-
-    def first_failure(self) -> BaseException | None:
-        with self._mu:
-            return self.failed[min(self.failed)] if self.failed else None
-
-
 def read_window(spans: list[tuple[str, int, int]], files: dict[str, DirectFile], buffers: list[int],
                 buffer: Callable[[int], torch.Tensor], finish: Finish, submit: Callable[..., Future[None]],
-                threads: int) -> None:
-    """Read every chunk ``spans[i] = (file name, begin, end)`` from ``files`` into the ring's
-    ``buffers`` (leased by the caller; ``buffer(i)`` is buffer ``i``'s memory, made by the
-    caller's ring at first use), in blocks of :data:`BLOCK` taken from one queue by ``threads``
-    tasks given to ``submit``, and ``finish`` each chunk once its last block is in.
+                aio: AioContext) -> None:
+    """Read every chunk ``spans[i] = (file name, begin, end)`` of ``files`` into the ring's
+    ``buffers`` (leased by the caller; ``buffer(i)`` is buffer ``i``'s memory) through
+    ``aio``, and have ``submit`` run ``finish`` for each chunk once its last block is in.
 
-    Returns once every task has ended; raises the failure of the earliest chunk that failed
-    (after which no further block is read), or what interrupted the wait.
+    Returns once every read and every finish has ended, ``aio`` closed; raises the failure of
+    the earliest chunk that failed (no further block is read after a failure), or what
+    interrupted.
+
+    Raises:
+        CheckpointCorruptError: a file ended early, or a chunk failed its checksum.
+        CkptTimeoutError: nothing completed for :data:`_STALL` seconds.
     """
-    queue = _Queue(spans, buffers)
-    made = {i: threading.Lock() for i in buffers}  # the first use of a buffer makes it, once
-    memory: dict[int, tuple[torch.Tensor, memoryview]] = {}  # written under made[i], then only read
+    blocks = [(ci, off, min(off + BLOCK, end)) for ci, (_, begin, end) in enumerate(spans)
+              for off in range(begin, end, BLOCK)]
+    unread = [0] * len(spans)  # per chunk: blocks not yet read
+    for ci, _, _ in blocks:
+        unread[ci] += 1
+    holder: dict[int, int] = {}  # chunk index -> buffer index, from its first read to its finish
+    free = list(buffers)
+    memory: dict[int, tuple[torch.Tensor, int]] = {}  # buffer index -> (its tensor, its address)
+    reading: dict[int, tuple[int, int, int]] = {}  # aio slot -> (chunk index, begin, end)
+    idle = list(range(aio.depth))  # aio slots free
+    finishing: dict[Future[None], int] = {}  # -> chunk index
+    failed: dict[int, BaseException] = {}
+    nxt = 0
+    last_progress = time.monotonic()
 
-    def buffer_of(slot: int) -> tuple[torch.Tensor, memoryview]:
-        with made[slot]:
-            if slot not in memory:
-                tensor = buffer(slot)
-                memory[slot] = tensor, memoryview(tensor.numpy())  # type: ignore[arg-type]
-            return memory[slot]
+    def address(slot: int) -> tuple[torch.Tensor, int]:
+        if slot not in memory:
+            tensor = buffer(slot)
+            memory[slot] = tensor, tensor.data_ptr()
+        return memory[slot]
 
-    def reader() -> None:
-        ci = -1
-        try:
-            while (block := queue.take()) is not None:
-                ci, begin, end, slot = block
-                fname, first, last = spans[ci]
-                tensor, view = buffer_of(slot)
-                files[fname].read(begin, view[begin - first:], end - begin)
-                if queue.read_one(ci):
-                    finish(ci, slot, tensor[:last - first])
-                    queue.release(ci)
-        except BaseException as exc:  # recorded for the caller; an interrupt also passes on
-            queue.fail(ci, exc)
-            if not isinstance(exc, Exception):
-                raise
+    def finished(fut: Future[None]) -> None:
+        ci = finishing.pop(fut)
+        exc = fut.exception()
+        if exc is not None:
+            failed.setdefault(ci, exc)
+        else:
+            free.append(holder.pop(ci))  # the chunk is verified and copied: its buffer serves the next
 
-    futures: list[Future[None]] = []
     try:
-        futures = [submit(reader) for _ in range(min(threads, len(queue.blocks)))]
-        wait_all(futures)
-    except BaseException as exc:
-        queue.fail(len(spans), exc)
-        drain(futures)  # no reader may still write a buffer the caller is about to give back
-        raise
-    failure = queue.first_failure()
-    if failure is not None:
-        raise failure
+        while True:
+            batch = []
+            while not failed and nxt < len(blocks) and idle:
+                ci, begin, end = blocks[nxt]
+                if ci not in holder:
+                    if not free:
+                        break
+                    holder[ci] = free.pop()
+                fname, first, _ = spans[ci]
+                _, base = address(holder[ci])
+                slot = idle.pop()
+                reading[slot] = (ci, begin, end)
+                batch.append((slot, files[fname].direct_fd, begin,
+                              -(-(end - begin) // DIRECT_ALIGN) * DIRECT_ALIGN, base + begin - first))
+                nxt += 1
+            if batch:
+                aio.submit(batch)
+            if reading:
+                done = aio.reap(min(1.0, _STALL))
+            elif finishing:
+                futures_wait(list(finishing), timeout=1.0, return_when=FIRST_COMPLETED)
+                done = []
+            else:
+                break
+            for slot, result in done:
+                ci, begin, end = reading.pop(slot)
+                idle.append(slot)
+                fname, first, last = spans[ci]
+                try:
+                    _check_read(files[fname], result, begin, end, address(holder[ci])[0][begin - first:end - first])
+                except Exception as exc:  # the chunk failed: no further reads are submitted
+                    failed.setdefault(ci, exc)
+                    continue
+                unread[ci] -= 1
+                if unread[ci] == 0 and not failed:
+                    fut = submit(finish, ci, holder[ci], address(holder[ci])[0][:last - first])
+                    finishing[fut] = ci
+            ended = [f for f in finishing if f.done()]
+            for fut in ended:
+                finished(fut)
+            if done or ended:
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > _STALL:
+                raise CkptTimeoutError(f"no read completed and no chunk finished for {_STALL} s")
+            if failed and not reading and not finishing:
+                break
+    finally:  # what is in flight ends before the caller gives the buffers back
+        aio.close()
+        drain(list(finishing))
+    if failed:
+        raise failed[min(failed)]
+    if nxt < len(blocks) or holder:
+        raise RuntimeError(f"the read queue stopped with {len(blocks) - nxt} blocks unread")  # (a bug, not bad data)
+
+
+def _check_read(file: DirectFile, result: int, begin: int, end: int, landed: torch.Tensor) -> None:
+    """A completed read of bytes ``[begin, end)`` into ``landed``: all of them, or the block
+    read again plainly where the filesystem refused the direct read after the open.
+
+    Raises:
+        CheckpointCorruptError: the file ended early.
+        OSError: the read failed.
+    """
+    if result == -errno.EINVAL:
+        file.read(begin, memoryview(landed.numpy()), end - begin, plain=True)  # type: ignore[arg-type]
+        return
+    if result < 0:
+        raise OSError(-result, f"{file.where}: reading bytes [{begin}, {end}): {os.strerror(-result)}")
+    if result < end - begin:
+        raise CheckpointCorruptError(f"{file.where} ended early, at byte {begin + result}")
