@@ -62,7 +62,7 @@ def child(mode, step_dir):
         import ckptmgr.manager as mm
         if "T" in opts:
             orig_ring = mm.PinnedRing
-            mm.PinnedRing = lambda threads, slot: orig_ring(int(opts["T"]), slot)
+            mm.PinnedRing = lambda threads, slot, buffers=None: orig_ring(int(opts["T"]), slot, buffers=buffers)
         import ckptmgr.storage.posix as px
         if opts.get("probe") == "0":
             px._page_cached = lambda fd, view, off: False
@@ -111,6 +111,13 @@ def child(mode, step_dir):
             pstats.Stats(prof, stream=sio).sort_stats("cumulative").print_stats(45)
             sys.stderr.write(sio.getvalue())
         sys.stderr.write("MARKS " + json.dumps(marks[:6] + marks[-4:]) + "\n")
+    elif mode.startswith("aio"):
+        with open(os.path.join(step_dir, "manifest.json")) as f:
+            man = json.load(f)
+        recs = {os.path.join(step_dir, k): v for k, v in man["files"].items()}
+        _, depth, kib = mode.split()
+        total = aio_read(files, recs, int(depth), int(kib) * K)
+        out = {"all": torch.empty(total, dtype=torch.uint8)}
     else:
         out = proto(mode, step_dir, files, first)
     if CUDA:
@@ -126,8 +133,10 @@ def proto(mode, step_dir, files, first):
     with open(os.path.join(step_dir, "manifest.json")) as f:
         man = json.load(f)
     recs = {os.path.join(step_dir, k): v for k, v in man["files"].items()}
-    parts = mode.split()
+    knobs = dict(kv.split("=") for kv in mode.split() if "=" in kv)
+    parts = [x for x in mode.split() if "=" not in x]
     kind, T = parts[0], int(parts[1])
+    do_crc, do_copy = knobs.get("crc", "1") == "1", knobs.get("copy", "1") == "1"
     chunk = 16 << 20
     dev = {p: torch.empty(recs[p]["size"], dtype=torch.uint8, device="cuda" if CUDA else "cpu") for p in files}
     fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in files}
@@ -209,11 +218,12 @@ def proto(mode, step_dir, files, first):
                     last = left[ci] == 0
                 if not last:
                     continue
-                crc = crc32c.crc32c(buf.numpy()[:e - b], 0, 1)
+                crc = crc32c.crc32c(buf.numpy()[:e - b], 0, 1) if do_crc else int(recs[p]["crc32c"][n], 16)
                 if f"{crc:08x}" != recs[p]["crc32c"][n]:
                     bad.append(chunks[ci])
                 s = streams[si]
-                copy(s, dev[p][b:e], buf[:e - b])
+                if do_copy:
+                    copy(s, dev[p][b:e], buf[:e - b])
                 with mu:
                     del slot_of[ci]
                     free.append(si)
@@ -229,6 +239,87 @@ def proto(mode, step_dir, files, first):
     if bad:
         raise SystemExit(f"bad chunks {bad[:3]}")
     return dev
+
+
+def aio_read(files, recs, depth, block):
+    """Linux AIO: one thread keeps ``depth`` O_DIRECT reads of ``block`` bytes in flight, in file order."""
+    import ctypes
+    import mmap
+    import platform
+    nr = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}[platform.machine()]
+    SETUP, DESTROY, GETEVENTS, SUBMIT = nr
+    libc = ctypes.CDLL(None, use_errno=True)
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+
+    class Iocb(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_uint64), ("key", ctypes.c_uint32), ("rw_flags", ctypes.c_int32),
+                    ("opcode", ctypes.c_uint16), ("reqprio", ctypes.c_int16), ("fildes", ctypes.c_uint32),
+                    ("buf", ctypes.c_uint64), ("nbytes", ctypes.c_uint64), ("offset", ctypes.c_int64),
+                    ("reserved2", ctypes.c_uint64), ("flags", ctypes.c_uint32), ("resfd", ctypes.c_uint32)]
+
+    class Event(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_uint64), ("obj", ctypes.c_uint64), ("res", ctypes.c_int64),
+                    ("res2", ctypes.c_int64)]
+
+    ctx = ctypes.c_ulong(0)
+    if syscall(SETUP, depth, ctypes.byref(ctx)) != 0:
+        raise OSError(ctypes.get_errno(), "io_setup")
+    pool = mmap.mmap(-1, depth * block)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(pool))
+    fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in files}
+    jobs = [(fds[p], off, min(block, -(-recs[p]["size"] // ALIGN) * ALIGN - off)) for p in files
+            for off in range(0, recs[p]["size"], block)]
+    iocbs = (Iocb * depth)()
+    ptrs = (ctypes.POINTER(Iocb) * depth)()
+    events = (Event * depth)()
+    nxt = 0
+    inflight = 0
+    total = 0
+
+    def fill(slot):
+        nonlocal nxt
+        fd, off, n = jobs[nxt]
+        nxt += 1
+        cb = iocbs[slot]
+        cb.data = slot
+        cb.opcode = 0
+        cb.fildes = fd
+        cb.buf = base + slot * block
+        cb.nbytes = n
+        cb.offset = off
+
+    first = min(depth, len(jobs))
+    for i in range(first):
+        fill(i)
+        ptrs[i] = ctypes.pointer(iocbs[i])
+    if syscall(SUBMIT, ctx, first, ptrs) != first:
+        raise OSError(ctypes.get_errno(), "io_submit")
+    inflight = first
+    while inflight:
+        got = syscall(GETEVENTS, ctx, 1, depth, events, None)
+        if got < 0:
+            raise OSError(ctypes.get_errno(), "io_getevents")
+        inflight -= got
+        k = 0
+        for j in range(got):
+            ev = events[j]
+            if ev.res < 0:
+                raise OSError(-ev.res, "aio read")
+            total += ev.res
+            if nxt < len(jobs):
+                slot = ev.data
+                fill(slot)
+                ptrs[k] = ctypes.pointer(iocbs[slot])
+                k += 1
+        if k:
+            if syscall(SUBMIT, ctx, k, ptrs) != k:
+                raise OSError(ctypes.get_errno(), "io_submit")
+            inflight += k
+    syscall(DESTROY, ctx)
+    for fd in fds.values():
+        os.close(fd)
+    return total
 
 
 def drop(files):
