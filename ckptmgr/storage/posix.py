@@ -226,7 +226,7 @@ def _libc_mincore() -> Any:
 _MINCORE = _libc_mincore()
 
 
-def _mostly_cached(fd: int, offset: int, length: int, samples: int = 16) -> bool:
+def _mostly_cached(fd: int, offset: int, length: int, samples: int = 8) -> bool:
     """Whether at least half of ``samples`` pages spread evenly over bytes ``[offset, offset +
     length)`` (``offset`` a multiple of the page size) are in the page cache, as ``mincore``
     tells of a mapping of them: nothing is read, so asking never brings a page in (a
@@ -242,12 +242,13 @@ def _mostly_cached(fd: int, offset: int, length: int, samples: int = 16) -> bool
             del view  # (the mapping closes only once nothing exports it)
             pages = -(-length // mmap.PAGESIZE)
             picked = sorted({i * pages // samples for i in range(min(samples, pages))})
-            state = np.zeros(1, dtype=np.uint8)
+            state = ctypes.c_ubyte(0)
+            where = ctypes.addressof(state)
             resident = 0
             for page in picked:
-                if _MINCORE(address + page * mmap.PAGESIZE, 1, state.ctypes.data) != 0:
+                if _MINCORE(address + page * mmap.PAGESIZE, 1, where) != 0:
                     return False
-                resident += int(state[0]) & 1
+                resident += state.value & 1
             return resident * 2 >= len(picked)
     except (OSError, ValueError):  # a file shorter than the range, an unmappable file
         return False
