@@ -101,6 +101,20 @@ def train_steps(model, opt, sched, n: int) -> list[float]:
     return losses
 
 
+def evict(path: str) -> None:
+    """Drop file ``path``, or every file under directory ``path``, from the page cache
+    (written back first), so that the next read goes to the disk."""
+    paths = [path] if not os.path.isdir(path) else [
+        os.path.join(d, n) for d, _, names in os.walk(path) for n in names]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def _bytes(t: torch.Tensor) -> bytes:
     """The tensor's values as raw bytes: bit-exact, nan-safe, works for every dtype."""
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

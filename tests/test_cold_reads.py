@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import evict
 
 from ckptmgr import CheckpointManager, StagingOptions
 from ckptmgr.errors import CheckpointCorruptError
@@ -20,15 +21,6 @@ SIZE = 3 * (1 << 20) + 1234  # not a multiple of the alignment: the last read is
 def _aligned(nbytes: int) -> np.ndarray:
     m = mmap.mmap(-1, -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN)  # page-aligned, as pinned buffers are
     return np.frombuffer(m, dtype=np.uint8)
-
-
-def _evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _direct_ok(path: str) -> bool:
@@ -59,7 +51,7 @@ def test_a_cached_file_is_copied_from_the_cache(data_file):
 @pytest.mark.parametrize("offset", [0, 1 << 20, 2 * (1 << 20)])
 def test_a_cold_file_is_read_direct_up_to_its_short_end(data_file, offset):
     path, data = data_file
-    _evict(path)
+    evict(path)
     length = SIZE - offset
     buf = _aligned(length)
     how = pread_chunk(path, offset, buf, length)
@@ -69,15 +61,15 @@ def test_a_cold_file_is_read_direct_up_to_its_short_end(data_file, offset):
 
 def test_unaligned_reads_and_buffers_fall_back_to_plain_reads(data_file):
     path, data = data_file
-    _evict(path)
+    evict(path)
     buf = _aligned(SIZE + DIRECT_ALIGN)
     assert pread_chunk(path, 100, buf, 5000) in ("buffered", "cached")
     assert np.array_equal(buf[:5000], data[100:5100])
-    _evict(path)
+    evict(path)
     off = buf[1:]  # an unaligned address
     assert pread_chunk(path, 0, off, 8192) in ("buffered", "cached")
     assert np.array_equal(off[:8192], data[:8192])
-    _evict(path)
+    evict(path)
     tight = _aligned(SIZE)[:SIZE - 10]  # no room for the rounded-up length
     assert pread_chunk(path, 0, tight, SIZE - 10) in ("buffered", "cached")
     assert np.array_equal(tight, data[:SIZE - 10])
@@ -85,7 +77,7 @@ def test_unaligned_reads_and_buffers_fall_back_to_plain_reads(data_file):
 
 def test_a_file_shorter_than_asked_is_corrupt(data_file):
     path, _ = data_file
-    _evict(path)
+    evict(path)
     buf = _aligned(SIZE + (1 << 20))
     with pytest.raises(CheckpointCorruptError, match="ended early"):
         pread_chunk(path, 0, buf, SIZE + 100)
@@ -121,7 +113,7 @@ def test_a_ring_restore_of_an_evicted_step_is_exact(tmp_path, monkeypatch):
         mgr.save(1, state).result()
         for dirpath, _, names in os.walk(root):
             for n in names:
-                _evict(os.path.join(dirpath, n))
+                evict(os.path.join(dirpath, n))
         for expected in (cold, cold, {"cached"}):
             if expected == {"cached"}:
                 for path in glob.glob(f"{root}/step_*/data-*"):

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_tree_equal
+from conftest import assert_tree_equal, evict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from manifest_tools import signed_bytes
@@ -97,23 +97,11 @@ def _target() -> dict[str, Any]:
             "py": s["py"], "dtype": torch.float32, "epoch": 0}
 
 
-def _evict(root: Root) -> None:
-    """Out of the page cache, so that the ring reads the files as a queue of direct reads."""
-    for dirpath, _, names in os.walk(root.path):
-        for n in names:
-            fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def _restore(root: Root, step: int | None, loader: str, into_target: bool) -> Any:
     """Restore, checking the all-or-nothing promise: a failure leaves the target untouched.
-    ``"ring-cold"``: the ring, with the files out of the page cache first."""
+    ``"ring-cold"``: the ring, with the files out of the page cache first (read with O_DIRECT)."""
     if loader == "ring-cold":
-        _evict(root)
+        evict(root.path)
         loader = "ring"
     target = _target() if into_target else None
     try:
