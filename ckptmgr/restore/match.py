@@ -385,7 +385,7 @@ def _in_place(spans: list[_Span], rest: dict[str, torch.Tensor]) -> tuple[Dests,
             shared.update((name, owner))
         if stop > end:
             end, owner = stop, name
-    out = Dests({s[2]: s[4] for s in spans if s[2] not in shared} if shared else {s[2]: s[4] for s in spans})
+    out = Dests({s[2]: s[4] for s in spans if s[2] not in shared})
     if shared and len(devices) > 1:
         devices = {s[3] for s in spans if s[2] not in shared}
     out.device = next(iter(devices)) if len(devices) == 1 else None

@@ -241,7 +241,8 @@ def _mostly_cached(fd: int, offset: int, length: int, samples: int = 8) -> bool:
             address = view.ctypes.data
             del view  # (the mapping closes only once nothing exports it)
             pages = -(-length // mmap.PAGESIZE)
-            picked = sorted({i * pages // samples for i in range(min(samples, pages))})
+            n = min(samples, pages)
+            picked = {i * pages // n for i in range(n)}  # (spread over all of them, also when few)
             state = ctypes.c_ubyte(0)
             where = ctypes.addressof(state)
             resident = 0
