@@ -23,7 +23,7 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests staging4 training)
 for part in "${parts[@]}"; do
   case "$part" in
-    tests) python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_cuda_snapshot.py tests/test_cuda_restore_trust.py tests/test_landing.py tests/test_restore_many_small.py tests/test_lightning_cuda.py tests/test_tier_ram.py 2>&1 | tee "$out/tests.txt" ;;
+    tests) python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_cuda_snapshot.py tests/test_cuda_restore_trust.py tests/test_landing.py tests/test_restore_many_small.py tests/test_window_reads.py tests/test_lightning_cuda.py tests/test_tier_ram.py 2>&1 | tee "$out/tests.txt" ;;
     staging4) python3 benchmarks/bench_staging.py --gib 4 --out "$out/staging4.json" 2>&1 | tee "$out/staging4.txt" ;;
     staging16) python3 benchmarks/bench_staging.py --gib 16 --out "$out/staging16.json" 2>&1 | tee "$out/staging16.txt" ;;
     training) python3 benchmarks/bench_training.py --repeat 3 --dir /var/tmp/ckptmgr-bench-train \

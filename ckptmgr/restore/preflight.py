@@ -110,7 +110,7 @@ def run_all(pool: Executor, fn: Callable[..., None], items: Iterable[tuple[Any, 
     wait_all([pool.submit(fn, *item) for item in items])
 
 
-def drain(futures: list[Future[None]], timeout: float = 600.0) -> None:
+def drain(futures: list[Future[Any]], timeout: float = 600.0) -> None:
     """Cancel what of ``futures`` has not started and wait for every started one to end, also
     through an interrupt (raised once they have ended): they may read memory the caller is
     about to release. Their own failures are left to :func:`wait_all`.

@@ -232,7 +232,8 @@ class Restorer:
         preflight(source, step, manifest, where, images if use_images else None)
         if use_images and isinstance(source, LocalTier) and not verified:
             verified = self._verified_at_adoption(step, manifest, where)
-        entries = [e for file in entries_by_file(manifest, where).values() for e in file]
+        by_file = entries_by_file(manifest, where)  # (built once: the ring's loaders plan from them too)
+        entries = [e for file in by_file.values() for e in file]
         direct = lands_in_target(entries, dests, _CPU if loader == "host" else device) and not verified
         paths = {name: local_path(source, step, name) or "" for name in manifest.files}
         # Into a target on a GPU: land through spare device memory when it fits (each chunk
@@ -242,10 +243,12 @@ class Restorer:
         if use_images and images is not None:  # already pinned where it lies
             if through:
                 with contextlib.suppress(NoDeviceRoom):
-                    return read_tensors_pinned(images, manifest, device, self.ring, where, dests, through_device=True)
+                    return read_tensors_pinned(images, manifest, device, self.ring, where, dests, through_device=True,
+                                               entries=by_file)
             if direct:
                 verify_images(images, manifest, self.ring.pool, where)
-            return read_tensors_pinned(images, manifest, device, self.ring, where, dests, verified=direct or verified)
+            return read_tensors_pinned(images, manifest, device, self.ring, where, dests, verified=direct or verified,
+                                       entries=by_file)
         if loader == "inplace":
             return read_tensors_inplace(paths, manifest, device, source.io_pool, where, dests)
         if loader == "gds":
@@ -255,10 +258,11 @@ class Restorer:
         if loader == "ring":
             if through:
                 with contextlib.suppress(NoDeviceRoom):
-                    return read_tensors_ring(source, step, manifest, device, self.ring, dests, through_device=True)
+                    return read_tensors_ring(source, step, manifest, device, self.ring, dests, through_device=True,
+                                             entries=by_file)
             if direct:
                 verify_files(source, step, manifest, self.ring.pool, self.ring.threads, where)
-            return read_tensors_ring(source, step, manifest, device, self.ring, dests)
+            return read_tensors_ring(source, step, manifest, device, self.ring, dests, entries=by_file)
         if direct:
             verify_files(source, step, manifest, source.io_pool, _workers(source.io_pool), where)
         return read_tensors(source, step, manifest, device=device, dests=dests)

@@ -43,7 +43,18 @@ from ..format.naming import (
 from .commit import RenameCommit, remove_local_leftovers
 from .fsspec import check_step
 from .lease import LEASE_STALE_S, LeaseKeeper
-from .posix import fsync_dir, open_dir, open_regular, pread_chunk, preadv_into, pwrite_all, remove_ours, stat_regular
+from .posix import (
+    DirectFile,
+    fsync_dir,
+    open_dir,
+    open_direct,
+    open_regular,
+    pread_chunk,
+    preadv_into,
+    pwrite_all,
+    remove_ours,
+    stat_regular,
+)
 
 __all__ = ["LocalTarget", "fsync_dir", "preadv_into"]
 
@@ -292,6 +303,13 @@ class LocalTarget:
         ``buf`` may be written up to ``length`` rounded up to 4096 bytes."""
         with self._open_step(step) as d:
             return pread_chunk(_plain(name), offset, buf, length, dir_fd=d)
+
+    def open_direct(self, step: int, name: str) -> DirectFile | None:
+        """Data file ``name`` of committed ``step`` open for direct reads of aligned blocks, or
+        ``None`` where it is in the page cache or the filesystem refuses ``O_DIRECT`` (see
+        :func:`~ckptmgr.storage.posix.open_direct`). The caller closes it."""
+        with self._open_step(step) as d:
+            return open_direct(_plain(name), dir_fd=d, where=os.path.join(self._step_dir(step), name))
 
     def path_of(self, step: int, name: str) -> str:
         """Where data file ``name`` of committed ``step`` lies (for the in-place loader),

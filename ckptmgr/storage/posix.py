@@ -26,8 +26,8 @@ import numpy as np
 
 from ..errors import CheckpointCorruptError
 
-__all__ = ["DIRECT_ALIGN", "NOT_REGULAR", "fsync_dir", "open_dir", "open_regular", "pread_chunk", "preadv_into",
-           "pwrite_all", "remove_ours", "sibling", "stat_regular"]
+__all__ = ["DIRECT_ALIGN", "NOT_REGULAR", "DirectFile", "fsync_dir", "open_dir", "open_direct", "open_regular",
+           "pread_chunk", "preadv_into", "pwrite_all", "remove_ours", "sibling", "stat_regular"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -211,6 +211,86 @@ def pread_chunk(path: str, offset: int, buf: np.ndarray[Any, Any], length: int, 
         return how
     finally:
         os.close(fd)
+
+
+class DirectFile:
+    """A regular file open for ``O_DIRECT`` reads of aligned blocks (see :func:`open_direct`),
+    read from any number of threads at once. Falls back to plain reads, for good, where the
+    filesystem refuses a direct read after accepting the open."""
+
+    def __init__(self, plain: int, direct: int, where: str) -> None:
+        self.where = where
+        self._plain = plain  # both descriptors are owned by this object until close()
+        self._direct = direct
+        self._fallback = False  # set once, by the first refused read; a stale read of it costs one retry
+
+    @property
+    def direct_fd(self) -> int:
+        """The ``O_DIRECT`` descriptor, for reads submitted elsewhere (:mod:`.aio`)."""
+        return self._direct
+
+    def read(self, offset: int, view: memoryview, length: int, *, plain: bool = False) -> None:
+        """Fill ``view[:length]`` with the bytes from ``offset`` (a multiple of
+        :data:`DIRECT_ALIGN`, as is ``view``'s address); ``view`` may be written up to
+        ``length`` rounded up to :data:`DIRECT_ALIGN`. ``plain``: through the page cache,
+        for good (the filesystem refused a direct read).
+
+        Raises:
+            CheckpointCorruptError: the file ended before ``offset + length``.
+        """
+        done = 0
+        self._fallback = self._fallback or plain
+        if not self._fallback:
+            end = -(-length // DIRECT_ALIGN) * DIRECT_ALIGN
+            try:
+                while done < length:
+                    n = os.preadv(self._direct, [view[done:end]], offset + done)
+                    if n <= 0 or (n % DIRECT_ALIGN and done + n < length):
+                        raise CheckpointCorruptError(f"{self.where} ended early, at byte {offset + done + max(n, 0)}")
+                    done += n
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._fallback = True  # refused here: plain reads from where it stopped
+        while done < length:
+            n = os.preadv(self._plain, [view[done:length]], offset + done)
+            if n == 0:
+                raise CheckpointCorruptError(f"{self.where} ended early, at byte {offset + done}")
+            done += n
+
+    def close(self) -> None:
+        os.close(self._direct)
+        os.close(self._plain)
+
+
+def open_direct(path: str, *, dir_fd: int | None = None, where: str | None = None) -> DirectFile | None:
+    """Regular file ``path`` (checked as :func:`open_regular` does) open for direct reads; or
+    ``None`` where most of it is in the page cache (copying from there is faster than reading
+    the device again) or the filesystem refuses ``O_DIRECT`` (tmpfs, some network
+    filesystems).
+
+    Raises:
+        FileNotFoundError: it does not exist.
+        CheckpointCorruptError: it is not a regular file, or a link out of its directory.
+    """
+    where = where or path
+    if not _DIRECT:
+        return None
+    fd = open_regular(path, dir_fd=dir_fd, where=where)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0 or _mostly_cached(fd, 0, size):
+            os.close(fd)
+            return None
+        direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | _DIRECT | _CLOEXEC)  # the file just checked
+    except OSError:  # O_DIRECT refused (or no /proc): the caller reads through the page cache
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return DirectFile(fd, direct, where)
 
 
 def _libc_mincore() -> Any:

@@ -3,11 +3,13 @@ the GPU by the thread that read it, its checksum verified before the copy; and t
 file images already pinned in this process, verified beside the copies.
 
 For files on disk, NFS or object stores, and one-shot restores from /dev/shm. Each checksum
-chunk of every file is one task on the ring's reader threads: read the chunk into the
-thread's pinned buffer (allocated once per manager and reused), compute its CRC32C, copy it
-to where it lands on the buffer's own stream, and wait for the copy before reading the next.
-With a dozen threads the reads, the checksums and the copies all overlap; host memory stays
-at the ring's size (12 x 16 MiB) whatever the checkpoint's. Where the bytes land is a
+chunk of every file is one task on the ring's threads: lease a pinned buffer (allocated once
+per manager and reused), read the chunk into it, compute its CRC32C, copy it to where it
+lands on the buffer's own stream, and wait for the copy before giving the buffer back. With
+a dozen buffers the reads, the checksums and the copies all overlap; host memory stays at
+the ring's size (12 x 16 MiB) whatever the checkpoint's. Local files not in the page cache
+are read another way, as one queue of direct reads in file order (:mod:`.window`), into at
+most six of the same buffers, chunk by chunk, verified and copied alike. Where the bytes land is a
 :mod:`~ckptmgr.loaders.landing` plan: one fresh device allocation per file, or the target's
 own tensors.
 
@@ -31,9 +33,12 @@ from ...errors import CheckpointCorruptError, CkptTimeoutError
 from ...format.checksum import chunk_ranges, crc32c_hex
 from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import FileRecord, Manifest
+from ...storage.aio import AioContext, open_context
+from ...storage.posix import DIRECT_ALIGN, DirectFile
 from ..preflight import Source, drain, run_all, submit_image_checks, wait_all
 from .host import _build_views
 from .landing import Entry, Landing, plan_landing
+from .window import CHUNKS_IN_FLIGHT, DEPTH, Finish, read_window
 
 __all__ = ["NoDeviceRoom", "PinnedRing", "entries_by_file", "read_tensors_pinned", "read_tensors_ring"]
 
@@ -47,12 +52,16 @@ class NoDeviceRoom(Exception):
 
 class PinnedRing:
     """``threads`` host buffers of ``slot_bytes`` each (pinned with CUDA, plain without), a
-    copy stream per buffer, and the reader threads, made at first use and shared by every
-    restore of one manager.
+    copy stream per buffer, the reader threads, and two threads that verify and copy the
+    chunks of direct reads (:mod:`.window`), made at first use and shared by every restore
+    of one manager.
 
     Restores may run at once (several threads of the caller): a buffer is *leased* by one
-    task at a time (:meth:`lease`), under the ring's lock, from the read into it until its
-    copy has finished, so no two restores ever fill or copy from the same buffer.
+    task at a time (:meth:`lease`), or by one step's queue of direct reads (:meth:`lease_many`),
+    under the ring's lock, from the read into it until its copy has finished, so no two
+    restores ever fill or copy from the same buffer. A reader thread waits for a lease only
+    while others hold every buffer: running tasks, or a queue whose chunks finish on the
+    verifier threads, which never wait for a lease.
     """
 
     def __init__(self, threads: int, slot_bytes: int) -> None:
@@ -63,10 +72,11 @@ class PinnedRing:
         self._returned = threading.Condition(self._mu)  # notified when a leased buffer comes back
         # Guarded by _mu: the streams and pool (made once), and which buffers are free.
         # _buffers[i] is made, and only ever touched, by the holder of lease i (see buffer()).
-        self._buffers: list[torch.Tensor | None] = [None] * threads
+        self._buffers: list[torch.Tensor | None] = [None] * self.slots
         self._streams: dict[torch.device, list[Any]] = {}
         self._pool: ThreadPoolExecutor | None = None
-        self._free: list[int] = list(range(threads))
+        self._verifiers: ThreadPoolExecutor | None = None
+        self._free: list[int] = list(range(self.slots))
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -75,11 +85,21 @@ class PinnedRing:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ckptmgr-restore")
             return self._pool
 
+    @property
+    def verifiers(self) -> ThreadPoolExecutor:
+        """Two threads that verify and copy the chunks a queue of direct reads brought in
+        (one keeps up with the disk; the second with a burst)."""
+        with self._mu:
+            if self._verifiers is None:
+                self._verifiers = ThreadPoolExecutor(2, thread_name_prefix="ckptmgr-verify")
+            return self._verifiers
+
     def close(self) -> None:
         with self._mu:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools, self._pool, self._verifiers = (self._pool, self._verifiers), None, None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
         with self._mu:
             self._buffers = [None] * self.slots
             self._streams = {}
@@ -103,11 +123,30 @@ class PinnedRing:
             return self._streams[device]
 
     @contextlib.contextmanager
-    def lease(self, timeout: float = _LEASE_TIMEOUT) -> Iterator[int]:
-        """Hold one buffer (and its stream) for the caller alone; yields its index.
+    def lease_many(self, count: int, timeout: float = _LEASE_TIMEOUT) -> Iterator[list[int]]:
+        """Hold ``count`` buffers (at most all of them) for the caller alone, taken all at
+        once so that two callers never each wait for what the other holds; yields their
+        indices. The caller's threads share them and make each at most once at a time.
 
-        The ring's own threads never wait here (there are as many buffers as threads); a
-        caller from elsewhere waits at most ``timeout`` seconds.
+        Raises:
+            CkptTimeoutError: too few buffers came back within ``timeout``.
+        """
+        count = min(count, self.slots)
+        with self._mu:
+            if not self._returned.wait_for(lambda: len(self._free) >= count, timeout):
+                raise CkptTimeoutError(f"no {count} restore buffers came back within {timeout} s")
+            held = [self._free.pop() for _ in range(count)]
+        try:
+            yield held
+        finally:
+            with self._mu:
+                self._free.extend(held)
+                self._returned.notify_all()
+
+    @contextlib.contextmanager
+    def lease(self, timeout: float = _LEASE_TIMEOUT) -> Iterator[int]:
+        """Hold one buffer (and its stream) for the caller alone; yields its index. Waits at
+        most ``timeout`` seconds for one to come back.
 
         Raises:
             CkptTimeoutError: no buffer came back within ``timeout``.
@@ -121,7 +160,7 @@ class PinnedRing:
         finally:
             with self._mu:
                 self._free.append(index)
-                self._returned.notify()
+                self._returned.notify_all()
 
 
 def _page_aligned(nbytes: int) -> torch.Tensor:
@@ -148,8 +187,8 @@ def entries_by_file(manifest: Manifest, where: str) -> dict[str, list[Entry]]:
     return out
 
 
-# fetch(buffer index, begin, end) -> (the bytes [begin, end) of the file in host memory, their CRC32C)
-Fetch = Callable[[int, int, int], tuple[torch.Tensor, str]]
+# fetch(buffer index, begin, end) -> the bytes [begin, end) of the file, in host memory
+Fetch = Callable[[int, int, int], torch.Tensor]
 
 
 class _Chunk(NamedTuple):
@@ -162,6 +201,32 @@ class _Chunk(NamedTuple):
     end: int
 
 
+def _lander(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, where: str) -> Finish:
+    """``land(i, buffer index, bytes)``: verify the bytes of ``chunks[i]`` against its checksum,
+    copy them to their landing on the buffer's own stream and wait for that copy (the buffer
+    is free to refill on return). Made on the caller's thread: the copies come after the work
+    already queued on what they write."""
+    streams = ring.streams(device) if device.type == "cuda" else None
+    ready = None
+    if streams is not None:
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(torch.cuda.current_stream(device))
+
+    def land(i: int, slot: int, src: torch.Tensor) -> None:
+        c = chunks[i]
+        if crc32c_hex(src.numpy()) != c.rec.crc32c[c.number]:
+            raise CheckpointCorruptError(f"{where}: {c.fname}: checksum mismatch in bytes [{c.begin}, {c.end})")
+        if streams is None:
+            c.landing.land(c.begin, src)
+            return
+        assert ready is not None
+        streams[slot].wait_event(ready)
+        with torch.cuda.stream(streams[slot]):
+            c.landing.land(c.begin, src)
+        streams[slot].synchronize()
+    return land
+
+
 def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, where: str) -> None:
     """Each chunk (of every file, one continuous stream) is one task on the ring's threads:
     lease a buffer, fetch the chunk into it, verify it, copy it to its landing on the
@@ -170,33 +235,30 @@ def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, wher
     waits for another. The first failure (in file order) cancels what has not started and is
     raised once every started task has given its buffer back.
     """
-    streams = ring.streams(device) if device.type == "cuda" else None
-    ready = None
-    if streams is not None:  # the copies come after the work queued on what they write
-        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ready.record(torch.cuda.current_stream(device))
+    land = _lander(chunks, device, ring, where)
 
-    def task(c: _Chunk) -> None:
+    def task(i: int) -> None:
+        c = chunks[i]
         with ring.lease() as slot:
-            src, crc = c.fetch(slot, c.begin, c.end)
-            if crc != c.rec.crc32c[c.number]:
-                raise CheckpointCorruptError(f"{where}: {c.fname}: checksum mismatch in bytes [{c.begin}, {c.end})")
-            if streams is None:
-                c.landing.land(c.begin, src)
-                return
-            assert ready is not None
-            streams[slot].wait_event(ready)
-            with torch.cuda.stream(streams[slot]):
-                c.landing.land(c.begin, src)
-            streams[slot].synchronize()
+            land(i, slot, c.fetch(slot, c.begin, c.end))
 
-    run_all(ring.pool, task, [(c,) for c in chunks])
+    run_all(ring.pool, task, [(i,) for i in range(len(chunks))])
+
+
+def _windowed(chunks: list[_Chunk], cold: Cold, device: torch.device, ring: PinnedRing, where: str) -> None:
+    """The chunks of cold local files: read as one queue of direct reads (see :mod:`.window`)."""
+    land = _lander(chunks, device, ring, where)
+    with ring.lease_many(CHUNKS_IN_FLIGHT) as held:
+        read_window([(c.fname, c.begin, c.end) for c in chunks], cold.files, held, ring.buffer, land,
+                    ring.verifiers.submit, cold.aio)
 
 
 def _plan_all(manifest: Manifest, device: torch.device, where: str, dests: dict[str, torch.Tensor] | None,
-              through_device: bool) -> dict[str, Landing]:
-    """A landing plan for every file of the step (see :mod:`.landing`)."""
-    entries = entries_by_file(manifest, where)
+              through_device: bool, entries: dict[str, list[Entry]] | None) -> dict[str, Landing]:
+    """A landing plan for every file of the step (see :mod:`.landing`); ``entries``: the
+    step's :func:`entries_by_file`, where the caller has them."""
+    if entries is None:
+        entries = entries_by_file(manifest, where)
     try:
         return {fname: plan_landing(entries[fname], rec.header_size, rec.size - rec.header_size, device, dests,
                                     through_device=through_device)
@@ -225,23 +287,28 @@ def _finish(manifest: Manifest, device: torch.device, landings: dict[str, Landin
 
 def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where: str,
               dests: dict[str, torch.Tensor] | None, fetch_for: Callable[[str, FileRecord], Fetch],
-              through_device: bool = False) -> dict[str, torch.Tensor]:
+              through_device: bool = False, cold: Cold | None = None,
+              entries: dict[str, list[Entry]] | None = None) -> dict[str, torch.Tensor]:
     fetches = {fname: fetch_for(fname, rec) for fname, rec in manifest.files.items()}  # checked before allocating
-    landings = _plan_all(manifest, device, where, dests, through_device)
+    landings = _plan_all(manifest, device, where, dests, through_device, entries)
     chunks = [_Chunk(fname, rec, landings[fname], fetches[fname], i, b, e)
               for fname, rec in manifest.files.items()
               for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
-    _pipeline(chunks, device, ring, where)
+    if cold is not None:
+        _windowed([c for c in chunks if c.fname in cold.files], cold, device, ring, where)
+    _pipeline([c for c in chunks if cold is None or c.fname not in cold.files], device, ring, where)
     return _finish(manifest, device, landings, where, through_device)
 
 
 def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: torch.device,
                       ring: PinnedRing, dests: dict[str, torch.Tensor] | None = None, *,
-                      through_device: bool = False) -> dict[str, torch.Tensor]:
+                      through_device: bool = False,
+                      entries: dict[str, list[Entry]] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of committed ``step`` on ``device`` (or in the matching tensors of
     ``dests``), read through ``ring``. The files have passed the preflight checks. With
     ``through_device``, what goes to ``dests`` lands in spare device memory and moves into
-    them once the whole step has verified (see :mod:`.landing`).
+    them once the whole step has verified (see :mod:`.landing`). ``entries``: the step's
+    :func:`entries_by_file`, where the caller has them already.
 
     Raises:
         CheckpointCorruptError: a chunk fails its checksum (``dests`` untouched with
@@ -256,23 +323,49 @@ def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: tor
             raise CheckpointCorruptError(f"{where}: {fname} has chunks of {rec.chunk_size} bytes, "
                                          f"more than the ring's {ring.slot_bytes}")
 
-        def fetch(slot: int, b: int, e: int) -> tuple[torch.Tensor, str]:
+        def fetch(slot: int, b: int, e: int) -> torch.Tensor:
             whole = ring.buffer(slot)
             buf = whole[:e - b]
-            arr = buf.numpy()
             if read_chunk is not None:  # a cold file is read with O_DIRECT into the pinned buffer
                 read_chunk(step, fname, b, whole.numpy(), e - b)
             else:
-                source.read_into(step, fname, b, [arr])
-            return buf, crc32c_hex(arr)
+                source.read_into(step, fname, b, [buf.numpy()])
+            return buf
         return fetch
 
-    return _read_all(manifest, device, ring, where, dests, fetch_for, through_device)
+    with contextlib.ExitStack() as opened:
+        cold = _open_cold(source, step, manifest, opened)
+        return _read_all(manifest, device, ring, where, dests, fetch_for, through_device, cold, entries)
+
+
+class Cold(NamedTuple):
+    files: dict[str, DirectFile]  # the data files to read as a queue of direct reads
+    aio: AioContext  # what keeps the reads in flight (closed by the queue)
+
+
+def _open_cold(source: Source, step: int, manifest: Manifest, opened: contextlib.ExitStack) -> Cold | None:
+    """The data files of ``step`` that ``source`` opens for direct reads (local files not in the
+    page cache, with chunks whole pages long), each closed by ``opened``, and a kernel AIO
+    context for them; ``None`` where there are none, or no context to be had."""
+    open_direct = getattr(source, "open_direct", None)
+    if open_direct is None:
+        return None
+    files: dict[str, DirectFile] = {}
+    for fname, rec in manifest.files.items():
+        if rec.chunk_size % DIRECT_ALIGN:
+            continue
+        f = open_direct(step, fname)
+        if f is not None:
+            opened.callback(f.close)
+            files[fname] = f
+    aio = open_context(DEPTH) if files else None
+    return Cold(files, aio) if aio is not None else None
 
 
 def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, device: torch.device,
                         ring: PinnedRing, where: str, dests: dict[str, torch.Tensor] | None = None, *,
-                        verified: bool = False, through_device: bool = False) -> dict[str, torch.Tensor]:
+                        verified: bool = False, through_device: bool = False,
+                        entries: dict[str, list[Entry]] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a step whose file images are already in pinned host memory (this
     process's staging slot, or a local-tier slot it adopted): copied straight from there.
 
@@ -295,7 +388,7 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
         image = images.get(fname)
         if image is None or image.numel() != rec.size:
             raise CheckpointCorruptError(f"{where}: the staged image of {fname} does not match the manifest")
-    landings = _plan_all(manifest, device, where, dests, through_device)
+    landings = _plan_all(manifest, device, where, dests, through_device, entries)
     in_place = not through_device and any(landing.into_target for landing in landings.values())
     checks: list[Future[None]] = []
     stream = None

@@ -2,12 +2,17 @@
 with the whole restore's work (O_DIRECT reads into pinned buffers, CRC32C of each 16 MiB
 chunk, host-to-device copy), each in a fresh process after dropping the page cache.
 
-    python prof_tmp/cold_window.py DIR OUT.json ROUNDS
-    python prof_tmp/cold_window.py child MODE STEP_DIR   (internal)
+    python benchmarks/results/h200-2026-11-23e/cold-read/cold_window.py DIR OUT.json ROUNDS
+    python benchmarks/results/h200-2026-11-23e/cold-read/cold_window.py child MODE STEP_DIR   (internal)
 
 proto-chunk T: a task per 16 MiB chunk (one O_DIRECT read of the chunk), T threads = today's ring.
 proto-window T B N: one FIFO of B-byte O_DIRECT blocks in file order, T threads take the next;
    N chunk buffers; the thread that reads a chunk's last block checks it and copies it.
+aio D B [sep]: the read pattern alone, D reads of B KiB kept in flight by Linux AIO from one
+   thread (sep: each read in its own io_submit).
+fst: fastsafetensors (nogds). ckptmgr [opts]: a restore; opts T=threads, cached=1 (chunks
+   read through the page cache), drop=1, wn=1 (WILLNEED ahead), noaio=1 (chunk-by-chunk
+   reads), D/C (queue depth and buffers, where the code reads them), PKG=dir (import from dir).
 """
 import json
 import os
@@ -49,6 +54,15 @@ def child(mode, step_dir):
     if mode == "fst":
         import fastsafetensors  # noqa: F401  (imports before the clock starts, as bench_restore.py does)
     elif mode.startswith("ckptmgr"):
+        o = dict(kv.split("=") for kv in mode.split()[1:])
+        for k, e in (("D", "CK_DEPTH"), ("C", "CK_CHUNKS"), ("V", "CK_VERIFIERS"), ("B", "CK_BLOCK")):
+            if k in o:
+                os.environ[e] = o[k]
+        if "SW" in o:
+            sys.setswitchinterval(float(o["SW"]))
+        if os.environ.get("CW_TRACE_DIR"):
+            os.environ["CK_TRACE"] = os.path.join(os.environ["CW_TRACE_DIR"],
+                                                  mode.replace(" ", "_").replace("=", "") + f"-{time.time():.3f}.json")
         import ckptmgr  # noqa: F401
     t = time.perf_counter()
     first = [None]
@@ -62,17 +76,29 @@ def child(mode, step_dir):
         import ckptmgr.manager as mm
         if "T" in opts:
             orig_ring = mm.PinnedRing
-            mm.PinnedRing = lambda threads, slot, buffers=None: orig_ring(int(opts["T"]), slot, buffers=buffers)
+            mm.PinnedRing = lambda threads, slot: orig_ring(int(opts["T"]), slot)
         import ckptmgr.storage.posix as px
         if opts.get("probe") == "0":
             px._page_cached = lambda fd, view, off: False
         import ckptmgr.storage.local as lc
         orig_pc = lc.pread_chunk
 
+        if opts.get("cached") == "1":
+            px._mostly_cached = lambda *a, **k: True
+        dropafter = opts.get("drop") == "1"
+        if opts.get("noaio") == "1":
+            import ckptmgr.restore.loaders.ring as rg0
+            rg0.open_context = lambda depth: None
+
         def pc(*a, **k):
             if first[0] is None:
                 first[0] = time.perf_counter()
-            return orig_pc(*a, **k)
+            r = orig_pc(*a, **k)
+            if dropafter:
+                fd = os.open(a[0], os.O_RDONLY, dir_fd=k.get("dir_fd"))
+                os.posix_fadvise(fd, a[1], a[3], os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            return r
         lc.pread_chunk = pc
         import ckptmgr.restore.loaders.ring as rg
         from ckptmgr import CheckpointManager, StagingOptions
@@ -98,6 +124,19 @@ def child(mode, step_dir):
             import cProfile
             prof = cProfile.Profile()
             prof.enable()
+        if opts.get("wn"):
+            blk = int(opts.get("wb", "16")) << 20
+
+            def willneed():
+                a = time.perf_counter()
+                for p in files:
+                    fd = os.open(p, os.O_RDONLY)
+                    size = os.fstat(fd).st_size
+                    for off in range(0, size, blk):
+                        os.posix_fadvise(fd, off, min(blk, size - off), os.POSIX_FADV_WILLNEED)
+                    os.close(fd)
+                marks.append(("willneed-done", a - t, time.perf_counter() - t))
+            threading.Thread(target=willneed, daemon=True).start()
         with CheckpointManager(os.path.dirname(step_dir), staging=StagingOptions(local_tier=False)) as m:
             marks.append(("opened", time.perf_counter() - t))
             out = m.restore(int(step_dir.rsplit("_", 1)[1]), device="cuda" if CUDA else "cpu")
@@ -115,8 +154,8 @@ def child(mode, step_dir):
         with open(os.path.join(step_dir, "manifest.json")) as f:
             man = json.load(f)
         recs = {os.path.join(step_dir, k): v for k, v in man["files"].items()}
-        _, depth, kib = mode.split()
-        total = aio_read(files, recs, int(depth), int(kib) * K)
+        _, depth, kib, *rest = mode.split()
+        total = aio_read(files, recs, int(depth), int(kib) * K, sep="sep" in rest)
         out = {"all": torch.empty(total, dtype=torch.uint8)}
     else:
         out = proto(mode, step_dir, files, first)
@@ -241,7 +280,7 @@ def proto(mode, step_dir, files, first):
     return dev
 
 
-def aio_read(files, recs, depth, block):
+def aio_read(files, recs, depth, block, sep=False):
     """Linux AIO: one thread keeps ``depth`` O_DIRECT reads of ``block`` bytes in flight, in file order."""
     import ctypes
     import mmap
@@ -293,7 +332,11 @@ def aio_read(files, recs, depth, block):
     for i in range(first):
         fill(i)
         ptrs[i] = ctypes.pointer(iocbs[i])
-    if syscall(SUBMIT, ctx, first, ptrs) != first:
+    if sep:
+        for j in range(first):
+            if syscall(SUBMIT, ctx, 1, ctypes.byref(ptrs, j * ctypes.sizeof(ctypes.c_void_p))) != 1:
+                raise OSError(ctypes.get_errno(), "io_submit")
+    elif syscall(SUBMIT, ctx, first, ptrs) != first:
         raise OSError(ctypes.get_errno(), "io_submit")
     inflight = first
     while inflight:
@@ -312,7 +355,12 @@ def aio_read(files, recs, depth, block):
                 fill(slot)
                 ptrs[k] = ctypes.pointer(iocbs[slot])
                 k += 1
-        if k:
+        if k and sep:
+            for j in range(k):
+                if syscall(SUBMIT, ctx, 1, ctypes.byref(ptrs, j * ctypes.sizeof(ctypes.c_void_p))) != 1:
+                    raise OSError(ctypes.get_errno(), "io_submit")
+            inflight += k
+        elif k:
             if syscall(SUBMIT, ctx, k, ptrs) != k:
                 raise OSError(ctypes.get_errno(), "io_submit")
             inflight += k
@@ -366,8 +414,12 @@ def main():
             order = order[::-1]
         for mode in order:
             drop(files)
+            env = dict(os.environ)
+            pkg = [kv[4:] for kv in mode.split() if kv.startswith("PKG=")]
+            if pkg:
+                env["PYTHONPATH"] = os.path.abspath(pkg[0]) + ":" + env.get("PYTHONPATH", "")
             p = subprocess.run([sys.executable, __file__, "child", mode, step_dir], capture_output=True, text=True,
-                               timeout=120)
+                               timeout=120, env=env)
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
             if os.environ.get("CW_ERR"):
                 print(p.stderr[-int(os.environ["CW_ERR"]):], flush=True)
