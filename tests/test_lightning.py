@@ -23,10 +23,21 @@ LOADER = os.path.join(HERE, "load_without_ckptmgr.py")
 
 
 def run(d, epochs, out, *extra):
+    # faulthandler: a worker process that dies of a signal prints its threads' stacks
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run([sys.executable, TRAINER, d, str(epochs), out, *extra], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + died_how(proc.stderr)
     return proc.stdout
+
+
+def died_how(stderr):
+    """What a process that died of a signal printed (a C++ exception, faulthandler's stacks),
+    repeated at the end of a failure's message: a report that keeps only the tail of a long
+    output then still shows it."""
+    lines = stderr.splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.startswith(("Fatal Python error", "terminate called"))]
+    return "\n--- why a process died:\n" + "\n".join(lines[starts[0]:starts[0] + 60]) if starts else ""
 
 
 def load_elsewhere(files, *flags):
