@@ -98,11 +98,11 @@ class AioContext:
             if err != errno.EINTR:
                 raise OSError(err, f"io_submit: {os.strerror(err)}")
 
-    def reap(self, timeout: float, at_least: int = 1) -> list[Completion]:
-        """The completions that arrive within ``timeout`` seconds: once ``at_least`` of them
-        are in, all that are (fewer, or none, only at the timeout)."""
+    def reap(self, timeout: float) -> list[Completion]:
+        """The completions that arrive within ``timeout`` seconds (at least one, or none at
+        the timeout)."""
         ts = _Timespec(int(timeout), int((timeout % 1) * 1e9))
-        n = self._syscall(self._getevents, self._ctx, at_least, self.depth, self._events, ctypes.byref(ts))
+        n = self._syscall(self._getevents, self._ctx, 1, self.depth, self._events, ctypes.byref(ts))
         if n < 0:
             err = ctypes.get_errno()
             if err == errno.EINTR:

@@ -12,15 +12,10 @@ the disk then serves two at a time (one H200 machine's disk, reads alone: 1.43 s
 step submitted one by one, 1.65 s submitted together, fastsafetensors 1.52 s;
 ``benchmarks/results/h200-2026-11-23e``).
 
-The loop waits for half the queue to complete, then submits the reads that replace them back
-to back, each in its own system call, once the Python for all of them is done. A loop that
-resubmitted each read as it was reaped, with its bookkeeping between the system calls,
-spread its reads out in time; a virtual disk then completed them a few at a time, and the
-same step read 0.5 s slower than when the reads reached it in bursts (same H200 machine:
-2.56 s against 1.87 s for the read pattern alone; ``benchmarks/results/h200-2026-11-23f``).
-A block's result is only compared with its length (the slow paths, a refused direct read or
-a short one, are taken only then), and the chunk's own work goes to the verifier threads.
-Checksums stay per chunk: the blocks of a chunk land in one
+The loop does as little as it can between a completion and the read that replaces it: the
+read is resubmitted at once, a block's result is only compared with its length (the slow
+paths, a refused direct read or a short one, are taken only then), and the chunk's own work
+goes to the verifier threads. Checksums stay per chunk: the blocks of a chunk land in one
 ring buffer, leased for the step before the first read; once a chunk's last block is in, a
 verifier verifies its CRC32C, copies it to its landing on the buffer's own stream and waits
 for the copy, and the buffer then serves the next chunk. A step holds at most
@@ -45,11 +40,10 @@ from ...storage.aio import AioContext
 from ...storage.posix import DIRECT_ALIGN, DirectFile
 from ..preflight import drain
 
-__all__ = ["BLOCK", "CHUNKS_IN_FLIGHT", "DEPTH", "REAP_AT_LEAST", "read_window"]
+__all__ = ["BLOCK", "CHUNKS_IN_FLIGHT", "DEPTH", "read_window"]
 
 BLOCK = 512 << 10  # bytes per read; a multiple of the direct-I/O alignment
 DEPTH = 16  # reads in flight
-REAP_AT_LEAST = DEPTH // 2  # completions the loop waits for before it resubmits them together
 CHUNKS_IN_FLIGHT = 6  # chunk buffers one step uses: 16 reads of 512 KiB span at most two chunks
 _STALL = 600.0  # seconds without a read completing or a chunk finishing before the restore gives up
 
@@ -94,44 +88,37 @@ def read_window(spans: list[tuple[str, int, int]], files: dict[str, DirectFile],
             memory[index] = tensor, tensor.data_ptr()
         return memory[index]
 
-    def plan(slot: int) -> tuple[int, int, int, int] | None:
-        """The next block's read into ``slot`` (fd, offset, length, address); None where its
-        chunk waits for a buffer."""
+    def start(slot: int) -> bool:
+        """Submit the next block into ``slot``; False where its chunk waits for a buffer."""
         nonlocal nxt
         ci, begin, end = blocks[nxt]
         index = holder.get(ci)
         if index is None:
             if not free:
-                return None
+                return False
             index = holder[ci] = free.pop()
+        first = spans[ci][1]
+        aio.submit_one(slot, fds[ci], begin, -(-(end - begin) // DIRECT_ALIGN) * DIRECT_ALIGN,
+                       address(index)[1] + begin - first)
         reading[slot] = nxt
         nxt += 1
-        return (fds[ci], begin, -(-(end - begin) // DIRECT_ALIGN) * DIRECT_ALIGN,
-                address(index)[1] + begin - spans[ci][1])
+        return True
 
     idle = list(range(aio.depth))  # aio slots free; the others have a read in flight
     last_progress = time.monotonic()
     try:
         made.update((i, submit(buffer, i)) for i in buffers)  # pinned while the first reads run
         while True:
-            batch = []
-            while idle and nxt < len(blocks) and not failed:
-                read = plan(idle[-1])
-                if read is None:
-                    break
-                batch.append((idle.pop(), read))
-            for slot, (fd, offset, nbytes, at) in batch:  # back to back, once the Python is done
-                aio.submit_one(slot, fd, offset, nbytes, at)
-            in_flight = aio.depth - len(idle)
-            if in_flight:
-                done = aio.reap(min(1.0, _STALL), at_least=min(in_flight, REAP_AT_LEAST))
+            while idle and nxt < len(blocks) and not failed and start(idle[-1]):
+                idle.pop()
+            if len(idle) < aio.depth:
+                done = aio.reap(min(1.0, _STALL))
             elif finishing:
                 futures_wait(list(finishing), timeout=1.0, return_when=FIRST_COMPLETED)
                 done = []
             else:
                 break
             for slot, result in done:
-                idle.append(slot)
                 ci, begin, end = blocks[reading[slot]]
                 if result < end - begin:  # refused direct, failed, or short: see _check_read
                     first = spans[ci][1]
@@ -140,7 +127,10 @@ def read_window(spans: list[tuple[str, int, int]], files: dict[str, DirectFile],
                                     address(holder[ci])[0][begin - first:end - first])
                     except Exception as exc:  # the chunk failed: no further reads are submitted
                         failed.setdefault(ci, exc)
+                        idle.append(slot)
                         continue
+                if failed or nxt == len(blocks) or not start(slot):  # else the next read went at once
+                    idle.append(slot)
                 unread[ci] -= 1
                 if unread[ci] == 0 and not failed:
                     first, last = spans[ci][1], spans[ci][2]
