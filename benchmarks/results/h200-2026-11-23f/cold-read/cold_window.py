@@ -16,7 +16,8 @@ fst: fastsafetensors (nogds). ckptmgr [opts]: a restore; opts T=threads, cached=
    REG=1 (ring buffers: malloc'd memory pinned by cudaHostRegister instead of cudaHostAlloc),
    fin=none|crc|copy (a chunk's finish does nothing,
    only the checksum, or only the copy), SW=s (sys.setswitchinterval), PKG=dir (import from dir).
-aio D B sep pin: the read pattern into cudaHostAlloc memory (without pin: an anonymous mmap).
+aio D B sep pin: the read pattern into cudaHostAlloc memory (without pin: an anonymous mmap);
+   rot=N: into N rotating 16 MiB chunk buffers, where the product's reads land.
 """
 import json
 import os
@@ -118,7 +119,7 @@ def child(mode, step_dir):
             orig_lander = rg._lander
 
             def lander(chunks, device, ring, where):
-                streams = ring.streams(device)
+                streams = ring.streams(device) if CUDA else None
                 fin = opts["fin"]
 
                 def land(i, slot, src):
@@ -202,7 +203,8 @@ def child(mode, step_dir):
             threading.Thread(target=willneed, daemon=True).start()
         with CheckpointManager(os.path.dirname(step_dir), staging=StagingOptions(local_tier=False)) as m:
             marks.append(("opened", time.perf_counter() - t))
-            out = m.restore(int(step_dir.rsplit("_", 1)[1]), device="cuda" if CUDA else "cpu")
+            out = m.restore(int(step_dir.rsplit("_", 1)[1]), device="cuda" if CUDA else "cpu",
+                            **({"loader": opts["loader"]} if "loader" in opts else {}))
             marks.append(("restored", time.perf_counter() - t))
             TRACE["restored"] = marks[-1][1]
         marks.append(("closed", time.perf_counter() - t))
@@ -220,7 +222,9 @@ def child(mode, step_dir):
             man = json.load(f)
         recs = {os.path.join(step_dir, k): v for k, v in man["files"].items()}
         _, depth, kib, *rest = mode.split()
-        total = aio_read(files, recs, int(depth), int(kib) * K, sep="sep" in rest, pin="pin" in rest)
+        rot = [int(x[4:]) for x in rest if x.startswith("rot=")]
+        total = aio_read(files, recs, int(depth), int(kib) * K, sep="sep" in rest, pin="pin" in rest,
+                         rot=rot[0] if rot else 0)
         out = {"all": torch.empty(total, dtype=torch.uint8)}
     else:
         out = proto(mode, step_dir, files, first)
@@ -345,8 +349,10 @@ def proto(mode, step_dir, files, first):
     return dev
 
 
-def aio_read(files, recs, depth, block, sep=False, pin=False):
-    """Linux AIO: one thread keeps ``depth`` O_DIRECT reads of ``block`` bytes in flight, in file order."""
+def aio_read(files, recs, depth, block, sep=False, pin=False, rot=0):
+    """Linux AIO: one thread keeps ``depth`` O_DIRECT reads of ``block`` bytes in flight, in file order.
+    rot=N: each read lands where the product's would, in N rotating 16 MiB chunk buffers (else
+    in the slot's own ``block`` bytes)."""
     import ctypes
     import mmap
     import platform
@@ -369,16 +375,21 @@ def aio_read(files, recs, depth, block, sep=False, pin=False):
     ctx = ctypes.c_ulong(0)
     if syscall(SETUP, depth, ctypes.byref(ctx)) != 0:
         raise OSError(ctypes.get_errno(), "io_setup")
+    span = rot * (16 << 20) if rot else depth * block
     if pin:
         import torch
-        pool = torch.empty(depth * block, dtype=torch.uint8, pin_memory=True)
+        pool = torch.empty(span, dtype=torch.uint8, pin_memory=True)
         base = pool.data_ptr()
     else:
-        pool = mmap.mmap(-1, depth * block)
+        pool = mmap.mmap(-1, span)
         base = ctypes.addressof(ctypes.c_char.from_buffer(pool))
     fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in files}
     jobs = [(fds[p], off, min(block, -(-recs[p]["size"] // ALIGN) * ALIGN - off)) for p in files
             for off in range(0, recs[p]["size"], block)]
+    chunk_of, c = [], -1  # per job: the running number of its 16 MiB chunk
+    for _, off, _ in jobs:
+        c += off % (16 << 20) == 0
+        chunk_of.append(c)
     iocbs = (Iocb * depth)()
     ptrs = (ctypes.POINTER(Iocb) * depth)()
     events = (Event * depth)()
@@ -389,12 +400,12 @@ def aio_read(files, recs, depth, block, sep=False, pin=False):
     def fill(slot):
         nonlocal nxt
         fd, off, n = jobs[nxt]
-        nxt += 1
         cb = iocbs[slot]
         cb.data = slot
         cb.opcode = 0
         cb.fildes = fd
-        cb.buf = base + slot * block
+        cb.buf = (base + (chunk_of[nxt] % rot) * (16 << 20) + off % (16 << 20)) if rot else base + slot * block
+        nxt += 1
         cb.nbytes = n
         cb.offset = off
 
