@@ -75,6 +75,15 @@ class Printer(pl.Callback):
         print(f"epoch {trainer.current_epoch} done", flush=True)
 
 
+class LeaveProcessGroup(pl.Callback):
+    # Lightning destroys only NCCL groups at exit: gloo's, left to interpreter shutdown, can abort a ddp_spawn
+    # worker (SIGABRT). teardown follows fit's last collective; the spawn launcher's result collection needs none.
+    def teardown(self, trainer, module, stage):
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
+
 def data():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(320, 16, generator=g)
@@ -91,9 +100,10 @@ def main() -> None:
     model = Net() if args.hparams == "rich" else Net(optim=None, loss=None, extra=None)
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=args.dir, monitor="train_loss", save_top_k=2, save_last=True,
                                         every_n_epochs=1)
-    trainer = pl.Trainer(max_epochs=args.epochs, plugins=[CkptmgrCheckpointIO()], callbacks=[ckpt, Printer()],
-                         logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                         deterministic=True, strategy=args.strategy, devices=args.devices)
+    trainer = pl.Trainer(max_epochs=args.epochs, plugins=[CkptmgrCheckpointIO()],
+                         callbacks=[ckpt, Printer(), LeaveProcessGroup()], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", deterministic=True, strategy=args.strategy,
+                         devices=args.devices)
     trainer.fit(model, data(), ckpt_path="last" if args.resume else None, weights_only=False)
     if trainer.is_global_zero:
         torch.save({"model": model.state_dict(), "optim": trainer.optimizers[0].state_dict() if trainer.optimizers

@@ -36,7 +36,9 @@ def died_how(stderr):
     repeated at the end of a failure's message: a report that keeps only the tail of a long
     output then still shows it."""
     lines = stderr.splitlines()
-    starts = [i for i, ln in enumerate(lines) if ln.startswith(("Fatal Python error", "terminate called"))]
+    # glibc's line: a thread exited (Python 3.11 does so to one taking the GIL at shutdown) through a catch (...)
+    starts = [i for i, ln in enumerate(lines)
+              if ln.startswith(("Fatal Python error", "terminate called", "FATAL: exception not rethrown"))]
     return "\n--- why a process died:\n" + "\n".join(lines[starts[0]:starts[0] + 60]) if starts else ""
 
 
