@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|coalesce|training-device|pinning|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|tier|timeline|parts4|lightning|hf]...
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|coalesce|training-device|pinning|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|coldread|tier|timeline|parts4|lightning|hf]...
 # Packages the GPU image lacks are installed from .whl/ when present.
 set -uo pipefail
 out="${1:?output directory}"; shift
@@ -32,6 +32,9 @@ for part in "${parts[@]}"; do
               --out "$out/restore4.json" 2>&1 | tee "$out/restore4.txt" ;;
     restore16) python3 benchmarks/bench_restore.py --gib 16 --repeat 2 --sources shm --out "$out/restore16.json" \
               2>&1 | tee "$out/restore16.txt" ;;
+    coldread) python3 benchmarks/results/h200-2026-11-23f/cold-read/cold_window.py /var/tmp/ckptmgr-coldread "$out/coldread.json" 4 \
+              "fst,aio 16 512 sep,aio 16 512 sep pin rot=6,aio 16 512 sep ownfd,aio 16 512 sep pin rot=6 ownfd,ckptmgr" \
+              2>&1 | tee "$out/coldread.txt" ;;
     parts4) python3 benchmarks/bench_restore_parts.py --gib 4 --out "$out/parts4.json" 2>&1 | tee "$out/parts4.txt" ;;
     training-device) python3 benchmarks/bench_training.py --repeat 3 --modes "none,ckptmgr overlap,ckptmgr overlap+device" \
               --dir /var/tmp/ckptmgr-bench-train --out "$out/training-device.json" 2>&1 | tee "$out/training-device.txt" ;;

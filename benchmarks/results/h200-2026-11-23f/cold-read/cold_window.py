@@ -17,7 +17,8 @@ fst: fastsafetensors (nogds). ckptmgr [opts]: a restore; opts T=threads, cached=
    fin=none|crc|copy (a chunk's finish does nothing,
    only the checksum, or only the copy), SW=s (sys.setswitchinterval), PKG=dir (import from dir).
 aio D B sep pin: the read pattern into cudaHostAlloc memory (without pin: an anonymous mmap);
-   rot=N: into N rotating 16 MiB chunk buffers, where the product's reads land.
+   rot=N: into N rotating 16 MiB chunk buffers, where the product's reads land; ownfd: on files
+   opened by ckptmgr's open_direct.
 """
 import json
 import os
@@ -224,7 +225,7 @@ def child(mode, step_dir):
         _, depth, kib, *rest = mode.split()
         rot = [int(x[4:]) for x in rest if x.startswith("rot=")]
         total = aio_read(files, recs, int(depth), int(kib) * K, sep="sep" in rest, pin="pin" in rest,
-                         rot=rot[0] if rot else 0)
+                         rot=rot[0] if rot else 0, own_fds="ownfd" in rest)
         out = {"all": torch.empty(total, dtype=torch.uint8)}
     else:
         out = proto(mode, step_dir, files, first)
@@ -349,7 +350,7 @@ def proto(mode, step_dir, files, first):
     return dev
 
 
-def aio_read(files, recs, depth, block, sep=False, pin=False, rot=0):
+def aio_read(files, recs, depth, block, sep=False, pin=False, rot=0, own_fds=False):
     """Linux AIO: one thread keeps ``depth`` O_DIRECT reads of ``block`` bytes in flight, in file order.
     rot=N: each read lands where the product's would, in N rotating 16 MiB chunk buffers (else
     in the slot's own ``block`` bytes)."""
@@ -383,7 +384,14 @@ def aio_read(files, recs, depth, block, sep=False, pin=False, rot=0):
     else:
         pool = mmap.mmap(-1, span)
         base = ctypes.addressof(ctypes.c_char.from_buffer(pool))
-    fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in files}
+    if own_fds:  # opened as the product opens them (its checks, the page-cache sample)
+        from ckptmgr.storage.posix import open_direct
+        opened = {p: open_direct(p) for p in files}
+        if any(f is None for f in opened.values()):
+            raise RuntimeError("open_direct refused a file (in the page cache?)")
+        fds = {p: f.direct_fd for p, f in opened.items()}
+    else:
+        fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in files}
     jobs = [(fds[p], off, min(block, -(-recs[p]["size"] // ALIGN) * ALIGN - off)) for p in files
             for off in range(0, recs[p]["size"], block)]
     chunk_of, c = [], -1  # per job: the running number of its 16 MiB chunk
@@ -450,8 +458,12 @@ def aio_read(files, recs, depth, block, sep=False, pin=False, rot=0):
                 raise OSError(ctypes.get_errno(), "io_submit")
             inflight += k
     syscall(DESTROY, ctx)
-    for fd in fds.values():
-        os.close(fd)
+    if own_fds:
+        for f in opened.values():
+            f.close()
+    else:
+        for fd in fds.values():
+            os.close(fd)
     return total
 
 
