@@ -381,3 +381,40 @@ def test_a_read_the_kernel_refuses_to_queue_fails_the_restore_and_frees_the_buff
     for k, v in state.items():
         assert torch.equal(out[k], v), k
     assert windowed[0] >= 1 and len(calls) == 5
+
+
+def test_a_restore_that_fails_before_its_reads_start_closes_its_aio_context(tmp_path, monkeypatch):
+    """A cold step whose landing cannot be planned (no memory for it) fails before its queue of
+    direct reads starts: the AIO context opened for it is destroyed all the same."""
+    from ckptmgr.storage.aio import AioContext
+
+    contexts: list[AioContext] = []
+    closed: list[AioContext] = []
+    real_open, real_close = ring_mod.open_context, AioContext.close
+
+    def opening(depth):
+        ctx = real_open(depth)
+        if ctx is not None:
+            contexts.append(ctx)
+        return ctx
+
+    def closing(self):
+        closed.append(self)
+        real_close(self)
+
+    def no_memory(*a, **k):
+        raise torch.OutOfMemoryError("no memory to land the step")
+    root = str(tmp_path / "ckpt")
+    with CheckpointManager(root, staging=NO_TIER, write_options=SMALL) as mgr:
+        mgr.save(1, _state(7)).result()
+        if not _direct_ok(root):
+            pytest.skip("this filesystem refuses O_DIRECT")
+        _evict(root)
+        monkeypatch.setattr(ring_mod, "open_context", opening)
+        monkeypatch.setattr(AioContext, "close", closing)
+        monkeypatch.setattr(ring_mod, "plan_landing", no_memory)
+        with pytest.raises(torch.OutOfMemoryError):
+            mgr.restore(1, device="cpu", loader="ring")
+    if not contexts:
+        pytest.skip("no AIO context on this system")
+    assert all(ctx in closed for ctx in contexts)

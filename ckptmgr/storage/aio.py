@@ -112,8 +112,11 @@ class AioContext:
         return [Completion(events[i].data, events[i].res) for i in range(n)]
 
     def close(self) -> None:
-        """Destroy the context; the kernel first waits for every read still in flight."""
-        self._syscall(self._destroy, self._ctx)
+        """Destroy the context; the kernel first waits for every read still in flight. Once
+        only: later calls do nothing."""
+        if self._ctx.value:
+            self._syscall(self._destroy, self._ctx)
+            self._ctx.value = 0
 
 
 def open_context(depth: int) -> AioContext | None:

@@ -340,7 +340,7 @@ def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: tor
 
 class Cold(NamedTuple):
     files: dict[str, DirectFile]  # the data files to read as a queue of direct reads
-    aio: AioContext  # what keeps the reads in flight (closed by the queue)
+    aio: AioContext  # what keeps the reads in flight (closed by the queue, or by the restore's exit)
 
 
 def _open_cold(source: Source, step: int, manifest: Manifest, opened: contextlib.ExitStack) -> Cold | None:
@@ -359,7 +359,10 @@ def _open_cold(source: Source, step: int, manifest: Manifest, opened: contextlib
             opened.callback(f.close)
             files[fname] = f
     aio = open_context(DEPTH) if files else None
-    return Cold(files, aio) if aio is not None else None
+    if aio is None:
+        return None
+    opened.callback(aio.close)  # also where the queue never starts (closed first: the files after it)
+    return Cold(files, aio)
 
 
 def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, device: torch.device,
