@@ -33,7 +33,7 @@ for part in "${parts[@]}"; do
     restore16) python3 benchmarks/bench_restore.py --gib 16 --repeat 2 --sources shm --out "$out/restore16.json" \
               2>&1 | tee "$out/restore16.txt" ;;
     coldread) python3 benchmarks/results/h200-2026-11-23g/cold-read/cold_window.py /var/tmp/ckptmgr-coldread "$out/coldread.json" 4 \
-              "fst,aio 16 512 sep pin,aio 16 512 sep pin rot=2,aio 16 512 sep pin rot=6,ckptmgr,ckptmgr CIF=2,ckptmgr CIF=3" \
+              "fst,aio 16 512 sep pin,aio 16 512 sep pin rot=6,ckptmgr,ckptmgr CIF=3,land 16 512 32,land 16 512 192" \
               2>&1 | tee "$out/coldread.txt" ;;
     parts4) python3 benchmarks/bench_restore_parts.py --gib 4 --out "$out/parts4.json" 2>&1 | tee "$out/parts4.txt" ;;
     training-device) python3 benchmarks/bench_training.py --repeat 3 --modes "none,ckptmgr overlap,ckptmgr overlap+device" \

@@ -16,6 +16,9 @@ fst: fastsafetensors (nogds). ckptmgr [opts]: a restore; opts T=threads, cached=
    REG=1 (ring buffers: malloc'd memory pinned by cudaHostRegister instead of cudaHostAlloc),
    CIF=N (N chunk buffers instead of 6), fin=none|crc|copy (a chunk's finish does nothing,
    only the checksum, or only the copy), SW=s (sys.setswitchinterval), PKG=dir (import from dir).
+land D B S [crc=0] [copy=0]: the whole restore's work with a small landing (land_read): D reads
+   of B KiB in flight into S block slots of one pinned region, each landed block checksummed and
+   copied to the device at once, a chunk's CRC combined from its blocks'.
 aio D B sep pin: the read pattern into cudaHostAlloc memory (without pin: an anonymous mmap);
    rot=N: into N rotating 16 MiB chunk buffers, where the product's reads land; ownfd: on files
    opened by ckptmgr's open_direct.
@@ -229,6 +232,14 @@ def child(mode, step_dir):
         total = aio_read(files, recs, int(depth), int(kib) * K, sep="sep" in rest, pin="pin" in rest,
                          rot=rot[0] if rot else 0, own_fds="ownfd" in rest)
         out = {"all": torch.empty(total, dtype=torch.uint8)}
+    elif mode.startswith("land"):
+        with open(os.path.join(step_dir, "manifest.json")) as f:
+            man = json.load(f)
+        recs = {os.path.join(step_dir, k): v for k, v in man["files"].items()}
+        _, depth, kib, slots, *rest = mode.split()
+        knobs = dict(kv.split("=") for kv in rest)
+        out = land_read(files, recs, int(depth), int(kib) * K, int(slots), crc=knobs.get("crc", "1") == "1",
+                        copy_=knobs.get("copy", "1") == "1")
     else:
         out = proto(mode, step_dir, files, first)
     if CUDA:
@@ -469,6 +480,215 @@ def aio_read(files, recs, depth, block, sep=False, pin=False, rot=0, own_fds=Fal
     return total
 
 
+_POLY = 0x82F63B78  # CRC-32C, reflected
+
+
+def _gf2_times(mat, vec):
+    s, i = 0, 0
+    while vec:
+        if vec & 1:
+            s ^= mat[i]
+        vec >>= 1
+        i += 1
+    return s
+
+
+def _gf2_powers(n=48):
+    m = [_POLY] + [1 << (i - 1) for i in range(1, 32)]  # the operator of one zero bit
+    for _ in range(3):
+        m = [_gf2_times(m, m[j]) for j in range(32)]  # squared three times: one zero byte
+    out = [m]
+    for _ in range(n - 1):
+        out.append([_gf2_times(out[-1], out[-1][j]) for j in range(32)])
+    return out  # out[k]: the operator of 2**k zero bytes
+
+
+_GF2_POW = []
+_COMBINE_TABLES = {}
+
+
+def crc_combine(crc_a, crc_b, len_b):
+    """CRC-32C of A+B from those of A and of B (len_b bytes): zlib's crc32_combine for CRC-32C,
+    with byte tables for the lengths asked for most."""
+    if not _GF2_POW:
+        _GF2_POW.extend(_gf2_powers())
+
+    def shift(crc, n):
+        k = 0
+        while n:
+            if n & 1:
+                crc = _gf2_times(_GF2_POW[k], crc)
+            n >>= 1
+            k += 1
+        return crc
+    t = _COMBINE_TABLES.get(len_b)
+    if t is None:
+        if len_b % (64 << 10):
+            return shift(crc_a, len_b) ^ crc_b
+        cols = [shift(1 << j, len_b) for j in range(32)]
+        t = _COMBINE_TABLES[len_b] = [[_gf2_times(cols[8 * k:8 * k + 8], b) for b in range(256)] for k in range(4)]
+    return t[0][crc_a & 255] ^ t[1][(crc_a >> 8) & 255] ^ t[2][(crc_a >> 16) & 255] ^ t[3][crc_a >> 24] ^ crc_b
+
+
+def land_read(files, recs, depth, block, slots, crc=True, copy_=True):
+    """The whole restore's work with a small landing: ``depth`` O_DIRECT reads of ``block`` bytes
+    in flight through Linux AIO, each into one of ``slots`` block-sized slots of one pinned region
+    (taken in turn), each read in its own io_submit. A reap first resubmits into free slots, then
+    each landed block gets its CRC32C (GIL released) and its copy to the device tensor on one
+    stream, an event recorded after it; a slot is free again once its event has passed. A
+    chunk's CRC is its blocks' CRCs combined in order, checked against the manifest."""
+    import collections
+    import ctypes
+    import platform
+
+    import crc32c
+    import torch
+    SETUP, DESTROY, GETEVENTS, SUBMIT = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}[platform.machine()]
+    syscall = ctypes.CDLL(None, use_errno=True).syscall
+    syscall.restype = ctypes.c_long
+
+    class Iocb(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_uint64), ("key", ctypes.c_uint32), ("rw_flags", ctypes.c_int32),
+                    ("opcode", ctypes.c_uint16), ("reqprio", ctypes.c_int16), ("fildes", ctypes.c_uint32),
+                    ("buf", ctypes.c_uint64), ("nbytes", ctypes.c_uint64), ("offset", ctypes.c_int64),
+                    ("reserved2", ctypes.c_uint64), ("flags", ctypes.c_uint32), ("resfd", ctypes.c_uint32)]
+
+    class Event(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_uint64), ("obj", ctypes.c_uint64), ("res", ctypes.c_int64),
+                    ("res2", ctypes.c_int64)]
+
+    assert slots >= 2 * depth, "a reap resubmits before it lands: slots must cover two queues"
+    device = "cuda" if CUDA else "cpu"
+    dev = {p: torch.empty(recs[p]["size"], dtype=torch.uint8, device=device) for p in files}
+    region = pinned(slots * block)
+    base = region.data_ptr()
+    arr = region.numpy()
+    stream = torch.cuda.Stream() if CUDA else None
+    fds = {p: os.open(p, os.O_RDONLY | os.O_DIRECT) for p in files}
+    jobs = []  # (file, offset, bytes, chunk id, block within the chunk)
+    chunk_ids = {}
+    for p in files:
+        size, cs = recs[p]["size"], recs[p]["chunk_size"]
+        for off in range(0, size, block):
+            ci = chunk_ids.setdefault((p, off // cs), len(chunk_ids))
+            jobs.append((p, off, min(block, size - off), ci, (off % cs) // block))
+    per_chunk = collections.Counter(j[3] for j in jobs)
+    crcs = {ci: [None] * n for ci, n in per_chunk.items()}
+    left = dict(per_chunk)
+    key_of = {ci: key for key, ci in chunk_ids.items()}
+    bad = []
+    ctx = ctypes.c_ulong(0)
+    if syscall(SETUP, depth, ctypes.byref(ctx)) != 0:
+        raise OSError(ctypes.get_errno(), "io_setup")
+    iocbs = (Iocb * depth)()
+    ptrs = (ctypes.POINTER(Iocb) * depth)()
+    for i in range(depth):
+        ptrs[i] = ctypes.pointer(iocbs[i])
+    events = (Event * depth)()
+    free = collections.deque(range(slots))
+    passing = collections.deque()  # (event, slot): landed, copy enqueued
+    slot_of = [0] * depth  # aio tag -> landing slot
+    job_of = [0] * depth
+    nxt = 0
+
+    def submit(tag):
+        nonlocal nxt
+        while not free:  # the oldest copy must have passed
+            ev, sl = passing.popleft()
+            ev.synchronize()
+            free.append(sl)
+        sl = free.popleft()
+        p, off, n, _, _ = jobs[nxt]
+        cb = iocbs[tag]
+        cb.data, cb.opcode, cb.fildes = tag, 0, fds[p]
+        cb.buf, cb.nbytes, cb.offset = base + sl * block, -(-n // ALIGN) * ALIGN, off
+        slot_of[tag], job_of[tag] = sl, nxt
+        nxt += 1
+        a = time.perf_counter()
+        if syscall(SUBMIT, ctx, 1, ctypes.byref(ptrs, tag * ctypes.sizeof(ctypes.c_void_p))) != 1:
+            raise OSError(ctypes.get_errno(), "io_submit")
+        TRACE["submit_s"] += time.perf_counter() - a
+        TRACE["submits"] += 1
+
+    inflight = 0
+    for tag in range(min(depth, len(jobs))):
+        submit(tag)
+        inflight += 1
+    while inflight:
+        while passing and passing[0][0].query():
+            free.append(passing.popleft()[1])
+        a = time.perf_counter()
+        got = syscall(GETEVENTS, ctx, 1, depth, events, None)
+        TRACE["reap_s"] += time.perf_counter() - a
+        TRACE["reaps"] += 1
+        if got < 0:
+            raise OSError(ctypes.get_errno(), "io_getevents")
+        TRACE["events"] += got
+        inflight -= got
+        landed = []
+        for j in range(got):
+            tag, res = events[j].data, events[j].res
+            landed.append((slot_of[tag], job_of[tag], res))
+            if nxt < len(jobs):
+                submit(tag)
+                inflight += 1
+        for sl, ji, res in landed:
+            p, off, n, ci, bi = jobs[ji]
+            if res < n:
+                raise OSError(-res if res < 0 else 0, f"read {p}@{off}: {res}")
+            src = arr[sl * block:sl * block + n]
+            if crc:
+                crcs[ci][bi] = crc32c.crc32c(src, 0, 1), n
+            if copy_:
+                if stream is None:
+                    dev[p][off:off + n].copy_(region[sl * block:sl * block + n])
+                    free.append(sl)
+                else:
+                    with torch.cuda.stream(stream):
+                        dev[p][off:off + n].copy_(region[sl * block:sl * block + n], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    passing.append((ev, sl))
+            else:
+                free.append(sl)
+            left[ci] -= 1
+            if crc and not left[ci]:
+                value, _ = crcs[ci][0]
+                for c, length in crcs[ci][1:]:
+                    value = crc_combine(value, c, length)
+                fp, idx = key_of[ci]
+                if f"{value:08x}" != recs[fp]["crc32c"][idx]:
+                    bad.append((fp, idx))
+    syscall(DESTROY, ctx)
+    for fd in fds.values():
+        os.close(fd)
+    if stream is not None:
+        stream.synchronize()
+    if bad:
+        raise SystemExit(f"bad chunks {bad[:3]}")
+    return dev
+
+
+def sysinfo():
+    """What of the machine might decide how a disk's DMA lands: bounce buffers, guest kind."""
+    lines = []
+    for cmd in (["sh", "-c", "dmesg 2>/dev/null | grep -i -m5 -e swiotlb -e 'memory encryption' -e tdx -e sev"],
+                ["sh", "-c", "grep -o -m1 -w -e tdx_guest -e sev -e sev_es -e sev_snp -e hypervisor /proc/cpuinfo"],
+                ["sh", "-c", "cat /sys/kernel/debug/swiotlb/io_tlb_nslabs /sys/kernel/debug/swiotlb/io_tlb_used "
+                             "2>/dev/null"],
+                ["sh", "-c", "for f in max_segments max_segment_size max_sectors_kb nr_requests; do "
+                             "echo $f $(cat /sys/block/vda/queue/$f 2>/dev/null); done; "
+                             "echo queues $(ls /sys/block/vda/mq 2>/dev/null | wc -l)"],
+                ["sh", "-c", "cat /sys/kernel/mm/transparent_hugepage/enabled; "
+                             "grep -i -e virtio -e nvme /proc/interrupts | grep -v -e config -e balloon -e input "
+                             "| cut -c1-200 | head -8; ls /sys/devices/system/node | grep -c node"]):
+        try:
+            lines.append(subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip())
+        except (OSError, subprocess.SubprocessError) as exc:
+            lines.append(f"{cmd}: {exc}")
+    return "\n".join(lines)
+
+
 def drop(files):
     for p in files:
         fd = os.open(p, os.O_RDONLY)
@@ -506,6 +726,7 @@ def main():
     files = sorted(os.path.join(step_dir, n) for n in os.listdir(step_dir) if n.endswith(".safetensors"))
     size = sum(os.path.getsize(p) for p in files)
     print(f"{len(files)} files {size / 1e9:.2f} GB", flush=True)
+    print(sysinfo(), flush=True)
     res = {}
     for r in range(rounds):
         order = modes[r % len(modes):] + modes[:r % len(modes)]
