@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|coalesce|training-device|pinning|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|coldread|tier|timeline|parts4|lightning|hf]...
+#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|coldblocks|coalesce|training-device|pinning|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|coldread|tier|timeline|parts4|lightning|hf]...
 # Packages the GPU image lacks are installed from .whl/ when present.
 set -uo pipefail
 out="${1:?output directory}"; shift
@@ -35,6 +35,9 @@ for part in "${parts[@]}"; do
     coldread) python3 benchmarks/results/h200-2026-11-23g/cold-read/cold_window.py /var/tmp/ckptmgr-coldread "$out/coldread.json" 4 \
               "fst,aio 16 512 sep pin,aio 16 512 sep pin rot=6,ckptmgr,ckptmgr CIF=3,land 16 512 32,land 16 512 192" \
               2>&1 | tee "$out/coldread.txt" ;;
+    coldblocks) python3 benchmarks/results/h200-2026-11-23h/cold-read/cold_window.py /var/tmp/ckptmgr-coldread "$out/coldblocks.json" \
+              "${CKPTMGR_ROUNDS:-5}" "${CKPTMGR_MODES:-fst,aio 16 512 sep pin,ckptmgr PKG=benchmarks/out/old,ckptmgr,ckptmgr LB=1,ckptmgr LB=4,ckptmgr VF=4,ckptmgr BA=4}" \
+              2>&1 | tee "$out/coldblocks.txt" ;;
     parts4) python3 benchmarks/bench_restore_parts.py --gib 4 --out "$out/parts4.json" 2>&1 | tee "$out/parts4.txt" ;;
     training-device) python3 benchmarks/bench_training.py --repeat 3 --modes "none,ckptmgr overlap,ckptmgr overlap+device" \
               --dir /var/tmp/ckptmgr-bench-train --out "$out/training-device.json" 2>&1 | tee "$out/training-device.txt" ;;

@@ -322,7 +322,7 @@ def test_a_cold_step_lands_exactly_on_the_gpu_and_a_bad_one_leaves_the_target(tm
 def test_a_refused_submit_closes_the_aio_context(tmp_path):
     """Where the verifier threads refuse work (their pool shut down by a closing manager),
     the queue reads nothing, and the kernel AIO context is still given back."""
-    from ckptmgr.restore.loaders.window import read_window
+    from ckptmgr.restore.loaders.window import Span, read_window
     from ckptmgr.storage.aio import open_context
 
     path = tmp_path / "f.bin"
@@ -343,8 +343,8 @@ def test_a_refused_submit_closes_the_aio_context(tmp_path):
         raise RuntimeError("cannot schedule new futures after shutdown")
     try:
         with pytest.raises(RuntimeError, match="after shutdown"):
-            read_window([("f.bin", 0, 4 * DIRECT_ALIGN)], {"f.bin": f}, [0], lambda i: torch.empty(0), lambda *a: None,
-                        refuse, aio)
+            read_window([Span("f.bin", 0, 4 * DIRECT_ALIGN, "00000000")], {"f.bin": f}, [0], lambda i: torch.empty(0),
+                        lambda *a: None, refuse, aio, "f.bin")
     finally:
         f.close()
     assert closed == [True]

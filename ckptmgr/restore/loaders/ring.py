@@ -8,8 +8,11 @@ per manager and reused), read the chunk into it, compute its CRC32C, copy it to 
 lands on the buffer's own stream, and wait for the copy before giving the buffer back. With
 a dozen buffers the reads, the checksums and the copies all overlap; host memory stays at
 the ring's size (12 x 16 MiB) whatever the checkpoint's. Local files not in the page cache
-are read another way, as one queue of direct reads in file order (:mod:`.window`), into at
-most six of the same buffers, chunk by chunk, verified and copied alike. Where the bytes land is a
+are read another way, as one queue of direct reads in file order (:mod:`.window`), landing
+in block slots of two of the same buffers, each block copied as it lands and each chunk
+verified from its blocks' checksums; since unverified bytes then reach the landing, that
+queue serves only landings a failed step leaves unseen (fresh memory, or spare device memory
+moved into a target after the whole step verified). Where the bytes land is a
 :mod:`~ckptmgr.loaders.landing` plan: one fresh device allocation per file, or the target's
 own tensors.
 
@@ -38,11 +41,12 @@ from ...storage.posix import DIRECT_ALIGN, DirectFile
 from ..preflight import Source, drain, run_all, submit_image_checks, wait_all
 from .host import _build_views
 from .landing import Entry, Landing, plan_landing
-from .window import CHUNKS_IN_FLIGHT, DEPTH, Finish, read_window
+from .window import DEPTH, LANDING_BUFFERS, Copy, Span, read_window
 
 __all__ = ["NoDeviceRoom", "PinnedRing", "entries_by_file", "read_tensors_pinned", "read_tensors_ring"]
 
 _LEASE_TIMEOUT = 600.0  # seconds; only a caller outside the ring's threads could ever wait
+VERIFIERS = 2  # threads that checksum and copy the blocks of direct reads (one keeps up with the disk)
 
 
 class NoDeviceRoom(Exception):
@@ -52,15 +56,15 @@ class NoDeviceRoom(Exception):
 
 class PinnedRing:
     """``threads`` host buffers of ``slot_bytes`` each (pinned with CUDA, plain without), a
-    copy stream per buffer, the reader threads, and two threads that verify and copy the
-    chunks of direct reads (:mod:`.window`), made at first use and shared by every restore
+    copy stream per buffer, the reader threads, and the threads that checksum and copy the
+    blocks of direct reads (:mod:`.window`), made at first use and shared by every restore
     of one manager.
 
     Restores may run at once (several threads of the caller): a buffer is *leased* by one
     task at a time (:meth:`lease`), or by one step's queue of direct reads (:meth:`lease_many`),
     under the ring's lock, from the read into it until its copy has finished, so no two
     restores ever fill or copy from the same buffer. A reader thread waits for a lease only
-    while others hold every buffer: running tasks, or a queue whose chunks finish on the
+    while others hold every buffer: running tasks, or a queue whose blocks finish on the
     verifier threads, which never wait for a lease.
     """
 
@@ -87,11 +91,11 @@ class PinnedRing:
 
     @property
     def verifiers(self) -> ThreadPoolExecutor:
-        """Two threads that verify and copy the chunks a queue of direct reads brought in
-        (one keeps up with the disk; the second with a burst)."""
+        """:data:`VERIFIERS` threads that checksum and copy the blocks a queue of direct reads
+        brought in."""
         with self._mu:
             if self._verifiers is None:
-                self._verifiers = ThreadPoolExecutor(2, thread_name_prefix="ckptmgr-verify")
+                self._verifiers = ThreadPoolExecutor(VERIFIERS, thread_name_prefix="ckptmgr-verify")
             return self._verifiers
 
     def close(self) -> None:
@@ -201,7 +205,8 @@ class _Chunk(NamedTuple):
     end: int
 
 
-def _lander(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, where: str) -> Finish:
+def _lander(chunks: list[_Chunk], device: torch.device, ring: PinnedRing,
+            where: str) -> Callable[[int, int, torch.Tensor], None]:
     """``land(i, buffer index, bytes)``: verify the bytes of ``chunks[i]`` against its checksum,
     copy them to their landing on the buffer's own stream and wait for that copy (the buffer
     is free to refill on return). Made on the caller's thread: the copies come after the work
@@ -245,12 +250,35 @@ def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, wher
     run_all(ring.pool, task, [(i,) for i in range(len(chunks))])
 
 
+def _copier(chunks: list[_Chunk], device: torch.device, ring: PinnedRing) -> Copy:
+    """``copy(blocks, key)``: copy each (chunk index, file offset, bytes) of a queue of direct
+    reads to its landing, on stream ``key`` (modulo the ring's), and wait for the copies. Made
+    on the caller's thread: the copies come after the work already queued on what they write."""
+    streams = ring.streams(device) if device.type == "cuda" else None
+    if streams is None:
+        def copy_here(blocks: list[tuple[int, int, torch.Tensor]], key: int) -> None:
+            for ci, begin, src in blocks:
+                chunks[ci].landing.land(begin, src)
+        return copy_here
+    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ready.record(torch.cuda.current_stream(device))
+
+    def copy(blocks: list[tuple[int, int, torch.Tensor]], key: int) -> None:
+        stream = streams[key % len(streams)]
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            for ci, begin, src in blocks:
+                chunks[ci].landing.land(begin, src)
+        stream.synchronize()
+    return copy
+
+
 def _windowed(chunks: list[_Chunk], cold: Cold, device: torch.device, ring: PinnedRing, where: str) -> None:
     """The chunks of cold local files: read as one queue of direct reads (see :mod:`.window`)."""
-    land = _lander(chunks, device, ring, where)
-    with ring.lease_many(CHUNKS_IN_FLIGHT) as held:
-        read_window([(c.fname, c.begin, c.end) for c in chunks], cold.files, held, ring.buffer, land,
-                    ring.verifiers.submit, cold.aio)
+    copy = _copier(chunks, device, ring)
+    with ring.lease_many(LANDING_BUFFERS) as held:
+        read_window([Span(c.fname, c.begin, c.end, c.rec.crc32c[c.number]) for c in chunks], cold.files, held,
+                    ring.buffer, copy, ring.verifiers.submit, cold.aio, where)
 
 
 def _plan_all(manifest: Manifest, device: torch.device, where: str, dests: dict[str, torch.Tensor] | None,
@@ -333,8 +361,8 @@ def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: tor
             return buf
         return fetch
 
-    with contextlib.ExitStack() as opened:
-        cold = _open_cold(source, step, manifest, opened)
+    with contextlib.ExitStack() as opened:  # (the queue lands blocks before their chunk verifies: see _windowed)
+        cold = _open_cold(source, step, manifest, opened) if dests is None or through_device else None
         return _read_all(manifest, device, ring, where, dests, fetch_for, through_device, cold, entries)
 
 

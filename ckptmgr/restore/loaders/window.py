@@ -1,26 +1,34 @@
 """Cold files read as the disk reads fastest: a queue of 512 KiB direct reads, in file order,
-kept sixteen deep by the kernel and each submitted on its own.
+kept sixteen deep by the kernel and each submitted on its own, landing in a small ring of
+block slots.
 
 A step restored from a local disk whose files are not in the page cache is read with
 ``O_DIRECT``, and how the reads reach the device decides the restore's speed. Sixteen reads
 of 512 KiB in flight, all within a few megabytes of each other as the queue runs through the
-files in order, are the pattern of fastsafetensors' sixteen C++ reader threads. From Python,
-Linux AIO (:mod:`~ckptmgr.storage.aio`) keeps them in flight from one thread, which sixteen
-Python threads each issuing ``pread`` could not do; and each read goes to the kernel in a
-system call of its own, because reads submitted together are merged into 4 MiB requests that
-the disk then serves two at a time (one H200 machine's disk, reads alone: 1.43 s for a 4 GiB
+files in order, are the pattern of fastsafetensors' reader threads. From Python, Linux AIO
+(:mod:`~ckptmgr.storage.aio`) keeps them in flight from one thread, which sixteen Python
+threads each issuing ``pread`` could not do; and each read goes to the kernel in a system
+call of its own, because reads submitted together are merged into 4 MiB requests that the
+disk then serves two at a time (one H200 machine's disk, reads alone: 1.43 s for a 4 GiB
 step submitted one by one, 1.65 s submitted together, fastsafetensors 1.52 s;
 ``benchmarks/results/h200-2026-11-23e``).
 
+Where the reads land matters as much: the same reads into six rotating 16 MiB buffers took
+2.31 s against 1.73 s into 8 MiB of slots reused at once (``benchmarks/results/h200-2026-11-23h``).
+So each read lands in a *block slot* of a few leased ring buffers, and a block is done with
+as soon as it lands: a verifier thread computes its CRC32C and copies it to where it lands,
+and the slot serves the next read once that copy has finished. A chunk's checksum is its
+blocks' CRCs combined in file order (:func:`~ckptmgr.format.checksum.crc32c_combine`),
+checked once its last block is in. Blocks thus reach their landing before their chunk has
+verified: the caller uses this loader only where a failed step's bytes land nowhere they
+could be seen (fresh memory, or spare device memory that moves into a target only after the
+whole step verified).
+
 The loop does as little as it can between a completion and the read that replaces it: the
-read is resubmitted at once, a block's result is only compared with its length (the slow
-paths, a refused direct read or a short one, are taken only then), and the chunk's own work
-goes to the verifier threads. Checksums stay per chunk: the blocks of a chunk land in one
-ring buffer, leased for the step before the first read; once a chunk's last block is in, a
-verifier verifies its CRC32C, copies it to its landing on the buffer's own stream and waits
-for the copy, and the buffer then serves the next chunk. A step holds at most
-:data:`CHUNKS_IN_FLIGHT` buffers, whatever its size, made on the verifier threads while the
-first reads run. Only the calling thread touches the queue's state.
+read is resubmitted at once into a free slot, a block's result is only compared with its
+length (the slow paths, a refused direct read or a short one, are taken only then), and the
+landed blocks of one reap go to the verifier threads in a few batches. Only the calling
+thread touches the queue's state.
 """
 
 from __future__ import annotations
@@ -31,131 +39,178 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as futures_wait
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ...errors import CheckpointCorruptError, CkptTimeoutError
+from ...format.checksum import crc32c_combine, crc32c_value
 from ...storage.aio import AioContext
 from ...storage.posix import DIRECT_ALIGN, DirectFile
 from ..preflight import drain
 
-__all__ = ["BLOCK", "CHUNKS_IN_FLIGHT", "DEPTH", "read_window"]
+__all__ = ["BLOCK", "DEPTH", "LANDING_BUFFERS", "Copy", "Span", "read_window"]
 
 BLOCK = 512 << 10  # bytes per read; a multiple of the direct-I/O alignment
 DEPTH = 16  # reads in flight
-CHUNKS_IN_FLIGHT = 6  # chunk buffers one step uses: 16 reads of 512 KiB span at most two chunks
-_STALL = 600.0  # seconds without a read completing or a chunk finishing before the restore gives up
-
-# finish(chunk index, buffer index, the chunk's bytes): verify them and copy them to where they land
-Finish = Callable[[int, int, torch.Tensor], None]
+LANDING_BUFFERS = 2  # ring buffers whose block slots the reads land in: 64 slots of 512 KiB (16 MiB buffers)
+_BATCH = 8  # landed blocks per verifier task: a reap's blocks shared between the verifier threads
+_STALL = 600.0  # seconds without a read completing or a block finishing before the restore gives up
 
 
-def read_window(spans: list[tuple[str, int, int]], files: dict[str, DirectFile], buffers: list[int],
-                buffer: Callable[[int], torch.Tensor], finish: Finish, submit: Callable[..., Future[Any]],
-                aio: AioContext) -> None:
-    """Read every chunk ``spans[i] = (file name, begin, end)`` of ``files`` into the ring's
-    ``buffers`` (leased by the caller; ``buffer(i)`` makes or gives buffer ``i``'s memory)
-    through ``aio``, and have ``submit`` run ``finish`` for each chunk once its last block is
-    in (``submit`` also makes the buffers, beside the first reads).
+class Span(NamedTuple):
+    """One checksum chunk to read: bytes ``[begin, end)`` of file ``fname``, whose CRC32C is ``crc``."""
 
-    Returns once every read and every finish has ended, ``aio`` closed; raises the failure of
-    the earliest chunk that failed (no read is submitted after a failure is seen), or what
+    fname: str
+    begin: int
+    end: int
+    crc: str
+
+
+# copy(blocks, key): copy each (chunk index, file offset, bytes) to where it lands and wait for
+# the copies (on a stream chosen by ``key``, where there are streams); the bytes may then change
+Copy = Callable[[list[tuple[int, int, torch.Tensor]], int], None]
+
+
+def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[int],
+                buffer: Callable[[int], torch.Tensor], copy: Copy, submit: Callable[..., Future[Any]],
+                aio: AioContext, where: str) -> None:
+    """Read every chunk ``spans[i]`` of ``files`` through ``aio`` into block slots of the ring
+    ``buffers`` (leased by the caller; ``buffer(i)`` makes or gives buffer ``i``'s memory, all
+    of one size), and have ``submit`` check each landed block and ``copy`` it (``submit`` also
+    makes the buffers, beside the first reads). A chunk verifies once all its blocks are in.
+
+    Returns once every read and every block's task has ended, ``aio`` closed; raises the failure
+    of the earliest chunk that failed (no read is submitted after a failure is seen), or what
     interrupted.
 
     Raises:
         CheckpointCorruptError: a file ended early, or a chunk failed its checksum.
         CkptTimeoutError: nothing completed for :data:`_STALL` seconds.
     """
-    blocks = [(ci, off, min(off + BLOCK, end)) for ci, (_, begin, end) in enumerate(spans)
-              for off in range(begin, end, BLOCK)]
-    fds = [files[fname].direct_fd for fname, _, _ in spans]  # per chunk
-    unread = [0] * len(spans)  # per chunk: blocks not yet read
+    blocks = [(ci, off, min(off + BLOCK, span.end)) for ci, span in enumerate(spans)
+              for off in range(span.begin, span.end, BLOCK)]
+    fds = [files[span.fname].direct_fd for span in spans]  # per chunk
+    unread = [0] * len(spans)  # per chunk: blocks not yet checked
     for ci, _, _ in blocks:
         unread[ci] += 1
-    made: dict[int, Future[torch.Tensor]] = {}  # buffer index -> its making, on the verifier threads
-    memory: dict[int, tuple[torch.Tensor, int]] = {}  # buffer index -> (its tensor, its address)
-    holder: dict[int, int] = {}  # chunk index -> buffer index, from its first read to its finish
-    free = list(reversed(buffers))
-    reading: list[int] = [-1] * aio.depth  # aio slot -> the block it reads
-    finishing: dict[Future[Any], int] = {}  # -> chunk index
+    crcs: list[dict[int, tuple[int, int]]] = [{} for _ in spans]  # per chunk: file offset -> (CRC, length)
+    made: list[Future[torch.Tensor]] = []  # the buffers' making, on the verifier threads
+    slots: list[tuple[torch.Tensor, int]] = []  # block slot -> (its memory, its address), once made
+    free: list[int] = []  # block slots no read or copy uses (a stack: the slots used last, still in cache, go first)
+    reading: list[tuple[int, int]] = [(-1, -1)] * aio.depth  # aio tag -> (block, slot) it reads
+    checking: dict[Future[list[int]], list[tuple[int, int]]] = {}  # -> the (block, slot)s it checks and copies
     failed: dict[int, BaseException] = {}
+    tasks = 0
     nxt = 0
 
-    def address(index: int) -> tuple[torch.Tensor, int]:
-        if index not in memory:
-            tensor = made[index].result(timeout=_STALL)
-            memory[index] = tensor, tensor.data_ptr()
-        return memory[index]
-
-    def start(slot: int) -> bool:
-        """Submit the next block into ``slot``; False where its chunk waits for a buffer."""
+    def start(tag: int) -> bool:
+        """Submit the next block into a free slot under ``tag``; False where no slot is free."""
         nonlocal nxt
-        ci, begin, end = blocks[nxt]
-        index = holder.get(ci)
-        if index is None:
-            if not free:
-                return False
-            index = holder[ci] = free.pop()
-        first = spans[ci][1]
-        aio.submit_one(slot, fds[ci], begin, -(-(end - begin) // DIRECT_ALIGN) * DIRECT_ALIGN,
-                       address(index)[1] + begin - first)
-        reading[slot] = nxt
+        if not free:
+            return False
+        slot = free.pop()
+        _, begin, end = blocks[nxt]
+        aio.submit_one(tag, fds[blocks[nxt][0]], begin, -(-(end - begin) // DIRECT_ALIGN) * DIRECT_ALIGN,
+                       slots[slot][1])
+        reading[tag] = nxt, slot
         nxt += 1
         return True
 
-    idle = list(range(aio.depth))  # aio slots free; the others have a read in flight
+    def check(batch: list[tuple[int, int]], key: int) -> list[int]:
+        """On a verifier thread: each block's CRC32C, then its copy (the slots free on return)."""
+        out, moves = [], []
+        for bi, slot in batch:
+            ci, begin, end = blocks[bi]
+            landed = slots[slot][0][:end - begin]
+            out.append(crc32c_value(landed.numpy()))
+            moves.append((ci, begin, landed))
+        copy(moves, key)
+        return out
+
+    idle = list(range(aio.depth))  # aio tags free; the others have a read in flight
     last_progress = time.monotonic()
     try:
-        made.update((i, submit(buffer, i)) for i in buffers)  # pinned while the first reads run
+        made.extend(submit(buffer, i) for i in buffers)  # pinned while the first reads run
+        for making in made:
+            whole = making.result(timeout=_STALL)
+            per = whole.numel() // BLOCK
+            if per == 0:
+                raise RuntimeError(f"ring buffers of {whole.numel()} bytes cannot hold a {BLOCK}-byte block")
+            base = whole.data_ptr()
+            slots.extend((whole[k * BLOCK:(k + 1) * BLOCK], base + k * BLOCK) for k in range(per))
+            free.extend(range(len(slots) - per, len(slots)))
+            while idle and nxt < len(blocks) and start(idle[-1]):  # the first buffer's slots read at once
+                idle.pop()
         while True:
             while idle and nxt < len(blocks) and not failed and start(idle[-1]):
                 idle.pop()
+            landed: list[tuple[int, int]] = []
             if len(idle) < aio.depth:
                 done = aio.reap(min(1.0, _STALL))
-            elif finishing:
-                futures_wait(list(finishing), timeout=1.0, return_when=FIRST_COMPLETED)
+            elif checking:
+                futures_wait(list(checking), timeout=1.0, return_when=FIRST_COMPLETED)
                 done = []
             else:
                 break
-            for slot, result in done:
-                ci, begin, end = blocks[reading[slot]]
+            for tag, result in done:
+                bi, slot = reading[tag]
+                ci, begin, end = blocks[bi]
                 if result < end - begin:  # refused direct, failed, or short: see _check_read
-                    first = spans[ci][1]
                     try:
-                        _check_read(files[spans[ci][0]], result, begin, end,
-                                    address(holder[ci])[0][begin - first:end - first])
+                        _check_read(files[spans[ci].fname], result, begin, end, slots[slot][0][:end - begin])
                     except Exception as exc:  # the chunk failed: no further reads are submitted
                         failed.setdefault(ci, exc)
-                        idle.append(slot)
+                        free.append(slot)
+                        idle.append(tag)
                         continue
-                if failed or nxt == len(blocks) or not start(slot):  # else the next read went at once
-                    idle.append(slot)
-                unread[ci] -= 1
-                if unread[ci] == 0 and not failed:
-                    first, last = spans[ci][1], spans[ci][2]
-                    finishing[submit(finish, ci, holder[ci], address(holder[ci])[0][:last - first])] = ci
-            ended = [f for f in finishing if f.done()]
+                landed.append((bi, slot))
+                if failed or nxt == len(blocks) or not start(tag):  # else the next read went at once
+                    idle.append(tag)
+            for i in range(0, len(landed), _BATCH):
+                batch = landed[i:i + _BATCH]
+                checking[submit(check, batch, tasks)] = batch
+                tasks += 1
+            ended = [f for f in checking if f.done()]
             for fut in ended:
-                ci = finishing.pop(fut)
+                batch = checking.pop(fut)
                 error = fut.exception()
-                if error is not None:
-                    failed.setdefault(ci, error)
-                else:
-                    free.append(holder.pop(ci))  # the chunk is verified and copied: its buffer serves the next
+                for k, (bi, slot) in enumerate(batch):
+                    free.append(slot)
+                    ci, begin, end = blocks[bi]
+                    if error is not None:
+                        failed.setdefault(ci, error)
+                        continue
+                    crcs[ci][begin] = fut.result()[k], end - begin
+                    unread[ci] -= 1
+                    if unread[ci] == 0:
+                        _verify(spans[ci], crcs[ci], where, failed, ci)
             if done or ended:
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > _STALL:
-                raise CkptTimeoutError(f"no read completed and no chunk finished for {_STALL} s")
-            if failed and len(idle) == aio.depth and not finishing:
+                raise CkptTimeoutError(f"no read completed and no block finished for {_STALL} s")
+            if failed and len(idle) == aio.depth and not checking:
                 break
     finally:  # what is in flight ends before the caller gives the buffers back
         aio.close()
-        drain([*finishing, *made.values()])
+        drain([*checking, *made])
     if failed:
         raise failed[min(failed)]
-    if nxt < len(blocks) or holder:
+    if nxt < len(blocks) or any(unread):
         raise RuntimeError(f"the read queue stopped with {len(blocks) - nxt} blocks unread")  # (a bug, not bad data)
+
+
+def _verify(span: Span, crcs: dict[int, tuple[int, int]], where: str, failed: dict[int, BaseException],
+            ci: int) -> None:
+    """Chunk ``ci``'s CRC32C, combined from its blocks' in file order, against the manifest's."""
+    value = -1
+    for begin in sorted(crcs):
+        crc, length = crcs[begin]
+        value = crc if value < 0 else crc32c_combine(value, crc, length)
+    crcs.clear()
+    if f"{value:08x}" != span.crc:
+        failed.setdefault(ci, CheckpointCorruptError(
+            f"{where}: {span.fname}: checksum mismatch in bytes [{span.begin}, {span.end})"))
 
 
 def _check_read(file: DirectFile, result: int, begin: int, end: int, landed: torch.Tensor) -> None:
