@@ -36,7 +36,7 @@ for part in "${parts[@]}"; do
               "fst,aio 16 512 sep pin,aio 16 512 sep pin rot=6,ckptmgr,ckptmgr CIF=3,land 16 512 32,land 16 512 192" \
               2>&1 | tee "$out/coldread.txt" ;;
     coldblocks) python3 benchmarks/results/h200-2026-11-23h/cold-read/cold_window.py /var/tmp/ckptmgr-coldread "$out/coldblocks.json" \
-              "${CKPTMGR_ROUNDS:-5}" "${CKPTMGR_MODES:-fst,aio 16 512 sep pin,ckptmgr PKG=benchmarks/out/old,ckptmgr,ckptmgr LB=1,ckptmgr LB=4,ckptmgr VF=4,ckptmgr BA=4}" \
+              "${CKPTMGR_ROUNDS:-5}" "${CKPTMGR_MODES:-fst,aio 16 512 sep pin,ckptmgr PKG=benchmarks/out/old,ckptmgr,ckptmgr SL=24,ckptmgr SL=48,ckptmgr BA=16,ckptmgr NOWORK=1}" \
               2>&1 | tee "$out/coldblocks.txt" ;;
     parts4) python3 benchmarks/bench_restore_parts.py --gib 4 --out "$out/parts4.json" 2>&1 | tee "$out/parts4.txt" ;;
     training-device) python3 benchmarks/bench_training.py --repeat 3 --modes "none,ckptmgr overlap,ckptmgr overlap+device" \

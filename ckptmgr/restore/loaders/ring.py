@@ -9,7 +9,7 @@ lands on the buffer's own stream, and wait for the copy before giving the buffer
 a dozen buffers the reads, the checksums and the copies all overlap; host memory stays at
 the ring's size (12 x 16 MiB) whatever the checkpoint's. Local files not in the page cache
 are read another way, as one queue of direct reads in file order (:mod:`.window`), landing
-in block slots of two of the same buffers, each block copied as it lands and each chunk
+in 32 block slots of 512 KiB in the same buffers, each block copied as it lands and each chunk
 verified from its blocks' checksums; since unverified bytes then reach the landing, that
 queue serves only landings a failed step leaves unseen (fresh memory, or spare device memory
 moved into a target after the whole step verified). Where the bytes land is a
@@ -41,7 +41,7 @@ from ...storage.posix import DIRECT_ALIGN, DirectFile
 from ..preflight import Source, drain, run_all, submit_image_checks, wait_all
 from .host import _build_views
 from .landing import Entry, Landing, plan_landing
-from .window import DEPTH, LANDING_BUFFERS, Copy, Span, read_window
+from .window import DEPTH, Copy, Span, landing_buffers, read_window
 
 __all__ = ["NoDeviceRoom", "PinnedRing", "entries_by_file", "read_tensors_pinned", "read_tensors_ring"]
 
@@ -276,7 +276,7 @@ def _copier(chunks: list[_Chunk], device: torch.device, ring: PinnedRing) -> Cop
 def _windowed(chunks: list[_Chunk], cold: Cold, device: torch.device, ring: PinnedRing, where: str) -> None:
     """The chunks of cold local files: read as one queue of direct reads (see :mod:`.window`)."""
     copy = _copier(chunks, device, ring)
-    with ring.lease_many(LANDING_BUFFERS) as held:
+    with ring.lease_many(landing_buffers(ring.slot_bytes)) as held:
         read_window([Span(c.fname, c.begin, c.end, c.rec.crc32c[c.number]) for c in chunks], cold.files, held,
                     ring.buffer, copy, ring.verifiers.submit, cold.aio, where)
 

@@ -49,11 +49,11 @@ from ...storage.aio import AioContext
 from ...storage.posix import DIRECT_ALIGN, DirectFile
 from ..preflight import drain
 
-__all__ = ["BLOCK", "DEPTH", "LANDING_BUFFERS", "Copy", "Span", "read_window"]
+__all__ = ["BLOCK", "DEPTH", "LANDING_SLOTS", "Copy", "Span", "landing_buffers", "read_window"]
 
 BLOCK = 512 << 10  # bytes per read; a multiple of the direct-I/O alignment
 DEPTH = 16  # reads in flight
-LANDING_BUFFERS = 2  # ring buffers whose block slots the reads land in: 64 slots of 512 KiB (16 MiB buffers)
+LANDING_SLOTS = 32  # block slots the reads land in: 16 MiB, half of them read into while the others are copied
 _BATCH = 8  # landed blocks per verifier task: a reap's blocks shared between the verifier threads
 _STALL = 600.0  # seconds without a read completing or a block finishing before the restore gives up
 
@@ -65,6 +65,14 @@ class Span(NamedTuple):
     begin: int
     end: int
     crc: str
+
+
+def landing_buffers(buffer_bytes: int) -> int:
+    """How many ring buffers of ``buffer_bytes`` hold :data:`LANDING_SLOTS` block slots."""
+    per = buffer_bytes // BLOCK
+    if per == 0:
+        raise ValueError(f"ring buffers of {buffer_bytes} bytes cannot hold a {BLOCK}-byte block")
+    return -(-LANDING_SLOTS // per)
 
 
 # copy(blocks, key): copy each (chunk index, file offset, bytes) to where it lands and wait for
@@ -96,10 +104,13 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
         unread[ci] += 1
     crcs: list[dict[int, tuple[int, int]]] = [{} for _ in spans]  # per chunk: file offset -> (CRC, length)
     made: list[Future[torch.Tensor]] = []  # the buffers' making, on the verifier threads
-    slots: list[tuple[torch.Tensor, int]] = []  # block slot -> (its memory, its address), once made
-    free: list[int] = []  # block slots no read or copy uses (a stack: the slots used last, still in cache, go first)
+    slots: list[tuple[torch.Tensor, int, int]] = []  # block slot -> (its buffer, its offset there, its address)
+    # Block slots no read or copy uses: a stack, so that the slots used last (still in cache) go
+    # first, in ascending order, so that blocks read one after the other mostly lie side by side
+    # and a verifier checksums and copies each such run at once.
+    free: list[int] = []
     reading: list[tuple[int, int]] = [(-1, -1)] * aio.depth  # aio tag -> (block, slot) it reads
-    checking: dict[Future[list[int]], list[tuple[int, int]]] = {}  # -> the (block, slot)s it checks and copies
+    checking: dict[Future[list[tuple[int, int, int, int]]], list[tuple[int, int]]] = {}  # -> the (block, slot)s it checks and copies
     failed: dict[int, BaseException] = {}
     tasks = 0
     nxt = 0
@@ -112,19 +123,29 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
         slot = free.pop()
         _, begin, end = blocks[nxt]
         aio.submit_one(tag, fds[blocks[nxt][0]], begin, -(-(end - begin) // DIRECT_ALIGN) * DIRECT_ALIGN,
-                       slots[slot][1])
+                       slots[slot][2])
         reading[tag] = nxt, slot
         nxt += 1
         return True
 
-    def check(batch: list[tuple[int, int]], key: int) -> list[int]:
-        """On a verifier thread: each block's CRC32C, then its copy (the slots free on return)."""
+    def check(batch: list[tuple[int, int]], key: int) -> list[tuple[int, int, int, int]]:
+        """On a verifier thread: the CRC32C of each run of the batch's blocks that lie side by
+        side in their file's chunk and in memory, as (chunk, file offset, CRC, length), then
+        their copies (the slots are free on return)."""
         out, moves = [], []
-        for bi, slot in batch:
-            ci, begin, end = blocks[bi]
-            landed = slots[slot][0][:end - begin]
-            out.append(crc32c_value(landed.numpy()))
+        i = 0
+        while i < len(batch):
+            ci, begin, end = blocks[batch[i][0]]
+            whole, at, address = slots[batch[i][1]]
+            j = i + 1
+            while (j < len(batch) and blocks[batch[j][0]][0] == ci and blocks[batch[j][0]][1] == end
+                   and slots[batch[j][1]][2] == address + end - begin):
+                end = blocks[batch[j][0]][2]
+                j += 1
+            landed = whole[at:at + end - begin]
+            out.append((ci, begin, crc32c_value(landed.numpy()), end - begin))
             moves.append((ci, begin, landed))
+            i = j
         copy(moves, key)
         return out
 
@@ -134,12 +155,10 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
         made.extend(submit(buffer, i) for i in buffers)  # pinned while the first reads run
         for making in made:
             whole = making.result(timeout=_STALL)
-            per = whole.numel() // BLOCK
-            if per == 0:
-                raise RuntimeError(f"ring buffers of {whole.numel()} bytes cannot hold a {BLOCK}-byte block")
+            per = min(whole.numel() // BLOCK, LANDING_SLOTS - len(slots))
             base = whole.data_ptr()
-            slots.extend((whole[k * BLOCK:(k + 1) * BLOCK], base + k * BLOCK) for k in range(per))
-            free.extend(range(len(slots) - per, len(slots)))
+            free[:0] = reversed(range(len(slots), len(slots) + per))  # (below those of the buffers before)
+            slots.extend((whole, k * BLOCK, base + k * BLOCK) for k in range(per))
             while idle and nxt < len(blocks) and start(idle[-1]):  # the first buffer's slots read at once
                 idle.pop()
         while True:
@@ -158,7 +177,8 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
                 ci, begin, end = blocks[bi]
                 if result < end - begin:  # refused direct, failed, or short: see _check_read
                     try:
-                        _check_read(files[spans[ci].fname], result, begin, end, slots[slot][0][:end - begin])
+                        whole, at, _ = slots[slot]
+                        _check_read(files[spans[ci].fname], result, begin, end, whole[at:at + end - begin])
                     except Exception as exc:  # the chunk failed: no further reads are submitted
                         failed.setdefault(ci, exc)
                         free.append(slot)
@@ -174,14 +194,16 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
             ended = [f for f in checking if f.done()]
             for fut in ended:
                 batch = checking.pop(fut)
+                free.extend(slot for _, slot in reversed(batch))  # the batch's first slot on top
                 error = fut.exception()
-                for k, (bi, slot) in enumerate(batch):
-                    free.append(slot)
-                    ci, begin, end = blocks[bi]
-                    if error is not None:
-                        failed.setdefault(ci, error)
-                        continue
-                    crcs[ci][begin] = fut.result()[k], end - begin
+                if error is not None:
+                    for bi, _ in batch:
+                        failed.setdefault(blocks[bi][0], error)
+                    continue
+                for ci, begin, crc, length in fut.result():
+                    crcs[ci][begin] = crc, length
+                for bi, _ in batch:
+                    ci = blocks[bi][0]
                     unread[ci] -= 1
                     if unread[ci] == 0:
                         _verify(spans[ci], crcs[ci], where, failed, ci)

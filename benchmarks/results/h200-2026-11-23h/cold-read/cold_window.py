@@ -3,9 +3,11 @@ it, run by it), with the product's block-slot landing knobs:
 
     python benchmarks/results/h200-2026-11-23h/cold-read/cold_window.py DIR OUT.json ROUNDS [MODES]
 
-ckptmgr [LB=N] [VF=N] [BA=N] [opts]: the product with N ring buffers of block slots for the reads
-   to land in (window.LANDING_BUFFERS; 16 MiB = 32 slots each), N verifier threads
-   (ring.VERIFIERS), N landed blocks per verifier task (window._BATCH), and -23f's options.
+ckptmgr [LB=N] [SL=N] [VF=N] [BA=N] [NOWORK=1] [opts]: the product with N ring buffers of block
+   slots for the reads to land in (window.LANDING_BUFFERS of f377d33; 16 MiB = 32 slots each), or
+   N block slots (window.LANDING_SLOTS, later commits), N verifier threads (ring.VERIFIERS), N
+   landed blocks per verifier task (window._BATCH); NOWORK=1: the landed blocks neither
+   checksummed nor copied (the loop's floor); and -23f's options.
 ckptmgr PKG=DIR: the product as imported from DIR (for the commit before, extracted there with
    ``git archive COMMIT ckptmgr | tar -x -C DIR``).
 """
@@ -30,8 +32,14 @@ def child(mode, step_dir):
             rg.LANDING_BUFFERS = int(opts["LB"])
         if "VF" in opts:
             rg.VERIFIERS = int(opts["VF"])
+        if "SL" in opts:
+            wn.LANDING_SLOTS = int(opts["SL"])
         if "BA" in opts:
             wn._BATCH = int(opts["BA"])
+        if opts.get("NOWORK") == "1":
+            wn.crc32c_value = lambda data: 0
+            wn._verify = lambda *a: None
+            rg._copier = lambda *a: (lambda blocks, key: None)
         print(f"PKG {os.path.dirname(os.path.dirname(rg.__file__))}", file=sys.stderr)
     return g.child(mode, step_dir)
 
