@@ -110,7 +110,8 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
     # and a verifier checksums and copies each such run at once.
     free: list[int] = []
     reading: list[tuple[int, int]] = [(-1, -1)] * aio.depth  # aio tag -> (block, slot) it reads
-    checking: dict[Future[list[tuple[int, int, int, int]]], list[tuple[int, int]]] = {}  # -> the (block, slot)s it checks and copies
+    # a verifier task -> the (block, slot)s it checks and copies
+    checking: dict[Future[list[tuple[int, int, int, int]]], list[tuple[int, int]]] = {}
     failed: dict[int, BaseException] = {}
     tasks = 0
     nxt = 0
