@@ -418,3 +418,47 @@ def test_a_restore_that_fails_before_its_reads_start_closes_its_aio_context(tmp_
     if not contexts:
         pytest.skip("no AIO context on this system")
     assert all(ctx in closed for ctx in contexts)
+
+
+def test_blocks_in_slots_of_abutting_buffers_are_checked_apart(tmp_path, monkeypatch):
+    """The landing slots of two ring buffers that lie side by side in memory: a run of blocks
+    read into the last slot of one and the first of the next is not one run (each buffer's
+    slots are checksummed and copied as that buffer's), and every chunk verifies exactly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptmgr.format.checksum import crc32c_hex
+    from ckptmgr.restore.loaders import window as window_mod
+    from ckptmgr.storage.aio import open_context
+
+    chunk = 4 * BLOCK
+    data = np.random.default_rng(9).integers(0, 256, 6 * chunk + 3 * DIRECT_ALIGN, dtype=np.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    evict(str(path))
+    f = open_direct(str(path))
+    aio = open_context(16)
+    if f is None or aio is None:
+        for opened in (f, aio):
+            if opened is not None:
+                opened.close()
+        pytest.skip("no O_DIRECT or no AIO context here")
+    monkeypatch.setattr(window_mod, "LANDING_SLOTS", 4)
+    whole = torch.zeros(4 * BLOCK + DIRECT_ALIGN, dtype=torch.uint8)
+    skip = -whole.data_ptr() % DIRECT_ALIGN
+    halves = [whole[skip:skip + 2 * BLOCK], whole[skip + 2 * BLOCK:skip + 4 * BLOCK]]  # two buffers, abutting
+    out = torch.zeros(data.size, dtype=torch.uint8)
+    runs: list[int] = []
+
+    def copy(blocks, key):
+        for _, begin, src in blocks:
+            runs.append(src.numel())
+            out[begin:begin + src.numel()].copy_(src)
+    spans = [window_mod.Span("f.bin", b, min(b + chunk, data.size), crc32c_hex(data[b:b + chunk]))
+             for b in range(0, data.size, chunk)]
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            window_mod.read_window(spans, {"f.bin": f}, [0, 1], lambda i: halves[i], copy, pool.submit, aio, "f.bin")
+        finally:
+            f.close()
+    assert bytes(out.numpy()) == data.tobytes()
+    assert max(runs) <= 2 * BLOCK  # no run crossed from one buffer into the other

@@ -137,10 +137,12 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
         i = 0
         while i < len(batch):
             ci, begin, end = blocks[batch[i][0]]
-            whole, at, address = slots[batch[i][1]]
+            whole, at, _ = slots[batch[i][1]]
             j = i + 1
-            while (j < len(batch) and blocks[batch[j][0]][0] == ci and blocks[batch[j][0]][1] == end
-                   and slots[batch[j][1]][2] == address + end - begin):
+            while j < len(batch) and blocks[batch[j][0]][:2] == (ci, end):  # the next block of the chunk,
+                following = slots[batch[j][1]]  # in the next slot of the same buffer (buffers may abut in memory)
+                if following[0] is not whole or following[1] != at + end - begin:
+                    break
                 end = blocks[batch[j][0]][2]
                 j += 1
             landed = whole[at:at + end - begin]
