@@ -462,3 +462,53 @@ def test_blocks_in_slots_of_abutting_buffers_are_checked_apart(tmp_path, monkeyp
             f.close()
     assert bytes(out.numpy()) == data.tobytes()
     assert max(runs) <= 2 * BLOCK  # no run crossed from one buffer into the other
+
+
+def test_an_interrupt_while_the_reads_end_still_waits_for_the_verifiers(tmp_path, monkeypatch):
+    """An interrupt that arrives while the kernel ends the reads in flight (``io_destroy``)
+    is raised only once the verifier tasks have been waited for, since they read the slots the
+    caller gives back next."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptmgr.format.checksum import crc32c_hex
+    from ckptmgr.restore.loaders import window as window_mod
+    from ckptmgr.storage.aio import open_context
+
+    data = np.random.default_rng(12).integers(0, 256, 4 * BLOCK, dtype=np.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    evict(str(path))
+    f = open_direct(str(path))
+    aio = open_context(4)
+    if f is None or aio is None:
+        for opened in (f, aio):
+            if opened is not None:
+                opened.close()
+        pytest.skip("no O_DIRECT or no AIO context here")
+    real_close, real_drain = aio.close, window_mod.drain
+    drained: list[int] = []
+
+    def close_then_interrupt():
+        real_close()
+        raise KeyboardInterrupt
+
+    aio.close = close_then_interrupt  # type: ignore[method-assign]
+    monkeypatch.setattr(window_mod, "drain",
+                        lambda futures, *a: drained.append(len(futures)) or real_drain(futures, *a))
+    buf = torch.zeros(2 * BLOCK + DIRECT_ALIGN, dtype=torch.uint8)
+    skip = -buf.data_ptr() % DIRECT_ALIGN
+    out = torch.zeros(data.size, dtype=torch.uint8)
+
+    def copy(blocks, key):
+        for _, begin, src in blocks:
+            out[begin:begin + src.numel()].copy_(src)
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                window_mod.read_window([window_mod.Span("f.bin", 0, data.size, crc32c_hex(data))], {"f.bin": f}, [0],
+                                       lambda i: buf[skip:skip + 2 * BLOCK], copy, pool.submit, aio, "f.bin")
+        finally:
+            f.close()
+            real_close()
+    assert drained == [1]  # the one buffer's making, and no verifier task left pending
+    assert bytes(out.numpy()) == data.tobytes()

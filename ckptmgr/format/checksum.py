@@ -88,7 +88,7 @@ def _shift(crc: int, nbytes: int) -> int:
     return crc
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=32)  # (the run lengths of one step: whole blocks, and runs of up to 8 of them)
 def _shift_table(nbytes: int) -> tuple[list[int], ...]:
     """:func:`_shift` by ``nbytes`` as four byte-indexed tables (it is linear)."""
     cols = [_shift(1 << j, nbytes) for j in range(32)]

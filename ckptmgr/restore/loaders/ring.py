@@ -226,9 +226,11 @@ def _lander(chunks: list[_Chunk], device: torch.device, ring: PinnedRing,
             return
         assert ready is not None
         streams[slot].wait_event(ready)
-        with torch.cuda.stream(streams[slot]):
-            c.landing.land(c.begin, src)
-        streams[slot].synchronize()
+        try:
+            with torch.cuda.stream(streams[slot]):
+                c.landing.land(c.begin, src)
+        finally:  # a copy that failed midway: what was queued ends before the buffer goes back
+            streams[slot].synchronize()
     return land
 
 
@@ -264,12 +266,15 @@ def _copier(chunks: list[_Chunk], device: torch.device, ring: PinnedRing) -> Cop
     ready.record(torch.cuda.current_stream(device))
 
     def copy(blocks: list[tuple[int, int, torch.Tensor]], key: int) -> None:
+        # (a stream another restore also copies on only orders the two: each waits for its own copies)
         stream = streams[key % len(streams)]
         stream.wait_event(ready)
-        with torch.cuda.stream(stream):
-            for ci, begin, src in blocks:
-                chunks[ci].landing.land(begin, src)
-        stream.synchronize()
+        try:
+            with torch.cuda.stream(stream):
+                for ci, begin, src in blocks:
+                    chunks[ci].landing.land(begin, src)
+        finally:  # a copy that failed midway: what was queued ends before the slots are freed
+            stream.synchronize()
     return copy
 
 

@@ -38,6 +38,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures import wait as futures_wait
 from typing import Any, NamedTuple
 
@@ -96,6 +97,8 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
         CheckpointCorruptError: a file ended early, or a chunk failed its checksum.
         CkptTimeoutError: nothing completed for :data:`_STALL` seconds.
     """
+    # Owned by the calling thread: everything below but ``blocks`` and ``slots``, which the
+    # verifier threads only read, and which are complete before the first of them starts.
     blocks = [(ci, off, min(off + BLOCK, span.end)) for ci, span in enumerate(spans)
               for off in range(span.begin, span.end, BLOCK)]
     fds = [files[span.fname].direct_fd for span in spans]  # per chunk
@@ -157,7 +160,10 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
     try:
         made.extend(submit(buffer, i) for i in buffers)  # pinned while the first reads run
         for making in made:
-            whole = making.result(timeout=_STALL)
+            try:
+                whole = making.result(timeout=_STALL)
+            except FuturesTimeout:
+                raise CkptTimeoutError(f"a restore buffer was not made within {_STALL} s") from None
             per = min(whole.numel() // BLOCK, LANDING_SLOTS - len(slots))
             base = whole.data_ptr()
             free[:0] = reversed(range(len(slots), len(slots) + per))  # (below those of the buffers before)
@@ -187,6 +193,10 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
                         free.append(slot)
                         idle.append(tag)
                         continue
+                if failed and ci > min(failed):  # after the earliest failure only earlier chunks matter
+                    free.append(slot)
+                    idle.append(tag)
+                    continue
                 landed.append((bi, slot))
                 if failed or nxt == len(blocks) or not start(tag):  # else the next read went at once
                     idle.append(tag)
@@ -216,9 +226,11 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
                 raise CkptTimeoutError(f"no read completed and no block finished for {_STALL} s")
             if failed and len(idle) == aio.depth and not checking:
                 break
-    finally:  # what is in flight ends before the caller gives the buffers back
-        aio.close()
-        drain([*checking, *made])
+    finally:  # what is in flight ends before the caller gives the buffers back, also through an interrupt
+        try:
+            aio.close()
+        finally:
+            drain([*checking, *made])
     if failed:
         raise failed[min(failed)]
     if nxt < len(blocks) or any(unread):
