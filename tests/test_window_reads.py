@@ -49,6 +49,24 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _cold_file_and_aio(tmp_path, data: bytes, depth: int):
+    """``f.bin`` holding ``data``, evicted and opened for direct reads, and an AIO context of
+    ``depth``; skips the test where the filesystem or the kernel gives neither."""
+    from ckptmgr.storage.aio import open_context
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    evict(str(path))
+    f = open_direct(str(path))
+    aio = open_context(depth)
+    if f is None or aio is None:
+        for opened in (f, aio):
+            if opened is not None:
+                opened.close()
+        pytest.skip("no O_DIRECT or no AIO context here")
+    return f, aio
+
+
 def _all_buffers_back(ring: PinnedRing) -> None:
     with ring.lease_many(ring.slots, timeout=5):
         pass
@@ -323,18 +341,8 @@ def test_a_refused_submit_closes_the_aio_context(tmp_path):
     """Where the verifier threads refuse work (their pool shut down by a closing manager),
     the queue reads nothing, and the kernel AIO context is still given back."""
     from ckptmgr.restore.loaders.window import Span, read_window
-    from ckptmgr.storage.aio import open_context
 
-    path = tmp_path / "f.bin"
-    path.write_bytes(bytes(4 * DIRECT_ALIGN))
-    evict(str(path))
-    f = open_direct(str(path))
-    aio = open_context(4)
-    if f is None or aio is None:
-        for opened in (f, aio):
-            if opened is not None:
-                opened.close()
-        pytest.skip("no O_DIRECT or no AIO context here")
+    f, aio = _cold_file_and_aio(tmp_path, bytes(4 * DIRECT_ALIGN), 4)
     closed: list[bool] = []
     real_close = aio.close
     aio.close = lambda: closed.append(True) or real_close()  # type: ignore[method-assign]
@@ -428,20 +436,10 @@ def test_blocks_in_slots_of_abutting_buffers_are_checked_apart(tmp_path, monkeyp
 
     from ckptmgr.format.checksum import crc32c_hex
     from ckptmgr.restore.loaders import window as window_mod
-    from ckptmgr.storage.aio import open_context
 
     chunk = 4 * BLOCK
     data = np.random.default_rng(9).integers(0, 256, 6 * chunk + 3 * DIRECT_ALIGN, dtype=np.uint8)
-    path = tmp_path / "f.bin"
-    path.write_bytes(data.tobytes())
-    evict(str(path))
-    f = open_direct(str(path))
-    aio = open_context(16)
-    if f is None or aio is None:
-        for opened in (f, aio):
-            if opened is not None:
-                opened.close()
-        pytest.skip("no O_DIRECT or no AIO context here")
+    f, aio = _cold_file_and_aio(tmp_path, data.tobytes(), 16)
     monkeypatch.setattr(window_mod, "LANDING_SLOTS", 4)
     whole = torch.zeros(4 * BLOCK + DIRECT_ALIGN, dtype=torch.uint8)
     skip = -whole.data_ptr() % DIRECT_ALIGN
@@ -472,19 +470,9 @@ def test_an_interrupt_while_the_reads_end_still_waits_for_the_verifiers(tmp_path
 
     from ckptmgr.format.checksum import crc32c_hex
     from ckptmgr.restore.loaders import window as window_mod
-    from ckptmgr.storage.aio import open_context
 
     data = np.random.default_rng(12).integers(0, 256, 4 * BLOCK, dtype=np.uint8)
-    path = tmp_path / "f.bin"
-    path.write_bytes(data.tobytes())
-    evict(str(path))
-    f = open_direct(str(path))
-    aio = open_context(4)
-    if f is None or aio is None:
-        for opened in (f, aio):
-            if opened is not None:
-                opened.close()
-        pytest.skip("no O_DIRECT or no AIO context here")
+    f, aio = _cold_file_and_aio(tmp_path, data.tobytes(), 4)
     real_close, real_drain = aio.close, window_mod.drain
     drained: list[int] = []
 

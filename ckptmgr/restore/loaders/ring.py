@@ -209,28 +209,14 @@ def _lander(chunks: list[_Chunk], device: torch.device, ring: PinnedRing,
             where: str) -> Callable[[int, int, torch.Tensor], None]:
     """``land(i, buffer index, bytes)``: verify the bytes of ``chunks[i]`` against its checksum,
     copy them to their landing on the buffer's own stream and wait for that copy (the buffer
-    is free to refill on return). Made on the caller's thread: the copies come after the work
-    already queued on what they write."""
-    streams = ring.streams(device) if device.type == "cuda" else None
-    ready = None
-    if streams is not None:
-        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ready.record(torch.cuda.current_stream(device))
+    is free to refill on return). Made on the caller's thread (see :func:`_copier`)."""
+    copy = _copier(chunks, device, ring)
 
     def land(i: int, slot: int, src: torch.Tensor) -> None:
         c = chunks[i]
         if crc32c_hex(src.numpy()) != c.rec.crc32c[c.number]:
             raise CheckpointCorruptError(f"{where}: {c.fname}: checksum mismatch in bytes [{c.begin}, {c.end})")
-        if streams is None:
-            c.landing.land(c.begin, src)
-            return
-        assert ready is not None
-        streams[slot].wait_event(ready)
-        try:
-            with torch.cuda.stream(streams[slot]):
-                c.landing.land(c.begin, src)
-        finally:  # a copy that failed midway: what was queued ends before the buffer goes back
-            streams[slot].synchronize()
+        copy([(i, c.begin, src)], slot)  # (buffer i's own stream: the ring has one per buffer)
     return land
 
 
