@@ -29,9 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 sys.path.insert(0, BENCH)
 
-import torch  # noqa: E402
-
 import bench_restore as br  # noqa: E402
+import torch  # noqa: E402
 
 DEV = os.environ.get("TRACE_DEVICE", "cuda")  # cpu: a smoke test of the harness
 CUDA = DEV == "cuda"
@@ -116,10 +115,11 @@ def main():
         return
     d, out_path, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
     tools = sys.argv[4].split(",") if len(sys.argv) > 4 else TOOLS
+    import shutil
+
     from bench_staging import make_state
 
     from ckptmgr import CheckpointManager, StagingOptions
-    import shutil
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
     state = make_state(float(os.environ.get("TRACE_GIB", "4")), DEV)
@@ -147,11 +147,12 @@ def main():
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "child", tool, step_dir, torch_path, shapes],
                                capture_output=True, text=True, timeout=600)
             line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-            res = json.loads(line[7:]) if line else {"tool": tool, "error": (p.stderr.strip().splitlines() or ["?"])[-1]}
+            err = (p.stderr.strip().splitlines() or ["?"])[-1]
+            res = json.loads(line[7:]) if line else {"tool": tool, "error": err}
             res["round"], res["after"] = r, prev
             prev = tool
             runs.append(res)
-            print(f"  r{r} {tool:10s} after {str(res['after']):10s} "
+            print(f"  r{r} {tool:10s} after {res['after']!s:10s} "
                   + (f"{res['s']:.3f} s {'' if res['identical'] else 'NOT IDENTICAL '}{res['marks']}"
                      if "s" in res else res["error"]), flush=True)
     print("\n| tool | median s | min-max | runs |\n|---|---|---|---|")
@@ -159,7 +160,8 @@ def main():
     for tool in tools:
         secs = [x["s"] for x in runs if x["tool"] == tool and "s" in x]
         if secs:
-            summary[tool] = {"median_s": statistics.median(secs), "min_s": min(secs), "max_s": max(secs), "n": len(secs)}
+            summary[tool] = {"median_s": statistics.median(secs), "min_s": min(secs), "max_s": max(secs),
+                             "n": len(secs)}
             print(f"| {tool} | {statistics.median(secs):.3f} | {min(secs):.3f}-{max(secs):.3f} | {len(secs)} |")
     with open(out_path, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if CUDA else "cpu",
