@@ -500,3 +500,29 @@ def test_an_interrupt_while_the_reads_end_still_waits_for_the_verifiers(tmp_path
             real_close()
     assert drained == [1]  # the one buffer's making, and no verifier task left pending
     assert bytes(out.numpy()) == data.tobytes()
+
+
+def test_a_reap_returns_once_as_many_reads_as_asked_are_in_or_at_its_timeout(tmp_path):
+    """``reap(timeout, at_least)``: every read in once ``at_least`` are (the queue keeps its
+    reads in bunches so), or what is in at the timeout, as many as exist; each read exact."""
+    data = np.random.default_rng(3).integers(0, 256, 8 * DIRECT_ALIGN, dtype=np.uint8).tobytes()
+    f, aio = _cold_file_and_aio(tmp_path, data, 4)
+    try:
+        memory = ring_mod._page_aligned(4 * DIRECT_ALIGN)
+        for tag in range(4):
+            aio.submit_one(tag, f.direct_fd, 2 * tag * DIRECT_ALIGN, DIRECT_ALIGN,
+                           memory.data_ptr() + tag * DIRECT_ALIGN)
+        done = aio.reap(30.0, at_least=4)
+        assert sorted(done) == [(tag, DIRECT_ALIGN) for tag in range(4)]
+        read = b"".join(data[2 * t * DIRECT_ALIGN:(2 * t + 1) * DIRECT_ALIGN] for t in range(4))
+        assert bytes(memory.numpy()) == read
+        aio.submit_one(1, f.direct_fd, DIRECT_ALIGN, DIRECT_ALIGN, memory.data_ptr())
+        done = aio.reap(0.2, at_least=3)  # one read in flight: it comes back at the timeout
+        while not done:  # (a slow disk: not in yet at the timeout)
+            done = aio.reap(30.0)
+        assert done == [(1, DIRECT_ALIGN)]
+        assert bytes(memory[:DIRECT_ALIGN].numpy()) == data[DIRECT_ALIGN:2 * DIRECT_ALIGN]
+        assert aio.reap(0.0, at_least=99) == []  # nothing in flight, more asked than the depth: none at once
+    finally:
+        aio.close()
+        f.close()
