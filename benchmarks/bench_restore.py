@@ -7,7 +7,8 @@
 ckptmgr saves one state (fp32/bf16, ``--tensors`` tensors) into ``/dev/shm`` (``shm``, warm: the
 files are in RAM) and into ``--disk-dir`` (``disk``, cold: the page cache of every file is
 dropped before each run), plus a ``torch.save`` copy for torch.load. Then, for ``--repeat``
-rounds with the tool order rotated each round, each tool restores the same bytes in a process of
+rounds with the tool order varied each round (:func:`round_order`: each tool runs first in turn,
+and after a different tool each round), each tool restores the same bytes in a process of
 its own (a restarted job: nothing is cached, no pinned memory exists yet, CUDA is initialized
 before the clock starts):
 
@@ -192,6 +193,25 @@ def child(tool: str, step_dir: str, torch_path: str, device: str, shapes_path: s
 
 # ---------------------------------------------------------------------------- the run (parent)
 
+def round_order(tools: list[str], r: int) -> list[str]:
+    """Round ``r``'s order of ``tools``: row ``r`` of a balanced Latin square (Williams design).
+    Each tool runs first in turn, as in a rotation, and also after a different tool each round:
+    with an even number of tools, over as many rounds every tool follows every other once (odd
+    rounds are mirrored for an odd number). A plain rotation keeps every tool behind the same
+    one, so whatever a tool leaves behind (a disk's own cache holding other files, pages being
+    freed) would always weigh on the same neighbour."""
+    n = len(tools)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    row = [tools[(i + r) % n] for i in first]
+    return row[::-1] if n % 2 and r % 2 else row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=4.0)
@@ -263,7 +283,7 @@ def main() -> None:
     for r in range(args.repeat):
         for src, where in layout.items():
             use = [t for t in tools if not ("inplace" in t and src == "disk")]
-            for tool in use[r % len(use):] + use[:r % len(use)]:
+            for tool in round_order(use, r):
                 if src == "disk":
                     drop_cache([*data_files(where["step_dir"]), where["torch"]])
                 p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", tool, where["step_dir"],
@@ -282,7 +302,7 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
     ceiling = max(ceilings.values()) if ceilings else None
     lines = [f"{size / 2**30:.2f} GiB in {args.tensors} tensors onto {args.device}; each run a fresh process; "
-             f"median (min-max) of {args.repeat} rounds, tool order rotated", ""]
+             f"median (min-max) of {args.repeat} rounds, tool order varied (round_order)", ""]
     if ceiling:
         lines += ["disk read ceiling (cold cache, best pattern): "
                   + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in ceilings.items()), ""]
