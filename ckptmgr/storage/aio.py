@@ -71,7 +71,7 @@ class AioContext:
     the block layer): released, it would hand the GIL to a thread of the caller's waiting for
     it (a restore's verifier threads, between their checksums and copies), and the read loop
     would wait to get it back, once per read. On an H200 machine that halved the time spent
-    submitting a 4 GiB step's 8196 reads, 0.27-0.43 s to 0.12-0.18 s
+    submitting a 4 GiB step's 8196 reads, 0.29-0.43 s to 0.12-0.18 s
     (``benchmarks/results/h200-2026-11-23i``). A reap, which waits for the disk, lets other
     threads run.
     """
