@@ -502,17 +502,27 @@ def test_an_interrupt_while_the_reads_end_still_waits_for_the_verifiers(tmp_path
     assert bytes(out.numpy()) == data.tobytes()
 
 
-def test_a_reap_returns_once_as_many_reads_as_asked_are_in_or_at_its_timeout(tmp_path):
-    """``reap(timeout, at_least)``: every read in once ``at_least`` are (the queue keeps its
-    reads in bunches so), or what is in at the timeout, as many as exist; each read exact."""
+def test_a_reap_asks_the_kernel_for_at_least_as_many_reads_as_asked(tmp_path):
+    """``reap(timeout, at_least)`` hands ``at_least`` to ``io_getevents`` as its minimum (at
+    most the depth, at least one: the queue keeps its reads in bunches so), and returns every
+    read that is in, each exact; with fewer in flight, what is in at the timeout."""
     data = np.random.default_rng(3).integers(0, 256, 8 * DIRECT_ALIGN, dtype=np.uint8).tobytes()
     f, aio = _cold_file_and_aio(tmp_path, data, 4)
+    asked: list[int] = []
+    real = aio._syscall
+
+    def recorded(number, *args):
+        if number == aio._getevents:
+            asked.append(args[1])  # (ctx, min_nr, nr, events, timeout)
+        return real(number, *args)
+    aio._syscall = recorded  # type: ignore[method-assign]
     try:
         memory = ring_mod._page_aligned(4 * DIRECT_ALIGN)
         for tag in range(4):
             aio.submit_one(tag, f.direct_fd, 2 * tag * DIRECT_ALIGN, DIRECT_ALIGN,
                            memory.data_ptr() + tag * DIRECT_ALIGN)
         done = aio.reap(30.0, at_least=4)
+        assert asked == [4]
         assert sorted(done) == [(tag, DIRECT_ALIGN) for tag in range(4)]
         read = b"".join(data[2 * t * DIRECT_ALIGN:(2 * t + 1) * DIRECT_ALIGN] for t in range(4))
         assert bytes(memory.numpy()) == read
@@ -522,7 +532,44 @@ def test_a_reap_returns_once_as_many_reads_as_asked_are_in_or_at_its_timeout(tmp
             done = aio.reap(30.0)
         assert done == [(1, DIRECT_ALIGN)]
         assert bytes(memory[:DIRECT_ALIGN].numpy()) == data[DIRECT_ALIGN:2 * DIRECT_ALIGN]
-        assert aio.reap(0.0, at_least=99) == []  # nothing in flight, more asked than the depth: none at once
+        asked.clear()
+        assert aio.reap(0.0, at_least=99) == [] and aio.reap(0.0, at_least=0) == []  # none in flight
+        assert asked == [4, 1]  # (more than the depth is refused by the kernel; less than one means one)
     finally:
         aio.close()
         f.close()
+
+
+def test_the_queue_reaps_half_its_reads_at_a_time_or_all_in_flight(tmp_path, monkeypatch):
+    """Every reap of a cold step's queue waits for :data:`_REAP_AT_LEAST` reads, or for all
+    those in flight where fewer are, never more; and the step restores exactly."""
+    from ckptmgr.restore.loaders import window as window_mod
+    from ckptmgr.storage.aio import AioContext
+
+    asks: list[tuple[int, int]] = []  # (at_least, reads in flight)
+    real_submit, real_reap = AioContext.submit_one, AioContext.reap
+    flight = [0]
+
+    def submit_one(self, *a):
+        real_submit(self, *a)
+        flight[0] += 1
+
+    def reap(self, timeout, at_least=1):
+        asks.append((at_least, flight[0]))
+        done = real_reap(self, timeout, at_least)
+        flight[0] -= len(done)
+        return done
+    monkeypatch.setattr(AioContext, "submit_one", submit_one)
+    monkeypatch.setattr(AioContext, "reap", reap)
+    root = str(tmp_path / "ckpt")
+    state = _state(4)
+    with CheckpointManager(root, staging=NO_TIER, write_options=SMALL) as mgr:
+        mgr.save(1, state).result()
+        _evict(root)
+        out = mgr.restore(1, device="cpu", loader="ring")
+    for k, v in state.items():
+        assert torch.equal(out[k], v), k
+    if not asks:
+        pytest.skip("no O_DIRECT or no AIO context here")
+    assert all(at_least == min(window_mod._REAP_AT_LEAST, in_flight) for at_least, in_flight in asks), asks
+    assert any(in_flight > window_mod._REAP_AT_LEAST for _, in_flight in asks)  # (the queue did fill)

@@ -67,13 +67,17 @@ class AioContext:
     """One kernel AIO context of ``depth`` slots, used by one thread. Each read is submitted
     under a slot number (its tag), which is free again once its completion is reaped.
 
-    A submission holds the GIL (it queues the read and returns; at most it waits briefly for
-    the block layer): released, it would hand the GIL to a thread of the caller's waiting for
-    it (a restore's verifier threads, between their checksums and copies), and the read loop
-    would wait to get it back, once per read. On an H200 machine that halved the time spent
-    submitting a 4 GiB step's 8196 reads, 0.29-0.43 s to 0.12-0.18 s
-    (``benchmarks/results/h200-2026-11-23i``). A reap, which waits for the disk, lets other
-    threads run.
+    A submission holds the GIL: released, it would hand the GIL to a thread of the caller's
+    waiting for it (a restore's verifier threads, between their checksums and copies), and the
+    read loop would wait to get it back, once per read. On H200 machines, submitting a 4 GiB
+    step's 8196 reads took 0.149 s (0.121-0.190) holding it, 0.297 s (0.191-0.429) releasing it,
+    in 32 and 20 restores (``benchmarks/results/h200-2026-11-23i/cold-read``); the restore as a
+    whole gained from that only with the reaps kept in bunches (:mod:`~ckptmgr.restore.loaders.window`).
+    An ``O_DIRECT`` submission to a local disk only queues the read (about 18 us each, there),
+    but it can sleep: for a request slot while other processes load the device, for extent
+    blocks of a file not yet mapped, or for the whole read where a filesystem does direct I/O
+    synchronously; every thread of the caller's waits that long for the GIL. A reap, which
+    waits for the disk, lets other threads run.
     """
 
     def __init__(self, ctx: ctypes.c_ulong, depth: int, syscall: Any, numbers: tuple[int, int, int, int],

@@ -24,17 +24,20 @@ verified: the caller uses this loader only where a failed step's bytes land nowh
 could be seen (fresh memory, or spare device memory that moves into a target only after the
 whole step verified).
 
-The reads are kept going in bunches: a reap waits until half the reads in flight are in
-(:data:`_REAP_AT_LEAST`), and they are resubmitted together, one system call each. A reap
-that took each read as soon as it was in let the reads drift apart, and the disk then
-served them one by one and slower: some restores fell to 1.5 reads a reap and ran 30-50%
-longer. On one H200 machine, the same 4 GiB step, medians of 6 restores: 2.16 s reaping
-half, 2.26 s reaping each read as it came, fastsafetensors 2.33 s
-(``benchmarks/results/h200-2026-11-23i``). Between a reap and its reads the loop does as
-little as it can: the slots of the blocks checked since are freed first, each read is
-resubmitted at once into a free slot, a block's result is only compared with its length
-(the slow paths, a refused direct read or a short one, are taken only then), and the
-landed blocks of one reap go to the verifier threads in a few batches.
+The reads are kept going in bunches: a reap waits until :data:`_REAP_AT_LEAST` reads (half
+the queue) are in, or every read in flight where fewer are, and they are resubmitted
+together, one system call each. Reaped one by one as they came in, and submitted releasing
+the GIL (:class:`~ckptmgr.storage.aio.AioContext`), the reads drifted apart in some
+restores, came back 1.5 at a time, and the restore took 40-60% longer than the median. On
+one H200 machine, the same 4 GiB step, 6 restores each: reaping half the queue 2.159 s
+(1.854-2.486), reaping each read as it came 2.262 s (1.858-2.463), the queue before 2.463 s
+(1.999-2.729), fastsafetensors 2.331 s (1.758-2.762): ranges that overlap, but with half the
+queue every run reaped 14-16 reads at a time (``benchmarks/results/h200-2026-11-23i``).
+Between a reap and its reads the loop does as little as it can: the slots of the blocks
+checked since are freed first, each read is resubmitted at once into a free slot, a block's
+result is only compared with its length (the slow paths, a refused direct read or a short
+one, are taken only then), and the landed blocks of one reap go to the verifier threads in a
+few batches.
 Only the calling thread touches the queue's state.
 """
 
@@ -63,7 +66,7 @@ BLOCK = 512 << 10  # bytes per read; a multiple of the direct-I/O alignment
 DEPTH = 16  # reads in flight
 LANDING_SLOTS = 32  # block slots the reads land in: 16 MiB, half of them read into while the others are copied
 _BATCH = 8  # landed blocks per verifier task: a reap's blocks shared between the verifier threads
-_REAP_AT_LEAST = DEPTH // 2  # a reap waits for this many of the reads in flight (see the module's docstring)
+_REAP_AT_LEAST = DEPTH // 2  # a reap waits for this many reads, or all in flight (see the module's docstring)
 _STALL = 600.0  # seconds without a read completing or a block finishing before the restore gives up
 
 
