@@ -168,17 +168,17 @@ def test_retention_leaves_foreign_files_and_neighbouring_roots_alone(tmp_path):
     parent = tmp_path / "runs"
     a, b = str(parent / "a"), str(parent / "b")
     with CheckpointManager(a, retention=KeepLatest(1)) as ma, CheckpointManager(b, retention=KeepLatest(1)) as mb:
-        for step in range(3):
+        for step in range(2):
             ma.save(step, small(step))
             mb.save(step, small(step))
+        ma.wait()  # (step 1 committed, and kept until a newer one commits)
+        mb.wait()
         # foreign things inside root a: a file at the top, a directory that looks almost like
         # ours, and a user's file inside one of our step directories
         (parent / "a" / "notes.txt").write_text("mine")
         (parent / "a" / "step_12").mkdir()
         (parent / "a" / "step_000000000001" / "eval.json").write_text("{}")
-        ma.wait()
-        mb.wait()
-        for step in range(3, 5):
+        for step in range(2, 5):
             ma.save(step, small(step))
             mb.save(step, small(step))
         ma.wait()
