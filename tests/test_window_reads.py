@@ -49,6 +49,20 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _cold_round_trip(tmp_path) -> str:
+    """Save a state, evict it, restore it through the ring on the CPU and check every tensor;
+    the root."""
+    root = str(tmp_path / "ckpt")
+    state = _state(4)
+    with CheckpointManager(root, staging=NO_TIER, write_options=SMALL) as mgr:
+        mgr.save(1, state).result()
+        _evict(root)
+        out = mgr.restore(1, device="cpu", loader="ring")
+    for k, v in state.items():
+        assert torch.equal(out[k], v), k
+    return root
+
+
 def _cold_file_and_aio(tmp_path, data: bytes, depth: int):
     """``f.bin`` holding ``data``, evicted and opened for direct reads, and an AIO context of
     ``depth``; skips the test where the filesystem or the kernel gives neither."""
@@ -196,14 +210,7 @@ def test_without_an_aio_context_cold_chunks_are_read_one_by_one(tmp_path, monkey
     real = LocalTarget.read_chunk
     monkeypatch.setattr(LocalTarget, "read_chunk", lambda *a: hows.append(real(*a)) or hows[-1])
     monkeypatch.setattr(ring_mod, "open_context", lambda depth: None)
-    root = str(tmp_path / "ckpt")
-    state = _state(4)
-    with CheckpointManager(root, staging=NO_TIER, write_options=SMALL) as mgr:
-        mgr.save(1, state).result()
-        _evict(root)
-        out = mgr.restore(1, device="cpu", loader="ring")
-    for k, v in state.items():
-        assert torch.equal(out[k], v), k
+    root = _cold_round_trip(tmp_path)
     assert windowed == [0] and set(hows) == ({"direct"} if _direct_ok(root) else {"buffered"})
 
 
@@ -561,14 +568,7 @@ def test_the_queue_reaps_half_its_reads_at_a_time_or_all_in_flight(tmp_path, mon
         return done
     monkeypatch.setattr(AioContext, "submit_one", submit_one)
     monkeypatch.setattr(AioContext, "reap", reap)
-    root = str(tmp_path / "ckpt")
-    state = _state(4)
-    with CheckpointManager(root, staging=NO_TIER, write_options=SMALL) as mgr:
-        mgr.save(1, state).result()
-        _evict(root)
-        out = mgr.restore(1, device="cpu", loader="ring")
-    for k, v in state.items():
-        assert torch.equal(out[k], v), k
+    _cold_round_trip(tmp_path)
     if not asks:
         pytest.skip("no O_DIRECT or no AIO context here")
     assert all(at_least == min(window_mod._REAP_AT_LEAST, in_flight) for at_least, in_flight in asks), asks

@@ -17,7 +17,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-__all__ = ["chunk_ranges", "crc32c_combine", "crc32c_hex", "crc32c_hex_pieces", "crc32c_value"]
+__all__ = ["chunk_ranges", "crc32_combine", "crc32c_combine", "crc32c_hex", "crc32c_hex_pieces", "crc32c_value"]
 
 _RELEASE_GIL = 1  # crc32c's gil_release_mode: always release
 
@@ -42,16 +42,29 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
         >>> crc32c_combine(crc32c_value(a), crc32c_value(b), 3) == crc32c_value(np.frombuffer(b"checksum", np.uint8))
         True
     """
+    return _combine(crc_a, crc_b, len_b, _CRC32C_POLY)
+
+
+def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """The CRC-32 (zip's, ``zlib.crc32``) of ``A + B`` from that of ``A``, that of ``B`` and
+    ``B``'s length: zlib's ``crc32_combine``."""
+    return _combine(crc_a, crc_b, len_b, _CRC32_POLY)
+
+
+_CRC32C_POLY = 0x82F63B78  # CRC32C (Castagnoli), bit-reflected
+_CRC32_POLY = 0xEDB88320  # CRC-32 (zip, zlib), bit-reflected
+_TABLE_GRAIN = 64 << 10  # lengths that are multiples of this get a lookup table (each 4 x 256 entries)
+
+
+def _combine(crc_a: int, crc_b: int, len_b: int, poly: int) -> int:
+    """``crc_a`` shifted over ``len_b`` zero bytes, plus ``crc_b``: the CRC of ``A + B`` (the
+    pre- and post-inversions of both cancel out)."""
     if len_b == 0:
         return crc_a
     if len_b % _TABLE_GRAIN == 0:  # the lengths of whole read blocks: one table lookup per byte of the CRC
-        t = _shift_table(len_b)
+        t = _shift_table(len_b, poly)
         return t[0][crc_a & 255] ^ t[1][(crc_a >> 8) & 255] ^ t[2][(crc_a >> 16) & 255] ^ t[3][crc_a >> 24] ^ crc_b
-    return _shift(crc_a, len_b) ^ crc_b
-
-
-_POLY = 0x82F63B78  # CRC32C's polynomial, bit-reflected
-_TABLE_GRAIN = 64 << 10  # lengths that are multiples of this get a lookup table (each 4 x 256 entries)
+    return _shift(crc_a, len_b, poly) ^ crc_b
 
 
 def _times(matrix: list[int], vector: int) -> int:
@@ -65,10 +78,10 @@ def _times(matrix: list[int], vector: int) -> int:
     return out
 
 
-@lru_cache(maxsize=1)
-def _zero_powers() -> tuple[list[int], ...]:
+@lru_cache(maxsize=2)
+def _zero_powers(poly: int) -> tuple[list[int], ...]:
     """``[k]``: the operator that appends ``2**k`` zero bytes to a message, on its CRC."""
-    op = [_POLY] + [1 << (i - 1) for i in range(1, 32)]  # one zero bit
+    op = [poly] + [1 << (i - 1) for i in range(1, 32)]  # one zero bit
     for _ in range(3):  # squared three times: one zero byte
         op = [_times(op, op[j]) for j in range(32)]
     out = [op]
@@ -77,9 +90,9 @@ def _zero_powers() -> tuple[list[int], ...]:
     return tuple(out)
 
 
-def _shift(crc: int, nbytes: int) -> int:
+def _shift(crc: int, nbytes: int, poly: int) -> int:
     """``crc`` with ``nbytes`` zero bytes appended (without the pre- and post-inversion)."""
-    powers, k = _zero_powers(), 0
+    powers, k = _zero_powers(poly), 0
     while nbytes:
         if nbytes & 1:
             crc = _times(powers[k], crc)
@@ -89,9 +102,9 @@ def _shift(crc: int, nbytes: int) -> int:
 
 
 @lru_cache(maxsize=32)  # (the run lengths of one step: whole blocks, and runs of up to 8 of them)
-def _shift_table(nbytes: int) -> tuple[list[int], ...]:
+def _shift_table(nbytes: int, poly: int) -> tuple[list[int], ...]:
     """:func:`_shift` by ``nbytes`` as four byte-indexed tables (it is linear)."""
-    cols = [_shift(1 << j, nbytes) for j in range(32)]
+    cols = [_shift(1 << j, nbytes, poly) for j in range(32)]
     return tuple([_times(cols[8 * k:8 * k + 8], b) for b in range(256)] for k in range(4))
 
 

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointCorruptError, UnsupportedValueError
-from .checksum import chunk_ranges
+from .checksum import chunk_ranges, crc32_combine, crc32c_combine
 
 __all__ = [
     "CHECKSUM_RECORD",
@@ -370,53 +370,6 @@ def plan_image(obj: Any, *, chunk_size: int = 64 << 20) -> TorchZipImage:
 
 
 # ------------------------------------------------------------------------------------ seal
-
-
-_CRC32 = 0xEDB88320  # CRC-32 (zip), reflected
-_CRC32C = 0x82F63B78  # CRC32C (Castagnoli), reflected
-
-
-def _multmodp(a: int, b: int, poly: int) -> int:
-    """``a * b mod p`` over GF(2), reflected (zlib's multmodp)."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if not a & (m - 1):
-                return p
-        m >>= 1
-        b = (b >> 1) ^ poly if b & 1 else b >> 1
-
-
-def _x2n_table(poly: int) -> list[int]:
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p, poly)
-    return table
-
-
-_X2N = {_CRC32: _x2n_table(_CRC32), _CRC32C: _x2n_table(_CRC32C)}  # x^(2^n) mod p
-
-
-def _combine(crc1: int, crc2: int, len2: int, poly: int) -> int:
-    p, k, n, table = 1 << 31, 3, len2, _X2N[poly]  # x^(8 * len2): crc1 shifted over len2 zero bytes
-    while n:
-        if n & 1:
-            p = _multmodp(table[k & 31], p, poly)
-        n >>= 1
-        k += 1
-    return (_multmodp(p, crc1, poly) ^ crc2) & 0xFFFFFFFF
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's algorithm)."""
-    return _combine(crc1, crc2, len2, _CRC32)
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC32C of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``."""
-    return _combine(crc1, crc2, len2, _CRC32C)
 
 
 _Piece = tuple[int, int, int]  # (crc, length, hole start or -1): a hashed run, or a hole hashed after patching

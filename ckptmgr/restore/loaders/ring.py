@@ -216,7 +216,7 @@ def _lander(chunks: list[_Chunk], device: torch.device, ring: PinnedRing,
         c = chunks[i]
         if crc32c_hex(src.numpy()) != c.rec.crc32c[c.number]:
             raise CheckpointCorruptError(f"{where}: {c.fname}: checksum mismatch in bytes [{c.begin}, {c.end})")
-        copy([(i, c.begin, src)], slot)  # (buffer i's own stream: the ring has one per buffer)
+        copy([(i, c.begin, src)], slot)  # (on the leased buffer's own stream: the ring has one per buffer)
     return land
 
 

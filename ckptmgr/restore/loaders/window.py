@@ -136,9 +136,8 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
         if not free:
             return False
         slot = free.pop()
-        _, begin, end = blocks[nxt]
-        aio.submit_one(tag, fds[blocks[nxt][0]], begin, -(-(end - begin) // DIRECT_ALIGN) * DIRECT_ALIGN,
-                       slots[slot][2])
+        ci, begin, end = blocks[nxt]
+        aio.submit_one(tag, fds[ci], begin, -(-(end - begin) // DIRECT_ALIGN) * DIRECT_ALIGN, slots[slot][2])
         reading[tag] = nxt, slot
         nxt += 1
         return True
