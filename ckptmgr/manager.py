@@ -197,9 +197,17 @@ class CheckpointManager:
         they stop growing after the first save of a state of fixed size),
         ``device_buffer_bytes`` (GPU memory held for snapshots, see
         ``StagingOptions.device_buffer_bytes``), ``deleted`` (steps removed by the retention
-        policy).
+        policy), ``skipped_steps`` (see :meth:`skipped_steps`).
         """
-        return {**self._saver.stats(), "deleted": len(self._deleter.deleted)}
+        return {**self._saver.stats(), "deleted": len(self._deleter.deleted),
+                "skipped_steps": len(self.skipped_steps())}
+
+    def skipped_steps(self) -> dict[int, str]:
+        """Steps under the root left alone, with why: those the last listing could not read
+        (another user's, mode 000), and those retention could not judge or delete in its
+        last attempt. Each is logged once as a warning; the other steps are listed,
+        restored and deleted as usual."""
+        return {**getattr(self._target, "skipped", {}), **self._deleter.skipped}
 
     # ---------------------------------------------------------------- save
 

@@ -15,8 +15,13 @@ protection that returned always holds.
 
 Steps being written are not committed yet, so they are never listed. A target deletes the
 commit record first and only files it wrote, so a crash mid-delete leaves garbage that the
-next start removes, never a step that looks complete. A failed deletion is kept and raised
-once, at the manager's next ``save()``, ``wait()`` or ``close()``, like a failed save.
+next start removes, never a step that looks complete.
+
+A step that cannot be judged (its manifest unreadable) or deleted (EPERM, EACCES, I/O) is
+skipped, never fatal to the run: the others are deleted as the policy says. It is listed in
+:attr:`Deleter.skipped` and logged once; a failed deletion is also kept and raised once, at
+the manager's next ``save()``, ``wait()`` or ``close()``, like a failed save. Later runs try
+the step again, quietly (the operator may have fixed it).
 """
 
 from __future__ import annotations
@@ -97,7 +102,25 @@ class Deleter:
         self._futures: list[Future[None]] = []
         self._errors: list[CkptError] = []
         self._infos: dict[int, StepInfo] = {}  # committed steps never change: cache what we read
+        self._skipped: dict[int, str] = {}  # step -> why retention leaves it (_mu)
         self.deleted: list[int] = []
+
+    @property
+    def skipped(self) -> dict[int, str]:
+        """Steps that retention could not judge or delete in its last attempt, with why."""
+        with self._mu:
+            return dict(self._skipped)
+
+    def _skip(self, step: int, why: str) -> bool:
+        """Record that ``step`` is left for ``why``; True the first time (then tell)."""
+        with self._mu:
+            first = step not in self._skipped
+            self._skipped[step] = why
+        return first
+
+    def _unskip(self, step: int) -> None:
+        with self._mu:
+            self._skipped.pop(step, None)
 
     def schedule(self) -> None:
         """Apply the policy soon (after the commit that just happened)."""
@@ -114,9 +137,11 @@ class Deleter:
         if step not in self._infos:
             try:
                 m = Manifest.from_bytes(self.target.read_manifest(step), where=f"{self.target.url}: step {step}")
-            except CkptError as exc:  # unreadable: not ours to judge; keep it
-                log.warning("retention: keeping step %d, its manifest cannot be read: %s", step, exc)
+            except (CkptError, OSError) as exc:  # damaged or unreadable: not ours to judge; keep it
+                if self._skip(step, f"kept: its manifest cannot be read: {exc}"):
+                    log.warning("retention: keeping step %d, its manifest cannot be read: %s", step, exc)
                 return None
+            self._unskip(step)
             meta = decode_plain(m.metadata) if m.metadata is not None else {}
             self._infos[step] = StepInfo(step, m.time, meta if isinstance(meta, dict) else {})
         return self._infos[step]
@@ -125,6 +150,8 @@ class Deleter:
         """The committed steps that the policy would delete now, ascending: those it does not
         keep, less the newest and the protected ones."""
         steps = self.target.list_steps()
+        with self._mu:  # (steps gone meanwhile are no longer skipped)
+            self._skipped = {s: why for s, why in self._skipped.items() if s in steps}
         infos = [i for i in (self._info(s) for s in steps) if i is not None]
         if not steps or not infos:
             return []
@@ -144,9 +171,21 @@ class Deleter:
                 if not ok:
                     log.info("retention: step %d is being restored or protected; deciding again later", step)
                     continue
-                if self.target.is_protected(step):  # protected after the plan: keep it
+                try:
+                    if self.target.is_protected(step):  # protected after the plan: keep it
+                        continue
+                    self.target.delete(step)
+                except Exception as exc:  # this step only: the others are deleted all the same
+                    if self._skip(step, f"cannot be deleted: {type(exc).__name__}: {exc}"):
+                        err = StorageError(f"retention could not delete step {step} under {self.target.url} "
+                                           f"({type(exc).__name__}: {exc}); it is kept and tried again at later "
+                                           "runs, the other steps are deleted as the policy says")
+                        err.__cause__ = exc
+                        self.report(err)
+                    else:
+                        log.debug("retention: step %d still cannot be deleted: %s", step, exc)
                     continue
-                self.target.delete(step)
+            self._unskip(step)
             if self.on_deleted is not None:
                 self.on_deleted(step)
             self._infos.pop(step, None)

@@ -47,7 +47,7 @@ from ..format.naming import (
     temp_lock_name,
     temp_name,
 )
-from .lease import Lease, LeaseKeeper, current, release, writer_gone
+from .lease import Lease, LeaseKeeper, current, process_alive, release, writer_gone
 from .posix import fsync_dir, open_dir, pwrite_all, remove_ours
 
 __all__ = ["CommitStrategy", "RenameCommit", "manifest_sizes", "remove_local_leftovers"]
@@ -94,12 +94,18 @@ class RenameCommit:
 
     The lock file ``.step_<n>.tmp-<hex>.lock`` is created (and ``flock()``ed) before the
     directory and removed after it is renamed or removed, so a temporary directory without
-    its lock file never belongs to a live writer. The lock file holds the writer's lease;
-    its mtime is the heartbeat, renewed by ``keeper``.
+    its lock file never belongs to a live writer. The lock file holds the writer's lease and
+    its file ``prefix``; its mtime is the heartbeat, renewed by ``keeper``.
+
+    A step that another live writer is writing (its lock file held) is refused with
+    StepExistsError before anything is written, unless that writer is another rank of this
+    job (another non-empty ``prefix``): the root is looked at before the claim and again
+    once the claim is visible, so of two writers that start the same step, at least one
+    sees the other (both are refused when they start within the same instant).
     """
 
     def __init__(self, root: str, step: int, keeper: LeaseKeeper,
-                 on_commit: Callable[[], object] | None = None) -> None:
+                 on_commit: Callable[[], object] | None = None, prefix: str = "") -> None:
         self.root = root
         self.step = step
         self._on_commit = on_commit  # run once the files are checked, before the step becomes visible
@@ -112,21 +118,24 @@ class RenameCommit:
         name = temp_name(step)
         self.location = os.path.join(root, name)
         self._lock_path = os.path.join(root, temp_lock_name(name))
+        _refuse_if_written(root, step, prefix, "")
         self._lease = current()
         try:
-            self._lock_fd = self._claim(self._lease)
+            self._lock_fd = self._claim(self._lease, prefix)
         except BaseException:
             release(self._lease)
             raise
         try:
+            _refuse_if_written(root, step, prefix, os.path.basename(self._lock_path))
             os.mkdir(self.location, 0o755)
         except BaseException:
             self.close()
             raise
         keeper.add(self)
 
-    def _claim(self, lease: Lease) -> int:
-        fd = _claim_whole(self.root, self._lock_path, lease)
+    def _claim(self, lease: Lease, prefix: str = "") -> int:
+        record = _claim_record(lease, prefix)
+        fd = _claim_whole(self.root, self._lock_path, record)
         if fd >= 0:
             return fd
         # No anonymous files here (NFS, old kernels, no /proc): create, then lock and write.
@@ -134,11 +143,12 @@ class RenameCommit:
         # its heartbeat is stale, as it must for a writer it cannot tell from a live one.
         fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # (waits: a clean-up or another writer's look at the root may hold it for a moment)
+            fcntl.flock(fd, fcntl.LOCK_EX)
             st, now = os.fstat(fd), os.stat(self._lock_path, follow_symlinks=False)
             if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):  # (a clean-up took it meanwhile)
                 raise StorageError(f"the lock file {self._lock_path} was removed while it was being created")
-            pwrite_all(fd, np.frombuffer(lease.to_bytes(), dtype=np.uint8), 0)
+            pwrite_all(fd, np.frombuffer(record, dtype=np.uint8), 0)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -232,9 +242,63 @@ class RenameCommit:
                 os.close(fd)
 
 
-def _claim_whole(root: str, path: str, lease: Lease) -> int:
+def _claim_record(lease: Lease, prefix: str) -> bytes:
+    """What a lock file holds: the writer's lease (which :meth:`Lease.from_bytes` reads) and
+    the prefix of the files it writes (``""``: the whole step)."""
+    return json.dumps({**json.loads(lease.to_bytes()), "prefix": prefix}, sort_keys=True).encode("utf-8")
+
+
+def _read_claim(data: bytes) -> tuple[Lease | None, str | None]:
+    """The lease and file prefix in a lock file's bytes (untrusted); None for what is not there."""
+    lease = Lease.from_bytes(data)
+    try:
+        prefix = json.loads(data).get("prefix") if lease is not None else None
+    except (ValueError, AttributeError):
+        prefix = None
+    return lease, prefix if isinstance(prefix, str) else None
+
+
+def _refuse_if_written(root: str, step: int, prefix: str, mine: str) -> None:
+    """Raise StepExistsError when a live writer other than lock file ``mine`` holds a claim on
+    ``step`` under ``root`` that conflicts with one for ``prefix`` (the same prefix, or either
+    is the whole step). A claim whose lock is free, whose writer is provably gone (a clean-up
+    holds its lock) or whose prefix cannot be read yet (a claim being created) is no
+    conflict: the commit still refuses to replace a committed step."""
+    try:
+        names = os.listdir(root)
+    except OSError as exc:
+        raise StorageError(f"cannot list checkpoint root {root!r}: {exc.strerror}") from exc
+    for name in names:
+        if name == mine or not is_temp_lock_name(name) or parse_step_name(name.split(".")[1]) != step:
+            continue
+        try:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY | _NOFOLLOW | _CLOEXEC | os.O_NONBLOCK)
+        except OSError:  # gone meanwhile, a link, unreadable: not a claim this writer can judge
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                continue  # free: its writer is gone
+            except BlockingIOError:
+                pass
+            lease, theirs = _read_claim(os.pread(fd, 4097, 0))
+        finally:
+            os.close(fd)
+        if lease is None or theirs is None or (theirs and prefix and theirs != prefix):
+            continue
+        if lease.on_this_machine() and not process_alive(lease.pid, lease.start):
+            continue  # a clean-up holds a dead writer's lock while it removes its files
+        where = f"pid {lease.pid} on {lease.host}" + (
+            " (this process)" if lease.pid == os.getpid() and lease.on_this_machine() else "")
+        raise StepExistsError(f"step {step} is being written by {where} (its claim {os.path.join(root, name)}); "
+                              "a step is saved by one writer at a time")
+
+
+def _claim_whole(root: str, path: str, record: bytes) -> int:
     """Make the lock file ``path`` appear whole: an anonymous file in ``root``
-    (``O_TMPFILE``), ``flock()``ed and holding ``lease``, linked into place, so no one ever
+    (``O_TMPFILE``), ``flock()``ed and holding ``record``, linked into place, so no one ever
     sees it unlocked or empty, and a writer killed before the link leaves nothing behind.
     Returns its descriptor, or -1 where the file system or kernel has no anonymous files.
     Raises ``FileExistsError`` when ``path`` exists, as ``O_EXCL`` would."""
@@ -246,7 +310,7 @@ def _claim_whole(root: str, path: str, lease: Lease) -> int:
         return -1
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        pwrite_all(fd, np.frombuffer(lease.to_bytes(), dtype=np.uint8), 0)
+        pwrite_all(fd, np.frombuffer(record, dtype=np.uint8), 0)
         try:
             # linkat(AT_SYMLINK_FOLLOW) links the open file itself; os.link only calls linkat,
             # not link() (which links the /proc entry and fails with EXDEV), given a dir_fd
@@ -344,12 +408,15 @@ def remove_local_leftovers(root: str, stale_after_s: float) -> list[str]:
                 os.unlink(full)  # (a writer of the identity links it into place within microseconds)
                 removed.append(full)
             elif parse_step_name(name) is not None and stat.S_ISDIR(st.st_mode):
-                with open_dir(full) as dfd:
-                    try:
-                        os.stat(MANIFEST_NAME, dir_fd=dfd, follow_symlinks=False)
-                        continue  # committed
-                    except FileNotFoundError:
-                        pass
+                try:
+                    with open_dir(full) as dfd:
+                        try:
+                            os.stat(MANIFEST_NAME, dir_fd=dfd, follow_symlinks=False)
+                            continue  # committed
+                        except FileNotFoundError:
+                            pass
+                except PermissionError:
+                    continue  # not ours to judge: the listing skips and reports it
                 left = remove_ours(full, is_our_file)  # a delete interrupted after its manifest went
                 if left:
                     log.warning("left %s in place: it holds files ckptmgr did not write (%s)", full, left)

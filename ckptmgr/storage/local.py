@@ -46,6 +46,7 @@ from .lease import LEASE_STALE_S, LeaseKeeper
 from .posix import (
     DirectFile,
     fsync_dir,
+    makedirs_durable,
     open_dir,
     open_direct,
     open_regular,
@@ -160,7 +161,7 @@ class LocalTarget:
                 raise StepNotFoundError(f"no checkpoint root at {self.path!r} (not a directory)")
         else:
             try:
-                os.makedirs(self.path, exist_ok=True)
+                makedirs_durable(self.path)  # (synced: a power loss after the first saves keeps the root)
             except FileExistsError:
                 raise StorageError(f"checkpoint root {self.path!r} exists and is not a directory") from None
             except OSError as exc:
@@ -171,8 +172,9 @@ class LocalTarget:
         self.io_pool: Executor = DaemonPool(io_threads, thread_name_prefix="ckptmgr-io")
         self.direct_io = direct_io
         self.keeper = LeaseKeeper(self.path, self.lease_stale_s / 5)
-        self._mu = threading.Lock()  # guards _root_id
+        self._mu = threading.Lock()  # guards _root_id, _skipped
         self._root_id: str | None = None
+        self._skipped: dict[int, str] = {}  # step -> why the last listing left it out
 
     def _check_writable(self, what: str) -> None:
         if self.read_only:
@@ -198,6 +200,14 @@ class LocalTarget:
             yield dfd
 
     def list_steps(self) -> list[int]:
+        """Committed steps, ascending. A step directory this process cannot search (another
+        user's, mode 000, an I/O error) is left out and reported (see :attr:`skipped`): one
+        such step never makes the root or the other steps unusable.
+
+        Raises:
+            StorageError: the root itself cannot be listed.
+        """
+        skipped: dict[int, str] = {}
         try:
             with open_dir(self.path) as root:
                 steps = []
@@ -212,9 +222,23 @@ class LocalTarget:
                             steps.append(step)
                     except (FileNotFoundError, NotADirectoryError):
                         continue
+                    except OSError as exc:  # this step only
+                        skipped[step] = f"{os.path.join(self.path, name)} cannot be read: {exc.strerror}"
         except OSError as exc:
             raise StorageError(f"cannot list checkpoint root {self.path!r}: {exc.strerror}") from exc
+        with self._mu:
+            new = {s: why for s, why in skipped.items() if self._skipped.get(s) != why}
+            self._skipped = skipped
+        for s, why in sorted(new.items()):
+            log.warning("skipping step %d: %s; the other steps are listed, restored and deleted as usual", s, why)
         return sorted(steps)
+
+    @property
+    def skipped(self) -> dict[int, str]:
+        """Steps the last :meth:`list_steps` left out because they cannot be read, with why
+        (each is logged once, as a warning, when first seen)."""
+        with self._mu:
+            return dict(self._skipped)
 
     def cleanup(self) -> list[str]:
         if self.read_only:
@@ -266,10 +290,11 @@ class LocalTarget:
         return new
 
     def begin(self, step: int, prefix: str = "") -> _LocalStepWriter:
-        # A directory of its own: a prefix changes nothing.
+        # A directory of its own; the prefix tells another rank of this job (which writes the
+        # same step beside us) from another job (refused: see RenameCommit).
         check_step(step)
         self._check_writable(f"save step {step}")
-        return _LocalStepWriter(self, RenameCommit(self.path, step, self.keeper,
+        return _LocalStepWriter(self, RenameCommit(self.path, step, self.keeper, prefix=prefix,
                                                    on_commit=lambda: self.root_id(create=True)))
 
     def read_manifest(self, step: int) -> bytes:

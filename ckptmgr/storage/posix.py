@@ -26,8 +26,8 @@ import numpy as np
 
 from ..errors import CheckpointCorruptError
 
-__all__ = ["DIRECT_ALIGN", "NOT_REGULAR", "DirectFile", "fsync_dir", "open_dir", "open_direct", "open_regular",
-           "pread_chunk", "preadv_into", "pwrite_all", "remove_ours", "sibling", "stat_regular"]
+__all__ = ["DIRECT_ALIGN", "NOT_REGULAR", "DirectFile", "fsync_dir", "makedirs_durable", "open_dir", "open_direct",
+           "open_regular", "pread_chunk", "preadv_into", "pwrite_all", "remove_ours", "sibling", "stat_regular"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -146,6 +146,40 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def makedirs_durable(path: str, mode: int = 0o777) -> list[str]:
+    """Create directory ``path`` and its missing parents (as ``os.makedirs(exist_ok=True)``),
+    then make them survive a power loss: fsync each directory created and the directory
+    holding it, up to the first parent that existed (a new directory's entry lives only in
+    its parent's dirty metadata until the parent is synced). Returns the directories
+    created, outermost first; ``[]`` when ``path`` existed (nothing is synced then).
+
+    Raises:
+        FileExistsError: ``path`` or a parent exists and is not a directory.
+        OSError: a directory cannot be created or synced (permissions, I/O).
+    """
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        if os.path.lexists(p):
+            raise FileExistsError(errno.EEXIST, "exists and is not a directory", p)
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    created = []
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+            created.append(d)
+        except FileExistsError:  # another process was first: its own call syncs it
+            if not os.path.isdir(d):
+                raise
+    for d in sorted({*created, *(os.path.dirname(c) for c in created)}, key=len, reverse=True):
+        fsync_dir(d)  # (innermost first; each is durable once its fsync returns)
+    return created
 
 
 def pwrite_all(fd: int, data: np.ndarray[Any, Any], offset: int) -> None:
