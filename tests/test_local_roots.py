@@ -178,6 +178,28 @@ def test_the_directories_the_manager_creates_are_synced(tmp_path, monkeypatch):
         assert ids[tmp_path] not in synced and ids[tmp_path / "a"] not in synced
 
 
+def test_the_root_is_synced_as_the_kernel_sees_it(tmp_path):
+    """The same, from the system calls of a real process (strace): after the last mkdir,
+    an fsync of every directory made and of the parent that existed."""
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed")
+    trace = tmp_path / "trace"
+    code = ("import sys; from ckptmgr.storage.local import LocalTarget\n"
+            "LocalTarget(sys.argv[1]).close()")
+    r = subprocess.run(["strace", "-f", "-y", "-qq", "-e", "trace=mkdir,mkdirat,fsync", "-o", str(trace),
+                        sys.executable, "-c", code, str(tmp_path / "a" / "b" / "ckpt")],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0 and "ptrace" in r.stderr:
+        pytest.skip(f"strace cannot trace here: {r.stderr.strip()[:200]}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    calls = [line.split(None, 1)[1] for line in trace.read_text().splitlines() if str(tmp_path) in line]
+    made = [c for c in calls if c.startswith("mkdir") and c.endswith("= 0")]
+    assert len(made) == 3, calls
+    after = calls[calls.index(made[-1]):]
+    for d in (tmp_path, tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "ckpt"):
+        assert any(c.startswith("fsync(") and f"<{d}>)" in c and c.endswith("= 0") for c in after), (d, calls)
+
+
 def test_a_root_that_exists_and_is_not_a_directory_is_refused(tmp_path):
     (tmp_path / "f").write_text("x")
     for path in (tmp_path / "f", tmp_path / "f" / "ckpt"):
