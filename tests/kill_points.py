@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -82,15 +83,39 @@ def install() -> None:
 # ----------------------------------------------------------------------------- parent side
 
 
+_TEMP = re.compile(r"\.ckptmgr-\d+-[0-9a-f]+")
+Event = tuple[str, list[str], object]  # (audit event, paths under the root, open's mode)
+
+
+def key(event: Event) -> tuple[object, ...]:
+    """An event with ckptmgr's temporary names (which hold a pid and a random part) blanked:
+    the same operation of two runs has the same key."""
+    name, paths, mode = event
+    return (name, tuple(_TEMP.sub(".ckptmgr-*", p) for p in paths), mode)
+
+
+def same_as(events: list[Event], index: int) -> Callable[[int, list[Event]], bool]:
+    """A ``kill`` predicate for :func:`run`: the operation that was ``events[index]`` in
+    another run of the same child (the same key, the same occurrence of it), wherever other
+    threads' operations put it."""
+    want = key(events[index])
+    nth = sum(1 for e in events[: index + 1] if key(e) == want)
+
+    def kill(i: int, seen: list[Event]) -> bool:
+        return key(seen[i]) == want and sum(1 for e in seen if key(e) == want) == nth
+
+    return kill
+
+
 @dataclass
 class Outcome:
-    events: list[tuple[str, list[str], object]] = field(default_factory=list)  # (event, paths, open's mode)
+    events: list[Event] = field(default_factory=list)
     killed_at: int | None = None  # index into events; None when the child ran to its end
     returncode: int | None = None
     stderr: str = ""
 
 
-def run(cmd: list[str], root: str, *, kill: Callable[[int, list[tuple[str, list[str], object]]], bool],
+def run(cmd: list[str], root: str, *, kill: Callable[[int, list[Event]], bool],
         env: dict[str, str] | None = None, timeout: float = 240.0, log_path: str | None = None) -> Outcome:
     """Run ``cmd`` (a child that calls :func:`install`) watching ``root``; SIGKILL it at the
     first event for which ``kill(index, events_so_far)`` is true (the event is the last)."""
@@ -98,6 +123,7 @@ def run(cmd: list[str], root: str, *, kill: Callable[[int, list[tuple[str, list[
     go_r, go_w = os.pipe()
     log_path = log_path or os.path.join(os.path.dirname(os.path.abspath(root)), "child.log")
     out = Outcome()
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
     child_env = {**(env if env is not None else os.environ), ENV_NAME: f"{ev_w},{go_r},{os.path.abspath(root)}"}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=child_env, pass_fds=(ev_w, go_r), stdout=log, stderr=subprocess.STDOUT)
