@@ -8,10 +8,11 @@ directory under a final name is complete. Directories without a record (written 
 library's own code) are listed and loaded as the library would, unverified.
 
 Temporary names are ``.ckptmgr-<pid>-<hex>.partial``: hidden, and matching no library's
-checkpoint pattern (the Trainer's ``checkpoint-*`` glob, accelerate's ``checkpoint_<n>``,
-torchtitan's ``step-<n>``). A temporary whose writer process is gone is removed at the next
-start. Deletion renames the directory to such a name first: a crash mid-delete never leaves
-a partly deleted checkpoint under its final name.
+checkpoint pattern (the Trainer's ``checkpoint-*`` glob, torchtitan's ``step-<n>``); where a
+library takes every entry of the checkpoints' directory (accelerate's automatic naming) they
+live in the directory above (see :mod:`._dirreplace`). A temporary whose writer process is
+gone is removed at the next start. Deletion renames the directory to such a name first: a
+crash mid-delete never leaves a partly deleted checkpoint under its final name.
 """
 
 from __future__ import annotations
@@ -84,15 +85,20 @@ def committed_dirs(parent: str, pattern: re.Pattern[str]) -> dict[int, str]:
     return out
 
 
-def delete_dir(path: str) -> None:
-    """Delete a committed directory: renamed away first, then removed."""
+def delete_dir(path: str, scratch: str | None = None) -> None:
+    """Delete a committed directory: renamed away first (to a temporary name in ``scratch``,
+    by default its own directory), then removed, so that no torn directory is ever left
+    under its final name."""
     parent = os.path.dirname(path)
-    away = os.path.join(parent, temp_name())
+    scratch = parent if scratch is None else scratch
+    away = os.path.join(scratch, temp_name())
     try:
         os.rename(path, away)
     except FileNotFoundError:
         return
     fsync_dir(parent)
+    if scratch != parent:
+        fsync_dir(scratch)
     shutil.rmtree(away, ignore_errors=True)
 
 

@@ -11,7 +11,9 @@ with the copies in flight (:meth:`Pending.wait_staged` says when the tensors may
 Worker thread (one per writer, saves in the order they were made): waits for
 the copies, writes each file into the temporary directory (chunks in parallel, CRC32C on the
 way, fsync), checksums the files the library wrote itself, writes ``ckptmgr.json`` and
-renames the directory to its final name, then runs the caller's ``after`` hook (retention).
+puts the directory under its final name (:func:`._dirreplace.replace_dir`: an existing
+directory of that name is exchanged, never deleted first), then runs the caller's ``after``
+hook (retention).
 In a multi-rank job each rank writes its own files into the shared temporary directory, the
 ranks agree over a gloo group that all are durable, and rank 0 alone writes the record and
 renames; a failure or a dead rank commits nothing.
@@ -39,7 +41,8 @@ from ckptmgr.format.layout import Plan
 from ckptmgr.save.slots import Slot, SlotPool
 from ckptmgr.save.staging import Stager, StagingJob
 
-from ._dirrecord import delete_dir, fsync_dir, remove_stale_temps, temp_name, write_record
+from ._dirrecord import fsync_dir, remove_stale_temps, temp_name, write_record
+from ._dirreplace import recover, replace_dir
 from ._fileset import FileRecord, FileSet, hash_file
 
 __all__ = ["DirectoryWriter", "Pending"]
@@ -119,22 +122,30 @@ class DirectoryWriter:
 
     # ------------------------------------------------------------ training thread
 
-    def begin(self, parent: str, token: str | None = None, pid: int | None = None) -> FileSet:
-        """Make a temporary directory in ``parent`` and return the file set for it.
+    def begin(self, parent: str, token: str | None = None, pid: int | None = None, *,
+              scratch: str | None = None) -> FileSet:
+        """Make a temporary directory in ``scratch`` (default ``parent``, the checkpoints'
+        directory; see :func:`._dirreplace.scratch_dir`) and return the file set for it.
 
-        In a multi-rank save every rank passes the same ``token`` and ``pid`` (rank 0's), so
-        all write into one directory."""
+        The first save into a scratch directory first finishes the replacements a crash
+        interrupted there and removes the temporaries of writers that are gone. In a
+        multi-rank save every rank passes the same ``token`` and ``pid`` (rank 0's), so all
+        write into one directory."""
         self.raise_errors()
         parent = os.path.abspath(parent)
+        scratch = parent if scratch is None else os.path.abspath(scratch)
         os.makedirs(parent, exist_ok=True)
         with self._mu:
-            first = parent not in self._cleaned
-            self._cleaned.add(parent)
+            first = scratch not in self._cleaned
+            self._cleaned.add(scratch)
         if first and self.is_leader:
-            removed = remove_stale_temps(parent)
+            recover(scratch)  # logs what it restores
+            removed = remove_stale_temps(scratch)
+            if scratch != parent:  # where temporaries went before they moved out of parent
+                removed += remove_stale_temps(parent)
             if removed:
-                log.info("removed %d leftovers of interrupted saves in %s", len(removed), parent)
-        tmp = os.path.join(parent, temp_name(pid, token))
+                log.info("removed %d leftovers of interrupted saves in %s", len(removed), scratch)
+        tmp = os.path.join(scratch, temp_name(pid, token))
         os.makedirs(tmp, exist_ok=token is not None)
         return FileSet(tmp, _original_torch_save())
 
@@ -318,12 +329,7 @@ class DirectoryWriter:
                     fsync_dir(os.path.join(dirpath, d))
             write_record(tmp, step=op.step, files=records, chunk_size=self.chunk_size, metadata=op.metadata)
             fsync_dir(tmp)
-            parent = os.path.dirname(op.final)
-            if os.path.lexists(op.final):  # the same step saved again: the new one replaces it
-                log.warning("checkpoint %s exists; replacing it with the new save", op.final)
-                delete_dir(op.final)
-            os.rename(tmp, op.final)
-            fsync_dir(parent)
+            replace_dir(tmp, op.final)  # the same step saved again: never leaves op.final missing
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -15,6 +15,7 @@ from ckptmgr.errors import CheckpointCorruptError, ConfigError
 from ckptmgr.retention import KeepLatest, RetentionPolicy, StepInfo
 
 from ._dirrecord import RECORD_NAME, committed_dirs, delete_dir, newest_verified, verify_dir
+from ._dirreplace import recover
 from ._dirwriter import DirectoryWriter, Pending
 from ._fence import StagingFence
 
@@ -129,9 +130,10 @@ def _step_info(step: int, path: str) -> StepInfo:
 
 
 def apply_retention(parent: str, pattern: re.Pattern[str], policy: RetentionPolicy | None,
-                    protect: set[int]) -> list[int]:
+                    protect: set[int], scratch: str | None = None) -> list[int]:
     """Delete the committed directories under ``parent`` that ``policy`` drops, never the
-    newest nor those in ``protect``; return the deleted steps."""
+    newest nor those in ``protect`` (renamed away into ``scratch`` first, default
+    ``parent``); return the deleted steps."""
     if policy is None:
         return []
     dirs = committed_dirs(parent, pattern)
@@ -147,14 +149,17 @@ def apply_retention(parent: str, pattern: re.Pattern[str], policy: RetentionPoli
         if keep or s == steps[-1] or s in protect:
             continue
         log.info("retention: deleting %s", dirs[s])
-        delete_dir(dirs[s])
+        delete_dir(dirs[s], scratch)
         deleted.append(s)
     return deleted
 
 
-def latest_checkpoint(parent: str, pattern: re.Pattern[str], *, verify: bool = True) -> str | None:
+def latest_checkpoint(parent: str, pattern: re.Pattern[str], *, verify: bool = True,
+                      scratch: str | None = None) -> str | None:
     """The newest complete checkpoint directory under ``parent`` (verified against its record
-    when it has one; damaged ones are skipped with a warning), or None."""
+    when it has one; damaged ones are skipped with a warning), or None. Replacements a crash
+    interrupted in ``scratch`` (default ``parent``) are finished first."""
+    recover(scratch if scratch is not None else parent)
     dirs = committed_dirs(parent, pattern)
     if not verify:
         return dirs[max(dirs)] if dirs else None

@@ -8,7 +8,10 @@ folder, complete or not. :class:`AsyncStateSaver` runs accelerate's own ``save_s
 big writes captured (see :mod:`ckptmgr.integrations.transformers` for how): the tensors are
 copied into reused host memory, the files written in the background, and the directory
 appears under its name only once complete, with the checksums of every file in
-``ckptmgr.json``. Loading goes through accelerate's ``load_state`` after the directory has
+``ckptmgr.json``; saving into an existing directory exchanges the two, never leaving the name
+empty. With automatic naming, temporaries live beside ``checkpoints/``, not in it, so that
+accelerate's own ``load_state()`` (which takes the entry with the highest first number in its
+name) never sees them. Loading goes through accelerate's ``load_state`` after the directory has
 been verified; the hook accelerate does have, ``register_load_state_pre_hook``, verifies
 directories that ``accelerator.load_state`` is called on directly.
 
@@ -42,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - exercised where accelerate is a
 from ckptmgr.errors import ConfigError, StepNotFoundError
 
 from ._capture import capturing
+from ._dirreplace import recover, scratch_dir
 from ._dirwriter import Pending
 from ._session import (
     AsyncSaveOptions,
@@ -90,6 +94,13 @@ class AsyncStateSaver:
     def _auto_dir(self) -> str:
         return os.path.join(self.accelerator.project_dir, "checkpoints")
 
+    def _scratch(self, parent: str) -> str:
+        """Where temporaries go: accelerate's automatic naming sorts every entry of
+        ``checkpoints/`` by the first number in its name (a temporary's pid would win), so
+        they go beside that directory, not in it."""
+        auto = self._auto and os.path.abspath(parent) == os.path.abspath(self._auto_dir())
+        return scratch_dir(parent, outside=auto)
+
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> Pending:
         """``Accelerator.save_state``, with the files written in the background.
@@ -115,8 +126,9 @@ class AsyncStateSaver:
             final = os.path.abspath(os.fspath(output_dir))
             policy, pattern = self._ckpt.options.retention, None
         parent = os.path.dirname(final)
+        scratch = self._scratch(parent)
         writer = self._ckpt.start()
-        fs = writer.begin(parent, *self._ckpt.token(iteration))
+        fs = writer.begin(parent, *self._ckpt.token(iteration), scratch=scratch)
         self._ckpt.fence.wait()
         cfg = acc.project_configuration
         auto = cfg.automatic_checkpoint_naming
@@ -133,7 +145,7 @@ class AsyncStateSaver:
         if pattern is not None and policy is not None and acc.is_main_process:
             def after() -> None:
                 protect = {s for p, s in writer.in_flight().items() if os.path.dirname(p) == parent}
-                apply_retention(parent, pattern, policy, protect)
+                apply_retention(parent, pattern, policy, protect, scratch)
         pending = writer.commit(fs, final, step=iteration, metadata={"iteration": iteration, "step": acc.step},
                                 after=after, timeout=self._ckpt.options.timeout)
         self._ckpt.guard(pending)
@@ -141,7 +153,9 @@ class AsyncStateSaver:
 
     def latest(self) -> str | None:
         """The newest complete (and verified) automatically named checkpoint, or None."""
-        return latest_checkpoint(self._auto_dir(), AUTO_RE, verify=self._ckpt.options.verify_on_resume)
+        parent = self._auto_dir()
+        return latest_checkpoint(parent, AUTO_RE, verify=self._ckpt.options.verify_on_resume,
+                                 scratch=self._scratch(parent))
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> str:
         """``Accelerator.load_state`` of ``input_dir``, or (automatic naming) of the newest
@@ -164,6 +178,7 @@ class AsyncStateSaver:
             self.accelerator.project_configuration.iteration = int(m.group(1)) + 1
         else:
             path = os.path.abspath(os.fspath(input_dir))
+            recover(self._scratch(os.path.dirname(path)))  # a replacement of it a crash interrupted
         if self._hook is None:
             check_checkpoint(path, verify=self._ckpt.options.verify_on_resume)
         self.accelerator.load_state(path, **kwargs)

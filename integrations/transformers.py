@@ -19,7 +19,12 @@ front of any Trainer subclass):
 * ``train(resume_from_checkpoint=True)`` picks the newest checkpoint whose checksums match
   and skips damaged ones;
 * ``save_total_limit`` is applied after each commit (or a ckptmgr retention policy instead),
-  never to the newest or the best checkpoint, nor to one still being written.
+  never to the newest or the best checkpoint, nor to one still being written; a deleted
+  checkpoint is renamed away before it is removed. The stock end-of-training cleanup (with
+  ``save_total_limit=1`` and a best checkpoint, delete all but the best) is left out: the
+  newest checkpoint stays;
+* saving a step whose directory exists (training resumed from an earlier checkpoint) swaps
+  the new directory in atomically: the old or the new one is under the name at any instant.
 
 DDP and FSDP through accelerate: every rank writes its files (``rng_state_<rank>.pth``,
 FSDP shards) into one temporary directory; the ranks agree that all are durable and rank 0
@@ -53,6 +58,7 @@ except ImportError as exc:  # pragma: no cover - exercised where transformers is
 from ckptmgr.errors import ConfigError
 
 from ._capture import capturing
+from ._dirreplace import recover
 from ._session import (
     AsyncSaveOptions,
     Session,
@@ -128,7 +134,9 @@ class CkptmgrTrainerMixin(_TrainerBase):
             log.info("resuming from %s", found)
             resume_from_checkpoint = found
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            check_checkpoint(os.fspath(resume_from_checkpoint), verify=opts.verify_on_resume)
+            path = os.path.abspath(os.fspath(resume_from_checkpoint))
+            recover(os.path.dirname(path))  # a replacement of it that a crash interrupted
+            check_checkpoint(path, verify=opts.verify_on_resume)
         ok = False
         try:
             out = super().train(resume_from_checkpoint, *args, **kwargs)
@@ -210,6 +218,24 @@ class CkptmgrTrainerMixin(_TrainerBase):
         if writer is not None:
             protect |= {s for p, s in writer.in_flight().items() if os.path.dirname(p) == run_dir}
         apply_retention(run_dir, CHECKPOINT_RE, policy, protect)
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        # With save_total_limit=1 and a best checkpoint, the stock end of training deletes
+        # every checkpoint but the best with shutil.rmtree under its final name: the newest
+        # too, and a kill mid-delete leaves it torn where discovery finds it. Retention has
+        # run after each commit already, through delete_dir (renamed away first) and never
+        # on the newest nor the best: the stock cleanup is left out (its condition is
+        # save_total_limit == 1, so the limit reads None while the stock code runs).
+        args_ = self.args
+        limit = args_.save_total_limit
+        skip = limit == 1 and not self._ckptmgr_stock()
+        if skip:
+            args_.save_total_limit = None
+        try:
+            return super()._finalize_training(*args, **kwargs)  # type: ignore[no-untyped-call]
+        finally:
+            if skip:
+                args_.save_total_limit = limit
 
     def _load_best_model(self) -> None:
         self._ckpt.wait(self._ckpt.options.timeout)  # the best checkpoint may still be in flight

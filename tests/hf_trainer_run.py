@@ -1,14 +1,19 @@
 """A Hugging Face Trainer run for the kill-and-resume tests (run as a subprocess).
 
-    python hf_trainer_run.py OUT_DIR RESULT_JSON --trainer {ckptmgr,stock} [--resume]
+    python hf_trainer_run.py OUT_DIR RESULT_JSON --trainer {ckptmgr,stock} [--resume | --resume-from DIR]
         [--max-steps N] [--save-steps K] [--hang-at-save S --hang-file NAME --marker PATH]
+        [--best STEP] [--no-exchange]
 
 With RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set, each process is a DDP rank (gloo) and
 writes RESULT_JSON.<rank>. A tiny Llama built from a config (no downloads), dropout on so that the RNG state matters.
 Every step's exact loss (``float.hex``) goes to RESULT_JSON as the run goes, and the final
 weights to RESULT_JSON + ".safetensors". With ``--hang-at-save S``, the S-th checkpoint's
 write of file NAME stops half-way (after the bytes are on disk), creates PATH and blocks:
-the test SIGKILLs the process there, mid-save.
+the test SIGKILLs the process there, mid-save. With ``--best STEP``, an evaluation at every
+save gives ``eval_score`` highest at STEP, with ``load_best_model_at_end``. With
+``KILL_POINTS`` set, the file operations under OUT_DIR are held for the test
+(tests/kill_points.py); ``--no-exchange`` makes the directory exchange unavailable, as on a
+file system without ``renameat2(RENAME_EXCHANGE)``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import sys
 import threading
 
+import kill_points
 import torch
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
@@ -82,7 +88,18 @@ def main() -> None:
     p.add_argument("--hang-at-save", type=int, default=0)
     p.add_argument("--hang-file", default="optimizer.pt")
     p.add_argument("--marker", default="")
+    p.add_argument("--resume-from", default="")
+    p.add_argument("--best", type=int, default=0)
+    p.add_argument("--no-exchange", action="store_true")
     a = p.parse_args()
+    if a.no_exchange:
+        try:
+            from ckptmgr.integrations import _dirreplace
+        except ImportError:  # a version without the exchange: nothing to turn off
+            pass
+        else:
+            _dirreplace._exchange_fn = False
+    kill_points.install()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # one result per rank
@@ -111,13 +128,24 @@ def main() -> None:
             record(self, loss)
             return loss
 
+        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):  # type: ignore[no-untyped-def]
+            if not a.best:
+                return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+            metrics = {f"{metric_key_prefix}_score": -abs(self.state.global_step - a.best)}
+            self.log(metrics)
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+            return metrics
+
     args = TrainingArguments(output_dir=a.out, max_steps=a.max_steps, save_steps=a.save_steps,
                              save_total_limit=a.save_total_limit, per_device_train_batch_size=4,
                              learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=7,
                              dataloader_num_workers=0, disable_tqdm=True,
-                             ddp_backend="gloo" if world > 1 else None)
-    trainer = Recording(model=tiny_llama(), args=args, train_dataset=Tokens())
-    trainer.train(resume_from_checkpoint=True if a.resume else None)
+                             ddp_backend="gloo" if world > 1 else None,
+                             **({"eval_strategy": "steps", "eval_steps": a.save_steps, "load_best_model_at_end": True,
+                                 "metric_for_best_model": "score", "greater_is_better": True} if a.best else {}))
+    trainer = Recording(model=tiny_llama(), args=args, train_dataset=Tokens(),
+                        eval_dataset=Tokens(8) if a.best else None)
+    trainer.train(resume_from_checkpoint=a.resume_from or (True if a.resume else None))
     weights = {k: v.detach().contiguous().clone() for k, v in trainer.model.state_dict().items()}
     weights.pop("lm_head.weight", None)  # tied to the embedding when the config ties them
     save_file(weights, a.result + ".safetensors")
