@@ -13,6 +13,7 @@ from ..restore.verify import StepReport, verify_step
 from ..retention import AnyOf, KeepBest, KeepEvery, KeepEverySeconds, KeepLatest, RetentionPolicy, StepInfo
 from ..retention.deleter import Deleter, StepGuard
 from ..storage import Target
+from . import _dirckpts as dirckpts
 from . import _torchfiles as torchfiles
 from ._browse import local_tier_steps
 from ._context import EXIT, CorruptFound, Ctx, damaged, exit_code, manifests, no_checkpoint
@@ -22,6 +23,8 @@ __all__ = ["cmd_prune", "cmd_verify", "policy_from_args"]
 
 
 def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> int:
+    if (done := dirckpts.handle(ctx, args)) is not None:  # checkpoint-N/ directories with ckptmgr.json
+        return done
     if (done := torchfiles.handle(ctx, args)) is not None:  # a directory of .ckpt files
         return done
     target = ctx.target(args.root)
@@ -136,7 +139,7 @@ def _check_metrics(ctx: Ctx, target: Target, args: argparse.Namespace) -> None:
 
 def cmd_prune(ctx: Ctx, args: argparse.Namespace) -> int:
     policy = policy_from_args(args)  # bad flags fail before the root is touched
-    torchfiles.refuse(args.root, "prune")
+    dirckpts.refuse(args.root, "prune")
     target = ctx.target(args.root, read_only=args.dry_run)
     _check_metrics(ctx, target, args)
     deleter = Deleter(target, policy, StepGuard())

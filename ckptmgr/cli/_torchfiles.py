@@ -21,12 +21,12 @@ import sys
 import zipfile
 from typing import IO, Any
 
-from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError
+from ..errors import CheckpointCorruptError, StepNotFoundError
 from ..format.torchzip import CHECKSUM_RECORD, read_records, verify_file
 from ._context import CorruptFound, Ctx
 from ._render import human_bytes, print_json, table, when
 
-__all__ = ["NotRegular", "check_file", "handle", "open_regular", "refuse", "torch_files"]
+__all__ = ["NotRegular", "check_file", "handle", "open_regular", "torch_files"]
 
 _SUFFIXES = (".ckpt", ".pt", ".pth")
 _STEP_IN_NAME = re.compile(r"(?:^|[-_])step=(\d+)")  # Lightning's default name: epoch=3-step=500.ckpt
@@ -258,18 +258,3 @@ def handle(ctx: Ctx, args: argparse.Namespace) -> int | None:
         return _inspect(ctx, args.root, files, args.step if args.step not in (None, "latest") else None)
     return _verify(ctx, args.root, files)
 
-
-def refuse(root: str, command: str) -> None:
-    """Refuse ``command`` (prune, export) on a directory of torch checkpoint files, which
-    ``ls`` lists but which is not a ckptmgr root.
-
-    Raises:
-        ConfigError: saying what ROOT is and what to do instead.
-    """
-    files = torch_files(root)
-    if files is None:
-        return
-    raise ConfigError(f"{root} is a directory of torch checkpoint files ({len(files)} *.ckpt/*.pt/*.pth, e.g. "
-                      f"{os.path.basename(files[0])}), not a ckptmgr root: {command} works on ckptmgr roots only. "
-                      "Lightning's ModelCheckpoint(save_top_k=...) prunes its own files; `ckptmgr import FILE ROOT` "
-                      "stores one file as a ckptmgr checkpoint, which `ckptmgr export` can then write out")
