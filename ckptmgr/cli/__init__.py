@@ -25,27 +25,59 @@ traceback); 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .. import __version__
 from ..errors import CkptError
-from ._browse import cmd_inspect, cmd_ls
-from ._context import EXIT, CorruptFound, Ctx, exit_code
-from ._maintain import cmd_prune, cmd_verify
-from ._transfer import cmd_export, cmd_import
+from ._exit import EXIT, CorruptFound, exit_code
 
 __all__ = ["EXIT", "main"]
 
-Command = Callable[[Ctx, argparse.Namespace], int]
+# Each command's function as "module:name", imported only when that command runs: --help,
+# --version and a bad argument answer without importing torch or the command modules.
+_COMMANDS = {
+    "ls": "_browse:cmd_ls",
+    "inspect": "_browse:cmd_inspect",
+    "verify": "_maintain:cmd_verify",
+    "prune": "_maintain:cmd_prune",
+    "export": "_transfer:cmd_export",
+    "import": "_transfer:cmd_import",
+}
 
 
-def _common(default: object) -> argparse.ArgumentParser:
+class _UsageError(Exception):
+    """A bad command line (argparse's error), raised so that ``main`` can report it as JSON too."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse prints and exits; main reports it instead
+        raise _UsageError(self, message)
+
+
+def _print_error(command: str | None, message: str, code: int, kind: str, as_json: bool) -> None:
+    """An error on stderr, and with ``--json`` also as one JSON document on stdout."""
+    print(f"ckptmgr{' ' + command if command else ''}: error: {message}", file=sys.stderr)
+    if as_json:
+        json.dump({"ok": False, "command": command, "error": {"type": kind, "message": message, "exit_code": code}},
+                  sys.stdout, indent=1, ensure_ascii=False)
+        sys.stdout.write("\n")
+
+
+def _common(default: object) -> _Parser:
     """The options every command takes, before or after its name. After it, their default is
     ``SUPPRESS``, so that a value given before the command is not reset to the default."""
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     unset = default is argparse.SUPPRESS
     common.add_argument("--json", action="store_true", default=default if unset else False,
                         help="print one JSON document (for scripts)")
@@ -58,35 +90,34 @@ def _common(default: object) -> argparse.ArgumentParser:
 
 def _parser() -> argparse.ArgumentParser:
     common = _common(argparse.SUPPRESS)
-    p = argparse.ArgumentParser(prog="ckptmgr", description=__doc__.split("\n\n")[0],
+    p = _Parser(prog="ckptmgr", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n")[-1], parents=[_common(None)],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"ckptmgr {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, fn: Command, help_: str) -> argparse.ArgumentParser:
-        c = sub.add_parser(name, parents=[common], help=help_, description=help_)
-        c.set_defaults(fn=fn)
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        c: argparse.ArgumentParser = sub.add_parser(name, parents=[common], help=help_, description=help_)
         return c
 
-    c = add("ls", cmd_ls, "list committed checkpoints")
+    c = add("ls", "list committed checkpoints")
     c.add_argument("root")
     c.add_argument("--local-dir", default="/dev/shm",
                    help="where the local tier lives (default /dev/shm; '' to skip it)")
-    c = add("inspect", cmd_inspect, "show the state tree of a step")
+    c = add("inspect", "show the state tree of a step")
     c.add_argument("root")
     c.add_argument("step", nargs="?", help="step number or 'latest' (default)")
     c.add_argument("--tensors", action="store_true", help="also list every tensor with its file")
     c.add_argument("--all", action="store_true",
                    help="show every item of long lists and tuples (default: the first few and a count)")
-    c = add("verify", cmd_verify, "check every file of every (or one) step against its checksums")
+    c = add("verify", "check every file of every (or one) step against its checksums")
     c.add_argument("root")
     c.add_argument("step", nargs="?", help="one step (default: all)")
     c.add_argument("--threads", type=int, default=8, help="parallel reads (default 8)")
     c.add_argument("--local-dir", default="/dev/shm",
                    help="where the local tier lives: its steps not yet in the root are listed, not read "
                         "(default /dev/shm; '' to skip it)")
-    c = add("prune", cmd_prune, "delete the steps a retention policy does not keep")
+    c = add("prune", "delete the steps a retention policy does not keep")
     c.add_argument("root")
     c.add_argument("--keep-latest", type=int, metavar="N", help="keep the newest N steps")
     c.add_argument("--keep-every", type=int, metavar="K", help="keep one step per K steps (archive)")
@@ -94,13 +125,15 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--keep-best", action="append", metavar="METRIC:N[:min|max]",
                    help="keep the N best steps by a metadata metric (repeatable)")
     c.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
-    c = add("export", cmd_export, "write a step as plain safetensors files in Hugging Face's names, + JSON")
+    c.add_argument("--force", action="store_true",
+                   help="prune even when no step has a --keep-best metric (it then keeps no step by it)")
+    c = add("export", "write a step as plain safetensors files in Hugging Face's names, + JSON")
     c.add_argument("root")
     c.add_argument("step", help="step number or 'latest'")
     c.add_argument("--to", required=True, metavar="DIR", help="a new (or empty) local directory")
     c.add_argument("--only", metavar="PREFIX", help="only tensors whose name starts with PREFIX (e.g. 'model/'), "
                    "which is stripped from the exported names")
-    c = add("import", cmd_import, "store a torch.save / Lightning / safetensors file as a checkpoint")
+    c = add("import", "store a torch.save / Lightning / safetensors file as a checkpoint")
     c.add_argument("file")
     c.add_argument("root")
     c.add_argument("--step", type=int, help="the step to store it as (default for Lightning: its global_step)")
@@ -113,27 +146,41 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ckptmgr`` command line; return its exit code."""
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="ckptmgr: %(levelname)s: %(message)s")
-    ctx = Ctx(args)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return int(args.fn(ctx, args))
-    except CorruptFound as found:
+        args = _parser().parse_args(argv)
+    except _UsageError as bad:
+        bad.parser.print_usage(sys.stderr)
+        _print_error(None, bad.message, EXIT["usage"], "UsageError", "--json" in argv)
+        return EXIT["usage"]
+    logging.basicConfig(level=logging.WARNING, format="ckptmgr: %(levelname)s: %(message)s")
+    as_json = bool(args.json)
+    ctx = None
+    try:
+        from ._context import Ctx
+
+        module, name = _COMMANDS[args.command].split(":")
+        fn = getattr(importlib.import_module(f".{module}", __name__), name)
+        ctx = Ctx(args)
+        return int(fn(ctx, args))
+    except CorruptFound as found:  # reported by the command (its JSON document says so)
         return found.code
     except BrokenPipeError:  # the reader went away (| head): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT["ok"]
     except KeyboardInterrupt:
-        print("ckptmgr: interrupted", file=sys.stderr)
+        _print_error(args.command, "interrupted", EXIT["interrupted"], "KeyboardInterrupt", as_json)
         return EXIT["interrupted"]
     except (CkptError, OSError) as exc:
-        print(f"ckptmgr {args.command}: error: {exc}", file=sys.stderr)
-        return exit_code(exc)
+        code = exit_code(exc)
+        _print_error(args.command, str(exc), code, type(exc).__name__, as_json)
+        return code
     except Exception as exc:  # never a traceback for a user: say what failed, and how to see more
         if os.environ.get("CKPTMGR_DEBUG"):
             raise
-        print(f"ckptmgr {args.command}: internal error: {type(exc).__name__}: {exc} "
-              "(a bug in ckptmgr: please report it; CKPTMGR_DEBUG=1 prints the traceback)", file=sys.stderr)
+        _print_error(args.command, f"internal error: {type(exc).__name__}: {exc} (a bug in ckptmgr: please report "
+                     "it; CKPTMGR_DEBUG=1 prints the traceback)", EXIT["internal"], type(exc).__name__, as_json)
         return EXIT["internal"]
     finally:
-        ctx.close()
+        if ctx is not None:
+            ctx.close()

@@ -10,6 +10,7 @@ from typing import Any
 from ..errors import CkptError, StepNotFoundError
 from ..format.manifest import Manifest
 from ..storage.tier import read_tier
+from . import _dirckpts as dirckpts
 from . import _torchfiles as torchfiles
 from ._context import EXIT, CorruptFound, Ctx, exit_code, manifests
 from ._render import SEQUENCE_LIMIT, human_bytes, plain_tree, print_json, table, tensor_bytes, text_tree, when
@@ -29,6 +30,8 @@ def _metadata(m: Manifest) -> dict[str, Any]:
 
 
 def cmd_ls(ctx: Ctx, args: argparse.Namespace) -> int:
+    if (done := dirckpts.handle(ctx, args)) is not None:  # checkpoint-N/ directories
+        return done
     if (done := torchfiles.handle(ctx, args)) is not None:  # a directory of .ckpt files
         return done
     target = ctx.target(args.root)

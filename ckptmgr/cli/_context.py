@@ -19,51 +19,16 @@ from ..errors import (
     CheckpointCorruptError,
     CkptError,
     ConfigError,
-    FormatVersionError,
-    StepExistsError,
     StepNotFoundError,
     StorageError,
-    UnsupportedValueError,
 )
 from ..format.manifest import Manifest
 from ..options import S3Options
 from ..restore.verify import file_url
 from ..storage import Target, open_target
+from ._exit import EXIT, CorruptFound, exit_code
 
-__all__ = ["EXIT", "CorruptFound", "Ctx", "damaged", "exit_code", "manifests", "require_root"]
-
-EXIT = {
-    "ok": 0,
-    "corrupt": 1,  # verify found a fault, a read failed its checksum, a manifest is damaged
-    "usage": 2,  # bad arguments or input (argparse uses 2 as well)
-    "not_found": 3,  # no such root, step or file
-    "exists": 4,  # the step or export directory already exists
-    "storage": 5,  # the storage failed (I/O, permissions, network)
-    "internal": 70,  # a bug in ckptmgr (CKPTMGR_DEBUG=1 shows the traceback)
-    "interrupted": 130,
-}
-
-
-class CorruptFound(Exception):
-    """Faults were found and reported already; carries the exit code they call for."""
-
-    def __init__(self, code: int = EXIT["corrupt"]) -> None:
-        super().__init__(code)
-        self.code = code
-
-
-def exit_code(exc: BaseException) -> int:
-    """The documented exit code for an error."""
-    if isinstance(exc, CheckpointCorruptError):
-        return EXIT["corrupt"]
-    if isinstance(exc, StepExistsError):
-        return EXIT["exists"]
-    if isinstance(exc, (StepNotFoundError, FileNotFoundError)):
-        return EXIT["not_found"]
-    if isinstance(exc, (ConfigError, UnsupportedValueError, FormatVersionError)):
-        return EXIT["usage"]
-    return EXIT["storage"]
-
+__all__ = ["EXIT", "CorruptFound", "Ctx", "damaged", "exit_code", "manifests", "no_checkpoint", "require_root"]
 
 def _storage_options(text: str | None) -> dict[str, Any] | None:
     text = text if text is not None else os.environ.get("CKPTMGR_STORAGE_OPTIONS")
@@ -167,7 +132,7 @@ class Ctx:
         steps = target.list_steps()
         if text is None or text == "latest":
             if not steps:
-                raise StepNotFoundError(f"no committed checkpoint under {target.url}")
+                raise no_checkpoint(target, self.args.root)
             return steps[-1]
         try:
             step = int(text)
@@ -203,6 +168,24 @@ class Ctx:
         if self._target is not None:
             self._target.close()
             self._target = None
+
+
+def no_checkpoint(target: Target, root: str) -> StepNotFoundError:
+    """The error for a root that holds no committed checkpoint (exit code 3), naming the
+    checkpoint roots right under it when ``root`` is their parent directory."""
+    local = root.removeprefix("file://")
+    inner: list[str] = []
+    if "://" not in local and os.path.isdir(local):
+        for name in sorted(os.listdir(local))[:1000]:
+            sub = os.path.join(local, name)
+            try:
+                if os.path.isdir(sub) and not os.path.islink(sub) and any(
+                        n.startswith("step_") for n in os.listdir(sub)):
+                    inner.append(name)
+            except OSError:
+                continue
+    hint = f" (it holds checkpoint roots: {', '.join(inner[:10])}; name one of them)" if inner else ""
+    return StepNotFoundError(f"no committed checkpoint under {target.url}{hint}")
 
 
 def damaged(target: Target, step: int, exc: Exception) -> CheckpointCorruptError:

@@ -8,18 +8,23 @@ from typing import Any
 
 from ..errors import CkptError, ConfigError, StepNotFoundError
 from ..format.manifest import Manifest
+from ..format.tree import decode_plain
 from ..restore.verify import StepReport, verify_step
-from ..retention import AnyOf, KeepBest, KeepEvery, KeepEverySeconds, KeepLatest, RetentionPolicy
+from ..retention import AnyOf, KeepBest, KeepEvery, KeepEverySeconds, KeepLatest, RetentionPolicy, StepInfo
 from ..retention.deleter import Deleter, StepGuard
+from ..storage import Target
+from . import _dirckpts as dirckpts
 from . import _torchfiles as torchfiles
 from ._browse import local_tier_steps
-from ._context import EXIT, CorruptFound, Ctx, damaged, exit_code, manifests
+from ._context import EXIT, CorruptFound, Ctx, damaged, exit_code, manifests, no_checkpoint
 from ._render import human_bytes, print_json, progress
 
 __all__ = ["cmd_prune", "cmd_verify", "policy_from_args"]
 
 
 def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> int:
+    if (done := dirckpts.handle(ctx, args)) is not None:  # checkpoint-N/ directories with ckptmgr.json
+        return done
     if (done := torchfiles.handle(ctx, args)) is not None:  # a directory of .ckpt files
         return done
     target = ctx.target(args.root)
@@ -53,6 +58,8 @@ def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> int:
                     unreadable[step] = exc
             except Exception as exc:  # untrusted contents broke the check: this step is damaged
                 reports.append(StepReport(step, problems=[str(damaged(target, step, exc))]))
+    if not reports and not local_only:  # an empty root, unrelated files, a typo: nothing was checked
+        raise no_checkpoint(target, args.root)
     if ctx.json:
         rows = [{"step": r.step, "tier": "durable", "ok": r.ok, "verified": True, "files": r.files, "bytes": r.bytes,
                  "problems": r.problems} for r in reports]
@@ -103,9 +110,38 @@ def policy_from_args(args: argparse.Namespace) -> RetentionPolicy:
     return policies[0] if len(policies) == 1 else AnyOf(*policies)
 
 
+def _check_metrics(ctx: Ctx, target: Target, args: argparse.Namespace) -> None:
+    """Refuse a ``--keep-best`` whose metric no step has as a number (a typo would keep
+    nothing, and prune delete every step but the newest and protected ones), unless forced.
+
+    Raises:
+        ConfigError: naming the metric and the metrics the steps do have.
+    """
+    bests = [_best(s) for s in args.keep_best or ()]
+    if not bests or args.force:
+        return
+    infos, have = [], set()
+    for step, m in manifests(ctx, target, target.list_steps()).items():
+        if isinstance(m, Manifest):  # what the deleter reads: the decoded metadata
+            meta = decode_plain(m.metadata) if m.metadata is not None else {}
+            meta = meta if isinstance(meta, dict) else {}
+            infos.append(StepInfo(step, m.time, meta))
+            have.update(str(k) for k in meta)
+    if not infos:
+        return
+    for best in bests:
+        if best.n > 0 and not any(best.keep(infos)):
+            raise ConfigError(f"--keep-best {best.metric}:{best.n}: no step under {target.url} has a numeric "
+                              f"metadata value {best.metric!r} (the steps have: {', '.join(sorted(have)) or 'none'}); "
+                              "this policy would keep nothing and prune would delete every step but the newest "
+                              "and protected ones. Check the name, or pass --force to prune anyway")
+
+
 def cmd_prune(ctx: Ctx, args: argparse.Namespace) -> int:
     policy = policy_from_args(args)  # bad flags fail before the root is touched
+    dirckpts.refuse(args.root, "prune")
     target = ctx.target(args.root, read_only=args.dry_run)
+    _check_metrics(ctx, target, args)
     deleter = Deleter(target, policy, StepGuard())
     try:
         doomed = deleter.plan()

@@ -72,8 +72,10 @@ def plain_tree(node: Any, leaf: Callable[[str, str], Any]) -> Any:
         return {str(k): plain_tree(v, leaf) for k, v in items}
     if tag == "$tuple":
         return [plain_tree(v, leaf) for v in val]
-    if tag in ("$tensor", "$ndarray", "$npscalar"):
+    if tag in ("$tensor", "$ndarray", "$npscalar", "$dtensor"):
         return leaf(tag[1:], val)
+    if tag == "$per_rank":  # PerRank(value): each rank saved its own
+        return {"per_rank": plain_tree(val, leaf)}
     if tag == "$stateful":
         return plain_tree(node["state"], leaf)
     if tag == "$dtype":
@@ -125,6 +127,16 @@ def text_tree(node: Any, tensors: Tensors, name: str = "state", depth: int = 0, 
         where = f"view of {e['view_of']}" if "view_of" in e else human_bytes(tensor_bytes(e))
         kind = "" if tag == "$tensor" else f" ({tag[1:]})"
         yield f"{pad}{name}: {e.get('dtype', '?')} {e.get('shape', '?')} {where}{kind}"
+    elif tag == "$dtensor":
+        e = tensors.get(val, {}) if isinstance(val, str) else {}
+        yield (f"{pad}{name}: {e.get('dtype', '?')} {node.get('shape', '?')} (DTensor; this shard "
+               f"{e.get('shape', '?')} {human_bytes(tensor_bytes(e))})")
+    elif tag == "$per_rank":  # PerRank(value): the value's lines, marked
+        lines = text_tree(val, tensors, name, depth, limit=limit)
+        first = next(lines, None)
+        if first is not None:
+            yield f"{first} (per rank)"
+        yield from lines
     elif tag == "$float":
         yield f"{pad}{name}: {val}"
     else:

@@ -37,6 +37,7 @@ from ..restore.loaders.host import view_of
 from ..restore.preflight import preflight
 from ..restore.verify import file_url
 from ..storage import Target
+from . import _dirckpts as dirckpts
 from ._context import Ctx
 from ._render import Progress, human_bytes, plain_tree, print_json, progress
 
@@ -164,6 +165,7 @@ def _file_names(n: int) -> list[str]:
 
 
 def cmd_export(ctx: Ctx, args: argparse.Namespace) -> int:
+    dirckpts.refuse(args.root, "export")
     dest = os.path.abspath(args.to)
     if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):
         raise StepExistsError(f"export destination {dest!r} exists and is not an empty directory")

@@ -1,0 +1,240 @@
+"""What the ``ckptmgr`` command promises on roots that are not what they seem: a FIFO named
+``*.ckpt`` is never opened, ``verify`` fails where there is nothing to verify, ``prune``
+refuses a metric no step has, the integrations' checkpoint directories are verified against
+their records, Lightning directories are ordered by step, errors are JSON with ``--json``,
+and ``--version``/``--help`` import no torch. Every command runs as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckptmgr import CheckpointManager, PerRank
+
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run([sys.executable, "-m", "ckptmgr", *args], capture_output=True, text=True, env=ENV,
+                       timeout=timeout)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.fixture
+def saved(root):
+    with CheckpointManager(root) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, {"w": torch.full((8,), float(step))}, metadata={"loss": 1.0 / step, "tag": "x"}).result()
+    return root
+
+
+# 37.18 ------------------------------------------------------------------------------------
+
+def test_a_fifo_named_ckpt_is_listed_never_opened(tmp_path):
+    """``ls``, ``inspect`` and ``verify`` of a directory holding a FIFO named ``*.ckpt`` (and
+    of the FIFO itself) answer instead of blocking on its open; the FIFO is reported."""
+    d = tmp_path / "lightning"
+    d.mkdir()
+    torch.save({"global_step": 5, "epoch": 0, "state_dict": {"w": torch.ones(3)}}, d / "epoch=0-step=5.ckpt")
+    os.mkfifo(d / "stuck.ckpt")
+    r = cli("ls", str(d), "--json", timeout=60)  # on a blocking open this never returns: TimeoutExpired
+    assert r.returncode == 0, r.stderr
+    rows = {os.path.basename(f["file"]): f for f in json.loads(r.stdout)["files"]}
+    assert rows["epoch=0-step=5.ckpt"]["global_step"] == 5
+    assert "FIFO" in rows["stuck.ckpt"]["note"] and rows["stuck.ckpt"]["regular"] is False
+    r = cli("verify", str(d), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "epoch=0-step=5.ckpt: ok" in r.stdout and "stuck.ckpt: not verified" in r.stdout
+    assert cli("inspect", str(d), timeout=60).returncode == 0
+    r = cli("inspect", str(d), "stuck.ckpt", timeout=60)
+    assert r.returncode == 3 and "FIFO" in r.stderr
+    r = cli("verify", str(d / "stuck.ckpt"), timeout=60)  # the FIFO as ROOT: nothing to verify
+    assert r.returncode == 3 and "FIFO" in r.stderr
+
+
+# 38.3 -------------------------------------------------------------------------------------
+
+def test_prune_refuses_a_keep_best_metric_no_step_has_unless_forced(saved):
+    r = cli("prune", saved, "--keep-best", "los:1")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "'los'" in r.stderr and "loss, tag" in r.stderr and "--force" in r.stderr
+    assert sorted(n for n in os.listdir(saved) if n.startswith("step_")) == [
+        "step_000000000010", "step_000000000020", "step_000000000030"]  # nothing deleted
+    r = cli("prune", saved, "--keep-best", "loss:1:max", "--keep-best", "los:1", "--dry-run")
+    assert r.returncode == 2  # one good metric does not excuse a typo in another
+    out = json.loads(cli("prune", saved, "--keep-best", "loss:1:max", "--dry-run", "--json").stdout)
+    assert out["would_delete"] == [20]  # a metric the steps have works as before (10 best, 30 newest)
+    out = json.loads(cli("prune", saved, "--keep-best", "los:1", "--force", "--json").stdout)
+    assert out["deleted"] == [10, 20] and out["kept"] == [30]  # forced: what the policy says
+
+
+# 38.4 -------------------------------------------------------------------------------------
+
+def test_verify_fails_like_inspect_where_there_is_no_checkpoint(saved, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    unrelated = tmp_path / "unrelated"
+    unrelated.mkdir()
+    (unrelated / "notes.txt").write_text("hello")
+    (unrelated / "data.bin").write_bytes(b"\0" * 100)
+    parent = os.path.dirname(saved)  # the parent of a real root
+    for where in (str(empty), str(unrelated), parent):
+        r = cli("verify", where)
+        assert r.returncode == 3 == cli("inspect", where).returncode, (where, r.stdout, r.stderr)
+        assert "no committed checkpoint" in r.stderr
+        out = json.loads(cli("verify", where, "--json").stdout)
+        assert out["ok"] is False and out["error"]["exit_code"] == 3
+    assert os.path.basename(saved) in cli("verify", parent).stderr  # names the root below it
+    assert cli("verify", saved).returncode == 0
+
+
+# 38.5 -------------------------------------------------------------------------------------
+
+def test_verify_checks_hugging_face_checkpoints_against_their_record(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_trainer_run import Tokens, tiny_llama
+    from transformers import TrainingArguments
+
+    from ckptmgr.integrations.transformers import CkptmgrTrainer
+
+    out = tmp_path / "run"
+    args = TrainingArguments(output_dir=str(out), max_steps=4, save_steps=2, per_device_train_batch_size=4,
+                             report_to=[], use_cpu=True, seed=7, dataloader_num_workers=0, disable_tqdm=True)
+    CkptmgrTrainer(model=tiny_llama(), args=args, train_dataset=Tokens()).train()
+    assert cli("verify", str(out)).returncode == 0
+    r = cli("ls", str(out), "--json")
+    assert [(c["step"], c["record"]) for c in json.loads(r.stdout)["checkpoints"]] == [(2, True), (4, True)]
+    weights = out / "checkpoint-4" / "model.safetensors"
+    _flip(str(weights), os.path.getsize(weights) - 3)
+    for where in (out, out / "checkpoint-4"):
+        r = cli("verify", str(where))
+        assert r.returncode == 1, (where, r.stdout, r.stderr)
+        assert "checkpoint-4: CORRUPT" in r.stdout and "model.safetensors" in r.stderr
+    assert "checkpoint-2: ok" in cli("verify", str(out)).stdout
+
+
+def test_verify_checks_accelerate_checkpoints_against_their_record(tmp_path):
+    pytest.importorskip("accelerate")
+    from test_hf_accelerate import build, run
+
+    from ckptmgr.integrations.accelerate import AsyncStateSaver
+
+    acc, model, opt, dl, sched = build(tmp_path / "p")
+    with AsyncStateSaver(acc) as saver:
+        run(acc, model, opt, dl, sched, 4, save_at=(1, 3), save=saver.save_state)
+    ckpts = tmp_path / "p" / "checkpoints"
+    r = cli("verify", str(ckpts), "--json")
+    assert r.returncode == 0, r.stderr
+    assert [(c["step"], c["ok"], c["verified"]) for c in json.loads(r.stdout)["checkpoints"]] == [
+        (0, True, True), (1, True, True)]
+    _flip(str(ckpts / "checkpoint_1" / "model.safetensors"), 100)
+    r = cli("verify", str(ckpts / "checkpoint_1"))
+    assert r.returncode == 1 and "model.safetensors" in r.stderr, r.stdout + r.stderr
+    r = cli("prune", str(ckpts), "--keep-latest", "1")  # not a ckptmgr root: said, nothing deleted
+    assert r.returncode == 2 and "not a ckptmgr root" in r.stderr
+    assert sorted(os.listdir(ckpts)) == ["checkpoint_0", "checkpoint_1"]
+
+
+# 38.9 -------------------------------------------------------------------------------------
+
+def test_a_lightning_directory_by_step(tmp_path):
+    """A real ModelCheckpoint directory (epoch=0-step=1.ckpt ... epoch=11-step=12.ckpt): ``ls``
+    orders it by step, ``inspect DIR STEP`` takes a step, prune and export say what it is."""
+    code = f"""
+import torch, lightning.pytorch as pl
+class M(pl.LightningModule):
+    def __init__(self):
+        super().__init__(); self.l = torch.nn.Linear(4, 2)
+    def training_step(self, b, i): return self.l(b[0]).pow(2).mean()
+    def configure_optimizers(self): return torch.optim.SGD(self.parameters(), lr=0.1)
+dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 4)), batch_size=4)
+cb = pl.callbacks.ModelCheckpoint(dirpath={str(tmp_path / "ckpts")!r}, save_top_k=-1, every_n_epochs=1)
+pl.Trainer(max_epochs=12, callbacks=[cb], logger=False, enable_progress_bar=False,
+           enable_model_summary=False).fit(M(), dl)
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=ENV, timeout=300)
+    d = str(tmp_path / "ckpts")
+    out = json.loads(cli("ls", d, "--json").stdout)
+    assert [os.path.basename(f["file"]) for f in out["files"]] == [f"epoch={e}-step={e + 1}.ckpt" for e in range(12)]
+    assert [f["step"] for f in out["files"]] == list(range(1, 13))
+    r = cli("ls", d)
+    assert [ln.split()[0] for ln in r.stdout.splitlines()[1:]] == [f"epoch={e}-step={e + 1}.ckpt" for e in range(12)]
+    out = json.loads(cli("inspect", d, "5", "--json").stdout)
+    assert os.path.basename(out["file"]) == "epoch=4-step=5.ckpt" and out["global_step"] == 5
+    assert json.loads(cli("inspect", d, "--json").stdout)["global_step"] == 12  # latest: the highest step
+    r = cli("inspect", d, "50")
+    assert r.returncode == 3 and "step 50" in r.stderr and "12" in r.stderr
+    for args in (("prune", d, "--keep-latest", "1"), ("export", d, "latest", "--to", str(tmp_path / "x"))):
+        r = cli(*args)
+        assert r.returncode == 2 and "not a ckptmgr root" in r.stderr and "ckptmgr import" in r.stderr, r.stderr
+    assert len(os.listdir(d)) == 12 and not (tmp_path / "x").exists()
+
+
+def test_errors_are_json_with_json(saved, tmp_path):
+    cases = [(("inspect", saved, "99"), 3, "StepNotFoundError"),
+             (("ls", str(tmp_path / "nowhere")), 3, "StepNotFoundError"),
+             (("inspect", saved, "abc"), 2, "ConfigError"),
+             (("ls", saved, "--bogus"), 2, "UsageError"),
+             (("prune", saved), 2, "ConfigError")]
+    for args, code, kind in cases:
+        r = cli(*args, "--json")
+        assert r.returncode == code, (args, r.stderr)
+        doc = json.loads(r.stdout)
+        assert doc["ok"] is False and doc["error"]["exit_code"] == code and doc["error"]["type"] == kind, doc
+        assert doc["error"]["message"] in r.stderr  # and the same words for a person
+    assert cli("inspect", saved, "99").stdout == ""  # without --json: stderr only, as before
+
+
+def test_inspect_shows_a_per_rank_value_as_a_value(root):
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": torch.ones(3), "loader": PerRank({"pos": 5, "t": torch.arange(4)}), "seed": PerRank(7)}
+                 ).result()
+    r = cli("inspect", root)
+    assert r.returncode == 0 and "$per_rank" not in r.stdout, r.stdout
+    assert "  loader: dict[2] (per rank)" in r.stdout and "    pos: 5" in r.stdout
+    assert "  seed: 7 (per rank)" in r.stdout
+    state = json.loads(cli("inspect", root, "--json").stdout)["state"]
+    assert state["seed"] == {"per_rank": 7} and state["loader"]["per_rank"]["pos"] == 5
+    assert state["loader"]["per_rank"]["t"]["shape"] == [4]
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["verify", "--help"], ["ls"]],
+                         ids=["version", "help", "command-help", "bad-arguments"])
+def test_version_help_and_bad_arguments_import_no_torch(args):
+    code = f"""
+import sys
+from ckptmgr.cli import main
+try:
+    code = main({args!r})
+except SystemExit as e:
+    code = e.code
+print(code, "torch" in sys.modules, "numpy" in sys.modules)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.stdout.split()[-3:] == ["2" if args == ["ls"] else "0", "False", "False"], r.stdout + r.stderr
+
+
+def test_the_package_imports_no_torch_until_a_name_needs_it():
+    code = """
+import sys
+import ckptmgr
+before = "torch" in sys.modules
+from ckptmgr import CheckpointManager, KeepLatest
+print(before, "torch" in sys.modules, CheckpointManager.__module__, ckptmgr.KeepLatest is KeepLatest)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.stdout.split() == ["False", "True", "ckptmgr.manager", "True"], r.stdout + r.stderr
