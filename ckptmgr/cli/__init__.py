@@ -9,12 +9,16 @@
 
 ROOT is a path or an fsspec URL (``s3://bucket/prefix``); for ``ls``, ``inspect`` and ``verify``
 it may also be a directory of torch checkpoint files (Lightning's ModelCheckpoint directory,
-``inspect DIR FILE`` then names the file) or one such file; ``--storage-options JSON`` (or the
+``inspect DIR FILE|STEP`` then names the file) or one such file, and for ``ls`` and ``verify`` the
+integrations' ``checkpoint-N``/``checkpoint_N`` directories (checked against their ``ckptmgr.json``)
+or their parent; ``--storage-options JSON`` (or the
 environment variable ``CKPTMGR_STORAGE_OPTIONS``) passes credentials and endpoints. STEP is a
 step number or ``latest``. ``--json`` (before or after the command) prints one JSON document
-for scripts; progress bars show on a terminal only. ``ls``, ``inspect``, ``verify`` and
+for scripts (an error as well); progress bars show on a terminal only. ``ls``, ``inspect``, ``verify`` and
 ``export`` only read: they create nothing under ROOT and work on read-only roots. A damaged
 step is reported with its error; ``ls`` and ``verify`` still list and check the others.
+``verify`` fails (exit 3) where there is no checkpoint to check; ``prune`` refuses a
+``--keep-best`` metric that no step has (``--force`` prunes anyway).
 
 Exit codes: 0 success; 1 corruption found (a damaged step or manifest, a checksum failing);
 2 bad arguments or input; 3 no such root, step or file; 4 the step or export destination

@@ -21,7 +21,9 @@ import sys
 from typing import Any
 
 from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError
-from ..integrations._dirrecord import RECORD_NAME, read_record, verify_dir
+
+# installed as ckptmgr.integrations; mypy checks the source tree, where it is the package integrations
+from ..integrations._dirrecord import RECORD_NAME, read_record, verify_dir  # type: ignore[import-not-found]
 from . import _torchfiles as torchfiles
 from ._context import CorruptFound, Ctx
 from ._render import human_bytes, print_json, table, when

@@ -120,7 +120,8 @@ def _check_metrics(ctx: Ctx, target: Target, args: argparse.Namespace) -> None:
     bests = [_best(s) for s in args.keep_best or ()]
     if not bests or args.force:
         return
-    infos, have = [], set()
+    infos: list[StepInfo] = []
+    have: set[str] = set()
     for step, m in manifests(ctx, target, target.list_steps()).items():
         if isinstance(m, Manifest):  # what the deleter reads: the decoded metadata
             meta = decode_plain(m.metadata) if m.metadata is not None else {}
