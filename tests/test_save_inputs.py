@@ -172,3 +172,22 @@ def test_values_at_the_formats_bounds_are_saved_and_read_back(mgr):
     assert torch.equal(out["texte"]["日本"], torch.ones(2)) and torch.equal(out["overlap"], state["overlap"])
     assert torch.equal(out["conj"], state["conj"].resolve_conj()) and torch.equal(out["base"], base)
     assert mgr.metadata(1) == {"ключ": "值 🙂", "n": 10**4299}
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_a_tensor_inside_a_torch_func_transform_is_refused_naming_its_path(mgr, transform):
+    """Its storage cannot be reached (torch raised NotImplementedError out of save())."""
+    seen = []
+
+    def f(x):
+        with pytest.raises(UnsupportedValueError, match="without storage of its own") as info:
+            mgr.save(1, {"model": {"x": x}})
+        seen.append(info.value.path)
+        return x.sum()
+
+    if transform == "grad":
+        torch.func.grad(f)(torch.ones(3))
+    else:
+        torch.func.vmap(f)(torch.ones(2, 3))
+    assert seen == ["state['model']['x']"]
+    _nothing_happened(mgr)

@@ -43,7 +43,8 @@ format cannot hold, so that ``save()`` fails before it returns rather than in th
 strings (values, dict keys, metadata) that are not valid Unicode text (a lone surrogate such as
 ``"\\ud800"`` has no UTF-8 encoding), ints of more than :data:`MAX_INT_DIGITS` digits (JSON
 readers refuse them), nested (jagged) tensors, tensors whose storage is smaller than the
-tensor (freed with ``resize_(0)``, as FSDP does), and numpy arrays in a non-native byte order.
+tensor (freed with ``resize_(0)``, as FSDP does) or not accessible (``torch.func`` wrappers), and
+numpy arrays in a non-native byte order.
 """
 
 from __future__ import annotations
@@ -293,9 +294,13 @@ class _Flattener:
                 _path_str(path, self.root), "quantized tensors are not supported; store t.dequantize() or t.int_repr()")
         if t.device.type == "meta":
             raise UnsupportedValueError(_path_str(path, self.root), "a tensor on the meta device has no data to save")
+        try:
+            have = t.untyped_storage().nbytes()
+        except (NotImplementedError, RuntimeError) as exc:  # a torch.func (grad, vmap) wrapper: no storage
+            raise UnsupportedValueError(_path_str(path, self.root), f"a tensor without storage of its own ({exc}); "
+                                        "inside torch.func.grad/vmap, save outside the transform") from None
         if t.numel():
             need = (t.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)))
-            have = t.untyped_storage().nbytes()
             if need * t.element_size() > have:
                 raise UnsupportedValueError(
                     _path_str(path, self.root), f"the tensor reaches byte {need * t.element_size()} of its storage, "
