@@ -287,3 +287,76 @@ def test_the_fuzz_root_restores_exactly_when_undamaged(fuzz_root):
     assert math.isnan(out["py"][3])
     shutil.rmtree(fuzz_root.dir)
     fuzz_root.reset()
+
+
+# Foreign safetensors files through load_file: a valid layout of a few tensors, then one field of
+# its header made hostile (a negative, float, bool or huge dimension, offsets of every kind, an
+# unknown dtype, a missing key, any JSON value), or its length field, or its size. load_file either
+# returns exactly what safetensors itself reads from the file or raises CheckpointCorruptError.
+ST_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+hostile_int = st.sampled_from([-1, -2, 0, 1, 2, 3, 2**31, 2**50, 2**50 + 1, 2**63, 2**64 + 3, -(2**63)])
+hostile_field = (st.lists(hostile_int, max_size=3) | st.lists(st.floats(-4, 4) | st.booleans(), max_size=3)
+                 | json_value | st.sampled_from(["F32", "C128", "", "f32", "22"]))
+
+
+def _foreign_file(data: st.DataObject) -> bytes:
+    specs = data.draw(st.lists(st.tuples(st.sampled_from(sorted(ST_DTYPES)), st.lists(st.integers(0, 4), max_size=3)),
+                               min_size=1, max_size=3), label="tensors")
+    header: dict[str, Any] = {}
+    pos = 0
+    for i, (dtype, shape) in enumerate(specs):
+        n = math.prod(shape) * ST_DTYPES[dtype]
+        header[f"t{i}"] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + n]}
+        pos += n
+    if data.draw(st.booleans(), label="metadata"):
+        header["__metadata__"] = {"format": "pt"}
+    how = data.draw(st.sampled_from(["field", "field", "delete", "length", "size", "none"]), label="how")
+    name = data.draw(st.sampled_from([k for k in header if k != "__metadata__"]), label="entry")
+    key = data.draw(st.sampled_from(["dtype", "shape", "data_offsets"]), label="key")
+    if how == "field":
+        header[name][key] = data.draw(hostile_field, label="value")
+    elif how == "delete":
+        del header[name][key]
+    elif how == "size":
+        pos = max(0, pos + data.draw(st.integers(-5, 5), label="size change"))
+    try:
+        raw = json.dumps(header).encode()
+    except ValueError:  # (a float the encoder refuses)
+        raw = b"{}"
+    n = len(raw)
+    if how == "length":
+        n = data.draw(hostile_int | st.integers(0, len(raw) + 8), label="length") % 2**64
+    payload = data.draw(st.binary(min_size=pos, max_size=pos), label="data")
+    return n.to_bytes(8, "little") + raw + payload
+
+
+def _fuzz_foreign(tmp_dir: str, data: st.DataObject) -> None:
+    from safetensors.torch import load_file as st_load_file
+
+    import ckptmgr
+
+    path = os.path.join(tmp_dir, "foreign.safetensors")
+    with open(path, "wb") as f:
+        f.write(_foreign_file(data))
+    try:
+        got = ckptmgr.load_file(path)
+    except ckptmgr.CheckpointCorruptError:
+        return
+    want = st_load_file(path)  # what ckptmgr accepts, safetensors reads, to the same bytes
+    assert sorted(got) == sorted(want)
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape, k
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), k
+
+
+@CI
+@given(data=st.data())
+def test_foreign_safetensors_headers_load_exactly_or_raise_corrupt(tmp_path, data):
+    _fuzz_foreign(str(tmp_path), data)
+
+
+@pytest.mark.slow
+@SLOW
+@given(data=st.data())
+def test_foreign_safetensors_headers_load_exactly_or_raise_corrupt_long(tmp_path, data):
+    _fuzz_foreign(str(tmp_path), data)

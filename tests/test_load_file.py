@@ -2,6 +2,7 @@
 checksums verified beside the copy, read-only pinning of the mapping (pinning faked here; the
 GPU machine runs it for real in test_cuda.py)."""
 
+import json
 import os
 
 import pytest
@@ -68,11 +69,13 @@ def test_bad_files_are_refused_with_the_reason(tmp_path, mutate, match):
 
 def _raw_file(path, entries: dict, data: bytes) -> None:
     """A safetensors file with exactly this header (no checks), as a crafted file would be."""
-    import json
+    _header_file(path, {k: {"dtype": d, "shape": s, "data_offsets": o} for k, (d, s, o) in entries.items()}, data)
 
-    header = json.dumps({k: {"dtype": d, "shape": s, "data_offsets": o} for k, (d, s, o) in entries.items()}).encode()
+
+def _header_file(path, header: object, data: bytes) -> None:
+    raw = json.dumps(header).encode()
     with open(path, "wb") as f:
-        f.write(len(header).to_bytes(8, "little") + header + data)
+        f.write(len(raw).to_bytes(8, "little") + raw + data)
 
 
 @pytest.mark.parametrize(("entries", "size", "match"), [
@@ -87,6 +90,58 @@ def test_overlapping_tensors_holes_and_trailing_bytes_are_refused(tmp_path, entr
     path = str(tmp_path / "crafted.safetensors")
     _raw_file(path, entries, bytes(size))
     with pytest.raises(CheckpointCorruptError, match=match):
+        ckptmgr.load_file(path)
+
+
+@pytest.mark.parametrize(("entry", "size"), [
+    (("F32", [-2, -2], [0, 16]), 16),  # -2 * -2 * 4 = 16 bytes: only the sign is wrong
+    (("F32", [2.0, 2], [0, 16]), 16),
+    (("F32", [True, 4], [0, 16]), 16),
+    (("F32", "22", [0, 16]), 16),  # a string is not a list of dimensions
+    (("F32", [1] * 65, [0, 4]), 4),
+    (("F32", [2**62, 0], [0, 0]), 0),
+])
+def test_foreign_headers_with_impossible_shapes_are_refused_before_any_allocation(tmp_path, entry, size):
+    """A negative dimension (whose product still matches the byte count), a float, a bool, a
+    string, too many dimensions, a dimension past the format's bound: each a
+    CheckpointCorruptError naming the tensor, never torch's RuntimeError or a tensor of a shape
+    no writer meant."""
+    path = str(tmp_path / "crafted.safetensors")
+    _raw_file(path, {"t": entry}, bytes(size))
+    with pytest.raises(CheckpointCorruptError, match="tensor 't': the shape must be at most 64 ints"):
+        ckptmgr.load_file(path)
+
+
+@pytest.mark.parametrize(("entry", "size", "match"), [
+    (("F32", [4], [0.0, 16]), 16, "data_offsets must be two ints"),
+    (("F32", [4], [-16, 0]), 16, "data_offsets must be two ints"),
+    (("F32", [4], [0, 16, 32]), 16, "data_offsets must be two ints"),
+    (("F32", [4], [0, 2**70]), 16, "data_offsets must be two ints"),
+    (("F32", [4], [16, 0]), 16, "bad offsets"),
+    (("F32", [-1], [0, 0]), 0, "the shape must be"),
+    (("C128", [2], [0, 32]), 32, "unknown dtype 'C128'"),
+    ((["F32"], [4], [0, 16]), 16, "unknown dtype"),
+    ("F32", 16, "needs dtype, shape and data_offsets"),
+])
+def test_bad_header_entries_are_refused_naming_what_is_wrong(tmp_path, entry, size, match):
+    path = str(tmp_path / "crafted.safetensors")
+    if isinstance(entry, tuple):
+        _raw_file(path, {"t": entry}, bytes(size))
+    else:
+        _header_file(path, {"t": entry}, bytes(size))
+    with pytest.raises(CheckpointCorruptError, match=f"tensor 't'.*{match}"):
+        ckptmgr.load_file(path)
+
+
+def test_a_header_longer_than_safetensors_allows_is_refused_unread(tmp_path):
+    """The length field is bounded (100 MiB, as the manifest's header_size) before the header is
+    read: a file of 200 MiB (sparse here) that claims a 150 MiB header is refused at once."""
+    path = str(tmp_path / "long-header.safetensors")
+    n = 150 << 20
+    with open(path, "wb") as f:
+        f.write(n.to_bytes(8, "little") + b"{")
+        f.truncate(200 << 20)
+    with pytest.raises(CheckpointCorruptError, match="header length 157286400 does not fit"):
         ckptmgr.load_file(path)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,13 +25,41 @@ import crc32c
 from ..errors import CheckpointCorruptError, FormatVersionError
 from .schema import MAX_MANIFEST_BYTES, check_manifest
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "FileRecord", "Manifest"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "FileRecord", "Manifest", "check_manifest_size",
+           "read_manifest_bytes"]
 
 FORMAT_NAME = "ckptmgr"
 FORMAT_VERSION = 2  # 2: multi-rank checkpoints (world_size, rank_states); single-process ones stay 1
 MANIFEST_NAME = "manifest.json"
 # The checksum member as the writer puts it: last, on its own line, so the bytes it covers are plain.
 _CHECKSUM_TAIL = re.compile(rb',\n "manifest_crc32c": "([0-9a-f]{8})"\n\}\Z')
+
+
+def check_manifest_size(size: int | None, where: str) -> None:
+    """Refuse a manifest of more than MAX_MANIFEST_BYTES (docs/FORMAT.md), the one limit every
+    reader applies: with the size the storage reports (stat, Content-Length) before anything is
+    read, then with the length of what was read. ``None``: the storage reports no size.
+
+    Raises:
+        CheckpointCorruptError: ``size`` is over the limit.
+    """
+    if size is not None and size > MAX_MANIFEST_BYTES:
+        raise CheckpointCorruptError(f"{where}: the manifest has {size} bytes, more than the "
+                                     f"{MAX_MANIFEST_BYTES} a manifest may have")
+
+
+def read_manifest_bytes(size: int | None, read: Callable[[int], bytes], where: str) -> bytes:
+    """A manifest's bytes, refused by ``size`` (what the storage reports; None if nothing) before
+    they are read, then read with ``read(n)`` (at most ``n`` bytes): never more than
+    MAX_MANIFEST_BYTES + 1 bytes in memory, whatever the storage holds or reported.
+
+    Raises:
+        CheckpointCorruptError: the manifest is larger than MAX_MANIFEST_BYTES.
+    """
+    check_manifest_size(size, where)
+    data = read(MAX_MANIFEST_BYTES + 1)
+    check_manifest_size(len(data), where)
+    return data
 
 
 def _crc(data: bytes) -> str:
@@ -121,9 +150,7 @@ class Manifest:
             CheckpointCorruptError: not a valid manifest; the message names the field.
             FormatVersionError: written by a newer format version.
         """
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise CheckpointCorruptError(f"{where}: the manifest has {len(data)} bytes, more than the "
-                                         f"{MAX_MANIFEST_BYTES} a manifest may have")
+        check_manifest_size(len(data), where)
         try:
             obj = json.loads(data, parse_constant=_refuse_constant)
         except RecursionError:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointCorruptError
-from .layout import DATA_ALIGN, ST_TO_DTYPE
+from .layout import DATA_ALIGN, MAX_DIMS, MAX_FILE_BYTES, ST_TO_DTYPE
 from .naming import STEP_DIGITS
 from .tree import DTYPE_NAME_RE, FLOAT_NAMES, JSON, MAX_JSON_DEPTH, TENSOR_TAGS
 
@@ -41,10 +41,8 @@ __all__ = [
 
 MAX_MANIFEST_BYTES = 256 << 20  # a manifest larger than this is not read at all
 MAX_STEP = 10**STEP_DIGITS  # steps are ints in [0, MAX_STEP): what the zero-padded names order
-MAX_FILE_BYTES = 1 << 50  # 1 PiB: any data file claiming more is corrupt
 MAX_HEADER_BYTES = 100 << 20  # safetensors readers refuse headers over 100 MB
 MAX_CHUNK_BYTES = 1 << 30  # checksum chunks: multiples of 4096 up to 1 GiB
-MAX_DIMS = 64
 MAX_NAME_CHARS = 4096  # tensor names
 MAX_WORLD_SIZE = 1 << 20
 MAX_TEXT_CHARS = 256  # library_version

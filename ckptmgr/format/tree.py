@@ -37,6 +37,14 @@ can be keys) without recursion, and refuses nesting deeper than :data:`MAX_JSON_
 states nested deeper than :data:`MAX_NESTING` containers, so whatever it writes reads back.
 A conjugate or negative view (``z.conj()``, the ``.imag`` of one) is stored as its values,
 never as the tensor it views.
+
+``flatten`` also refuses, with :class:`UnsupportedValueError` naming the path, every value the
+format cannot hold, so that ``save()`` fails before it returns rather than in the background:
+strings (values, dict keys, metadata) that are not valid Unicode text (a lone surrogate such as
+``"\\ud800"`` has no UTF-8 encoding), ints of more than :data:`MAX_INT_DIGITS` digits (JSON
+readers refuse them), nested (jagged) tensors, tensors whose storage is smaller than the
+tensor (freed with ``resize_(0)``, as FSDP does) or not accessible (``torch.func`` wrappers), and
+numpy arrays in a non-native byte order.
 """
 
 from __future__ import annotations
@@ -55,8 +63,8 @@ import torch
 
 from ..errors import CheckpointCorruptError, UnsupportedValueError
 
-__all__ = ["DTYPE_NAME_RE", "FLOAT_NAMES", "MAX_JSON_DEPTH", "MAX_NESTING", "TENSOR_TAGS", "Leaf", "PerRank",
-           "decode_plain", "encode_plain", "flatten", "is_stateful", "unflatten"]
+__all__ = ["DTYPE_NAME_RE", "FLOAT_NAMES", "MAX_INT_DIGITS", "MAX_JSON_DEPTH", "MAX_NESTING", "TENSOR_TAGS", "Leaf",
+           "PerRank", "decode_plain", "encode_plain", "flatten", "is_stateful", "unflatten"]
 
 JSON = Any  # a JSON-serialisable value
 _RESERVED_NAMES = frozenset({"__metadata__"})
@@ -64,6 +72,9 @@ MAX_NESTING = 100  # containers inside containers in a saved state (a real one h
 MAX_JSON_DEPTH = 3 * MAX_NESTING + 20  # JSON nesting of a skeleton read back (a dict level takes up to 3)
 _MAX_NAME = 1024  # tensor names derived from longer paths are cut (and made unique)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MAX_INT_DIGITS = 4300  # Python's json refuses to read longer ints (sys.get_int_max_str_digits())
+_INT_BITS = 14284  # ints of at most this many bits have at most MAX_INT_DIGITS digits
+_INT_LIMIT = 10**MAX_INT_DIGITS
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,27 @@ def _path_str(path: tuple[Any, ...], root: str = "state") -> str:
     return root + "".join(f"[{k!r}]" for k in path)
 
 
+def _check_text(text: str, path: tuple[Any, ...], root: str, what: str) -> None:
+    """Refuse a str that has no UTF-8 encoding (a lone surrogate): JSON and safetensors
+    headers are UTF-8, so it could never be written."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UnsupportedValueError(
+            _path_str(path, root), f"{what} {text[max(0, exc.start - 20):exc.start + 20]!r} is not valid Unicode "
+            f"text: character {exc.start} is a lone surrogate {text[exc.start]!r}, which has no UTF-8 encoding "
+            "(decode bytes with errors='replace', or store them as a numpy uint8 array)") from None
+
+
+def _check_int(value: int, path: tuple[Any, ...], root: str) -> None:
+    if value.bit_length() > _INT_BITS and abs(value) >= _INT_LIMIT:
+        raise UnsupportedValueError(
+            _path_str(path, root), f"an int of {value.bit_length()} bits has more than {MAX_INT_DIGITS} digits, "
+            "more than JSON readers accept; store it as a str or split it")
+
+
 def _tensor_name(path: tuple[Any, ...]) -> str:
     """The path joined by ``/``; control characters become ``?`` and long names are cut."""
     name = "/".join(str(k) for k in path) or "tensor"
@@ -159,7 +191,13 @@ class _Flattener:
 
     def encode(self, value: Any, path: tuple[Any, ...], *, tensors: bool = True) -> JSON:
         t = type(value)
-        if value is None or t is bool or t is int or t is str:
+        if value is None or t is bool:
+            return value
+        if t is str:
+            _check_text(value, path, self.root, "the string")
+            return value
+        if t is int:
+            _check_int(value, path, self.root)
             return value
         if t is float:
             return value if math.isfinite(value) else {"$float": repr(value)}
@@ -206,8 +244,8 @@ class _Flattener:
             return {"$ndarray": self._add(path, self._from_numpy(value, path))}
         if tensors and isinstance(value, np.generic):
             return {"$npscalar": self._add(path, self._from_numpy(np.asarray(value), path))}
-        if tensors and is_stateful(value):
-            cls = f"{t.__module__}.{t.__qualname__}"
+        if tensors and is_stateful(value):  # (the class name is for people: made writable, never refused)
+            cls = f"{t.__module__}.{t.__qualname__}".encode("utf-8", "backslashreplace").decode("utf-8")[:1024]
             return {"$stateful": cls, "state": self.encode(value.state_dict(), path)}
         if self.allow_pickle:
             try:
@@ -228,6 +266,8 @@ class _Flattener:
 
     def _encode_dict(self, value: dict[Any, Any], path: tuple[Any, ...], tensors: bool) -> JSON:
         if all(type(k) is str for k in value):
+            for k in value:
+                _check_text(k, (*path, k), self.root, "the key")
             body: JSON = {k: self.encode(v, (*path, k), tensors=tensors) for k, v in value.items()}
         else:
             body = [
@@ -246,17 +286,35 @@ class _Flattener:
         if t.is_sparse or t.layout != torch.strided:
             raise UnsupportedValueError(
                 _path_str(path, self.root), f"tensors of layout {t.layout} are not supported; store t.to_dense()")
+        if t.is_nested:
+            raise UnsupportedValueError(_path_str(path, self.root), "nested tensors are not supported; store "
+                                        "t.unbind() (a list of tensors) or t.to_padded_tensor(0)")
         if t.is_quantized:
             raise UnsupportedValueError(
                 _path_str(path, self.root), "quantized tensors are not supported; store t.dequantize() or t.int_repr()")
         if t.device.type == "meta":
             raise UnsupportedValueError(_path_str(path, self.root), "a tensor on the meta device has no data to save")
+        try:
+            have = t.untyped_storage().nbytes()
+        except (NotImplementedError, RuntimeError) as exc:  # a torch.func (grad, vmap) wrapper: no storage
+            raise UnsupportedValueError(_path_str(path, self.root), f"a tensor without storage of its own ({exc}); "
+                                        "inside torch.func.grad/vmap, save outside the transform") from None
+        if t.numel():
+            need = (t.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)))
+            if need * t.element_size() > have:
+                raise UnsupportedValueError(
+                    _path_str(path, self.root), f"the tensor reaches byte {need * t.element_size()} of its storage, "
+                    f"which holds {have} bytes (freed with resize_(0), as FSDP does with sharded parameters?): its "
+                    "values are not there to save")
         if t.is_conj() or t.is_neg():
             # A lazy conjugate or negation shares its base's memory: store its values, never the base's bytes.
             return t.detach().resolve_conj().resolve_neg()
         return t.detach()
 
     def _from_numpy(self, a: np.ndarray[Any, Any], path: tuple[Any, ...]) -> torch.Tensor:
+        if not a.dtype.isnative:
+            raise UnsupportedValueError(_path_str(path, self.root), f"numpy dtype {a.dtype.str} is not in this "
+                                        "machine's byte order; store a.astype(a.dtype.newbyteorder('='))")
         try:
             return torch.from_numpy(a if a.flags.c_contiguous else a.copy(order="C"))
         except TypeError as exc:

@@ -25,7 +25,7 @@ import numpy as np
 from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
-from ..format.manifest import MANIFEST_NAME
+from ..format.manifest import MANIFEST_NAME, read_manifest_bytes
 from ..format.naming import MAX_STEP, PROTECT_NAME, ROOT_ID_NAME, is_our_file, new_root_id, parse_root_id, step_name
 from .lease import LEASE_STALE_S, LeaseKeeper
 from .objects import ManifestLastCommit, ObjectInfo, remove_object_leftovers, step_objects
@@ -157,6 +157,14 @@ class FsspecTarget:
         data: bytes = self.fs.cat_file(self._full(rel))
         return data
 
+    def get_manifest(self, rel: str) -> bytes:
+        """The manifest ``rel``, refused by its size before it is read, and read bounded
+        (:func:`~ckptmgr.format.manifest.read_manifest_bytes`). Raises FileNotFoundError."""
+        full = self._full(rel)
+        with self.fs.open(full, "rb") as f:
+            size = getattr(f, "size", None)  # (buffered remote files know it; a local opener does not)
+            return read_manifest_bytes(self.fs.size(full) if size is None else size, f.read, f"{self.url}/{rel}")
+
     def exists(self, rel: str) -> bool:
         self.fs.invalidate_cache(posixpath.dirname(self._full(rel)))
         return bool(self.fs.exists(self._full(rel)))
@@ -224,7 +232,7 @@ class FsspecTarget:
 
     def read_manifest(self, step: int) -> bytes:
         try:
-            return self.get(f"{step_name(check_step(step))}/{MANIFEST_NAME}")
+            return self.get_manifest(f"{step_name(check_step(step))}/{MANIFEST_NAME}")
         except FileNotFoundError:
             raise StepNotFoundError(f"step {step} is not committed under {self.url}") from None
 

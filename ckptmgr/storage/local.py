@@ -30,7 +30,7 @@ import numpy as np
 from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
-from ..format.manifest import MANIFEST_NAME
+from ..format.manifest import MANIFEST_NAME, read_manifest_bytes
 from ..format.naming import (
     PROTECT_NAME,
     ROOT_ID_NAME,
@@ -65,7 +65,6 @@ _DIRECT_ALIGN = 4096
 _DIRECT_MIN = 16 << 20  # smaller files gain nothing from O_DIRECT
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-MAX_MANIFEST_BYTES = 1 << 30  # refused before it is read: no checkpoint's manifest comes near
 
 
 class _LocalStepWriter:
@@ -305,12 +304,8 @@ class LocalTarget:
             except FileNotFoundError:
                 raise StepNotFoundError(f"step {step} is not committed under {self.path}") from None
         try:
-            size = os.fstat(fd).st_size
-            if size > MAX_MANIFEST_BYTES:
-                raise CheckpointCorruptError(f"{where} is {size} bytes, more than any manifest "
-                                             f"({MAX_MANIFEST_BYTES}): step {step} is damaged")
             with os.fdopen(os.dup(fd), "rb") as f:
-                return f.read(size + 1)
+                return read_manifest_bytes(os.fstat(fd).st_size, f.read, where)
         finally:
             os.close(fd)
 

@@ -39,6 +39,7 @@ import numpy as np
 from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, CkptError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
+from ..format.manifest import read_manifest_bytes
 from ..format.naming import is_our_file, step_name
 from ..options import S3Options
 from .fsspec import FsspecTarget, _FsspecStepWriter
@@ -321,6 +322,32 @@ class S3Target(FsspecTarget):
 
     def get(self, rel: str) -> bytes:
         return self._read(self._key(rel))
+
+    def get_manifest(self, rel: str) -> bytes:
+        """One GET, refused by its Content-Length before the body is read; at most the limit
+        + 1 bytes of the body are read (:func:`~ckptmgr.format.manifest.read_manifest_bytes`)."""
+        fs, key = self.raw_fs, self._key(rel)
+
+        async def read_at_most(body: Any, n: int) -> bytes:
+            parts: list[bytes] = []
+            while n > 0 and (part := await body.read(n)):
+                parts.append(part)
+                n -= len(part)
+            return b"".join(parts)
+
+        async def close(body: Any) -> None:
+            body.close()
+
+        def fetch() -> bytes:
+            resp = fsspec.asyn.sync(fs.loop, fs._call_s3, "get_object", Bucket=self.bucket, Key=key)
+            try:
+                return read_manifest_bytes(resp.get("ContentLength"),
+                                           lambda n: fsspec.asyn.sync(fs.loop, read_at_most, resp["Body"], n),
+                                           f"{self.url}/{rel}")
+            finally:
+                fsspec.asyn.sync(fs.loop, close, resp["Body"])
+
+        return self.retry(fetch, f"get_object {key}")
 
     def exists(self, rel: str) -> bool:
         try:

@@ -56,6 +56,7 @@ from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, CkptError, ConfigError, StepNotFoundError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.schema import MAX_MANIFEST_BYTES
 from ..options import StagingOptions
 from .posix import preadv_into
 from .private import NOFOLLOW as _NOFOLLOW
@@ -268,7 +269,7 @@ class LocalTier:
     def _check_slot(self, index: int) -> Manifest | None:
         d = self._slot_fd(index)
         try:
-            raw = read_small(MANIFEST_NAME, d)
+            raw = read_small(MANIFEST_NAME, d, MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             return None
         where = f"{self.path}/slot-{index:02d}/{MANIFEST_NAME}"
@@ -412,7 +413,7 @@ class LocalTier:
 
     def read_manifest(self, step: int) -> bytes:
         try:
-            return read_small(MANIFEST_NAME, self._slot_fd(self._slot_of(step)))
+            return read_small(MANIFEST_NAME, self._slot_fd(self._slot_of(step)), MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise StepNotFoundError(f"step {step} is not in the {self.url}") from None
 
@@ -450,7 +451,8 @@ def read_tier(local_dir: str, root_url: str) -> dict[int, Manifest]:
                 check_private_dir(os.lstat(name, dir_fd=fd), name)
                 slot = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
                 try:
-                    m = Manifest.from_bytes(read_small(MANIFEST_NAME, slot), where=f"{path}/{name}/{MANIFEST_NAME}")
+                    m = Manifest.from_bytes(read_small(MANIFEST_NAME, slot, MAX_MANIFEST_BYTES),
+                                            where=f"{path}/{name}/{MANIFEST_NAME}")
                 finally:
                     os.close(slot)
             except (OSError, CkptError, ValueError):

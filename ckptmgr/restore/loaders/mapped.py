@@ -31,8 +31,9 @@ from ... import _cuda
 from ..._threads import collector_paused
 from ...errors import CheckpointCorruptError
 from ...format.checksum import chunk_ranges, crc32c_hex
-from ...format.layout import ST_TO_DTYPE
+from ...format.layout import MAX_DIMS, MAX_FILE_BYTES, ST_TO_DTYPE
 from ...format.manifest import Manifest
+from ...format.schema import MAX_HEADER_BYTES
 from ..preflight import verify_images
 from .host import _build_views
 from .landing import Entry, lands_in_target, plan_landing
@@ -83,11 +84,18 @@ class MappedFile:
 
 
 def _parse(buf: torch.Tensor, size: int, path: str) -> tuple[list[Entry], int]:
+    """The entries of a safetensors header, every one checked before anything is allocated:
+    the header length bounded, each dtype known, each shape at most MAX_DIMS ints in
+    ``[0, MAX_FILE_BYTES]``, each ``data_offsets`` two ints inside the data region that span
+    exactly dtype x shape bytes, and the entries tiling the data region (safetensors' rules)."""
     n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
-    if n <= 0 or 8 + n > size:
-        raise CheckpointCorruptError(f"{path}: header length {n} does not fit a {size}-byte file")
+    if n <= 0 or 8 + n > size or n > MAX_HEADER_BYTES:
+        raise CheckpointCorruptError(f"{path}: header length {n} does not fit a {size}-byte file "
+                                     f"(safetensors headers have at most {MAX_HEADER_BYTES} bytes)")
     try:
         header = json.loads(buf[8:8 + n].numpy().tobytes())
+    except RecursionError:
+        raise CheckpointCorruptError(f"{path}: the safetensors header is nested too deeply to be one") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointCorruptError(f"{path}: the safetensors header is not valid JSON ({exc})") from exc
     if not isinstance(header, dict):
@@ -96,16 +104,7 @@ def _parse(buf: torch.Tensor, size: int, path: str) -> tuple[list[Entry], int]:
     entries = []
     header.pop("__metadata__", None)
     for name, e in header.items():
-        try:
-            dtype = ST_TO_DTYPE[e["dtype"]]
-            shape = tuple(int(s) for s in e["shape"])
-            begin, end = (int(x) for x in e["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointCorruptError(f"{path}: tensor {name!r} has a bad header entry ({exc!r})") from None
-        if not 0 <= begin <= end <= data_len or end - begin != math.prod(shape) * dtype.itemsize:
-            raise CheckpointCorruptError(f"{path}: tensor {name!r} has bad offsets {[begin, end]} for "
-                                         f"{e['dtype']}{list(shape)} in a data region of {data_len} bytes")
-        entries.append(Entry(name, dtype, shape, begin, end))
+        entries.append(_entry(name, e, data_len, path))
     pos = 0
     for e in sorted(entries, key=lambda e: (e.begin, e.end)):  # safetensors' own rule: no overlaps, no holes
         if e.begin != pos:
@@ -115,6 +114,30 @@ def _parse(buf: torch.Tensor, size: int, path: str) -> tuple[list[Entry], int]:
     if pos != data_len:
         raise CheckpointCorruptError(f"{path}: the tensors cover {pos} bytes of a {data_len}-byte data region")
     return entries, 8 + n
+
+
+def _is_int(v: Any, hi: int) -> bool:
+    return type(v) is int and 0 <= v <= hi
+
+
+def _entry(name: str, e: Any, data_len: int, path: str) -> Entry:
+    what = f"{path}: tensor {name[:100]!r}"
+    if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
+        raise CheckpointCorruptError(f"{what}: a header entry needs dtype, shape and data_offsets, got {str(e)[:100]}")
+    dtype = ST_TO_DTYPE.get(e["dtype"]) if isinstance(e["dtype"], str) else None
+    if dtype is None:
+        raise CheckpointCorruptError(f"{what}: unknown dtype {str(e['dtype'])[:40]!r}")
+    shape, offsets = e["shape"], e["data_offsets"]
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_int(s, MAX_FILE_BYTES) for s in shape)):
+        raise CheckpointCorruptError(f"{what}: the shape must be at most {MAX_DIMS} ints in [0, {MAX_FILE_BYTES}], "
+                                     f"got {str(shape)[:100]}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(x, MAX_FILE_BYTES) for x in offsets)):
+        raise CheckpointCorruptError(f"{what}: data_offsets must be two ints >= 0, got {str(offsets)[:100]}")
+    begin, end = offsets
+    if not begin <= end <= data_len or end - begin != math.prod(shape) * dtype.itemsize:
+        raise CheckpointCorruptError(f"{what} has bad offsets {[begin, end]} for {e['dtype']}{shape} in a data "
+                                     f"region of {data_len} bytes")
+    return Entry(name, dtype, tuple(shape), begin, end)
 
 
 def open_mapped(path: str) -> MappedFile:
