@@ -5,8 +5,8 @@ from __future__ import annotations
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from .errors import CkptTimeoutError, SaveSkippedError
+from .save.outcome import Ticket, as_save_error
 from .save.persist import SaveInfo
-from .save.saver import Ticket, as_save_error
 
 __all__ = ["SaveHandle", "SaveInfo"]
 
