@@ -559,7 +559,7 @@ class CheckpointManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         if flush and not self.read_only:
             try:
-                self._saver.flush()
+                self._saver.flush(failed_too=False)  # (a failed write was told already, and is kept)
             except Exception as exc:  # (the newest step stays in the local tier: said below)
                 log.warning("could not make the newest step durable before closing: %s: %s", type(exc).__name__, exc)
         self._closed = True

@@ -4,6 +4,7 @@
     ckptmgr inspect ROOT [STEP]             the state tree (--tensors: every tensor; --all: no summaries)
     ckptmgr verify ROOT [STEP]              read every byte, check every checksum
     ckptmgr prune ROOT --keep-latest N ...  apply a retention policy (--dry-run first)
+    ckptmgr flush ROOT [--drop]             write the step this node's local tier holds only (or drop it)
     ckptmgr export ROOT STEP --to DIR       model.safetensors (+ index) and state.json, no ckptmgr needed
     ckptmgr import FILE ROOT [--step N]     a torch.save / Lightning .ckpt / safetensors file
 
@@ -34,7 +35,7 @@ from .. import __version__
 from ..errors import CkptError
 from ._browse import cmd_inspect, cmd_ls
 from ._context import EXIT, CorruptFound, Ctx, exit_code
-from ._maintain import cmd_prune, cmd_verify
+from ._maintain import add_flush, cmd_prune, cmd_verify
 from ._transfer import cmd_export, cmd_import
 
 __all__ = ["EXIT", "main"]
@@ -94,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--keep-best", action="append", metavar="METRIC:N[:min|max]",
                    help="keep the N best steps by a metadata metric (repeatable)")
     c.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+    add_flush(add)
     c = add("export", cmd_export, "write a step as plain safetensors files in Hugging Face's names, + JSON")
     c.add_argument("root")
     c.add_argument("step", help="step number or 'latest'")

@@ -106,6 +106,7 @@ class Saver:
         self._retries: list[tuple[float, PersistJob]] = []
         self._durable: set[int] = set(durable)
         self._protect: set[int] = set()
+        self._failed: set[int] = set()  # steps whose durable write failed and is not retried
         self._unsettled = 0
         self._tickets: list[Ticket] = []
         self._counts = {"durable_superseded": 0, "local_only": 0}
@@ -495,6 +496,7 @@ class Saver:
                 self._pending.pop(step, None)
                 if error is None:
                     self._durable.add(step)
+                    self._failed.discard(step)
                     self._deleter.current = step  # its own retention run keeps it (see Deleter)
                     protect = step in self._protect
                     self._protect.discard(step)
@@ -507,6 +509,7 @@ class Saver:
                                 type(error).__name__, error, delay)
                 else:
                     self._protect.discard(step)
+                    self._failed.add(step)
             if error is not None and (lasting := permanent(error)) is not None:
                 self._report_permanent(job, error, lasting, ticket is None)
             elif error is not None and ticket is None and not retry:
@@ -591,10 +594,11 @@ class Saver:
         self.pool.mark_wanted(slot, True)
         return job, Ticket(m.step, Future(), staging)
 
-    def flush(self) -> int | None:
+    def flush(self, *, failed_too: bool = True) -> int | None:
         """Send the newest committed step to the durable target when it is not on its way
-        there (the schedule, or ``save(durable=False)``, kept it in the local tier only);
-        return that step, or None when there is nothing to send. Wait with :meth:`wait`."""
+        there (the schedule, or ``save(durable=False)``, kept it in the local tier only; or,
+        with ``failed_too``, its write failed for good); return that step, or None when there
+        is nothing to send. Wait with :meth:`wait`."""
         tier = self._tier
         if tier is None:  # (every save is written durably)
             return None
@@ -613,7 +617,8 @@ class Saver:
                 self._queue.append((job, ticket))
                 self._mu.notify_all()
                 return job.step
-            if newest is None or newest in self._durable or any(j.step == newest for _, j in self._retries):
+            if (newest is None or newest in self._durable or any(j.step == newest for _, j in self._retries)
+                    or (newest in self._failed and not failed_too)):
                 return None
         slot = self.pool.slots[local[newest]]
         m = Manifest.from_bytes(tier.read_manifest(newest), where=f"{tier.url}: step {newest}")
