@@ -67,10 +67,12 @@ def _expect(q: queue.Queue, *words: str) -> None:
 
 # ------------------------------------------------------------ 6: Ctrl-C in close()
 
-def test_ctrl_c_while_close_waits_for_the_newest_write_never_drops_it_silently(root, tmp_path):
+@pytest.mark.parametrize("again", [False, True], ids=["then-wait", "ctrl-c-again"])
+def test_ctrl_c_while_close_waits_for_the_newest_write_never_drops_it_silently(root, tmp_path, again):
     """No local tier: the step exists only in the process's memory. The write is held at a
-    gate, close() waits for it, a real SIGINT arrives: the loss-or-finish is said naming the
-    step, and the exit hook waits for the write, which then reaches the root."""
+    gate, close() waits for it, a real SIGINT arrives: close() names the step and what a kill
+    would cost, and the exit hook waits for the write again, which then reaches the root; a
+    second SIGINT there ends the process, and the loss is said again, naming the step."""
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, os.path.join(HERE, "close_interrupt_writer.py"), root],
@@ -80,8 +82,10 @@ def test_ctrl_c_while_close_waits_for_the_newest_write_never_drops_it_silently(r
         _expect(out, "writing", "closing")  # the write is held at the gate, close() waits for it
         proc.send_signal(signal.SIGINT)
         _expect(out, "interrupted")
-        said = err_path.read_text()  # (logged before close() re-raised, so before "interrupted")
-        if "step 5" in said:  # the write is still waited for: let it go on
+        if again:
+            _expect(out, "closing")  # the exit hook waits for it again
+            proc.send_signal(signal.SIGINT)
+        elif "step 5" in err_path.read_text():  # (logged before close() re-raised) it is waited for: go on
             proc.stdin.write("go" * 8)
             proc.stdin.flush()
         proc.wait(timeout=60)
@@ -90,9 +94,13 @@ def test_ctrl_c_while_close_waits_for_the_newest_write_never_drops_it_silently(r
             proc.kill()
             proc.wait(timeout=30)
     said = err_path.read_text()
+    told = said.count("interrupted (KeyboardInterrupt) before step 5 was written")
+    assert told == (2 if again else 1), said
+    assert "step 5 is lost (it was only in this process's memory)" in said  # what a kill would cost
+    if again:
+        assert durable_steps(root) == []
+        return
     assert proc.returncode == 0, said
-    assert "interrupted (KeyboardInterrupt) before step 5 was written" in said, said
-    assert "step 5 is lost (it was only in this process's memory)" in said  # what a kill would have cost
     assert durable_steps(root) == [5]
     with CheckpointManager(root, staging=NO_TIER) as mgr:
         assert_tree_equal(mgr.restore(), interrupt_state())

@@ -33,9 +33,12 @@ the slot, writes a pending protection marker, schedules retention, completes the
 does the accounting. Nothing happens in a Future callback, so no failure there can leave
 ``wait()`` blocked.
 
-A failed durable write (an ``OSError``: the target is full, unreachable, throttling) is
-reported on the ticket at once, and retried with exponential backoff while its slot still
-holds the step and no newer step has committed; a success is logged.
+A failed durable write (an ``OSError``: the target is unreachable, throttling) is reported on
+the ticket at once, and retried with exponential backoff while its slot still holds the step
+and no newer step has committed; a success is logged. One that retrying cannot fix (the
+target is full or read-only, see :func:`~ckptmgr.save.outcome.permanent`) is logged once and
+not retried. ``flush()`` (and ``close()``) send the newest step the local tier alone holds to
+the durable target, from its slot.
 """
 
 from __future__ import annotations
@@ -609,9 +612,9 @@ class Saver:
             newest = max(local, default=None)
             job = max(self._pending.values(), key=lambda j: j.step, default=None)
             if job is not None and (newest is None or job.step >= newest):
-                if job.durable or job.picked:
+                ticket = next((t for t in self._tickets if t.step == job.step and not t.future.done()), None)
+                if job.durable or job.picked or ticket is None:
                     return None  # on its way already
-                ticket = next(t for t in self._tickets if t.step == job.step and not t.future.done())
                 job.durable = True  # (its local commit still runs: it hands the slot to the persist thread)
                 self.pool.mark_wanted(job.slot, True)
                 self._queue.append((job, ticket))
