@@ -5,8 +5,8 @@ from __future__ import annotations
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from .errors import CkptTimeoutError, SaveSkippedError
+from .save.outcome import Ticket, as_save_error
 from .save.persist import SaveInfo
-from .save.saver import Ticket, as_save_error
 
 __all__ = ["SaveHandle", "SaveInfo"]
 
@@ -35,7 +35,9 @@ class SaveHandle:
       durable target): once it is committed in the local tier; ``SaveInfo.durable`` is False
       and ``superseded_by`` is None. Without a local tier every step is written durably.
     * failed: ``result()`` raises SaveError. A durable write that fails is retried in the
-      background while the slot still holds the step (the failure is still reported here).
+      background while the slot still holds the step (the failure is still reported here),
+      unless retrying cannot fix it (ENOSPC, EDQUOT, EFBIG, EROFS, EACCES, EPERM: it is then
+      logged once and not retried; the local tier keeps the step for the next start).
 
     Attributes:
         step: the step being saved.

@@ -163,7 +163,7 @@ class CheckpointManager:
         lifecycle.close_at_exit(self)
         if self._tier is not None:  # slots an earlier process left committed: adopt, write out the newer
             root_id = self._target.root_id()  # (read only: a root gets its identity with its first commit)
-            found = self._tier.scan(staging.slots, root_id=root_id, root_is_empty=not durable)
+            found = self._tier.scan(staging.slots, root_id=root_id, root_is_empty=not durable, durable=set(durable))
             self._saver.adopt(found, set(durable), root_id, on_mapped=self._restorer.check_adopted)
 
     def _start_up(self) -> list[int]:
@@ -212,7 +212,7 @@ class CheckpointManager:
     # ---------------------------------------------------------------- save
 
     def save(self, step: int, state: Any, *, metadata: dict[str, Any] | None = None,
-             block: bool = True) -> SaveHandle:
+             block: bool = True, durable: bool | None = None) -> SaveHandle:
         """Checkpoint ``state`` as ``step``.
 
         The state is copied into a reusable host slot (device-to-host DMA for GPU tensors);
@@ -230,6 +230,10 @@ class CheckpointManager:
                 they overlap the caller's next work; the caller must then call
                 ``handle.wait_staged()`` before changing the state (e.g. before
                 ``optimizer.step()``).
+            durable: True writes this save to the durable target whatever the
+                :class:`Schedule` says; False keeps it in the local tier only (written
+                durably all the same where there is no local tier); None (the default):
+                the schedule decides.
 
         Returns:
             The save's handle. With ``StagingOptions(on_busy="skip")`` and every slot busy,
@@ -254,6 +258,8 @@ class CheckpointManager:
             raise ConfigError(f"metadata must be a dict, got {type(metadata).__name__}")
         if not isinstance(block, bool):
             raise ConfigError(f"block must be a bool, got {block!r}")
+        if durable is not None and not isinstance(durable, bool):
+            raise ConfigError(f"durable must be None or a bool, got {durable!r}")
         self._raise_unobserved()
         self._saver.check_new(step)
         meta_json = encode_plain(metadata or {}, what="metadata")
@@ -263,7 +269,7 @@ class CheckpointManager:
         coord = self._coord
         join = None if coord is None else (lambda job: coordinate(job, coord, self._target, fps))
         return SaveHandle(self._saver.save(manifest, plan, sizes, block=block, t0=t0, coordinate=join,
-                                           schedule=self._schedule))
+                                           schedule=self._schedule, durable=durable))
 
     def should_save(self, step: int) -> bool:
         """Whether the manager's :class:`Schedule` saves ``step`` (every step without one).
@@ -331,6 +337,26 @@ class CheckpointManager:
         self._saver.wait(timeout)
         self._deleter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._raise_unobserved()
+
+    def flush(self, timeout: float | None = None) -> int | None:
+        """Make the newest committed step durable now, if the local tier holds its only copy
+        (the :class:`Schedule` or ``save(durable=False)`` kept it there), and wait for it and
+        every other pending save, like :meth:`wait`.
+
+        Returns:
+            The step this call sent to the durable target, or None when the newest step was
+            durable or on its way there already (or there is no local tier).
+
+        Raises:
+            SaveError: a save (this write included) failed and nobody has been told yet.
+            CkptTimeoutError: still pending after ``timeout`` seconds.
+            ConfigError: the manager is read-only or closed.
+        """
+        self._check_open()
+        self._check_writable("flush")
+        step = self._saver.flush()
+        self.wait(timeout)
+        return step
 
     def apply_retention(self) -> None:
         """Run the retention policy now and wait for its deletions (it also runs after every
@@ -503,12 +529,19 @@ class CheckpointManager:
         if self._closed:
             raise ConfigError(f"the CheckpointManager for {self.root} is closed")
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, *, flush: bool = True) -> None:
         """Wait for pending saves and deletions, then release slots and threads; bounded.
 
-        Staging slots whose step is durable are freed. A local-tier step that never reached
-        the durable target (its write failed or did not finish in time) is kept in the local
-        tier; the next manager on this root restores from it if it is newer and writes it out.
+        With ``flush`` (the default), the newest committed step is made durable first if the
+        local tier holds its only copy (see :meth:`flush`). Staging slots whose step is
+        durable are freed. A local-tier step that never reached the durable target (its write
+        failed or did not finish in time, or ``flush=False``) is kept in the local tier, and
+        a warning says so: the next manager on this root, on this node, restores from it if
+        it is newer and writes it out (``ckptmgr flush ROOT`` does that too); a reboot loses it.
+
+        Interrupted while it waits for the writes (Ctrl-C), close() logs the steps not yet
+        durable and what becomes of them, and re-raises; the manager then stays open, the
+        writes go on, and interpreter exit (or another close()) waits for them again.
 
         Args:
             timeout: seconds to wait for pending writes and deletions (default: the
@@ -516,6 +549,8 @@ class CheckpointManager:
                 it, the manager closes anyway: each step not yet durable is logged with what
                 becomes of it, and the threads still writing are left to finish or die with
                 the process (they never keep it alive).
+            flush: make the newest step durable before closing (False: leave it where the
+                schedule put it).
 
         Raises:
             SaveError: a save failed and nobody has been told yet.
@@ -530,10 +565,21 @@ class CheckpointManager:
         if timeout is not None and math.isinf(timeout):
             timeout = None
         deadline = None if timeout is None else time.monotonic() + timeout
+        if flush and not self.read_only:
+            try:
+                self._saver.flush(failed_too=False)  # (a failed write was told already, and is kept)
+            except Exception as exc:  # (the newest step stays in the local tier: said below)
+                log.warning("could not make the newest step durable before closing: %s: %s", type(exc).__name__, exc)
         self._closed = True
         lifecycle.forget(self)
         self._restorer.cancel_checks()  # (of adopted slots: not needed any more)
-        lost, kept = self._saver.close(timeout)  # (lost: still being written; kept: failed, in the tier)
+        try:
+            lost, kept = self._saver.close(timeout)  # (lost: still being written; kept: failed, in the tier)
+        except BaseException:
+            if not self._saver.closing:  # interrupted while waiting for the writes (logged): still open
+                self._closed = False
+                lifecycle.close_at_exit(self)
+            raise
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             self._deleter.drain(left)
@@ -545,8 +591,10 @@ class CheckpointManager:
             self._ring.close()
         if self._tier is not None:
             if kept:
-                log.warning("steps %s were never written to %s; they stay in the local tier %s for the next start",
-                            kept, self.root, self._tier.path)
+                log.warning("steps %s were never written to %s; they stay only in the local tier %s (RAM: a reboot "
+                            "loses them, another node does not see them) until the next start on this root, on "
+                            "this node, writes them. To write them now: mgr.flush() or close(flush=True) before "
+                            "closing, or `ckptmgr flush %s` on this node", kept, self.root, self._tier.path, self.root)
             self._tier.close(remove=not kept and not hung, wait=not hung)
         if not hung and not deleting:
             self._target.close()

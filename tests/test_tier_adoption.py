@@ -55,13 +55,14 @@ def pinned(monkeypatch):
 
 def _leave_step_3_in_the_tier(root: str, local: str) -> str:
     """Steps 2 (durable) and 3 (local tier only), then close: step 3 stays in the tier for the
-    next start. Returns the path of its first data file there."""
-    with CheckpointManager(root, staging=StagingOptions(slots=1, local_dir=local), write_options=SMALL_CHUNKS,
-                           schedule=DURABLE_EVEN) as mgr:
-        mgr.save(2, _state(2)).result()
-        mgr.save(3, _state(3)).result()
-        assert mgr._tier.steps() == {3: 0}
-        path = mgr._tier.path_of(3, "data-00000.safetensors")
+    next start (closed with ``flush=False``). Returns the path of its first data file there."""
+    mgr = CheckpointManager(root, staging=StagingOptions(slots=1, local_dir=local), write_options=SMALL_CHUNKS,
+                            schedule=DURABLE_EVEN)
+    mgr.save(2, _state(2)).result()
+    mgr.save(3, _state(3)).result()
+    assert mgr._tier.steps() == {3: 0}
+    path = mgr._tier.path_of(3, "data-00000.safetensors")
+    mgr.close(flush=False)
     assert os.path.exists(path)
     return path
 

@@ -4,6 +4,7 @@
     ckptmgr inspect ROOT [STEP]             the state tree (--tensors: every tensor; --all: no summaries)
     ckptmgr verify ROOT [STEP]              read every byte, check every checksum
     ckptmgr prune ROOT --keep-latest N ...  apply a retention policy (--dry-run first)
+    ckptmgr flush ROOT [--drop]             write the step this node's local tier holds only (or drop it)
     ckptmgr export ROOT STEP --to DIR       model.safetensors (+ index) and state.json, no ckptmgr needed
     ckptmgr import FILE ROOT [--step N]     a torch.save / Lightning .ckpt / safetensors file
 
@@ -50,6 +51,7 @@ _COMMANDS = {
     "inspect": "_browse:cmd_inspect",
     "verify": "_maintain:cmd_verify",
     "prune": "_maintain:cmd_prune",
+    "flush": "_maintain:cmd_flush",
     "export": "_transfer:cmd_export",
     "import": "_transfer:cmd_import",
 }
@@ -131,6 +133,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     c.add_argument("--force", action="store_true",
                    help="prune even when no step has a --keep-best metric (it then keeps no step by it)")
+    c = add("flush", "write the newest step this node's local tier holds only to ROOT (or --drop it)")
+    c.add_argument("root")
+    c.add_argument("--local-dir", default="/dev/shm", help="where the local tier lives (default /dev/shm)")
+    c.add_argument("--drop", action="store_true",
+                   help="delete this node's local-tier copies of ROOT's steps instead, writing nothing")
     c = add("export", "write a step as plain safetensors files in Hugging Face's names, + JSON")
     c.add_argument("root")
     c.add_argument("step", help="step number or 'latest'")

@@ -1,12 +1,14 @@
-"""``ckptmgr verify`` and ``ckptmgr prune``: check checkpoints byte for byte, free space."""
+"""``ckptmgr verify``, ``ckptmgr prune`` and ``ckptmgr flush``: check checkpoints byte for byte,
+free space, write out (or drop) the steps this node's local tier holds only."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
-from ..errors import CkptError, ConfigError, StepNotFoundError
+from ..errors import CkptError, ConfigError, StepNotFoundError, StorageError
 from ..format.manifest import Manifest
 from ..format.tree import decode_plain
 from ..restore.verify import StepReport, verify_step
@@ -19,7 +21,7 @@ from ._browse import local_tier_steps
 from ._context import EXIT, CorruptFound, Ctx, damaged, exit_code, manifests, no_checkpoint
 from ._render import human_bytes, print_json, progress
 
-__all__ = ["cmd_prune", "cmd_verify", "policy_from_args"]
+__all__ = ["cmd_flush", "cmd_prune", "cmd_verify", "policy_from_args"]
 
 
 def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> int:
@@ -166,3 +168,48 @@ def cmd_prune(ctx: Ctx, args: argparse.Namespace) -> int:
     print(f"{verb} {len(deleted)} step(s), {human_bytes(freed)}: {', '.join(map(str, deleted))}")
     print(f"kept {len(kept)} step(s): {', '.join(map(str, kept))}")
     return 0
+
+
+def cmd_flush(ctx: Ctx, args: argparse.Namespace) -> int:
+    """Write the newest step that this node's local tier of ROOT holds only (kept there by a
+    Schedule, or left by a job that stopped before writing it) to ROOT; the older such steps
+    are superseded. ``--drop``: delete the tier's copies instead, writing nothing."""
+    from ..manager import CheckpointManager
+    from ..options import StagingOptions
+    from ..storage.tier import LocalTier, tier_dir
+
+    target = ctx.target(args.root, read_only=False)
+    url = target.url
+    only = sorted(set(local_tier_steps(args.local_dir, url)) - set(target.list_steps()))
+    tier = LocalTier(args.local_dir, url)  # TierBusyError (exit 5) while a running job owns it
+    written: list[int] = []
+    try:
+        slots = [int(n[5:]) for n in os.listdir(tier.path) if n.startswith("slot-") and n[5:].isdigit()]
+        if args.drop:
+            for index in slots:
+                tier.remove_slot(index)
+    finally:
+        tier.close(remove=True)  # (the directory goes only when no slot is left)
+    if only and not args.drop:  # the manager's start-up adopts the tier and writes its newest step out
+        staging = StagingOptions(local_dir=args.local_dir, local_tier=True, slots=max(slots, default=0) + 1)
+        with CheckpointManager(args.root, storage_options=ctx.storage_options(), staging=staging) as mgr:
+            mgr.wait()
+        written = [s for s in only if s in target.list_steps()]
+        if only[-1] not in written:
+            raise StorageError(f"step {only[-1]} of the local tier {tier_dir(args.local_dir, url)} was not written "
+                               f"to {url}")
+    out = {"root": url, "local_tier": tier_dir(args.local_dir, url), "tier_only": only, "written": written,
+           "dropped": only if args.drop else [s for s in only if s not in written]}
+    if ctx.json:
+        print_json(out)
+    elif not only:
+        print(f"nothing to {'drop' if args.drop else 'flush'}: the local tier holds no step that is not in {url}")
+    elif args.drop:
+        print(f"dropped step(s) {', '.join(map(str, only))} from the local tier {out['local_tier']}; "
+              f"{url} is unchanged")
+    else:
+        superseded = [s for s in only if s not in written]
+        print(f"wrote step {only[-1]} to {url}" + (f"; older tier-only step(s) {', '.join(map(str, superseded))} "
+                                                    "superseded (dropped)" if superseded else ""))
+    return 0
+

@@ -3,7 +3,9 @@
 Each run lists the committed steps, asks the policy for a keep-mask, and deletes the rest,
 except, whatever the policy says:
 
-* the newest committed step;
+* the newest committed step, and the step this manager committed last (``current``): after
+  a roll-back (restore an older step, save on from there) that step is older than the
+  steps of the abandoned run, which stay the newest until the new run passes them;
 * a step carrying the protection marker (``mgr.protect(step)``);
 * a step being restored (see :class:`StepGuard`); a restore never starts on a step being
   deleted.
@@ -104,6 +106,7 @@ class Deleter:
         self._infos: dict[int, StepInfo] = {}  # committed steps never change: cache what we read
         self._skipped: dict[int, str] = {}  # step -> why retention leaves it (_mu)
         self.deleted: list[int] = []
+        self.current: int | None = None  # the step this manager committed last (set by the saver): kept
 
     @property
     def skipped(self) -> dict[int, str]:
@@ -160,7 +163,7 @@ class Deleter:
             raise ValueError(f"{self.policy!r} returned {len(mask)} decisions for {len(infos)} steps")
         newest = steps[-1]
         return [info.step for info, keep in zip(infos, mask, strict=True)
-                if not keep and info.step != newest and not self.target.is_protected(info.step)]
+                if not keep and info.step not in (newest, self.current) and not self.target.is_protected(info.step)]
 
     def delete(self, steps: list[int]) -> list[int]:
         """Delete ``steps`` (from :meth:`plan`), skipping any being restored or protected since

@@ -33,14 +33,18 @@ the slot, writes a pending protection marker, schedules retention, completes the
 does the accounting. Nothing happens in a Future callback, so no failure there can leave
 ``wait()`` blocked.
 
-A failed durable write (an ``OSError``: the target is full, unreachable, throttling) is
-reported on the ticket at once, and retried with exponential backoff while its slot still
-holds the step and no newer step has committed; a success is logged.
+A failed durable write (an ``OSError``: the target is unreachable, throttling) is reported on
+the ticket at once, and retried with exponential backoff while its slot still holds the step
+and no newer step has committed; a success is logged. One that retrying cannot fix (the
+target is full or read-only, see :func:`~ckptmgr.save.outcome.permanent`) is logged once and
+not retried. ``flush()`` (and ``close()``) send the newest step the local tier alone holds to
+the durable target, from its slot.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import functools
 import logging
 import threading
@@ -50,22 +54,16 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from .._threads import DaemonPool
-from ..errors import (
-    CheckpointCorruptError,
-    CkptTimeoutError,
-    SaveError,
-    SaveSkippedError,
-    StepExistsError,
-    StorageError,
-)
+from ..errors import CheckpointCorruptError, CkptTimeoutError, SaveError, StepExistsError, StorageError
 from ..format.layout import Plan
 from ..format.manifest import Manifest
 from ..options import Schedule, StagingOptions
 from ..retention.deleter import Deleter, StepGuard
 from ..storage import Target
 from ..storage.tier import LocalTier
+from .outcome import Ticket, permanent, retryable
 from .persist import PersistJob, SaveInfo, commit_local, persist
-from .slots import SlotPool
+from .slots import Slot, SlotPool
 from .staging import Stager, StagingJob
 
 if TYPE_CHECKING:
@@ -77,56 +75,6 @@ log = logging.getLogger("ckptmgr")
 
 RETRY_FIRST_S = 1.0  # first delay before a failed durable write is tried again; doubles per failure
 RETRY_MAX_S = 60.0  # longest delay between two attempts
-
-
-class Ticket:
-    """The outcome of one save as the saver tracks it (:class:`~ckptmgr.SaveHandle` wraps it).
-
-    The future is completed by the persist thread, at the end of the job's settle. A failure
-    is told once: ``observed`` flips under ``_lock`` by whoever tells it.
-    """
-
-    def __init__(self, step: int, future: Future[SaveInfo], staging: StagingJob | None, *, skipped: bool = False):
-        self.step = step
-        self.future = future
-        self.staging = staging
-        self.skipped = skipped
-        self._lock = threading.Lock()
-        self._observed = skipped  # a skip is reported by result() only
-
-    @classmethod
-    def skip(cls, step: int, reason: str) -> Ticket:
-        future: Future[SaveInfo] = Future()
-        future.set_exception(SaveSkippedError(f"step {step} was not saved: {reason}"))
-        return cls(step, future, None, skipped=True)
-
-    def failure(self) -> BaseException | None:
-        """The save's exception once it has failed (None while pending or after success)."""
-        return self.future.exception() if self.future.done() else None
-
-    def observe(self) -> bool:
-        """Mark the outcome told; True when nobody had been told before."""
-        with self._lock:
-            first, self._observed = not self._observed, True
-        return first
-
-    def take_error(self) -> SaveError | None:
-        """The failure as a SaveError, if nobody has been told of it yet (then it is told)."""
-        exc = self.failure()
-        if exc is None or not self.observe():
-            return None
-        err = as_save_error(self.step, exc)
-        err.__cause__ = exc
-        return err
-
-
-def as_save_error(step: int, exc: BaseException) -> SaveError:
-    return SaveError(f"save of step {step} failed: {type(exc).__name__}: {exc}")
-
-
-def _retryable(exc: BaseException) -> bool:
-    """Storage failures are worth another try; a step committed by someone else is not."""
-    return isinstance(exc, OSError) and not isinstance(exc, FileExistsError)
 
 
 class Saver:
@@ -161,6 +109,7 @@ class Saver:
         self._retries: list[tuple[float, PersistJob]] = []
         self._durable: set[int] = set(durable)
         self._protect: set[int] = set()
+        self._failed: set[int] = set()  # steps whose durable write failed and is not retried
         self._unsettled = 0
         self._tickets: list[Ticket] = []
         self._counts = {"durable_superseded": 0, "local_only": 0}
@@ -187,11 +136,12 @@ class Saver:
                                   "checkpoints are never overwritten")
 
     def save(self, manifest: Manifest, plan: Plan, sizes: list[int], *, block: bool, t0: float,
-             coordinate: Callable[[PersistJob], None] | None = None, schedule: Schedule | None = None) -> Ticket:
+             coordinate: Callable[[PersistJob], None] | None = None, schedule: Schedule | None = None,
+             durable: bool | None = None) -> Ticket:
         """Stage ``plan`` into a slot and queue its persist job; return its ticket (skipped
         when every slot is busy and ``on_busy="skip"``). ``schedule`` says whether the step
         goes to the durable target too, or to the local tier only (every step goes durable
-        when there is no local tier)."""
+        when there is no local tier); ``durable`` (True/False) overrides it for this save."""
         step = manifest.step
         with self._mu:
             if self._closing:
@@ -225,13 +175,15 @@ class Saver:
         if self.pool.allocations != made and any(s.kind == "none" for s in self.pool.slots):
             self.prepare(sizes)  # the first save made its slot; make the others in the background
         local = self._tier is not None and slot.kind == "tmpfs"
-        durable = True
-        if schedule is not None:
+        wanted = True if durable is None else durable
+        if schedule is not None or durable is not None:
             with self._mu:
                 now = time.monotonic()
-                durable = schedule.durable(step, None if self._last_durable is None else now - self._last_durable)
-                if durable or not local:
+                if durable is None and schedule is not None:
+                    wanted = schedule.durable(step, None if self._last_durable is None else now - self._last_durable)
+                if wanted or not local:
                     self._last_durable = now
+        durable = wanted
         self.pool.mark_wanted(slot, durable and local, local_only=local and not durable)
         pjob = PersistJob(manifest, [f.name for f in plan.files], [len(f.header) for f in plan.files],
                           slot, job, t0, 0.0, waited, nbytes=sum(sizes), durable=durable or not local,
@@ -532,10 +484,12 @@ class Saver:
         the parts before it did, and the accounting always runs last."""
         step = job.step
         staged = job.staging.finished_at is not None
-        retry = error is not None and staged and job.coordinate is None and _retryable(error)
+        retry = error is not None and staged and job.coordinate is None and retryable(error)
         damaged = job.adopted and isinstance(error, CheckpointCorruptError)
         protect = False
         try:
+            if error is None and self._tier is not None and self._tier.holds(job.slot.index) == step:
+                self._tier.mark_durable(job.slot.index, step)  # (before the slot is released: it still holds it)
             if damaged and self._tier is not None:  # nobody may restore it, and its slot is free again
                 log.error("step %d in the local tier %s is damaged (%s); it is removed from there", step,
                           self._tier.path, error)
@@ -545,6 +499,8 @@ class Saver:
                 self._pending.pop(step, None)
                 if error is None:
                     self._durable.add(step)
+                    self._failed.discard(step)
+                    self._deleter.current = step  # its own retention run keeps it (see Deleter)
                     protect = step in self._protect
                     self._protect.discard(step)
                 elif retry and not self._closing:
@@ -556,7 +512,10 @@ class Saver:
                                 type(error).__name__, error, delay)
                 else:
                     self._protect.discard(step)
-            if error is not None and ticket is None and not retry:
+                    self._failed.add(step)
+            if error is not None and (lasting := permanent(error)) is not None:
+                self._report_permanent(job, error, lasting, ticket is None)
+            elif error is not None and ticket is None and not retry:
                 log.warning("the durable write of step %d is given up after %d attempts: %s: %s", step,
                             job.attempts, type(error).__name__, error)
             if error is None and ticket is None:
@@ -575,6 +534,18 @@ class Saver:
                 else:
                     ticket.future.set_exception(error or SaveError(f"save of step {step} failed"))
                 self._settled()
+
+    def _report_permanent(self, job: PersistJob, error: BaseException, code: int, retried: bool) -> None:
+        """Log, once, a durable write that failed for a reason retrying cannot fix (the save's
+        handle raises it too), and where the step is left."""
+        tier = self._tier
+        kept = tier.path if tier is not None and tier.holds(job.slot.index) == job.step else None
+        where = (f"it stays in the local tier {kept}, and the next start on this root writes it" if kept
+                 else "it was only in this process's memory and is dropped when its staging slot is reused")
+        log.error("the durable write of step %d to %s failed%s: %s: %s; retrying cannot fix %s (free space, raise "
+                  "the quota or fix the mount or permissions), so it is not retried; %s", job.step, self._target.url,
+                  f" at attempt {job.attempts}" if retried else "", type(error).__name__, error,
+                  errno.errorcode.get(code, str(code)), where)
 
     def _mark_protected(self, step: int) -> None:
         try:
@@ -605,18 +576,60 @@ class Saver:
             slot = self.pool.adopt(index, m.step, [m.files[n].size for n in names], chunk, durable=m.step in durable,
                                    on_mapped=told)
             if m.step in durable:
+                self._tier.mark_durable(index, m.step)
                 continue
             log.warning("step %d exists only in the local tier %s (the last run stopped before writing it); "
                         "it is written to %s unless a newer one is", m.step, self._tier.path, self._target.url)
-            staging = StagingJob(None, None)
-            job = PersistJob(m, names, [m.files[n].header_size for n in names], slot, staging,
-                             time.perf_counter(), 0.0, 0.0, nbytes=sum(m.files[n].size for n in names), adopted=True)
-            job.released = True  # (the slot is not busy: the newest of these is written, the others superseded)
-            self.pool.mark_wanted(slot, True)
-            adopted.append((job, Ticket(m.step, Future(), staging)))
+            adopted.append(self._tier_job(m, slot, adopted=True))
         with self._mu:  # (re-entrant) queued together: the persist thread picks the newest of them
             for job, ticket in adopted:
                 self._enqueue(job, ticket)
+
+    def _tier_job(self, m: Manifest, slot: Slot, *, adopted: bool) -> tuple[PersistJob, Ticket]:
+        """The durable write of step ``m.step``, committed in the local tier in ``slot`` (idle:
+        the newest of such jobs is written, the others superseded); ``adopted``: an earlier
+        process's slot, whose bytes are checked against ``m`` as they are written."""
+        names = sorted(m.files)
+        staging = StagingJob(None, None)
+        job = PersistJob(m, names, [m.files[n].header_size for n in names], slot, staging, time.perf_counter(),
+                         0.0, 0.0, nbytes=sum(m.files[n].size for n in names), adopted=adopted)
+        job.released = True
+        self.pool.mark_wanted(slot, True)
+        return job, Ticket(m.step, Future(), staging)
+
+    def flush(self, *, failed_too: bool = True) -> int | None:
+        """Send the newest committed step to the durable target when it is not on its way
+        there (the schedule, or ``save(durable=False)``, kept it in the local tier only; or,
+        with ``failed_too``, its write failed for good); return that step, or None when there
+        is nothing to send. Wait with :meth:`wait`."""
+        tier = self._tier
+        if tier is None:  # (every save is written durably)
+            return None
+        with self._mu:
+            if self._closing:
+                raise SaveError("cannot flush: the manager is closing")
+            local = tier.steps()
+            newest = max(local, default=None)
+            job = max(self._pending.values(), key=lambda j: j.step, default=None)
+            if job is not None and (newest is None or job.step >= newest):
+                ticket = next((t for t in self._tickets if t.step == job.step and not t.future.done()), None)
+                if job.durable or job.picked or ticket is None:
+                    return None  # on its way already
+                job.durable = True  # (its local commit still runs: it hands the slot to the persist thread)
+                self.pool.mark_wanted(job.slot, True)
+                self._queue.append((job, ticket))
+                self._mu.notify_all()
+                return job.step
+            if (newest is None or newest in self._durable or any(j.step == newest for _, j in self._retries)
+                    or (newest in self._failed and not failed_too)):
+                return None
+        slot = self.pool.slots[local[newest]]
+        m = Manifest.from_bytes(tier.read_manifest(newest), where=f"{tier.url}: step {newest}")
+        if slot.step != newest or m.step != newest:  # (a save took the slot meanwhile)
+            return None
+        log.info("step %d is written to %s from the local tier (flush)", newest, self._target.url)
+        self._enqueue(*self._tier_job(m, slot, adopted=False))
+        return newest
 
     def unfinished(self) -> dict[int, str]:
         """Steps not durable yet and what becomes of them if the process ends now."""
@@ -643,6 +656,9 @@ class Saver:
             given_up: dict[int, str] = {}
         except CkptTimeoutError:
             given_up = self.unfinished()
+        except BaseException as exc:  # interrupted (Ctrl-C): nothing is closed, the writes go on
+            self._interrupted(exc)
+            raise
         with self._mu:
             self._closing = True
             dropped = sorted(j.step for _, j in self._retries)
@@ -658,6 +674,22 @@ class Saver:
             self._side.stop(timeout=left)
         kept, _ = self.pool.close()
         return given_up, kept
+
+    def _interrupted(self, exc: BaseException) -> None:
+        """Say which steps are not durable yet when :meth:`close` is interrupted while it waits
+        for them, and what becomes of them."""
+        fates = self.unfinished()
+        if fates:
+            log.error("closing the manager for %s was interrupted (%s) before %s: the writes go on, the manager stays "
+                      "open, and interpreter exit (or close()) waits for them again; if the process ends first, %s",
+                      self._target.url, type(exc).__name__,
+                      "step " + ", ".join(map(str, fates)) + (" was" if len(fates) == 1 else " were") + " written",
+                      "; ".join(f"step {s} {fate}" for s, fate in fates.items()))
+
+    @property
+    def closing(self) -> bool:
+        with self._mu:
+            return self._closing
 
     @property
     def hung(self) -> bool:

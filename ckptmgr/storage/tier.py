@@ -9,6 +9,7 @@ Layout, one private directory per checkpoint root and user::
         slot-00/             one staging slot
             data-00000.safetensors ...   mapped MAP_SHARED and pinned in place by the saver
             manifest.json                present only while the slot holds a complete step
+            durable                      the step, once it is committed on the durable root too
 
 The device-to-host copy writes a slot's data files. Once the copy has ended the tier's
 writer (:meth:`LocalTier.begin`) checksums them and writes ``manifest.json`` (temporary
@@ -68,6 +69,7 @@ __all__ = ["LocalTier", "TierBusyError", "TierUnsafeError", "open_local_tier", "
 log = logging.getLogger("ckptmgr")
 
 _TMP_MANIFEST = ".manifest.json.tmp"
+_DURABLE = "durable"  # the slot's step, written once the step is committed on the durable root
 _ROOT_ID = "root-id"
 
 
@@ -223,7 +225,8 @@ class LocalTier:
 
     # ----------------------------------------------------------- commit state
 
-    def scan(self, slots: int, root_id: str | None, *, root_is_empty: bool = False) -> dict[int, Manifest]:
+    def scan(self, slots: int, root_id: str | None, *, root_is_empty: bool = False,
+             durable: set[int] | None = None) -> dict[int, Manifest]:
         """Committed steps left by an earlier process, by slot index (< ``slots``), when they
         belong to the root whose identity is ``root_id``; everything else is reset.
 
@@ -234,7 +237,9 @@ class LocalTier:
         other as soon as anything was committed to it.
 
         A slot that is not a private directory of this user, or has an unreadable manifest,
-        or files that do not match it, is removed. So are slots beyond ``slots``.
+        or files that do not match it, is removed. So are slots beyond ``slots``, and, given
+        ``durable`` (the root's committed steps), slots whose step was committed on the root
+        once and is gone from it since: someone deleted it there, and it is not brought back.
         """
         recorded = self._recorded_root_id()
         adopt = (root_id is not None and recorded == root_id) or (recorded is None and root_id is None
@@ -258,6 +263,11 @@ class LocalTier:
                 continue
             if m is None:
                 continue
+            if durable is not None and m.step not in durable and self._durable_step(index) == m.step:
+                log.info("local tier %s: step %d was deleted from the root since it was written there; its copy "
+                         "here is dropped, not written back", self.path, m.step)
+                self._discard(name, index)
+                continue
             found[index] = m
             with self._mu:
                 self._steps[m.step] = index
@@ -279,6 +289,22 @@ class LocalTier:
             if not stat.S_ISREG(st.st_mode) or st.st_size != rec.size:
                 raise CheckpointCorruptError(f"{self.path}/slot-{index:02d}/{fname} does not match its manifest")
         return m
+
+    def _durable_step(self, index: int) -> int | None:
+        try:
+            text = read_small(_DURABLE, self._slot_fd(index), 32).decode("ascii").strip()
+        except (OSError, UnicodeDecodeError, CkptError):
+            return None
+        return int(text) if text.isdigit() else None
+
+    def mark_durable(self, index: int, step: int) -> None:
+        """Record that slot ``index``'s step is committed on the durable root (a later start
+        then never writes it back there if it is deleted from there). A failure is logged: the
+        step would only be written back, as before."""
+        try:
+            write_small(_DURABLE, self._slot_fd(index), str(step).encode("ascii"))
+        except OSError as exc:
+            log.warning("local tier %s: could not record that step %d is durable: %s", self.path, step, exc)
 
     def _discard(self, name: str, index: int) -> None:
         """Remove slot entry ``name`` (whatever it is; a symlink is removed, never followed)."""
@@ -307,7 +333,7 @@ class LocalTier:
         with self._mu:
             self._steps = {s: i for s, i in self._steps.items() if i != index}
         d = self._slot_fd(index)
-        for name in (MANIFEST_NAME, _TMP_MANIFEST):
+        for name in (MANIFEST_NAME, _TMP_MANIFEST, _DURABLE):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=d)
 
