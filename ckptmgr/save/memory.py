@@ -35,6 +35,10 @@ __all__ = ["DEFAULT_HOST_SHARE", "MAX_HOST_SHARE", "HostMemory", "MemoryProbe", 
 DEFAULT_HOST_SHARE = 0.5  # share of available host memory the default slots may use, all together
 MAX_HOST_SHARE = 0.9  # share any configuration may use (slots or max_host_bytes set by the user)
 
+MEMINFO = "/proc/meminfo"  # where the node's MemAvailable is read (module attributes: tests point them elsewhere)
+CGROUP_ROOT = "/sys/fs/cgroup"
+SELF_CGROUP = "/proc/self/cgroup"
+
 _NO_LIMIT = 1 << 60  # cgroup v1 reports "no limit" as a huge number (PAGE_COUNTER_MAX pages)
 
 
@@ -154,22 +158,25 @@ def _cgroup_headroom(cgroup_root: str, self_cgroup: str) -> tuple[int, str] | No
     return best
 
 
-def read_host_memory(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup",
-                     self_cgroup: str = "/proc/self/cgroup") -> HostMemory | None:
+def read_host_memory(meminfo: str | None = None, cgroup_root: str | None = None,
+                     self_cgroup: str | None = None) -> HostMemory | None:
     """The host memory this process may still allocate: the smallest of the node's
     ``MemAvailable`` and the headroom of each cgroup limit above this process. None when
     none of these can be read (not Linux): then nothing is guarded but ``max_host_bytes``.
+    The paths default to :data:`MEMINFO`, :data:`CGROUP_ROOT` and :data:`SELF_CGROUP`.
 
     Example:
         >>> mem = read_host_memory()
         >>> mem is None or mem.available >= 0
         True
     """
+    meminfo = MEMINFO if meminfo is None else meminfo
     found: list[tuple[int, str]] = []
     node = _meminfo_available(meminfo)
     if node is not None:
         found.append((node, "MemAvailable in " + meminfo))
-    group = _cgroup_headroom(cgroup_root, self_cgroup)
+    group = _cgroup_headroom(CGROUP_ROOT if cgroup_root is None else cgroup_root,
+                             SELF_CGROUP if self_cgroup is None else self_cgroup)
     if group is not None:
         found.append(group)
     if not found:

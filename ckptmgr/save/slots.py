@@ -55,6 +55,10 @@ _NOW = threading.Event()  # always set: pin without pauses (the caller itself wa
 _NOW.set()
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 1 << 28 else f"{n / 2**20:.1f} MiB"
+
+
 def slot_bytes(sizes: list[int]) -> int:
     """Host bytes one slot needs for files of ``sizes`` (each image starts page-aligned)."""
     return sum(-(-s // DATA_ALIGN) * DATA_ALIGN for s in sizes)
@@ -188,17 +192,17 @@ class SlotPool:
                 limit = (f"StagingOptions.max_host_bytes={self.max_host_bytes / 2**30:.2f} GiB"
                          if self.max_host_bytes is not None else "the host memory available" if mem is None else
                          f"{DEFAULT_HOST_SHARE:.0%} of {self._memory_text(mem, held)}")
-                log.warning("%s; it waits: another staging slot of %.2f GiB would exceed %s. Save less often "
+                log.warning("%s; it waits: another staging slot of %s would exceed %s. Save less often "
                             "(Schedule(max_overhead=...) picks the interval), or set StagingOptions(slots=%d) "
-                            "to allow up to %.0f%% of available memory", why, per / 2**30, limit, count + 1,
+                            "to allow up to %.0f%% of available memory", why, _size(per), limit, count + 1,
                             MAX_HOST_SHARE * 100)
             return None
         slot = Slot(count)
         self.slots.append(slot)
-        room = "" if allowed is None else f", {per * (count + 1) / 2**30:.2f} GiB of {allowed / 2**30:.2f} GiB allowed"
-        log.warning("%s; added staging slot %d of at most %d (%.2f GiB of host memory%s) rather than wait for it. "
+        room = "" if allowed is None else f"; all slots {_size(per * (count + 1))} of {_size(allowed)} allowed"
+        log.warning("%s; added staging slot %d of at most %d (%s of host memory%s) rather than wait for it. "
                     "StagingOptions(slots=%d) makes them up front; Schedule(max_overhead=...) saves only as often "
-                    "as the durable target absorbs", why, count + 1, self.max_slots, per / 2**30, room, count + 1)
+                    "as the durable target absorbs", why, count + 1, self.max_slots, _size(per), room, count + 1)
         return slot
 
     # ------------------------------------------------------ acquire/release
@@ -271,6 +275,7 @@ class SlotPool:
         """
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
+        grown: Slot | None = None
         with self._cond:
             self.counts["saves"] += 1
             try:
@@ -280,7 +285,7 @@ class SlotPool:
                         break
                     preparing = any(s.preparing for s in self.slots)
                     if not preparing:
-                        slot = self._grow(t0)
+                        slot = grown = self._grow(t0)
                         if slot is not None:
                             break
                     if not wait and not preparing:
@@ -297,7 +302,7 @@ class SlotPool:
             finally:
                 self.hurry.clear()
             waited = time.monotonic() - t0
-            if waited > 1e-3:
+            if waited > 1e-3 and grown is None:  # (a slot added instead is no wait)
                 self.counts["busy_waits"] += 1
                 self.counts["busy_wait_s"] += waited
             if slot.step is not None and not slot.durable and slot.kind == "memory":
