@@ -26,6 +26,16 @@ def test_the_overhead_budget_gives_the_most_frequent_saves_within_it():
     assert it.local_steps == math.ceil(0.0275 / (0.01 * 0.0527)) == 53 and it.durable_s is None
     assert plan(Schedule(max_overhead=0.01, local_every=100),
                 Measurements(step_s=0.0527, save_cost_s=0.0275)).local_steps == 100  # a floor
+    # a save that seems free still leaves a step clear of its window, where the step time is measured
+    assert plan(Schedule(max_overhead=0.01), Measurements(step_s=0.05, save_cost_s=0.0)).local_steps == WINDOW + 1
+
+
+def test_a_slow_first_step_does_not_make_saves_look_free_for_good():
+    # the first intervals are slow (start-up), so the step time starts high and a save's extra time
+    # reads as nothing; the clear step between windows brings the step time, and the cost, back
+    loop = Loop(Schedule(max_overhead=0.01), step_s=lambda k: 1.0 if k < 4 else 0.05, cost_s=lambda k: 0.03)
+    loop.run(range(3000))
+    assert set(loop.gaps(after=1500)) == {60}
 
 
 def test_the_loss_budget_gives_the_least_frequent_saves_within_it():

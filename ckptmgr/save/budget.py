@@ -21,7 +21,9 @@ What is measured, and how:
   contention with the next steps). A save that allocated its staging slot (the first one,
   a slot added) is not counted: that cost is paid once;
 * the durable write time: from a step's end of staging (or the previous durable commit,
-  whichever is later: one writer) to its durable commit; and its bytes per second;
+  whichever is later: one writer) to its durable commit, and its bytes per second. A write
+  slower than the estimate replaces it at once (a bandwidth that drops must not break the
+  loss budget for several writes); faster ones ease it down;
 * the local latency: ``save()`` to the local-tier commit (``SaveInfo.local_s``).
 
 Nothing here does I/O; the planner's lock is never held while calling out.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -95,7 +98,8 @@ def plan(schedule: Schedule, m: Measurements) -> Intervals:
     """The intervals that keep ``schedule``'s budgets, given the measurements ``m``.
 
     ``max_overhead``: the most frequent saves whose cost stays within the budget,
-    ``ceil(save_cost_s / (max_overhead * step_s))`` steps apart. ``max_lost_s`` alone: the
+    ``ceil(save_cost_s / (max_overhead * step_s))`` steps apart, and never closer than
+    ``WINDOW + 1`` steps (a step clear of any save's window keeps the step time measured). ``max_lost_s`` alone: the
     least frequent saves that lose at most the budget to a crash (the steps since the
     last save and the save's own latency to the local commit). ``durable_max_lost_s``: the
     durable saves far enough apart that a write of the measured length still ends within
@@ -122,7 +126,8 @@ def plan(schedule: Schedule, m: Measurements) -> Intervals:
                                             "saving every step"))
                 n_lost = 1
         if schedule.max_overhead is not None and m.save_cost_s is not None:
-            n = max(schedule.local_every, math.ceil(m.save_cost_s / (schedule.max_overhead * step_s) - 1e-9))
+            n = max(schedule.local_every, WINDOW + 1,  # (one step clear of every save's window: the baseline)
+                    math.ceil(m.save_cost_s / (schedule.max_overhead * step_s) - 1e-9))
         elif n_lost is not None and schedule.max_overhead is None:
             n = max(schedule.local_every, n_lost)
         if n_lost is not None and n is not None and n > n_lost and schedule.max_overhead is not None:
@@ -184,6 +189,7 @@ class BudgetPlanner:
         self.durable_bps: float | None = None
         self._prev: tuple[int, float] | None = None  # the last should_save step and its time
         self._intervals = 0  # step intervals measured
+        self._warm: list[float] = []  # the first WARMUP of them
         self._window: list[float] | None = None  # [intervals left, extra seconds so far, count it]
         self._last_save: tuple[int, float] | None = None
         self._first_save_t: float | None = None
@@ -274,7 +280,11 @@ class BudgetPlanner:
                 self._close_window()
             return
         self._intervals += 1
-        self.step_s = dt if self.step_s is None else (1 - ALPHA) * self.step_s + ALPHA * dt
+        if self._intervals <= WARMUP:  # the median of the first few: a slow first step (start-up) is no baseline
+            self._warm.append(dt)
+            self.step_s = statistics.median(self._warm)
+        else:
+            self.step_s = (1 - ALPHA) * (self.step_s or dt) + ALPHA * dt
 
     def _close_window(self) -> None:
         w, self._window = self._window, None
@@ -312,7 +322,9 @@ class BudgetPlanner:
                 start = max(start, self._last_commit_t)
             write = max(committed_at - start, 1e-6)
             self._last_commit_t = committed_at
-            self.durable_s = write if self.durable_s is None else (
+            # a slower write counts at once (the loss budget must hold from the next save on), a
+            # faster one eases the estimate down
+            self.durable_s = write if self.durable_s is None or write > self.durable_s else (
                 (1 - ALPHA_DURABLE) * self.durable_s + ALPHA_DURABLE * write)
             if nbytes:
                 self.durable_bps = nbytes / self.durable_s
