@@ -289,6 +289,12 @@ class CheckpointManager:
         except Exception as exc:  # bookkeeping only: the save's outcome is told on its handle
             log.debug("budget schedule: step %d: %s", step, exc)
 
+    @property
+    def schedule(self) -> Schedule:
+        """The manager's :class:`Schedule` (``schedule.budget``: :meth:`should_save` measures
+        and decides)."""
+        return self._schedule
+
     def should_save(self, step: int) -> bool:
         """Whether the manager's :class:`Schedule` saves ``step`` (every step without one).
 
