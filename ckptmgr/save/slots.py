@@ -134,7 +134,7 @@ class SlotPool:
         have available. The memory is read only when the slots would grow."""
         per = slot_bytes(sizes)
         with self._cond:
-            count = len(self.slots)
+            count = 1 if self.auto else len(self.slots)  # (the default's other slots are checked as they are added)
             held = self._held()
             self._sizes = list(sizes)
         need = per * count
