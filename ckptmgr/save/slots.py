@@ -92,8 +92,9 @@ class SlotPool:
     checksum chunk of the images (pinning pieces are whole numbers of it).
 
     ``count=None`` (the default options) sizes the pool itself: one slot, and one more (up to
-    :data:`AUTO_MAX_SLOTS`) each time a save would otherwise wait for one, as long as all of
-    them fit :data:`~ckptmgr.save.memory.DEFAULT_HOST_SHARE` of the host memory available.
+    :data:`AUTO_MAX_SLOTS`) each time a save would otherwise wait for one, with a spare slot
+    that the saver makes in the background, as long as all of them fit
+    :data:`~ckptmgr.save.memory.DEFAULT_HOST_SHARE` of the host memory available.
     ``memory``: how much host memory is available (see :mod:`ckptmgr.save.memory`; injectable
     for tests; None: nothing is guarded but ``max_host_bytes``)."""
 
@@ -199,10 +200,18 @@ class SlotPool:
             return None
         slot = Slot(count)
         self.slots.append(slot)
-        room = "" if allowed is None else f"; all slots {_size(per * (count + 1))} of {_size(allowed)} allowed"
-        log.warning("%s; added staging slot %d of at most %d (%s of host memory%s) rather than wait for it. "
+        # Saves outpace the durable target: the next one will want another slot too. When it fits, a spare
+        # (never filled yet) is added as well; the saver makes it in the background after this save.
+        spare = count + 2 <= self.max_slots and (allowed is None or per * (count + 2) <= allowed)
+        if spare:
+            self.slots.append(Slot(count + 1))
+        total = len(self.slots)
+        room = "" if allowed is None else f"; all slots {_size(per * total)} of {_size(allowed)} allowed"
+        log.warning("%s; added staging slot %d%s of at most %d (%s of host memory each%s) rather than wait. "
                     "StagingOptions(slots=%d) makes them up front; Schedule(max_overhead=...) saves only as often "
-                    "as the durable target absorbs", why, count + 1, self.max_slots, _size(per), room, count + 1)
+                    "as the durable target absorbs", why, count + 1,
+                    f" (and slot {total}, made in the background)" if spare else "", self.max_slots, _size(per),
+                    room, total)
         return slot
 
     # ------------------------------------------------------ acquire/release
