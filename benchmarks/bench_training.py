@@ -11,7 +11,12 @@ with fused AdamW (~4.8 GB of state, ~50 ms steps at batch 1024 on an H100/H200).
 * ``none``: no checkpoints (the baseline);
 * ``ckptmgr block``: ``mgr.save(step, state)`` after ``optimizer.step()``;
 * ``ckptmgr overlap``: ``mgr.save(..., block=False)``; ``handle.wait_staged()`` right before
-  the next ``optimizer.step()``, so the copy overlaps the next forward and backward;
+  the next ``optimizer.step()``, so the copy overlaps the next forward and backward; the
+  default ``StagingOptions`` (slots sized by the manager, unless ``--slots``);
+* ``ckptmgr budget``: like ``overlap``, but the loop saves when ``mgr.should_save(step)``
+  says (called every timed step) under ``Schedule(max_overhead=--max-overhead)`` (default
+  0.01: at most 1% of the step time), not every ``--every`` steps; the saves made and the
+  intervals the manager picked are reported;
 * ``ckptmgr coalesce``: like ``overlap`` with ``--slots`` staging slots (default 3) in the
   local tier and ``ckptmgr.Schedule(durable_every=--durable-every)`` (0: every save is meant
   for the durable target): when saves come faster than the disk absorbs them, each one still
@@ -117,8 +122,9 @@ class Saver:
                                          staging=StagingOptions(slots=args.slots or 3, local_dir=args.local_dir,
                                                                 device_buffer_bytes=buffer))
         elif mode.startswith("ckptmgr"):
-            staging = StagingOptions(slots=args.slots or 1, local_dir=args.local_dir, device_buffer_bytes=buffer)
-            self.mgr = CheckpointManager(os.path.join(directory, "root"), staging=staging)
+            staging = StagingOptions(slots=args.slots or None, local_dir=args.local_dir, device_buffer_bytes=buffer)
+            schedule = Schedule(max_overhead=args.max_overhead) if mode == "ckptmgr budget" else None
+            self.mgr = CheckpointManager(os.path.join(directory, "root"), staging=staging, schedule=schedule)
         elif mode == "Lightning AsyncCheckpointIO":
             try:
                 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
@@ -154,13 +160,20 @@ class Saver:
         self.freshness.append({"step": step, "newest_durable": nd[0] if nd else None,
                                "age_s": now - nd[1] if nd else None, "behind_steps": step - nd[0] if nd else None})
 
+    def due(self, step: int, every: int) -> bool:
+        """Whether to checkpoint ``step``: the manager's budget schedule decides in the budget
+        mode (asked every step), else every ``every`` steps."""
+        if self.mode == "ckptmgr budget":
+            return bool(self.mgr.should_save(step))
+        return step % every == 0
+
     def save(self, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
         if self.mode.startswith("ckptmgr"):
             self.note_durable(step)
         if self.mode == "ckptmgr block":
             h = self.mgr.save(step, {"model": model, "optim": opt, "step": step})
             self.handles.append((step, time.perf_counter(), h))
-        elif self.mode in ("ckptmgr overlap", "ckptmgr coalesce"):
+        elif self.mode in ("ckptmgr overlap", "ckptmgr coalesce", "ckptmgr budget"):
             self.pending = self.mgr.save(step, {"model": model, "optim": opt, "step": step}, block=False)
             self.handles.append((step, time.perf_counter(), self.pending))
         elif self.mode == "Lightning AsyncCheckpointIO":
@@ -185,7 +198,7 @@ class Saver:
     def before_step(self) -> None:
         if self.pending is None:
             return
-        if self.mode in ("ckptmgr overlap", "ckptmgr coalesce"):
+        if self.mode in ("ckptmgr overlap", "ckptmgr coalesce", "ckptmgr budget"):
             self.pending.wait_staged()
         elif self.mode == "DCP async_save":
             try:
@@ -243,7 +256,7 @@ def run(mode: str, args: argparse.Namespace, directory: str) -> dict[str, Any]:
             saver.before_step()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if checkpoint and saver is not None and step % args.every == 0:
+        if checkpoint and saver is not None and saver.due(step, args.every):
             saver.save(step, model, opt)
 
     for s in range(args.warmup):  # no checkpoints: every tool's first save falls in the timed steps
@@ -311,6 +324,17 @@ def _range(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
     return f"{med} ({fmt.format(min(values) * scale)} to {fmt.format(max(values) * scale)})"
 
 
+def _saves(stats: dict[str, Any] | None) -> str:
+    """For a round's line: the saves made, the slots used and, in the budget mode, the intervals."""
+    if not stats:
+        return ""
+    out = f", {stats.get('saves', 0):.0f} saves, {stats.get('slots', 0):.0f} slots"
+    budget = {k.removeprefix("budget_"): v for k, v in stats.items() if k.startswith("budget_")}
+    if budget:
+        out += ", budget " + " ".join(f"{k}={v:.4g}" for k, v in sorted(budget.items()))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=os.path.join(os.path.dirname(__file__), "out", "train-ckpt"))
@@ -328,7 +352,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds; each (mode, round) is a fresh process")
     ap.add_argument("--sync-each", action="store_true", help="synchronize after every step (per-step times)")
     ap.add_argument("--slots", type=int, default=0,
-                    help="ckptmgr staging slots (0: 1 for block/overlap, 3 for coalesce)")
+                    help="ckptmgr staging slots (0: the default options for block/overlap/budget, 3 for coalesce)")
+    ap.add_argument("--max-overhead", type=float, default=0.01,
+                    help="ckptmgr budget: Schedule(max_overhead=...), the share of step time saves may take")
     ap.add_argument("--durable-every", type=int, default=0,
                     help="ckptmgr coalesce: Schedule(durable_every=N) (0: every save meant for the durable target)")
     ap.add_argument("--durable-mbps", type=float, default=0.0, help="cap the durable target's write rate (MB/s)")
@@ -367,6 +393,7 @@ def main() -> None:
             print(f"round {r + 1} {mode}: {x['mean_step_s'] * 1e3:.1f} ms/step, longest "
                   f"{max(x['step_times']) * 1e3:.0f} ms, peak GPU {x['peak_gpu_gib']:.1f} GiB, "
                   f"teardown {x['teardown_s']:.2f} s"
+                  f"{_saves(x.get('stats'))}"
                   f"{'; errors: ' + str(x['errors'][:2]) if x['errors'] else ''}", flush=True)
         rounds.append(got)
     first = next((x for g in rounds for x in g.values() if "params" in x), None)

@@ -38,7 +38,10 @@ from .restore.loaders import PinnedRing
 from .restore.restorer import LOADERS, Restorer
 from .retention import KeepAll, RetentionPolicy
 from .retention.deleter import Deleter, StepGuard
+from .save.budget import BudgetPlanner
+from .save.persist import SaveInfo
 from .save.saver import Saver
+from .save.slots import AUTO_MAX_SLOTS
 from .storage import Target, open_target
 from .storage.cufile import enable_writer
 from .storage.tier import LocalTier, open_local_tier
@@ -153,6 +156,7 @@ class CheckpointManager:
         self._guard = StepGuard()
         self._deleter = Deleter(self._target, retention, self._guard, on_deleted=lambda s: self._saver.forget(s))
         self._tier = open_local_tier(staging, self.root)
+        self._budget = BudgetPlanner(self._schedule, tiered=self._tier is not None) if self._schedule.budget else None
         self._saver = Saver(self._target, self._tier, staging, chunk_size=write_options.chunk_size,
                             deleter=self._deleter, guard=self._guard, durable=durable,
                             retention=self._coord is None or self._coord.is_leader)  # rank 0 decides retention
@@ -163,7 +167,8 @@ class CheckpointManager:
         lifecycle.close_at_exit(self)
         if self._tier is not None:  # slots an earlier process left committed: adopt, write out the newer
             root_id = self._target.root_id()  # (read only: a root gets its identity with its first commit)
-            found = self._tier.scan(staging.slots, root_id=root_id, root_is_empty=not durable, durable=set(durable))
+            found = self._tier.scan(staging.slots or AUTO_MAX_SLOTS, root_id=root_id, root_is_empty=not durable,
+                                    durable=set(durable))
             self._saver.adopt(found, set(durable), root_id, on_mapped=self._restorer.check_adopted)
 
     def _start_up(self) -> list[int]:
@@ -197,10 +202,17 @@ class CheckpointManager:
         they stop growing after the first save of a state of fixed size),
         ``device_buffer_bytes`` (GPU memory held for snapshots, see
         ``StagingOptions.device_buffer_bytes``), ``deleted`` (steps removed by the retention
-        policy), ``skipped_steps`` (see :meth:`skipped_steps`).
+        policy), ``skipped_steps`` (see :meth:`skipped_steps`), ``slots`` (staging slots in
+        the pool; the default options add some when saves come faster than the durable target
+        absorbs them). With a budget :class:`Schedule`, once measured: ``budget_interval_steps``
+        (the save interval planned now), ``budget_interval_s`` and ``budget_durable_interval_s``
+        (achieved: mean seconds between saves, and between durable commits), ``budget_overhead``
+        (achieved: the share of the loop's time saves added), ``budget_step_s``,
+        ``budget_save_cost_s``, ``budget_durable_write_s``, ``budget_durable_bytes_per_s``.
         """
-        return {**self._saver.stats(), "deleted": len(self._deleter.deleted),
-                "skipped_steps": len(self.skipped_steps())}
+        budget = {} if self._budget is None else {f"budget_{k}": v for k, v in self._budget.stats().items()}
+        return {**self._saver.stats(), "slots": len(self._saver.pool.slots), "deleted": len(self._deleter.deleted),
+                "skipped_steps": len(self.skipped_steps()), **budget}
 
     def skipped_steps(self) -> dict[int, str]:
         """Steps under the root left alone, with why: those the last listing could not read
@@ -268,11 +280,43 @@ class CheckpointManager:
                             metadata=meta_json, library_version=__version__)
         coord = self._coord
         join = None if coord is None else (lambda job: coordinate(job, coord, self._target, fps))
-        return SaveHandle(self._saver.save(manifest, plan, sizes, block=block, t0=t0, coordinate=join,
-                                           schedule=self._schedule, durable=durable))
+        if self._budget is None:
+            return SaveHandle(self._saver.save(manifest, plan, sizes, block=block, t0=t0, coordinate=join,
+                                               schedule=self._schedule, durable=durable))
+        made = self._saver.pool.allocations
+        ticket = self._saver.save(manifest, plan, sizes, block=block, t0=t0, coordinate=join, schedule=self._budget,
+                                  durable=durable)
+        self._budget.saved(step, allocated=self._saver.pool.allocations != made)
+        ticket.future.add_done_callback(lambda f: self._budget_done(step, t0, f))
+        return SaveHandle(ticket)
+
+    def _budget_done(self, step: int, t0: float, future: Any) -> None:
+        """(the persist or local-commit thread, or the caller for a skip) Feed a save's outcome
+        to the budget schedule; never raises."""
+        try:
+            info = None if future.cancelled() or future.exception() is not None else future.result()
+            if self._budget is not None:
+                if isinstance(info, SaveInfo):
+                    self._budget.finished(step, durable=info.durable, nbytes=info.bytes, staged_at=t0 + info.staging_s,
+                                          committed_at=t0 + info.total_s, local_s=info.local_s)
+                else:
+                    self._budget.finished(step, durable=False)
+        except Exception as exc:  # bookkeeping only: the save's outcome is told on its handle
+            log.debug("budget schedule: step %d: %s", step, exc)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The manager's :class:`Schedule` (``schedule.budget``: :meth:`should_save` measures
+        and decides)."""
+        return self._schedule
 
     def should_save(self, step: int) -> bool:
         """Whether the manager's :class:`Schedule` saves ``step`` (every step without one).
+
+        With a budget schedule (``Schedule(max_overhead=...)``, ``max_lost_s``,
+        ``durable_max_lost_s``, ``continuous``) call it once per step: the spacing of the
+        calls is how the manager measures the step time, and the answer follows what it
+        measured (see docs/SCHEDULES.md).
 
         Example:
             >>> for step in range(1, 1001):  # doctest: +SKIP
@@ -281,6 +325,8 @@ class CheckpointManager:
             ...         mgr.save(step, state, block=False).wait_staged()
         """
         _check_step(step)
+        if self._budget is not None:
+            return self._budget.should_save(step)
         return self._schedule.should_save(step)
 
     def _plan(self, state: Any) -> tuple[Any, Plan, list[int], dict[str, str]]:

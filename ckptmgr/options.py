@@ -68,17 +68,28 @@ class StagingOptions:
     :meth:`CheckpointManager.prepare`) and reused; they are never allocated or pinned per save.
 
     Attributes:
-        slots: how many checkpoints may be staged or in flight at once. 1 keeps host memory
-            at one checkpoint; 2 lets a save stage while the previous one is still writing;
-            3, with the local tier, lets saves come faster than the durable target absorbs
-            them without waiting (one slot being written, one holding the newest step, one
-            filling; durable writes go to the newest step, see :class:`Schedule`).
+        slots: how many checkpoints may be staged or in flight at once. None (the default):
+            the manager sizes this itself. It starts with one slot, and when a save comes
+            while every slot is still in use (saves come faster than the durable target
+            absorbs them) it adds one rather than wait, up to 3, as long as all slots together
+            fit 50% of the host memory available (``MemAvailable``, and the headroom of this
+            process's cgroup: see :mod:`ckptmgr.save.memory`); it logs once what it did, with
+            the numbers. A state whose one slot does not fit that share is refused with
+            :class:`~ckptmgr.CapacityError` before anything is allocated. An int: exactly that
+            many slots, made at the first save; 1 keeps host memory at one checkpoint; 2 lets
+            a save stage while the previous one is still writing; 3, with the local tier,
+            lets saves come faster than the durable target absorbs them without waiting (one
+            slot being written, one holding the newest step, one filling; durable writes go to
+            the newest step, see :class:`Schedule`). Configured slots (and ``max_host_bytes``)
+            may use up to 90% of the available memory; more is refused before anything is
+            allocated, never left to the OOM killer.
         on_busy: what ``save()`` does when every slot is still in use: ``"wait"`` for one to
             free up, or ``"skip"`` this save (it is logged and counted).
         busy_timeout: seconds ``save()`` waits for a free slot before raising
             :class:`~ckptmgr.CkptTimeoutError` (None: no limit).
         max_host_bytes: cap on host memory for all slots together; a state that would need
-            more is refused before anything is copied. None: no cap.
+            more is refused before anything is copied. None: no cap but the guard's share of
+            the available memory (see ``slots``).
         local_tier: keep each staged checkpoint as a complete, committed checkpoint in
             ``local_dir`` (a tmpfs such as /dev/shm), so a same-node restart restores from
             RAM. None (the default) uses it when ``local_dir`` exists and has room (and,
@@ -104,7 +115,7 @@ class StagingOptions:
         2
     """
 
-    slots: int = 1
+    slots: int | None = None
     on_busy: str = "wait"
     busy_timeout: float | None = None
     max_host_bytes: int | None = None
@@ -119,8 +130,9 @@ class StagingOptions:
                               f"got {self.device_buffer_bytes!r}")
         for name in ("slots", "copy_threads"):
             value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ConfigError(f"StagingOptions.{name} must be a positive int, got {value!r}")
+            if (value is not None or name != "slots") and (type(value) is not int or value <= 0):
+                also = " or None" if name == "slots" else ""
+                raise ConfigError(f"StagingOptions.{name} must be a positive int{also}, got {value!r}")
         if self.on_busy not in ("wait", "skip"):
             raise ConfigError(f"StagingOptions.on_busy must be 'wait' or 'skip', got {self.on_busy!r}")
         if self.busy_timeout is not None and (not isinstance(self.busy_timeout, (int, float))
@@ -196,34 +208,84 @@ class Schedule:
     local_tier=False)``, several ranks, or no room in ``local_dir``) every save is written to
     the durable target.
 
+    **Budgets** instead of step counts: set ``max_overhead``, ``max_lost_s``,
+    ``durable_max_lost_s`` or ``continuous`` and the manager picks the intervals itself from
+    what it measures as training runs (the step time from the spacing of
+    :meth:`~ckptmgr.CheckpointManager.should_save` calls, which the loop must then make once
+    per step; the time each save adds to the loop; the durable write time and bandwidth),
+    adapts them when these change, and :meth:`~ckptmgr.CheckpointManager.should_save` tells
+    the loop when to save. ``stats()`` reports the intervals planned and achieved. The
+    decisions are :class:`ckptmgr.save.budget.BudgetPlanner`'s (see docs/SCHEDULES.md).
+
     Attributes:
-        local_every: :meth:`CheckpointManager.should_save` is True every this many steps.
+        local_every: :meth:`CheckpointManager.should_save` is True every this many steps
+            (with a budget: never more often than this).
         durable_every: steps whose number is a multiple of this go to the durable target
             too (None: by time only, or every save when ``durable_every_s`` is None too).
         durable_every_s: a save goes to the durable target too when this many seconds have
             passed since the last one that did (None: by step number only).
+        max_overhead: budget: saves may add at most this share of the step time to the
+            training loop (0.01: 1%); the manager saves as often as that allows.
+        max_lost_s: budget for the local tier: a crash of the process loses at most this many
+            seconds of training (the local tier survives it on the node). With
+            ``max_overhead`` too, the overhead budget wins, and a loss budget it cannot meet
+            is logged once with the numbers.
+        durable_max_lost_s: budget for the durable target: losing the node loses at most this
+            many seconds of training. A save goes durable in time for its write (as long as
+            the writes were measured to take) to end within the budget; when the writes take
+            longer than the budget, every save goes durable as soon as the last write ended,
+            and that is logged once.
+        continuous: the durable target is written continuously: the next save goes durable as
+            soon as the last durable write ended (and :meth:`~ckptmgr.CheckpointManager.
+            should_save` asks for it then, within ``max_overhead`` when set).
 
     Example:
         >>> s = Schedule(local_every=50, durable_every=500)
         >>> [step for step in range(0, 1001, 50) if s.durable(step, None)]
         [0, 500, 1000]
+        >>> Schedule(max_overhead=0.01, durable_max_lost_s=600).budget
+        True
     """
 
     local_every: int = 1
     durable_every: int | None = None
     durable_every_s: float | None = None
+    max_overhead: float | None = None
+    max_lost_s: float | None = None
+    durable_max_lost_s: float | None = None
+    continuous: bool = False
 
     def __post_init__(self) -> None:
         for name in ("local_every", "durable_every"):
             value = getattr(self, name)
             if (value is not None or name == "local_every") and (type(value) is not int or value <= 0):
                 raise ConfigError(f"Schedule.{name} must be a positive int, got {value!r}")
-        s = self.durable_every_s
-        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0 or s == float("inf")):
-            raise ConfigError(f"Schedule.durable_every_s must be a positive finite number of seconds, got {s!r}")
+        for name in ("durable_every_s", "max_lost_s", "durable_max_lost_s"):
+            s = getattr(self, name)
+            if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0
+                                  or s == float("inf")):
+                raise ConfigError(f"Schedule.{name} must be a positive finite number of seconds, got {s!r}")
+        o = self.max_overhead
+        if o is not None and (isinstance(o, bool) or not isinstance(o, (int, float)) or not 0 < o < 1):
+            raise ConfigError(f"Schedule.max_overhead must be a share of the step time in (0, 1), e.g. 0.01, got {o!r}")
+        if not isinstance(self.continuous, bool):
+            raise ConfigError(f"Schedule.continuous must be a bool, got {self.continuous!r}")
+        if self.budget and (self.durable_every is not None or self.durable_every_s is not None):
+            raise ConfigError("Schedule: durable_every/durable_every_s set the durable interval by hand; "
+                              "durable_max_lost_s/continuous/max_overhead/max_lost_s let the manager pick it: not both")
+        if self.continuous and self.durable_max_lost_s is not None:
+            raise ConfigError("Schedule: continuous writes the durable target as often as it can; "
+                              "durable_max_lost_s would only write it less often: pick one")
+
+    @property
+    def budget(self) -> bool:
+        """True when the intervals are picked by the manager from a budget."""
+        return (self.max_overhead is not None or self.max_lost_s is not None
+                or self.durable_max_lost_s is not None or self.continuous)
 
     def should_save(self, step: int) -> bool:
-        """True when ``step`` is one this schedule saves (to the local tier at least)."""
+        """True when ``step`` is one this schedule saves (to the local tier at least). With a
+        budget, ask :meth:`CheckpointManager.should_save` instead: it measures."""
         return step % self.local_every == 0 or (self.durable_every is not None and step % self.durable_every == 0)
 
     def durable(self, step: int, since_durable_s: float | None) -> bool:

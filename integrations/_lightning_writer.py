@@ -105,7 +105,8 @@ class Writer:
     """Saves and removals of one plugin, in order, on one worker thread.
 
     Args:
-        slots: checkpoints staged or in flight at once (each slot holds one whole file).
+        slots: checkpoints staged or in flight at once (each slot holds one whole file);
+            None: sized by the pool as ``StagingOptions(slots=None)`` says.
         copy_threads: threads for CPU tensor copies.
         io_threads: threads that hash and write chunks of one file in parallel.
         chunk_size: bytes per CRC32C chunk and per write task.
@@ -116,7 +117,7 @@ class Writer:
         s3_options: multipart upload and retries of ``s3://`` paths.
     """
 
-    def __init__(self, *, slots: int, copy_threads: int, io_threads: int, chunk_size: int, direct_io: bool,
+    def __init__(self, *, slots: int | None, copy_threads: int, io_threads: int, chunk_size: int, direct_io: bool,
                  max_host_bytes: int | None, busy_timeout: float | None = None,
                  storage_options: dict[str, Any] | None = None, s3_options: S3Options | None = None) -> None:
         self._busy_timeout = busy_timeout

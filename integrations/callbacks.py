@@ -50,6 +50,11 @@ class CheckpointCallback:
         every_n_steps: save after every step that is a multiple of this.
         every_n_seconds: save after a step once this many seconds have passed since the
             last save (or the start).
+
+            With a manager whose :class:`~ckptmgr.Schedule` has a budget (e.g.
+            ``CheckpointManager(root, schedule=Schedule(max_overhead=0.01))``), leave both
+            unset: :meth:`after_step` then asks the manager's ``should_save`` every step, and
+            it saves as often as the budget allows (see docs/SCHEDULES.md).
         save_on_signals: signals (e.g. ``signal.SIGTERM``, ``signal.SIGUSR1``) that request a
             save at the end of the current step; :meth:`after_step` then saves, waits until
             the checkpoint is durable and returns True so the loop can stop. Installed from
@@ -72,8 +77,10 @@ class CheckpointCallback:
                                             or isinstance(every_n_seconds, bool) or every_n_seconds <= 0):
             raise ConfigError(f"every_n_seconds must be a positive number or None, got {every_n_seconds!r}")
         signals = tuple(save_on_signals)
-        if every_n_steps is None and every_n_seconds is None and not signals:
-            raise ConfigError("CheckpointCallback needs every_n_steps, every_n_seconds or save_on_signals")
+        self.by_budget = every_n_steps is None and every_n_seconds is None and manager.schedule.budget
+        if every_n_steps is None and every_n_seconds is None and not signals and not self.by_budget:
+            raise ConfigError("CheckpointCallback needs every_n_steps, every_n_seconds, save_on_signals or a manager "
+                              "whose Schedule has a budget (e.g. Schedule(max_overhead=0.01))")
         self.manager = manager
         self.state = state
         self.every_n_steps = every_n_steps
@@ -142,7 +149,8 @@ class CheckpointCallback:
             self.stop_requested = True
             self._signalled = None
             return True
-        due = self.every_n_steps is not None and step % self.every_n_steps == 0
+        due = self.by_budget and self.manager.should_save(step)
+        due = due or (self.every_n_steps is not None and step % self.every_n_steps == 0)
         due = due or (self.every_n_seconds is not None and time.monotonic() - self._last_save >= self.every_n_seconds)
         if due:
             self.before_optimizer_step(step)

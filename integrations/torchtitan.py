@@ -53,7 +53,7 @@ except ImportError as exc:  # pragma: no cover - exercised where torchtitan is a
     raise ImportError(f"ckptmgr.integrations.torchtitan needs torchtitan ({exc}): "
                       "pip install 'ckptmgr[torchtitan]'") from exc
 
-from ckptmgr import CheckpointManager, ConfigError, KeepLatest, PerRank, SaveHandle, StagingOptions
+from ckptmgr import CheckpointManager, ConfigError, KeepLatest, PerRank, SaveHandle, Schedule, StagingOptions
 
 __all__ = ["CkptmgrCheckpointManager"]
 
@@ -99,6 +99,11 @@ class CkptmgrCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # 
         coordination_timeout: float = 600.0
         """Seconds the ranks may take to agree on a commit or a restore."""
 
+        max_overhead: float | None = None
+        """Checkpoint as often as this share of the step time allows (e.g. 0.01: 1%), in place of
+        ``interval``: ckptmgr's ``Schedule(max_overhead=...)`` measures the step time and each
+        save's cost and picks the interval (docs/SCHEDULES.md); the last step is still saved."""
+
     def __init__(self, config: Config, *, dataloader: Any, model_parts: list[torch.nn.Module], optimizers: Any,
                  lr_schedulers: Any, states: dict[str, Any], sd_adapter: Any, base_folder: str = "") -> None:
         self.enable = config.enable
@@ -127,9 +132,10 @@ class CkptmgrCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # 
         self.overlap = bool(config.overlap)
         self._staging: SaveHandle | None = None
         retention = KeepLatest(config.keep_latest_k) if config.keep_latest_k > 0 else None
+        schedule = Schedule(max_overhead=config.max_overhead) if config.max_overhead is not None else None
         self.manager = CheckpointManager(self.folder, retention=retention,
                                          staging=StagingOptions(slots=config.staging_slots),
-                                         coordination_timeout=config.coordination_timeout)
+                                         coordination_timeout=config.coordination_timeout, schedule=schedule)
         log.info("ckptmgr checkpointing active: %s", self.folder)
 
     def __del__(self) -> None:
@@ -166,6 +172,8 @@ class CkptmgrCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # 
             return False
         if curr_step == 1 and self.enable_first_step_checkpoint:
             return True
+        if self.manager.schedule.budget:  # asked every step: the spacing is the step time
+            return self.manager.should_save(curr_step) or last_step
         return last_step or curr_step % self.interval == 0
 
     @torch.no_grad()

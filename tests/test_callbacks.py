@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from ckptmgr import CheckpointManager, ConfigError, StagingOptions, StepNotFoundError
+from ckptmgr import CheckpointManager, ConfigError, Schedule, StagingOptions, StepNotFoundError
 from ckptmgr.integrations.callbacks import CheckpointCallback
+from ckptmgr.save.budget import WARMUP
 
 TRAINER = os.path.join(os.path.dirname(__file__), "callback_trainer.py")
 TOTAL = 30
@@ -73,6 +74,26 @@ def test_bad_arguments(root):
             CheckpointCallback(mgr, {}, every_n_seconds=-1)
     with pytest.raises(ConfigError, match="manager must be"):
         CheckpointCallback("root", {}, every_n_steps=1)
+
+
+def test_a_manager_with_a_budget_schedule_drives_the_callback(root, tmp_path):
+    local = tmp_path / "shm"
+    local.mkdir()
+    state = {"w": torch.zeros(3)}
+    mgr = CheckpointManager(root, schedule=Schedule(max_overhead=0.5), staging=StagingOptions(local_dir=str(local)))
+    with CheckpointCallback(mgr, state) as ckpt:  # no every_n_*: the manager's budget decides
+        assert ckpt.by_budget
+        for step in range(12):
+            state["w"] += 1
+            ckpt.before_optimizer_step(step)
+            assert not ckpt.after_step(step)
+        ckpt.manager.wait()
+        saved = ckpt.manager.steps()
+        stats = ckpt.manager.stats()
+    assert saved and min(saved) >= WARMUP  # the step time measured first, then saves
+    assert stats["saves"] >= len(saved) and "budget_step_s" in stats
+    with CheckpointManager(root) as plain, pytest.raises(ConfigError, match="budget"):
+        CheckpointCallback(plain, state)
 
 
 def test_every_n_seconds_and_resume_on_a_fresh_root(root):

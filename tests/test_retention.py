@@ -123,7 +123,8 @@ def committed_dirs(root):
 
 def test_deletes_what_the_policy_drops_and_keeps_the_rest(root):
     policy = AnyOf(KeepLatest(2), KeepEvery(10))
-    with CheckpointManager(root, retention=policy) as mgr:
+    one = StagingOptions(slots=1)  # every save written durably (more slots coalesce a tight loop's saves)
+    with CheckpointManager(root, retention=policy, staging=one) as mgr:
         for step in range(0, 35, 3):
             mgr.save(step, small(step))
         mgr.wait()
@@ -167,7 +168,9 @@ def test_protected_steps_are_kept_durably(root):
 def test_retention_leaves_foreign_files_and_neighbouring_roots_alone(tmp_path):
     parent = tmp_path / "runs"
     a, b = str(parent / "a"), str(parent / "b")
-    with CheckpointManager(a, retention=KeepLatest(1)) as ma, CheckpointManager(b, retention=KeepLatest(1)) as mb:
+    one = StagingOptions(slots=1)  # every save written durably (more slots coalesce a tight loop's saves)
+    with CheckpointManager(a, retention=KeepLatest(1), staging=one) as ma, \
+            CheckpointManager(b, retention=KeepLatest(1), staging=one) as mb:
         for step in range(2):
             ma.save(step, small(step))
             mb.save(step, small(step))
@@ -247,7 +250,7 @@ def test_deletion_failure_surfaces_at_the_next_save(faulty, monkeypatch):  # noq
 
 
 def test_crash_mid_delete_leaves_garbage_that_the_next_start_removes(root):
-    with CheckpointManager(root) as mgr:
+    with CheckpointManager(root, staging=StagingOptions(slots=1)) as mgr:  # every save written durably
         for step in range(3):
             mgr.save(step, small(step))
     # what a crash right after the commit record went leaves behind

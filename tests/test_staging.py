@@ -114,7 +114,7 @@ def test_backpressure_wait_then_skip(root, faulty):  # noqa: F811
 
 def test_busy_timeout(faulty):  # noqa: F811
     faulty.gate = threading.Event()
-    mgr = CheckpointManager("faulty://bt", staging=StagingOptions(busy_timeout=0.1, local_tier=False))
+    mgr = CheckpointManager("faulty://bt", staging=StagingOptions(slots=1, busy_timeout=0.1, local_tier=False))
     mgr.save(1, big_state())
     with pytest.raises(CkptTimeoutError, match="no staging slot"):
         mgr.save(2, big_state())

@@ -25,6 +25,7 @@ from torchtitan.components.checkpointer import CheckpointManager as DCPCheckpoin
 
 from ckptmgr import CheckpointManager, ConfigError
 from ckptmgr.integrations.torchtitan import CkptmgrCheckpointManager
+from ckptmgr.save.budget import WARMUP
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.set_vital. is deprecated:UserWarning"),
               pytest.mark.filterwarnings("ignore:To get the last learning rate:UserWarning")]
@@ -75,6 +76,15 @@ def test_stop_and_resume_is_bit_identical(tmp_path):
     a, b = full_weights(ref_parts["model"]), full_weights(parts["model"])
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert parts["state"].ntokens_seen == ref_parts["state"].ntokens_seen
+
+
+def test_max_overhead_replaces_the_interval(tmp_path):
+    parts = build(config(max_overhead=0.5, interval=1000), str(tmp_path / "run"))
+    assert parts["checkpointer"].manager.schedule.max_overhead == 0.5
+    train(parts, 12)
+    with CheckpointManager(str(tmp_path / "run" / "ckpt")) as mgr:
+        steps = mgr.steps()
+    assert 12 in steps and len(steps) >= 2 and min(steps) >= WARMUP  # saved by the budget, not interval 1000
 
 
 def test_same_run_as_torchtitans_own_manager(tmp_path, world_of_one):

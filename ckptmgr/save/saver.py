@@ -57,7 +57,7 @@ from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, CkptTimeoutError, SaveError, StepExistsError, StorageError
 from ..format.layout import Plan
 from ..format.manifest import Manifest
-from ..options import Schedule, StagingOptions
+from ..options import StagingOptions
 from ..retention.deleter import Deleter, StepGuard
 from ..storage import Target
 from ..storage.tier import LocalTier
@@ -68,6 +68,8 @@ from .staging import Stager, StagingJob
 
 if TYPE_CHECKING:
     import torch
+
+    from .budget import DurablePolicy
 
 __all__ = ["RETRY_FIRST_S", "RETRY_MAX_S", "Saver", "Ticket"]
 
@@ -136,7 +138,7 @@ class Saver:
                                   "checkpoints are never overwritten")
 
     def save(self, manifest: Manifest, plan: Plan, sizes: list[int], *, block: bool, t0: float,
-             coordinate: Callable[[PersistJob], None] | None = None, schedule: Schedule | None = None,
+             coordinate: Callable[[PersistJob], None] | None = None, schedule: DurablePolicy | None = None,
              durable: bool | None = None) -> Ticket:
         """Stage ``plan`` into a slot and queue its persist job; return its ticket (skipped
         when every slot is busy and ``on_busy="skip"``). ``schedule`` says whether the step

@@ -44,12 +44,19 @@ from ..errors import CapacityError, CkptTimeoutError
 from ..format.layout import DATA_ALIGN, file_name
 from ..storage.tier import LocalTier
 from .buffers import HostBuffer, anonymous_buffer, file_buffer
+from .memory import DEFAULT_HOST_SHARE, MAX_HOST_SHARE, HostMemory, MemoryProbe, allowed_bytes, read_host_memory
 
-__all__ = ["Slot", "SlotPool", "slot_bytes"]
+__all__ = ["AUTO_MAX_SLOTS", "Slot", "SlotPool", "slot_bytes"]
+
+AUTO_MAX_SLOTS = 3  # slots the default options may grow to: one being written, one holding the newest, one filling
 
 log = logging.getLogger("ckptmgr")
 _NOW = threading.Event()  # always set: pin without pauses (the caller itself waits for it)
 _NOW.set()
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 1 << 28 else f"{n / 2**20:.1f} MiB"
 
 
 def slot_bytes(sizes: list[int]) -> int:
@@ -72,6 +79,7 @@ class Slot:
     replaced: int | None = None  # the step the slot held before acquire() handed it to a save
     wanted: bool = False  # ``step`` waits for its durable write (only a newer such step supersedes it)
     local_only: bool = False  # the schedule keeps ``step`` in the local tier only: a newer save may take the slot
+    since: float = 0.0  # monotonic time the slot was last handed to a save (for messages)
 
     @property
     def piece(self) -> int:
@@ -81,14 +89,27 @@ class Slot:
 
 class SlotPool:
     """``count`` slots, created lazily, reused for the life of the manager. ``chunk_size``: the
-    checksum chunk of the images (pinning pieces are whole numbers of it)."""
+    checksum chunk of the images (pinning pieces are whole numbers of it).
 
-    def __init__(self, count: int, *, tier: LocalTier | None, max_host_bytes: int | None,
-                 chunk_size: int = 16 << 20) -> None:
+    ``count=None`` (the default options) sizes the pool itself: one slot, and one more (up to
+    :data:`AUTO_MAX_SLOTS`) each time a save would otherwise wait for one, with a spare slot
+    that the saver makes in the background, as long as all of them fit
+    :data:`~ckptmgr.save.memory.DEFAULT_HOST_SHARE` of the host memory available.
+    ``memory``: how much host memory is available (see :mod:`ckptmgr.save.memory`; injectable
+    for tests; None: nothing is guarded but ``max_host_bytes``)."""
+
+    def __init__(self, count: int | None, *, tier: LocalTier | None, max_host_bytes: int | None,
+                 chunk_size: int = 16 << 20, memory: MemoryProbe | None = read_host_memory) -> None:
         self.tier = tier
         self.max_host_bytes = max_host_bytes
         self.chunk_size = chunk_size
-        self.slots = [Slot(i) for i in range(count)]
+        self.auto = count is None
+        self.max_slots = AUTO_MAX_SLOTS if count is None else count
+        self.slots = [Slot(i) for i in range(1 if count is None else count)]
+        self.memory = memory
+        self._sizes: list[int] | None = None  # the file sizes of the state last checked (guarded by _cond)
+        self._last_save: float | None = None  # monotonic time of the last acquire (for messages)
+        self._told_no_room = False
         self._cond = threading.Condition()
         self.hurry = threading.Event()  # set while a save waits for a slot being prepared
         self.on_wait: Callable[[], None] | None = None  # called (lock held) when a save starts waiting
@@ -108,13 +129,90 @@ class SlotPool:
     # ------------------------------------------------------------ capacity
 
     def check_capacity(self, sizes: list[int]) -> None:
-        """Raise CapacityError when ``count`` slots of this state exceed the cap."""
-        need = slot_bytes(sizes) * len(self.slots)
+        """Raise CapacityError, before anything is allocated, when the slots of this state
+        exceed ``max_host_bytes`` or the host memory the guard allows (see
+        :mod:`ckptmgr.save.memory`): the share of what the node and this process's cgroup
+        have available. The memory is read only when the slots would grow."""
+        per = slot_bytes(sizes)
+        with self._cond:
+            count = 1 if self.auto else len(self.slots)  # (the default's other slots are checked as they are added)
+            held = self._held()
+            self._sizes = list(sizes)
+        need = per * count
         if self.max_host_bytes is not None and need > self.max_host_bytes:
             raise CapacityError(
-                f"staging this state needs {need / 2**30:.2f} GiB of host memory ({len(self.slots)} slot(s) of "
-                f"{slot_bytes(sizes) / 2**30:.2f} GiB), over StagingOptions.max_host_bytes="
+                f"staging this state needs {need / 2**30:.2f} GiB of host memory ({count} slot(s) of "
+                f"{per / 2**30:.2f} GiB), over StagingOptions.max_host_bytes="
                 f"{self.max_host_bytes / 2**30:.2f} GiB; raise the cap or use fewer slots")
+        if need <= held or self.memory is None:
+            return  # nothing to allocate: what the slots hold is theirs
+        mem = self.memory()
+        allowed = allowed_bytes(mem, held, default=self.auto, max_host_bytes=self.max_host_bytes)
+        if mem is None or allowed is None or need <= allowed:
+            return
+        if self.auto and self.max_host_bytes is None:
+            raise CapacityError(
+                f"staging this state needs {per / 2**30:.2f} GiB of host memory for one slot, over the "
+                f"{DEFAULT_HOST_SHARE:.0%} of host memory the default options may use "
+                f"({self._memory_text(mem, held)}); "
+                f"set StagingOptions(slots=1) or max_host_bytes to allow up to {MAX_HOST_SHARE:.0%}, or save less "
+                f"per process (more ranks, a smaller state)")
+        raise CapacityError(
+            f"staging this state needs {need / 2**30:.2f} GiB of host memory ({count} slot(s) of {per / 2**30:.2f} "
+            f"GiB), over the {allowed / 2**30:.2f} GiB this process may use ({MAX_HOST_SHARE:.0%} of "
+            f"{self._memory_text(mem, held)}); nothing was allocated. Use fewer StagingOptions.slots (or leave "
+            f"slots unset: the manager then uses as many as fit), or save less per process")
+
+    def _held(self) -> int:
+        return sum(b.nbytes for s in self.slots for b in s.buffers)
+
+    @staticmethod
+    def _memory_text(mem: HostMemory, held: int) -> str:
+        extra = f" + {held / 2**30:.2f} GiB the slots hold" if held else ""
+        return mem.describe() + extra
+
+    def _grow(self, now: float) -> Slot | None:
+        """(lock held, default options only) A new slot for a save that would otherwise wait,
+        when one more fits the share of host memory the default may use; told once each."""
+        if not self.auto or len(self.slots) >= self.max_slots or self._sizes is None:
+            return None
+        per = slot_bytes(self._sizes)
+        count = len(self.slots)
+        held = self._held()
+        mem = self.memory() if self.memory is not None else None
+        allowed = allowed_bytes(mem, held, default=True, max_host_bytes=self.max_host_bytes)
+        busy = [s for s in self.slots if s.busy]
+        oldest = min(busy, key=lambda s: s.since, default=None)
+        spacing = "" if self._last_save is None else f" {now - self._last_save:.2f} s after the previous one"
+        why = (f"a save came{spacing} while {len(busy)} earlier save(s) were still being staged or written "
+               f"(the oldest since {now - oldest.since:.2f} s)" if oldest is not None else
+               f"a save came{spacing} while all {count} staging slot(s) held steps not yet durable")
+        if allowed is not None and per * (count + 1) > allowed:
+            if not self._told_no_room:
+                self._told_no_room = True
+                limit = (f"StagingOptions.max_host_bytes={self.max_host_bytes / 2**30:.2f} GiB"
+                         if self.max_host_bytes is not None else "the host memory available" if mem is None else
+                         f"{DEFAULT_HOST_SHARE:.0%} of {self._memory_text(mem, held)}")
+                log.warning("%s; it waits: another staging slot of %s would exceed %s. Save less often "
+                            "(Schedule(max_overhead=...) picks the interval), or set StagingOptions(slots=%d) "
+                            "to allow up to %.0f%% of available memory", why, _size(per), limit, count + 1,
+                            MAX_HOST_SHARE * 100)
+            return None
+        slot = Slot(count)
+        self.slots.append(slot)
+        # Saves outpace the durable target: the next one will want another slot too. When it fits, a spare
+        # (never filled yet) is added as well; the saver makes it in the background after this save.
+        spare = count + 2 <= self.max_slots and (allowed is None or per * (count + 2) <= allowed)
+        if spare:
+            self.slots.append(Slot(count + 1))
+        total = len(self.slots)
+        room = "" if allowed is None else f"; all slots {_size(per * total)} of {_size(allowed)} allowed"
+        log.warning("%s; added staging slot %d%s of at most %d (%s of host memory each%s) rather than wait. "
+                    "StagingOptions(slots=%d) makes them up front; Schedule(max_overhead=...) saves only as often "
+                    "as the durable target absorbs", why, count + 1,
+                    f" (and slot {total}, made in the background)" if spare else "", self.max_slots, _size(per),
+                    room, total)
+        return slot
 
     # ------------------------------------------------------ acquire/release
 
@@ -186,6 +284,7 @@ class SlotPool:
         """
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
+        grown: Slot | None = None
         with self._cond:
             self.counts["saves"] += 1
             try:
@@ -194,6 +293,10 @@ class SlotPool:
                     if slot is not None:
                         break
                     preparing = any(s.preparing for s in self.slots)
+                    if not preparing:
+                        slot = grown = self._grow(t0)
+                        if slot is not None:
+                            break
                     if not wait and not preparing:
                         self.counts["skips"] += 1
                         return None, time.monotonic() - t0
@@ -208,13 +311,14 @@ class SlotPool:
             finally:
                 self.hurry.clear()
             waited = time.monotonic() - t0
-            if waited > 1e-3:
+            if waited > 1e-3 and grown is None:  # (a slot added instead is no wait)
                 self.counts["busy_waits"] += 1
                 self.counts["busy_wait_s"] += waited
             if slot.step is not None and not slot.durable and slot.kind == "memory":
                 log.warning("reusing staging slot %d: it held step %d, whose durable write failed; that step "
                             "is dropped", slot.index, slot.step)
-            old, slot.busy = slot.step, True
+            old, slot.busy, slot.since = slot.step, True, t0
+            self._last_save = t0
             slot.replaced = old if not slot.durable else None
             slot.step, slot.durable, slot.wanted, slot.local_only = None, False, False, False
         if old is not None and slot.kind == "tmpfs" and self.tier is not None:
@@ -394,6 +498,9 @@ class SlotPool:
         ``on_mapped``: told the file images once mapped, before they are pinned (only with
         CUDA), so that they can be verified meanwhile."""
         assert self.tier is not None
+        with self._cond:
+            while self.auto and len(self.slots) <= index < self.max_slots:
+                self.slots.append(Slot(len(self.slots)))
         slot = self.slots[index]
         slot.kind = "tmpfs"
         for i, n in enumerate(sizes):

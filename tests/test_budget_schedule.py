@@ -1,0 +1,236 @@
+"""Schedules set by a budget: the pure plan, and the planner driven by a simulated training
+loop (a clock advanced by hand, a save cost and a durable bandwidth chosen per step), so the
+intervals it picks, and how they follow a step time or a bandwidth that changes, are checked
+deterministically. One test runs a real manager with a budget schedule on the CPU."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from ckptmgr import CheckpointManager, ConfigError, Schedule, StagingOptions
+from ckptmgr.save.budget import WARMUP, WINDOW, BudgetPlanner, Measurements, plan
+
+GB = 10**9
+
+
+# ---------------------------------------------------------------------------- the pure plan
+
+def test_the_overhead_budget_gives_the_most_frequent_saves_within_it():
+    it = plan(Schedule(max_overhead=0.01), Measurements(step_s=0.0527, save_cost_s=0.0275))
+    assert it.local_steps == math.ceil(0.0275 / (0.01 * 0.0527)) == 53 and it.durable_s is None
+    assert plan(Schedule(max_overhead=0.01, local_every=100),
+                Measurements(step_s=0.0527, save_cost_s=0.0275)).local_steps == 100  # a floor
+    # a save that seems free still leaves a step clear of its window, where the step time is measured
+    assert plan(Schedule(max_overhead=0.01), Measurements(step_s=0.05, save_cost_s=0.0)).local_steps == WINDOW + 1
+
+
+def test_a_slow_first_step_does_not_make_saves_look_free_for_good():
+    # the first intervals are slow (start-up), so the step time starts high and a save's extra time
+    # reads as nothing; the clear step between windows brings the step time, and the cost, back
+    loop = Loop(Schedule(max_overhead=0.01), step_s=lambda k: 1.0 if k < 4 else 0.05, cost_s=lambda k: 0.03)
+    loop.run(range(3000))
+    assert set(loop.gaps(after=1500)) == {60}
+
+
+def test_the_loss_budget_gives_the_least_frequent_saves_within_it():
+    it = plan(Schedule(max_lost_s=60), Measurements(step_s=1.0, local_s=2.0))
+    assert it.local_steps == 58 and not it.notes
+    it = plan(Schedule(max_lost_s=1), Measurements(step_s=2.0))
+    assert it.local_steps == 1 and it.notes[0][0] == "max_lost_s"
+
+
+def test_with_both_budgets_the_overhead_wins_and_the_unmet_loss_budget_is_noted():
+    it = plan(Schedule(max_overhead=0.01, max_lost_s=10), Measurements(step_s=0.1, save_cost_s=0.5))
+    assert it.local_steps == 500 and it.notes[0][0] == "max_lost_s" and "every 500 steps" in it.notes[0][1]
+    it = plan(Schedule(max_overhead=0.01, max_lost_s=100), Measurements(step_s=0.1, save_cost_s=0.5))
+    assert it.local_steps == 500 and not it.notes
+
+
+def test_the_durable_interval_leaves_room_for_the_write():
+    s = Schedule(durable_max_lost_s=60)
+    assert plan(s, Measurements(step_s=1.0)).durable_s == 0.0  # unmeasured: at once, to measure
+    assert plan(s, Measurements(step_s=1.0, durable_s=10.0)).durable_s == 50.0
+    it = plan(s, Measurements(step_s=1.0, durable_s=70.0))
+    assert it.durable_s == 0.0 and it.notes[0][0] == "durable_max_lost_s" and "70.0 s" in it.notes[0][1]
+    assert plan(Schedule(continuous=True), Measurements(step_s=1.0, durable_s=70.0)).durable_s == 0.0
+    assert plan(Schedule(continuous=True), Measurements(step_s=1.0)).local_steps is None
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_overhead": 0}, {"max_overhead": 1.5}, {"max_overhead": True}, {"max_lost_s": 0},
+    {"durable_max_lost_s": float("inf")}, {"continuous": 1}, {"max_overhead": 0.01, "durable_every": 10},
+    {"continuous": True, "durable_max_lost_s": 60}, {"max_lost_s": 60, "durable_every_s": 5.0},
+])
+def test_bad_budgets_are_refused(kwargs):
+    with pytest.raises(ConfigError):
+        Schedule(**kwargs)
+
+
+# ---------------------------------------------------------------------------- a simulated loop
+
+class Loop:
+    """A training loop on a simulated clock. Each step takes ``step_s()``; a save adds
+    ``cost_s()`` to the step after it; a durable write of ``nbytes`` runs on one writer at
+    ``bandwidth()`` bytes per second and completes when the clock passes its end. A durable
+    save made while the writer is busy waits for it, and a newer one supersedes it (as the
+    saver coalesces)."""
+
+    def __init__(self, schedule: Schedule, *, step_s: Callable[[int], float], cost_s: Callable[[int], float],
+                 bandwidth: Callable[[int], float] = lambda k: 1 * GB, nbytes: int = 5 * GB,
+                 tiered: bool = True) -> None:
+        self.t = 0.0
+        self.p = BudgetPlanner(schedule, clock=lambda: self.t, tiered=tiered)
+        self.step_s, self.cost_s, self.bandwidth, self.nbytes = step_s, cost_s, bandwidth, nbytes
+        self.saves: list[int] = []
+        self.durable: list[tuple[int, float, float]] = []  # (step, save time, commit time)
+        self.writing: tuple[int, float, float] | None = None  # (step, staged at, ends at)
+        self.queued: tuple[int, float] | None = None  # (step, staged at) waiting for the writer
+        self.superseded: list[int] = []
+        self.extra = 0.0  # cost the next step pays
+        self.cost_total = 0.0
+
+    def _deliver(self) -> None:
+        while self.writing is not None and self.writing[2] <= self.t:
+            step, staged, end = self.writing
+            self.writing = None
+            self.p.finished(step, durable=True, nbytes=self.nbytes, staged_at=staged, committed_at=end)
+            self.durable.append((step, staged, end))
+            if self.queued is not None:
+                (k, at), self.queued = self.queued, None
+                self.writing = (k, at, end + self.nbytes / self.bandwidth(k))
+
+    def run(self, steps: range) -> None:
+        for k in steps:
+            self.t += self.step_s(k) + self.extra
+            self.cost_total += self.extra
+            self.extra = 0.0
+            self._deliver()
+            if self.p.should_save(k):
+                self.saves.append(k)
+                durable = self.p.durable(k, None)  # as the saver asks, inside save()
+                self.p.saved(k, allocated=len(self.saves) == 1)  # the first save makes its slot
+                self.extra = self.cost_s(k)
+                if durable and self.writing is None:
+                    self.writing = (k, self.t, self.t + self.nbytes / self.bandwidth(k))
+                elif durable:
+                    if self.queued is not None:
+                        self.superseded.append(self.queued[0])
+                        self.p.finished(self.queued[0], durable=False)
+                    self.queued = (k, self.t)
+                else:
+                    self.p.finished(k, durable=False)
+
+    def gaps(self, after: int = 0) -> list[int]:
+        s = [k for k in self.saves if k >= after]
+        return [b - a for a, b in itertools.pairwise(s)]
+
+
+def test_max_overhead_converges_to_the_interval_the_budget_allows_and_keeps_it():
+    loop = Loop(Schedule(max_overhead=0.01), step_s=lambda k: 0.05, cost_s=lambda k: 0.03)
+    loop.run(range(3000))
+    assert loop.saves[0] == WARMUP  # the step time first, then one save to measure
+    assert set(loop.gaps(after=500)) == {60}  # 0.03 / (0.01 * 0.05)
+    assert loop.p.stats()["overhead"] <= 0.011
+    assert loop.p.stats()["interval_steps"] == 60
+
+
+def test_the_first_save_allocating_is_not_charged_and_cost_is_probed_one_window_at_a_time():
+    loop = Loop(Schedule(max_overhead=0.01), step_s=lambda k: 0.05,
+                cost_s=lambda k: 5.0 if k == WARMUP else 0.03)  # the first save: 5 s of allocation
+    loop.run(range(WARMUP + 3 * (WINDOW + 1)))
+    assert loop.saves[:2] == [WARMUP, WARMUP + WINDOW]  # the second save measures the cost
+    assert loop.p.save_cost_s == pytest.approx(0.03)
+
+
+def test_the_interval_follows_a_step_time_that_changes_mid_run():
+    loop = Loop(Schedule(max_overhead=0.01), step_s=lambda k: 0.05 if k < 2000 else 0.1, cost_s=lambda k: 0.03)
+    loop.run(range(6000))
+    assert set(loop.gaps(after=500)[:20]) == {60}
+    after = loop.gaps(after=2000)
+    assert set(after) <= {30, 31} and after[-20:] == [30] * 20  # the cost estimate settles within a few saves
+
+
+def test_durable_saves_adapt_when_the_bandwidth_drops_mid_run(caplog):
+    # 5 GB per write: 5 s at 1 GB/s, then 20 s at 0.25 GB/s, then 100 s at 0.05 GB/s (over the budget)
+    def bw(k: int) -> float:
+        return 1 * GB if k < 1000 else 0.25 * GB if k < 2500 else 0.05 * GB
+
+    loop = Loop(Schedule(max_lost_s=10, durable_max_lost_s=60), step_s=lambda k: 0.5, cost_s=lambda k: 0.0,
+                bandwidth=bw)
+    with caplog.at_level(logging.WARNING, logger="ckptmgr"):
+        loop.run(range(4000))
+    by = {"fast": [], "slow": [], "over": []}
+    for (_, a, _), (step, b, end) in zip(loop.durable, loop.durable[1:], strict=False):
+        phase = "fast" if step < 1000 else "slow" if step < 2500 else "over"
+        by[phase].append((b - a, end - a))  # spacing of durable saves, and the loss window they leave
+    fast, slow = by["fast"][1:], by["slow"][1:]  # (the first slower write is how it is measured)
+    assert fast and slow
+    # the loss window (previous durable save to the next durable commit) stays within the budget
+    assert all(window <= 60 + 0.5 for _, window in fast + slow)
+    # and the saves are spread as far as the budget allows: 60 - 5 s apart, then 60 - 20 s
+    assert all(55 - 1 <= gap <= 55 + 0.5 for gap, _ in fast), fast
+    assert all(40 - 1 <= gap <= 40 + 0.5 for gap, _ in slow), slow
+    # over budget: continuous (the next durable save as soon as the write ended), said once
+    over = by["over"][1:]
+    assert over and all(gap <= 100 + 0.5 + 0.5 for gap, _ in over)
+    told = [r for r in caplog.records if "durable_max_lost_s=60 s cannot be met" in r.getMessage()]
+    assert len(told) == 1
+    # the local tier's own budget holds throughout: a save at least every 10 s
+    assert max(loop.gaps()) * 0.5 <= 10
+    stats = loop.p.stats()
+    assert stats["durable_write_s"] == pytest.approx(100, rel=0.05) and stats["durable_bytes_per_s"] > 0
+
+
+def test_continuous_starts_the_next_durable_save_when_the_last_write_ends():
+    loop = Loop(Schedule(continuous=True), step_s=lambda k: 1.0, cost_s=lambda k: 0.0,
+                bandwidth=lambda k: 1 * GB if k < 100 else 0.5 * GB)
+    loop.run(range(200))
+    for (_, _, end), (_, nxt, _) in zip(loop.durable, loop.durable[1:], strict=False):
+        assert end <= nxt <= end + 1.0  # the first step after the write ended
+    in_flight = [] if loop.writing is None else [loop.writing[0]]
+    assert loop.saves == [s for s, _, _ in loop.durable] + in_flight  # no local-only saves without a local budget
+    assert loop.p.stats()["durable_interval_s"] > 5
+
+
+def test_continuous_within_an_overhead_budget_never_saves_more_often_than_it_allows():
+    loop = Loop(Schedule(continuous=True, max_overhead=0.01), step_s=lambda k: 0.05, cost_s=lambda k: 0.03,
+                bandwidth=lambda k: 50 * GB)  # writes of 0.1 s: the writer is always free
+    loop.run(range(2000))
+    assert set(loop.gaps(after=500)) == {60}
+    assert len(loop.durable) >= len(loop.saves) - 2  # every save durable (the writer is free each time)
+
+
+def test_without_a_local_tier_every_save_is_durable():
+    loop = Loop(Schedule(max_overhead=0.01), step_s=lambda k: 0.05, cost_s=lambda k: 0.03, tiered=False,
+                bandwidth=lambda k: 100 * GB)
+    loop.run(range(600))
+    assert len(loop.durable) >= len(loop.saves) - 1
+
+
+# ---------------------------------------------------------------------------- the manager
+
+def test_a_manager_with_a_budget_schedule_measures_saves_and_reports_intervals(root, tmp_path):
+    local = tmp_path / "shm"
+    local.mkdir()
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CheckpointManager(root, schedule=Schedule(max_overhead=0.5, durable_max_lost_s=3600),
+                           staging=StagingOptions(local_dir=str(local))) as mgr:
+        handles = []
+        for step in range(40):
+            model(torch.randn(8, 64)).sum().backward()
+            opt.step()
+            if mgr.should_save(step):
+                handles.append(mgr.save(step, {"model": model, "optim": opt}))
+        for h in handles:
+            h.result(timeout=60)
+        stats = mgr.stats()
+    assert len(handles) >= 2 and handles[0].step == WARMUP
+    assert stats["budget_interval_steps"] >= 1 and stats["budget_step_s"] > 0 and "budget_save_cost_s" in stats
+    assert "budget_durable_write_s" in stats and stats["budget_durable_bytes_per_s"] > 0
