@@ -25,6 +25,7 @@ import torch
 from conftest import assert_tree_equal
 
 from ckptmgr import (
+    CheckpointCorruptError,
     CheckpointManager,
     ConfigError,
     KeepLatest,
@@ -377,6 +378,24 @@ def test_verify_catches_a_modified_object(server, bucket):
     fs.call_s3("put_object", Bucket=bucket, Key=key, Body=bytes(data))
     r = _cli(server, "verify", f"s3://{bucket}/mod")
     assert r.returncode == 1 and "checksum" in r.stdout + r.stderr
+
+
+def test_an_oversized_manifest_is_refused_by_its_content_length(server, bucket, monkeypatch):
+    """On each server, the GET's Content-Length is there and refuses an oversized manifest before
+    its body is read (the limit lowered to 64 KiB here; test_manifest_size.py measures the memory),
+    and a manifest just under the limit is read whole."""
+    import ckptmgr.format.manifest as manifest_mod
+
+    with manager(f"s3://{bucket}/big", server) as mgr:
+        mgr.save(1, state_of(1), metadata={"loss": 0.5}).result()
+    fs = raw(server)
+    size = len(fs.cat_file(f"{bucket}/big/step_000000000001/manifest.json"))
+    fs.pipe_file(f"{bucket}/big/step_000000000002/manifest.json", b"{" + bytes(1 << 20))
+    monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", max(size, 64 << 10))
+    with manager(f"s3://{bucket}/big", server) as mgr:
+        assert mgr.metadata(1) == {"loss": 0.5}
+        with pytest.raises(CheckpointCorruptError, match=f"has {(1 << 20) + 1} bytes, more than the {64 << 10}"):
+            mgr.metadata(2)
 
 
 # ------------------------------------------------------------ read-only credentials

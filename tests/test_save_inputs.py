@@ -140,6 +140,8 @@ UNHOLDABLE = [
     ("a tensor of 65 dimensions", {"t": torch.zeros([1] * 65)}, None, "state['t']", "65 dimensions"),
     ("a dimension past 2**50", {"t": torch.empty(0).expand(2**50 + 1, 0)}, None, "state['t']",
      "dimensions and tensors of at most"),
+    ("a numpy dimension past 2**50", {"a": [np.empty((2**50 + 1, 0), dtype=np.float32)]}, None, "state['a'][0]",
+     "dimensions and tensors of at most"),
     ("a view stride past 2**50", _wide_stride_view(), None, "state['v']", "strides of at most"),
     ("a big-endian numpy array", {"a": np.arange(3, dtype=">f4")}, None, "state['a']", "byte order"),
 ]

@@ -24,13 +24,11 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedValueError
-from .tree import Leaf
+from .tree import MAX_FILE_BYTES, Leaf
 
 __all__ = [
     "DATA_ALIGN",
     "DTYPE_TO_ST",
-    "MAX_DIMS",
-    "MAX_FILE_BYTES",
     "MIN_SHARD_BYTES",
     "ST_TO_DTYPE",
     "FilePlan",
@@ -45,8 +43,6 @@ __all__ = [
 
 DATA_ALIGN = 4096
 MIN_SHARD_BYTES = 64 << 20  # smallest file worth a thread of its own
-MAX_DIMS = 64  # dimensions of a tensor
-MAX_FILE_BYTES = 1 << 50  # 1 PiB: no file, tensor, dimension, stride or offset is larger
 DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -165,18 +161,6 @@ def _st_dtype(leaf: Leaf) -> str:
         ) from None
 
 
-def _check_bounds(leaf: Leaf) -> None:
-    """Refuse a tensor whose shape the format's bounds (docs/FORMAT.md) cannot record: a reader
-    would refuse the checkpoint."""
-    t = leaf.tensor
-    if t.dim() > MAX_DIMS:
-        raise UnsupportedValueError(leaf.path, f"a tensor of {t.dim()} dimensions; the format holds at most "
-                                               f"{MAX_DIMS}: reshape it")
-    if any(s > MAX_FILE_BYTES for s in t.shape) or t.numel() * t.element_size() > MAX_FILE_BYTES:
-        raise UnsupportedValueError(leaf.path, f"a tensor of shape {list(t.shape)} ({t.dtype}); the format holds "
-                                               f"dimensions and tensors of at most {MAX_FILE_BYTES} bytes")
-
-
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     start = int(t.storage_offset()) * t.element_size()
     extent = 1 + sum((int(s) - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
@@ -205,7 +189,6 @@ def _resolve_aliases(leaves: list[Leaf]) -> tuple[list[_Entry], list[ViewEntry]]
     views: list[ViewEntry] = []
     for leaf in leaves:
         t = leaf.tensor
-        _check_bounds(leaf)
         if t.is_conj() or t.is_neg():  # flatten() resolves them; its bytes are not the values it shows
             raise UnsupportedValueError(leaf.path, "a conjugate or negative view cannot be stored as its base's "
                                                    "bytes; store t.resolve_conj().resolve_neg()")
@@ -289,9 +272,8 @@ def plan_layout(leaves: list[Leaf], *, max_file_bytes: int, metadata: dict[str, 
             one file). States under ``2 * MIN_SHARD_BYTES`` stay in one file.
 
     Raises:
-        UnsupportedValueError: a tensor's dtype has no safetensors equivalent, or its shape is
-            past the format's bounds (more than MAX_DIMS dimensions, a dimension or a size over
-            MAX_FILE_BYTES).
+        UnsupportedValueError: a tensor's dtype has no safetensors equivalent, or a view's
+            stride is over MAX_FILE_BYTES (``flatten`` refused the other bounds).
     """
     entries, views = _resolve_aliases(leaves)
     plans = []

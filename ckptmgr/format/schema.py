@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointCorruptError
-from .layout import DATA_ALIGN, MAX_DIMS, MAX_FILE_BYTES, ST_TO_DTYPE
+from .layout import DATA_ALIGN, ST_TO_DTYPE
 from .naming import STEP_DIGITS
-from .tree import DTYPE_NAME_RE, FLOAT_NAMES, JSON, MAX_JSON_DEPTH, TENSOR_TAGS
+from .tree import DTYPE_NAME_RE, FLOAT_NAMES, JSON, MAX_DIMS, MAX_FILE_BYTES, MAX_JSON_DEPTH, TENSOR_TAGS
 
 __all__ = [
     "DATA_FILE_RE",

@@ -43,8 +43,9 @@ format cannot hold, so that ``save()`` fails before it returns rather than in th
 strings (values, dict keys, metadata) that are not valid Unicode text (a lone surrogate such as
 ``"\\ud800"`` has no UTF-8 encoding), ints of more than :data:`MAX_INT_DIGITS` digits (JSON
 readers refuse them), nested (jagged) tensors, tensors whose storage is smaller than the
-tensor (freed with ``resize_(0)``, as FSDP does) or not accessible (``torch.func`` wrappers), and
-numpy arrays in a non-native byte order.
+tensor (freed with ``resize_(0)``, as FSDP does) or not accessible (``torch.func`` wrappers),
+tensors past the format's bounds (:data:`MAX_DIMS` dimensions, :data:`MAX_FILE_BYTES` bytes or
+elements in a dimension), and numpy arrays in a non-native byte order.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ import torch
 
 from ..errors import CheckpointCorruptError, UnsupportedValueError
 
-__all__ = ["DTYPE_NAME_RE", "FLOAT_NAMES", "MAX_INT_DIGITS", "MAX_JSON_DEPTH", "MAX_NESTING", "TENSOR_TAGS", "Leaf",
-           "PerRank", "decode_plain", "encode_plain", "flatten", "is_stateful", "unflatten"]
+__all__ = ["DTYPE_NAME_RE", "FLOAT_NAMES", "MAX_DIMS", "MAX_FILE_BYTES", "MAX_INT_DIGITS", "MAX_JSON_DEPTH",
+           "MAX_NESTING", "TENSOR_TAGS", "Leaf", "PerRank", "decode_plain", "encode_plain", "flatten", "is_stateful",
+           "unflatten"]
 
 JSON = Any  # a JSON-serialisable value
 _RESERVED_NAMES = frozenset({"__metadata__"})
@@ -72,6 +74,8 @@ MAX_NESTING = 100  # containers inside containers in a saved state (a real one h
 MAX_JSON_DEPTH = 3 * MAX_NESTING + 20  # JSON nesting of a skeleton read back (a dict level takes up to 3)
 _MAX_NAME = 1024  # tensor names derived from longer paths are cut (and made unique)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MAX_DIMS = 64  # dimensions of a stored tensor (docs/FORMAT.md)
+MAX_FILE_BYTES = 1 << 50  # 1 PiB: no file, tensor, dimension, stride or offset is larger
 MAX_INT_DIGITS = 4300  # Python's json refuses to read longer ints (sys.get_int_max_str_digits())
 _INT_BITS = 14284  # ints of at most this many bits have at most MAX_INT_DIGITS digits
 _INT_LIMIT = 10**MAX_INT_DIGITS
@@ -178,6 +182,13 @@ class _Flattener:
         self._depth = 0  # containers around the value being encoded
 
     def _add(self, path: tuple[Any, ...], tensor: torch.Tensor, own: bool = False) -> str:
+        if tensor.dim() > MAX_DIMS:
+            raise UnsupportedValueError(_path_str(path, self.root), f"a tensor of {tensor.dim()} dimensions; the "
+                                        f"format holds at most {MAX_DIMS}: reshape it")
+        if any(s > MAX_FILE_BYTES for s in tensor.shape) or tensor.numel() * tensor.element_size() > MAX_FILE_BYTES:
+            raise UnsupportedValueError(_path_str(path, self.root), f"a tensor of shape {list(tensor.shape)} "
+                                        f"({tensor.dtype}); the format holds dimensions and tensors of at most "
+                                        f"{MAX_FILE_BYTES} bytes")
         own = own or self._per_rank > 0
         base = (self.rank_prefix if own else "") + _tensor_name(path)
         name, n = base, 0

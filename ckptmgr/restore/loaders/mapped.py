@@ -31,9 +31,10 @@ from ... import _cuda
 from ..._threads import collector_paused
 from ...errors import CheckpointCorruptError
 from ...format.checksum import chunk_ranges, crc32c_hex
-from ...format.layout import MAX_DIMS, MAX_FILE_BYTES, ST_TO_DTYPE
+from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import Manifest
 from ...format.schema import MAX_HEADER_BYTES
+from ...format.tree import MAX_DIMS, MAX_FILE_BYTES
 from ..preflight import verify_images
 from .host import _build_views
 from .landing import Entry, lands_in_target, plan_landing
