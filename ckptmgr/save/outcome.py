@@ -10,6 +10,7 @@ not retried when only a person can fix the cause (:func:`permanent`): the target
 from __future__ import annotations
 
 import errno
+import logging
 import threading
 from concurrent.futures import Future
 
@@ -17,7 +18,10 @@ from ..errors import SaveError, SaveSkippedError
 from .persist import SaveInfo
 from .staging import StagingJob
 
-__all__ = ["PERMANENT_ERRNOS", "Ticket", "as_save_error", "permanent", "retryable"]
+__all__ = ["PERMANENT_ERRNOS", "Ticket", "as_save_error", "permanent", "report_interrupted", "report_permanent",
+           "retryable"]
+
+log = logging.getLogger("ckptmgr")
 
 # errors that another attempt cannot fix: the space, the quota, the mount or the permissions must change first
 PERMANENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM})
@@ -85,3 +89,26 @@ def retryable(exc: BaseException) -> bool:
     """Storage failures are worth another try, unless retrying cannot fix them; a step
     committed by someone else is not."""
     return isinstance(exc, OSError) and not isinstance(exc, FileExistsError) and permanent(exc) is None
+
+
+def report_permanent(step: int, url: str, error: BaseException, code: int, *, kept_in: str | None,
+                     attempt: int | None) -> None:
+    """Log, once, a durable write of ``step`` to ``url`` that failed for a reason retrying
+    cannot fix (the save's handle raises it too), and where the step is left: in the local
+    tier ``kept_in``, or nowhere but this process's memory. ``attempt``: of a retry."""
+    where = (f"it stays in the local tier {kept_in}, and the next start on this root writes it" if kept_in
+             else "it was only in this process's memory and is dropped when its staging slot is reused")
+    log.error("the durable write of step %d to %s failed%s: %s: %s; retrying cannot fix %s (free space, raise the "
+              "quota or fix the mount or permissions), so it is not retried; %s", step, url,
+              f" at attempt {attempt}" if attempt is not None else "", type(error).__name__, error,
+              errno.errorcode.get(code, str(code)), where)
+
+
+def report_interrupted(url: str, exc: BaseException, fates: dict[int, str]) -> None:
+    """Log the steps not yet durable on ``url`` when closing was interrupted by ``exc``
+    (Ctrl-C) while it waited for them, and what a kill would make of each (``fates``)."""
+    if fates:
+        steps = "step " + ", ".join(map(str, fates)) + (" was" if len(fates) == 1 else " were")
+        log.error("closing the manager for %s was interrupted (%s) before %s written: the writes go on, the manager "
+                  "stays open, and interpreter exit (or close()) waits for them again; if the process ends first, %s",
+                  url, type(exc).__name__, steps, "; ".join(f"step {s} {fate}" for s, fate in fates.items()))

@@ -44,7 +44,6 @@ the durable target, from its slot.
 from __future__ import annotations
 
 import collections
-import errno
 import functools
 import logging
 import threading
@@ -61,7 +60,7 @@ from ..options import StagingOptions
 from ..retention.deleter import Deleter, StepGuard
 from ..storage import Target
 from ..storage.tier import LocalTier
-from .outcome import Ticket, permanent, retryable
+from .outcome import Ticket, permanent, report_interrupted, report_permanent, retryable
 from .persist import PersistJob, SaveInfo, commit_local, persist
 from .slots import Slot, SlotPool
 from .staging import Stager, StagingJob
@@ -515,8 +514,11 @@ class Saver:
                 else:
                     self._protect.discard(step)
                     self._failed.add(step)
-            if error is not None and (lasting := permanent(error)) is not None:
-                self._report_permanent(job, error, lasting, ticket is None)
+            if error is not None and (lasting := permanent(error)) is not None:  # told once, not retried
+                tier = self._tier
+                kept = tier.path if tier is not None and tier.holds(job.slot.index) == step else None
+                report_permanent(step, self._target.url, error, lasting, kept_in=kept,
+                                 attempt=job.attempts if ticket is None else None)
             elif error is not None and ticket is None and not retry:
                 log.warning("the durable write of step %d is given up after %d attempts: %s: %s", step,
                             job.attempts, type(error).__name__, error)
@@ -536,18 +538,6 @@ class Saver:
                 else:
                     ticket.future.set_exception(error or SaveError(f"save of step {step} failed"))
                 self._settled()
-
-    def _report_permanent(self, job: PersistJob, error: BaseException, code: int, retried: bool) -> None:
-        """Log, once, a durable write that failed for a reason retrying cannot fix (the save's
-        handle raises it too), and where the step is left."""
-        tier = self._tier
-        kept = tier.path if tier is not None and tier.holds(job.slot.index) == job.step else None
-        where = (f"it stays in the local tier {kept}, and the next start on this root writes it" if kept
-                 else "it was only in this process's memory and is dropped when its staging slot is reused")
-        log.error("the durable write of step %d to %s failed%s: %s: %s; retrying cannot fix %s (free space, raise "
-                  "the quota or fix the mount or permissions), so it is not retried; %s", job.step, self._target.url,
-                  f" at attempt {job.attempts}" if retried else "", type(error).__name__, error,
-                  errno.errorcode.get(code, str(code)), where)
 
     def _mark_protected(self, step: int) -> None:
         try:
@@ -659,7 +649,7 @@ class Saver:
         except CkptTimeoutError:
             given_up = self.unfinished()
         except BaseException as exc:  # interrupted (Ctrl-C): nothing is closed, the writes go on
-            self._interrupted(exc)
+            report_interrupted(self._target.url, exc, self.unfinished())
             raise
         with self._mu:
             self._closing = True
@@ -676,17 +666,6 @@ class Saver:
             self._side.stop(timeout=left)
         kept, _ = self.pool.close()
         return given_up, kept
-
-    def _interrupted(self, exc: BaseException) -> None:
-        """Say which steps are not durable yet when :meth:`close` is interrupted while it waits
-        for them, and what becomes of them."""
-        fates = self.unfinished()
-        if fates:
-            log.error("closing the manager for %s was interrupted (%s) before %s: the writes go on, the manager stays "
-                      "open, and interpreter exit (or close()) waits for them again; if the process ends first, %s",
-                      self._target.url, type(exc).__name__,
-                      "step " + ", ".join(map(str, fates)) + (" was" if len(fates) == 1 else " were") + " written",
-                      "; ".join(f"step {s} {fate}" for s, fate in fates.items()))
 
     @property
     def closing(self) -> bool:
