@@ -6,8 +6,11 @@ Object stores have no atomic directory rename, so a step's files go straight to
 checks the files and writes the manifest once. A step prefix without a manifest is an
 interrupted save (or delete), removed at a later start once its writer is provably gone.
 
-On a generic fsspec filesystem "write only if absent" is an existence check followed by the
-write (fsspec has no conditional write); the S3 target uses the store's own (``If-None-Match``).
+Data objects carry the writer's claim token in their names (``data-00000.<token>.safetensors``),
+so one writer never writes another's keys. On a generic fsspec filesystem "write only if
+absent" is an existence check followed by the write, and the claim's conditions are reads
+before writes (fsspec has no conditional write: :attr:`FsspecTarget.conditional` is False);
+the S3 target uses the store's own (``If-None-Match``, ``If-Match``).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class _FsspecStepWriter:
         self.location = commit.location
 
     def adopt(self, parts: list[tuple[str, list[str]]]) -> None:
-        pass  # every rank's files are in place already
+        self.strategy.adopt(parts)  # every rank's files are in place already, under its claim's names
 
     def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int, *,
                     checksum: bool = True) -> list[tuple[str, ...]]:
@@ -62,6 +65,7 @@ class _FsspecStepWriter:
     def _write_file(self, name: str, data: np.ndarray[Any, Any], chunk_size: int,
                     checksum: bool = True) -> tuple[str, ...]:
         crcs = []
+        name = self.strategy.object_name(name)
         with self.target.fs.open(posixpath.join(self.dir, name), "wb") as f:
             for b, e in chunk_ranges(data.size, chunk_size):
                 chunk = data[b:e]
@@ -113,6 +117,12 @@ class FsspecTarget:
         self._mu = threading.Lock()  # guards _root_id
         self._root_id: str | None = None
 
+    @property
+    def conditional(self) -> bool:
+        """False: fsspec has no conditional writes, so the claim's conditions are reads before
+        writes (see :mod:`ckptmgr.storage.objects`)."""
+        return False
+
     def _make_root(self) -> None:
         try:
             self.fs.makedirs(self.path, exist_ok=True)
@@ -161,7 +171,9 @@ class FsspecTarget:
         self.fs.invalidate_cache(posixpath.dirname(self._full(rel)))
         return bool(self.fs.exists(self._full(rel)))
 
-    def put(self, rel: str, data: bytes, *, if_absent: bool = False) -> str | None:
+    def put(self, rel: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None) -> str | None:
+        if if_match is not None:
+            raise ValueError(f"{self.url}: no conditional writes on this filesystem")
         if if_absent and self.exists(rel):
             raise FileExistsError(f"{self.url}/{rel} exists")
         self.fs.pipe_file(self._full(rel), data)
@@ -175,6 +187,9 @@ class FsspecTarget:
                 continue
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(self._full(rel))
+
+    def remove_if(self, rel: str, etag: str) -> bool:
+        raise ValueError(f"{self.url}: no conditional deletes on this filesystem")
 
     def uploads(self, prefix: str) -> list[tuple[str, str]]:
         return []
