@@ -56,7 +56,7 @@ def _soak(server, bucket, tmp_path, saves: int, seed: int) -> dict:  # noqa: F81
             live = [i for i, w in enumerate(writers) if w.proc.poll() is None]
             with_pause = writers[rng.choice(live)]
             try:  # run free for a while (or until that writer ends)
-                with_pause.proc.wait(timeout=rng.uniform(0.2, 1.5))
+                with_pause.proc.wait(timeout=rng.uniform(0.5, 3.0))
                 continue
             except subprocess.TimeoutExpired:
                 pass

@@ -235,31 +235,47 @@ class S3Target(FsspecTarget):
 
     @property
     def conditional(self) -> bool:
-        """Whether the endpoint honours ``If-Match`` on PUT (asked once, on first use): a PUT of
-        a fresh name of ours (``.ckptmgr-root-id.tmp-<hex>``) with an ``If-Match`` no object
-        can have must fail (412, or 404 as the name is free). A store that writes it instead
-        ignores the condition (the probe is deleted); one that answers 501 or 400 has none."""
+        """Whether the endpoint honours ``If-Match`` on PUT and DELETE (asked once, on first
+        use, on a fresh name of ours, ``.ckptmgr-root-id.tmp-<hex>``, removed afterwards): a PUT
+        with an ``If-Match`` no object can have must fail (412, or 404 as the name is free),
+        and so must a DELETE of the then written object with it (412). A store that writes or
+        deletes instead ignores the condition; one that answers 501 or 400 has none."""
         with self._cond_mu:
             if self._conditional is None:
                 self._conditional = self._probe()
             return self._conditional
 
     def _probe(self) -> bool:
-        rel = f"{ROOT_ID_NAME}.tmp-{secrets.token_hex(8)}"
+        rel = f"{ROOT_ID_NAME}.tmp-{secrets.token_hex(8)}"  # a name of ours that no one else uses
+        never = '"00000000000000000000000000000000"'  # an ETag no object has
+        key = self._key(rel)
         try:
-            self.call("put_object", Key=self._key(rel), Body=b"", IfMatch='"00000000000000000000000000000000"')
+            try:
+                self.call("put_object", Key=key, Body=b"", IfMatch=never)
+                ignored = "PUT"
+            except OSError as exc:
+                if not (isinstance(exc, FileNotFoundError) or _precondition_failed(exc)
+                        or _status(exc) in (404, 412)):
+                    raise
+                self.call("put_object", Key=key, Body=b"")
+                try:
+                    self.call("delete_object", Key=key, IfMatch=never)
+                    ignored = "DELETE"
+                except OSError as exc:
+                    if not (_precondition_failed(exc) or _status(exc) == 412):
+                        raise
+                    return True
         except OSError as exc:
-            if isinstance(exc, FileNotFoundError) or _precondition_failed(exc) or _status(exc) in (404, 412):
-                return True
-            if _status(exc) in (400, 501):
-                log.warning("%s does not support conditional writes (If-Match): claims on steps are checked by "
-                            "reading before writing (see docs/SECURITY.md)", self.url)
-                return False
-            raise
-        with contextlib.suppress(OSError):
-            self.remove([rel])
-        log.warning("%s ignores conditional writes (If-Match): claims on steps are checked by reading before "
-                    "writing (see docs/SECURITY.md)", self.url)
+            if _status(exc) not in (400, 501):
+                raise
+            log.warning("%s does not support conditional writes (If-Match): claims on steps are checked by reading "
+                        "before writing (see docs/SECURITY.md)", self.url)
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                self.remove([rel])
+        log.warning("%s ignores conditional writes (If-Match on %s): claims on steps are checked by reading before "
+                    "writing (see docs/SECURITY.md)", self.url, ignored)
         return False
 
     def _make_root(self) -> None:
