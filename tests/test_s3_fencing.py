@@ -213,6 +213,25 @@ def _stalled_and_taken_over(server, bucket, writers, stop: str | list[str], gate
     return stale, live, root
 
 
+def test_data_names_carry_a_claim_token_and_manifests_admit_exactly_that():
+    from ckptmgr.format.naming import attempt_name, attempt_tag, is_our_file
+    from ckptmgr.format.schema import DATA_FILE_RE
+
+    tag = "0123456789abcdef"
+    for plain in ("data-00000.safetensors", "data-r00003-00012.safetensors"):
+        named = attempt_name(plain, tag)
+        assert named == plain.replace(".safetensors", f".{tag}.safetensors")
+        assert attempt_tag(named) == tag and attempt_tag(plain) is None
+        assert is_our_file(named) and DATA_FILE_RE.fullmatch(named) and DATA_FILE_RE.fullmatch(plain)
+    for bad in ("data-00000.0123456789ABCDEF.safetensors", "data-00000.0123456789abcde.safetensors",
+                "data-00000.0123456789abcdef0.safetensors", "data-00000..safetensors", "data-00000.x/y.safetensors"):
+        assert not is_our_file(bad) and not DATA_FILE_RE.fullmatch(bad) and attempt_tag(bad) is None, bad
+    with pytest.raises(ValueError, match="no attempt name"):
+        attempt_name(attempt_name("data-00000.safetensors", tag), tag)  # one token per name
+    with pytest.raises(ValueError, match="no attempt name"):
+        attempt_name("manifest.json", tag)
+
+
 # ----------------------------------------------------------------------------- defect 1
 
 
