@@ -368,3 +368,43 @@ def test_without_conditional_writes_a_stalled_manifest_writer_outside_the_window
     assert _fell_back(tmp_path)
     assert not late["durable"] and committed["durable"], (late, committed)
     assert restored_writer(unconditional, root, 5) == 2
+
+
+# ----------------------------------------------- retention beside a writer of the same step
+
+
+def test_deleting_a_step_leaves_a_new_claim_on_it_alone(server, bucket):
+    """Retention deletes step 3 while another writer claims step 3 again between the manifest's
+    removal and the objects' (each writer saves the same steps): the new claim's lease, objects
+    and upload stay, and it commits."""
+    import numpy as np
+
+    from ckptmgr import CheckpointManager, StagingOptions, WriteOptions
+
+    root = f"s3://{bucket}/del"
+    so = server.options()
+    with CheckpointManager(root, storage_options=so, staging=StagingOptions(local_tier=False),
+                           write_options=WriteOptions(chunk_size=4096)) as mgr:
+        import torch
+
+        mgr.save(3, {"w": torch.arange(4096, dtype=torch.float32)}).result()
+        t = mgr._target
+        real_remove = t.remove
+        claimed = []
+
+        def remove(rels):
+            real_remove(rels)
+            if rels and rels[0].endswith("manifest.json") and not claimed:  # the step is gone: claim it again
+                w = t.begin(3)
+                w.write_files([("data-00000.safetensors", np.frombuffer(b"x" * 8192, dtype=np.uint8))], 4096,
+                              checksum=False)
+                claimed.append(w)
+
+        t.remove = remove
+        t.delete(3)
+        t.remove = real_remove
+        [w] = claimed
+        left = step_keys(server, bucket, "del/step_000000000003/")
+        assert "writer.lease" in left and any(k.startswith("data-00000.") for k in left), left
+        w.strategy.check({w.strategy.object_name("data-00000.safetensors"): 8192})  # its object is whole
+        w.close()

@@ -29,9 +29,19 @@ from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import MANIFEST_NAME
-from ..format.naming import MAX_STEP, PROTECT_NAME, ROOT_ID_NAME, is_our_file, new_root_id, parse_root_id, step_name
+from ..format.naming import (
+    MAX_STEP,
+    PROTECT_NAME,
+    ROOT_ID_NAME,
+    attempt_tag,
+    is_lease_name,
+    is_our_file,
+    new_root_id,
+    parse_root_id,
+    step_name,
+)
 from .lease import LEASE_STALE_S, LeaseKeeper
-from .objects import ManifestLastCommit, ObjectInfo, remove_object_leftovers, step_objects
+from .objects import ManifestLastCommit, ObjectInfo, manifest_names, remove_object_leftovers, step_objects
 
 __all__ = ["FsspecTarget", "check_step"]
 
@@ -260,13 +270,19 @@ class FsspecTarget:
     def delete(self, step: int) -> None:
         self._check_writable(f"delete step {step}")
         d = step_name(check_step(step))
+        named = manifest_names(self, f"{d}/{MANIFEST_NAME}")
         self.remove([f"{d}/{MANIFEST_NAME}"])  # first: from here on the step is gone
         objs = step_objects(self.listing(d + "/")).get(step, {})
-        self.remove(sorted(f"{d}/{n}" for n in objs if is_our_file(n)))
+        # A writer may claim the step again as soon as its manifest is gone: its lease and the
+        # objects of its claim (named with its token, in no manifest deleted here) stay.
+        writing = any(is_lease_name(n) for n in objs)
+        doomed = sorted(n for n in objs if is_our_file(n) and not is_lease_name(n)
+                        and (attempt_tag(n) is None or not writing or (named is not None and n in named)))
+        self.remove([f"{d}/{n}" for n in doomed])
         foreign = sorted(n for n in objs if n and not is_our_file(n))
         if foreign:
             log.warning("left %s/%s in place: it holds objects ckptmgr did not write (%s)", self.url, d, foreign)
-        else:
+        elif not writing:
             self.remove([f"{d}/"])  # the directory marker, where the store keeps one
 
     def set_protected(self, step: int, protected: bool) -> None:

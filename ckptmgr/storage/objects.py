@@ -60,7 +60,7 @@ from ..format.schema import MAX_MANIFEST_BYTES
 from .commit import manifest_sizes
 from .lease import Lease, LeaseKeeper, current, release, writer_gone
 
-__all__ = ["ConditionFailed", "ManifestLastCommit", "ObjectInfo", "ObjectStore", "remove_if",
+__all__ = ["ConditionFailed", "ManifestLastCommit", "ObjectInfo", "ObjectStore", "manifest_names", "remove_if",
            "remove_object_leftovers", "step_objects"]
 
 log = logging.getLogger("ckptmgr")
@@ -434,9 +434,9 @@ def _judge(store: ObjectStore, rel: str, info: ObjectInfo, now: float,
     return lease, writer_gone(lease, now - stamp if stamp is not None else float("inf"), stale_after_s)
 
 
-def _manifest_names(store: ObjectStore, rel: str) -> set[str] | None:
-    """The data file names a committed manifest lists; None when it cannot be read as one
-    (then nothing it might name is removed)."""
+def manifest_names(store: ObjectStore, rel: str) -> set[str] | None:
+    """The data file names a committed manifest lists; None when it is gone or cannot be read
+    as one (then nothing it might name is removed)."""
     try:
         data = store.get(rel)
         if len(data) > MAX_MANIFEST_BYTES:
@@ -492,7 +492,7 @@ def remove_object_leftovers(store: ObjectStore, stale_after_s: float) -> list[st
                 tagged = {n: attempt_tag(n) for n in objs if attempt_tag(n) is not None}
                 stray = {n for n, t in tagged.items() if t not in tokens}
                 if stray and (fenced or tokens or len(set(tagged.values())) > 1):
-                    names = _manifest_names(store, f"{d}/{MANIFEST_NAME}")
+                    names = manifest_names(store, f"{d}/{MANIFEST_NAME}")
                     doomed = sorted(stray - names) if names is not None else []
                     store.remove([f"{d}/{n}" for n in doomed])
                     removed += [f"{store.url}/{d}/{n}" for n in doomed]

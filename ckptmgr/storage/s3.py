@@ -43,7 +43,7 @@ import numpy as np
 from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, CkptError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
-from ..format.naming import ROOT_ID_NAME, is_our_file, step_name
+from ..format.naming import ROOT_ID_NAME, is_lease_name, is_our_file, step_name
 from ..options import S3Options
 from .fsspec import FsspecTarget, _FsspecStepWriter
 from .objects import ConditionFailed, ManifestLastCommit, ObjectInfo
@@ -469,6 +469,8 @@ class S3Target(FsspecTarget):
     def delete(self, step: int) -> None:
         super().delete(step)
         d = step_name(step)
+        if any(is_lease_name(k.rpartition("/")[2]) for k in self.listing(d + "/")):
+            return  # a writer is saving this step again: the uploads are its own
         for rel, upload_id in self.uploads(d + "/"):  # of a writer that died before this step was saved again
             if is_our_file(rel.partition("/")[2]):
                 with contextlib.suppress(FileNotFoundError):
