@@ -102,7 +102,8 @@ def _soak(server, bucket, tmp_path, saves: int, seed: int) -> dict:  # noqa: F81
 
 
 @needs_pidns
-@pytest.mark.parametrize("saves", [pytest.param(200, marks=pytest.mark.slow, id="200-saves"),
+@pytest.mark.parametrize("saves", [pytest.param(200, marks=[pytest.mark.slow, pytest.mark.timeout(3600)],
+                                                id="200-saves"),
                                    pytest.param(6, id="6-saves")])
 def test_two_writers_stalled_at_random_on_one_root(server, bucket, tmp_path, saves):  # noqa: F811
     summary = _soak(server, bucket, tmp_path, saves, seed=int.from_bytes(os.urandom(4), "little"))
