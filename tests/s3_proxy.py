@@ -52,11 +52,13 @@ class FaultyProxy:
     request arriving while that many are being served is answered 503 SlowDown (a store
     throttling past its capacity). With ``conn_mbps``, each request's body and answer move
     at that many MB/s (one connection's share of a store's bandwidth, as S3 serves each
-    connection at tens of MB/s). ``counts`` holds the requests received, by kind."""
+    connection at tens of MB/s). ``drop_headers`` (lower case) are removed from every request
+    (``("if-match",)``: a store without conditional writes, to a client that does not sign
+    them). ``counts`` holds the requests received, by kind."""
 
     def __init__(self, upstream: str, *, latency_s: float = 0.0, jitter_s: float = 0.0, fail_rate: float = 0.0,
                  match: str = ".*", seed: int = 0, fail_kinds: tuple[Any, ...] = (500, 503, "reset"),
-                 max_inflight: int = 0, conn_mbps: float = 0.0) -> None:
+                 max_inflight: int = 0, conn_mbps: float = 0.0, drop_headers: tuple[str, ...] = ()) -> None:
         self.upstream = upstream.removeprefix("http://")
         self.latency_s = latency_s
         self.jitter_s = jitter_s
@@ -65,6 +67,7 @@ class FaultyProxy:
         self.fail_kinds = fail_kinds
         self.max_inflight = max_inflight
         self.conn_mbps = conn_mbps
+        self.drop_headers = drop_headers
         self.rng = random.Random(seed)
         self.mu = threading.Lock()  # guards the counters and rng
         self.requests = 0
@@ -144,7 +147,7 @@ class FaultyProxy:
             def _upstream(self, body: bytes) -> None:
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
                 headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("transfer-encoding", "connection", "expect")}
+                           if k.lower() not in ("transfer-encoding", "connection", "expect", *proxy.drop_headers)}
                 if body or self.command in ("PUT", "POST"):
                     headers["Content-Length"] = str(len(body))
                 conn.request(self.command, self.path, body=body, headers=headers)

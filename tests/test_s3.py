@@ -3,6 +3,7 @@ multipart, retries through injected faults, no orphaned uploads, crash recovery,
 discovery across managers."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,7 +57,8 @@ def test_round_trip_with_multipart(s3_bucket, monkeypatch):
     assert uploads(so, bucket) == []
     fs = s3fs.S3FileSystem(**so)
     names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/run/step_000000000001"))
-    assert names == ["data-00000.safetensors", "manifest.json"]
+    assert len(names) == 2 and names[1] == "manifest.json"
+    assert re.fullmatch(r"data-00000\.[0-9a-f]{16}\.safetensors", names[0])  # named with the writer's claim
 
 
 def test_a_second_manager_sees_a_commit_at_once(s3_bucket):

@@ -640,12 +640,12 @@ def test_fsspec_a_second_manager_keeps_a_save_in_flight_and_the_commit_checks_fi
             h = writer.save(1, state_of(1, n=20_000))
             assert GatedFS.inside.wait(30)
             deadline = time.monotonic() + 30
-            while not fs.exists("gated://run/step_000000000001/data-00000.safetensors"):
+            while not fs.glob("gated://run/step_000000000001/data-00000.*.safetensors"):
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             with mgr_of("gated://run") as evaluator:  # its start-up must leave the save alone
                 assert evaluator.steps() == []
-            assert fs.exists("gated://run/step_000000000001/data-00000.safetensors")
+            assert fs.glob("gated://run/step_000000000001/data-00000.*.safetensors")  # (named with its claim)
             assert fs.exists("gated://run/step_000000000001/writer.lease")
             GatedFS.gate.set()
             h.result(timeout=30)
@@ -656,10 +656,10 @@ def test_fsspec_a_second_manager_keeps_a_save_in_flight_and_the_commit_checks_fi
             h = writer.save(2, state_of(2, n=20_000))
             assert GatedFS.inside.wait(30)
             deadline = time.monotonic() + 30
-            while not fs.exists("gated://run/step_000000000002/data-00000.safetensors"):
+            while not (written := fs.glob("gated://run/step_000000000002/data-00000.*.safetensors")):
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            fs.rm_file("gated://run/step_000000000002/data-00000.safetensors")
+            fs.rm_file(written[0])
             GatedFS.gate.set()
             with pytest.raises(SaveError, match="missing"):
                 h.result(timeout=30)

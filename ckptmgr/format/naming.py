@@ -5,7 +5,9 @@ sort; valid steps are ``0 <= step < MAX_STEP``. A local save in progress lives i
 ``.step_<step>.tmp-<16 hex>/`` beside it, held by the lock file
 ``.step_<step>.tmp-<16 hex>.lock``, and becomes the step by an atomic rename. On object
 stores a save in progress is claimed by a lease object ``writer.lease`` (one per rank:
-``data-r<rank>-writer.lease``) inside the step's prefix. The root's identity is
+``data-r<rank>-writer.lease``) inside the step's prefix, and each data object carries its
+writer's claim token (``data-00000.<16 hex>.safetensors``, :func:`attempt_name`), so that the
+objects of one writer's attempt are never overwritten by another's. The root's identity is
 ``.ckptmgr-root-id``.
 
 Only names that match these patterns exactly are ever listed, cleaned up or deleted;
@@ -23,6 +25,8 @@ __all__ = [
     "PROTECT_NAME",
     "ROOT_ID_NAME",
     "STEP_DIGITS",
+    "attempt_name",
+    "attempt_tag",
     "is_lease_name",
     "is_our_file",
     "is_root_id_temp",
@@ -43,7 +47,10 @@ PROTECT_NAME = "protected"  # marker file: the step is kept whatever the retenti
 LEASE_NAME = "writer.lease"  # an object-store save in progress (its writer's identity and heartbeat)
 ROOT_ID_NAME = ".ckptmgr-root-id"  # the root's random identity, written once with the first commit
 _RANK = r"data-r\d{5}-"
-_OUR_FILE_RE = re.compile(rf"manifest\.json|data-(r\d{{5}}-)?\d{{5,}}\.safetensors|protected|({_RANK})?writer\.lease")
+_TAG = r"[0-9a-f]{16}"  # a writer's claim token (object stores)
+_OUR_FILE_RE = re.compile(
+    rf"manifest\.json|data-(r\d{{5}}-)?\d{{5,}}(\.{_TAG})?\.safetensors|protected|({_RANK})?writer\.lease")
+_ATTEMPT_RE = re.compile(rf"(data-(?:r\d{{5}}-)?\d{{5,}})(?:\.({_TAG}))?\.safetensors")
 _LEASE_RE = re.compile(rf"({_RANK})?writer\.lease")
 _STEP_RE = re.compile(rf"step_(\d{{{STEP_DIGITS}}})")
 _TEMP_RE = re.compile(rf"\.step_(\d{{{STEP_DIGITS}}})\.tmp-[0-9a-f]{{16}}")
@@ -98,6 +105,26 @@ def lease_name(prefix: str = "") -> str:
 def is_lease_name(name: str) -> bool:
     """True for the lease objects of object-store saves in progress."""
     return _LEASE_RE.fullmatch(name) is not None
+
+
+def attempt_name(name: str, tag: str) -> str:
+    """The object name of data file ``name`` written under the claim whose token is ``tag``:
+    ``data-00000.safetensors`` -> ``data-00000.<tag>.safetensors``.
+
+    Raises:
+        ValueError: ``name`` is not a plain data file name, or ``tag`` not 16 hex digits.
+    """
+    m = _ATTEMPT_RE.fullmatch(name)
+    if m is None or m.group(2) is not None or re.fullmatch(_TAG, tag) is None:
+        raise ValueError(f"no attempt name for {name!r} with tag {tag!r}")
+    return f"{m.group(1)}.{tag}.safetensors"
+
+
+def attempt_tag(name: str) -> str | None:
+    """The claim token a data object's name carries; None for names without one (written
+    before tokens existed, or by a local root)."""
+    m = _ATTEMPT_RE.fullmatch(name)
+    return None if m is None else m.group(2)
 
 
 def is_our_file(name: str) -> bool:

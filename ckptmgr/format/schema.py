@@ -46,7 +46,7 @@ MAX_CHUNK_BYTES = 1 << 30  # checksum chunks: multiples of 4096 up to 1 GiB
 MAX_NAME_CHARS = 4096  # tensor names
 MAX_WORLD_SIZE = 1 << 20
 MAX_TEXT_CHARS = 256  # library_version
-DATA_FILE_RE = re.compile(r"data-(?:r\d{5}-)?\d{5,9}\.safetensors")
+DATA_FILE_RE = re.compile(r"data-(?:r\d{5}-)?\d{5,9}(?:\.[0-9a-f]{16})?\.safetensors")  # (.<token>: object stores)
 _CRC_RE = re.compile(r"[0-9a-f]{8}")
 
 _REQUIRED = ("format", "format_version", "step", "time", "library_version", "protected", "files", "tensors",
@@ -155,7 +155,8 @@ def _check_file(c: _Checker, fname: Any, rec: Any) -> None:
     field = f"files{_field(fname)}"
     if not isinstance(fname, str) or not DATA_FILE_RE.fullmatch(fname):
         raise c.fail(field, "is not a data file name ckptmgr writes (data-<n>.safetensors, "
-                            "data-r<rank>-<n>.safetensors); path separators and other names are refused")
+                            "data-r<rank>-<n>.safetensors, each optionally with .<16 hex> before "
+                            ".safetensors); path separators and other names are refused")
     has_sub = isinstance(rec, dict) and bool(_SUB_KEYS & rec.keys())
     c.keys(rec, field, _FILE_KEYS | _SUB_KEYS, _FILE_KEYS | _SUB_KEYS if has_sub else _FILE_KEYS)
     size = c.int_in(rec["size"], f"{field}.size", 8, MAX_FILE_BYTES)

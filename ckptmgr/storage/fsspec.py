@@ -6,8 +6,11 @@ Object stores have no atomic directory rename, so a step's files go straight to
 checks the files and writes the manifest once. A step prefix without a manifest is an
 interrupted save (or delete), removed at a later start once its writer is provably gone.
 
-On a generic fsspec filesystem "write only if absent" is an existence check followed by the
-write (fsspec has no conditional write); the S3 target uses the store's own (``If-None-Match``).
+Data objects carry the writer's claim token in their names (``data-00000.<token>.safetensors``),
+so one writer never writes another's keys. On a generic fsspec filesystem "write only if
+absent" is an existence check followed by the write, and the claim's conditions are reads
+before writes (fsspec has no conditional write: :attr:`FsspecTarget.conditional` is False);
+the S3 target uses the store's own (``If-None-Match``, ``If-Match``).
 """
 
 from __future__ import annotations
@@ -26,9 +29,19 @@ from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import MANIFEST_NAME, read_manifest_bytes
-from ..format.naming import MAX_STEP, PROTECT_NAME, ROOT_ID_NAME, is_our_file, new_root_id, parse_root_id, step_name
+from ..format.naming import (
+    MAX_STEP,
+    PROTECT_NAME,
+    ROOT_ID_NAME,
+    attempt_tag,
+    is_lease_name,
+    is_our_file,
+    new_root_id,
+    parse_root_id,
+    step_name,
+)
 from .lease import LEASE_STALE_S, LeaseKeeper
-from .objects import ManifestLastCommit, ObjectInfo, remove_object_leftovers, step_objects
+from .objects import ManifestLastCommit, ObjectInfo, manifest_names, remove_object_leftovers, step_objects
 
 __all__ = ["FsspecTarget", "check_step"]
 
@@ -53,7 +66,7 @@ class _FsspecStepWriter:
         self.location = commit.location
 
     def adopt(self, parts: list[tuple[str, list[str]]]) -> None:
-        pass  # every rank's files are in place already
+        self.strategy.adopt(parts)  # every rank's files are in place already, under its claim's names
 
     def write_files(self, files: list[tuple[str, np.ndarray[Any, Any]]], chunk_size: int, *,
                     checksum: bool = True) -> list[tuple[str, ...]]:
@@ -62,6 +75,7 @@ class _FsspecStepWriter:
     def _write_file(self, name: str, data: np.ndarray[Any, Any], chunk_size: int,
                     checksum: bool = True) -> tuple[str, ...]:
         crcs = []
+        name = self.strategy.object_name(name)
         with self.target.fs.open(posixpath.join(self.dir, name), "wb") as f:
             for b, e in chunk_ranges(data.size, chunk_size):
                 chunk = data[b:e]
@@ -112,6 +126,12 @@ class FsspecTarget:
         self.keeper = LeaseKeeper(url, self.lease_stale_s / 5)
         self._mu = threading.Lock()  # guards _root_id
         self._root_id: str | None = None
+
+    @property
+    def conditional(self) -> bool:
+        """False: fsspec has no conditional writes, so the claim's conditions are reads before
+        writes (see :mod:`ckptmgr.storage.objects`)."""
+        return False
 
     def _make_root(self) -> None:
         try:
@@ -169,7 +189,9 @@ class FsspecTarget:
         self.fs.invalidate_cache(posixpath.dirname(self._full(rel)))
         return bool(self.fs.exists(self._full(rel)))
 
-    def put(self, rel: str, data: bytes, *, if_absent: bool = False) -> str | None:
+    def put(self, rel: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None) -> str | None:
+        if if_match is not None:
+            raise ValueError(f"{self.url}: no conditional writes on this filesystem")
         if if_absent and self.exists(rel):
             raise FileExistsError(f"{self.url}/{rel} exists")
         self.fs.pipe_file(self._full(rel), data)
@@ -183,6 +205,9 @@ class FsspecTarget:
                 continue
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(self._full(rel))
+
+    def remove_if(self, rel: str, etag: str) -> bool:
+        raise ValueError(f"{self.url}: no conditional deletes on this filesystem")
 
     def uploads(self, prefix: str) -> list[tuple[str, str]]:
         return []
@@ -253,13 +278,19 @@ class FsspecTarget:
     def delete(self, step: int) -> None:
         self._check_writable(f"delete step {step}")
         d = step_name(check_step(step))
+        named = manifest_names(self, f"{d}/{MANIFEST_NAME}")
         self.remove([f"{d}/{MANIFEST_NAME}"])  # first: from here on the step is gone
         objs = step_objects(self.listing(d + "/")).get(step, {})
-        self.remove(sorted(f"{d}/{n}" for n in objs if is_our_file(n)))
+        # A writer may claim the step again as soon as its manifest is gone: its lease and the
+        # objects of its claim (named with its token, in no manifest deleted here) stay.
+        writing = any(is_lease_name(n) for n in objs)
+        doomed = sorted(n for n in objs if is_our_file(n) and not is_lease_name(n)
+                        and (attempt_tag(n) is None or not writing or (named is not None and n in named)))
+        self.remove([f"{d}/{n}" for n in doomed])
         foreign = sorted(n for n in objs if n and not is_our_file(n))
         if foreign:
             log.warning("left %s/%s in place: it holds objects ckptmgr did not write (%s)", self.url, d, foreign)
-        else:
+        elif not writing:
             self.remove([f"{d}/"])  # the directory marker, where the store keeps one
 
     def set_protected(self, step: int, protected: bool) -> None:

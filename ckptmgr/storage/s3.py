@@ -15,9 +15,12 @@ What it adds to the generic fsspec target:
 * the requests in flight to the root are bounded by an :class:`~.throttle.AdaptiveWindow`:
   throttled answers shrink it (multiplicatively), successes grow it back (additively);
 * the object-store primitives of the commit (:mod:`.objects`) are single S3 requests: an
-  uncached paginated LIST, conditional PUTs (``If-None-Match: *``), batched deletes, and the
-  listing and abort of incomplete multipart uploads under this root's step prefixes only,
-  never the bucket's. A failed step aborts its multipart uploads (no parts left behind).
+  uncached paginated LIST, conditional PUTs (``If-None-Match: *``, and ``If-Match`` on an
+  ETag for the lease), conditional DELETEs (``If-Match``), batched deletes, and the listing
+  and abort of incomplete multipart uploads under this root's step prefixes only, never the
+  bucket's. A failed step aborts its multipart uploads (no parts left behind). Whether the
+  endpoint honours ``If-Match`` is asked once per target (:attr:`S3Target.conditional`);
+  where it does not, the commit falls back to reads before writes (docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import logging
 import math
 import random
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -40,10 +44,10 @@ from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, CkptError, StorageError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import read_manifest_bytes
-from ..format.naming import is_our_file, step_name
+from ..format.naming import ROOT_ID_NAME, is_lease_name, is_our_file, step_name
 from ..options import S3Options
 from .fsspec import FsspecTarget, _FsspecStepWriter
-from .objects import ManifestLastCommit, ObjectInfo
+from .objects import ConditionFailed, ManifestLastCommit, ObjectInfo
 from .throttle import AdaptiveWindow
 
 __all__ = ["S3Target", "is_retryable", "is_throttle", "s3_storage_options"]
@@ -167,7 +171,8 @@ class _S3StepWriter(_FsspecStepWriter):
         crc_futures = [t.io_pool.submit(crcs, data) for _, data in files] if checksum else []
         tasks: list[Callable[[], None]] = []
         multipart: list[tuple[str, str, str, int, list[dict[str, Any]]]] = []
-        for name, data in files:
+        for plain, data in files:
+            name = self.strategy.object_name(plain)  # this claim's own key: never another writer's
             key = t.key(self.step, name)
             part = t.part_size(data.size)
             if data.size <= part:
@@ -226,6 +231,53 @@ class S3Target(FsspecTarget):
         self.bucket, _, self.prefix = path.rstrip("/").partition("/")
         super().__init__(_Retrying(fs, self), path, url=url, io_threads=io_threads, read_only=read_only)
         self.upload_pool = DaemonPool(opts.concurrency, thread_name_prefix="ckptmgr-s3")
+        self._cond_mu = threading.Lock()  # guards _conditional
+        self._conditional: bool | None = None  # whether the endpoint honours If-Match (asked once)
+
+    @property
+    def conditional(self) -> bool:
+        """Whether the endpoint honours ``If-Match`` on PUT and DELETE (asked once, on first
+        use, on a fresh name of ours, ``.ckptmgr-root-id.tmp-<hex>``, removed afterwards): a PUT
+        with an ``If-Match`` no object can have must fail (412, or 404 as the name is free),
+        and so must a DELETE of the then written object with it (412). A store that writes or
+        deletes instead ignores the condition; one that answers 501 or 400 has none."""
+        with self._cond_mu:
+            if self._conditional is None:
+                self._conditional = self._probe()
+            return self._conditional
+
+    def _probe(self) -> bool:
+        rel = f"{ROOT_ID_NAME}.tmp-{secrets.token_hex(8)}"  # a name of ours that no one else uses
+        never = '"00000000000000000000000000000000"'  # an ETag no object has
+        key = self._key(rel)
+        try:
+            try:
+                self.call("put_object", Key=key, Body=b"", IfMatch=never)
+                ignored = "PUT"
+            except OSError as exc:
+                if not (isinstance(exc, FileNotFoundError) or _precondition_failed(exc)
+                        or _status(exc) in (404, 412)):
+                    raise
+                self.call("put_object", Key=key, Body=b"")
+                try:
+                    self.call("delete_object", Key=key, IfMatch=never)
+                    ignored = "DELETE"
+                except OSError as exc:
+                    if not (_precondition_failed(exc) or _status(exc) == 412):
+                        raise
+                    return True
+        except OSError as exc:
+            if _status(exc) not in (400, 501):
+                raise
+            log.warning("%s does not support conditional writes (If-Match): claims on steps are checked by reading "
+                        "before writing (see docs/SECURITY.md)", self.url)
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                self.remove([rel])
+        log.warning("%s ignores conditional writes (If-Match on %s): claims on steps are checked by reading before "
+                    "writing (see docs/SECURITY.md)", self.url, ignored)
+        return False
 
     def _make_root(self) -> None:
         try:
@@ -356,11 +408,14 @@ class S3Target(FsspecTarget):
             return False
         return True
 
-    def put(self, rel: str, data: bytes, *, if_absent: bool = False) -> str | None:
-        cond = {"IfNoneMatch": "*"} if if_absent else {}
+    def put(self, rel: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None) -> str | None:
+        cond = {"IfNoneMatch": "*"} if if_absent else {"IfMatch": f'"{if_match}"'} if if_match else {}
         try:
             r = self.call("put_object", Key=self._key(rel), Body=data, **cond)
         except OSError as exc:
+            if if_match and (isinstance(exc, FileNotFoundError) or _precondition_failed(exc)
+                             or _status(exc) in (404, 412)):
+                raise ConditionFailed(f"{self.url}/{rel} is not the object of ETag {if_match}") from None
             if if_absent and _precondition_failed(exc):
                 raise FileExistsError(f"{self.url}/{rel} exists") from None
             if not (if_absent and _status(exc) == 501):
@@ -383,6 +438,15 @@ class S3Target(FsspecTarget):
                 e = errors[0]
                 err = PermissionError if e.get("Code") == "AccessDenied" else OSError
                 raise err(f"cannot delete s3://{self.bucket}/{e.get('Key')}: {e.get('Code')}: {e.get('Message')}")
+
+    def remove_if(self, rel: str, etag: str) -> bool:
+        try:
+            self.call("delete_object", Key=self._key(rel), IfMatch=f'"{etag}"')
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError) or _precondition_failed(exc) or _status(exc) in (404, 412):
+                return False
+            raise
+        return True
 
     def uploads(self, prefix: str) -> list[tuple[str, str]]:
         base = f"{self.prefix}/" if self.prefix else ""
@@ -432,6 +496,8 @@ class S3Target(FsspecTarget):
     def delete(self, step: int) -> None:
         super().delete(step)
         d = step_name(step)
+        if any(is_lease_name(k.rpartition("/")[2]) for k in self.listing(d + "/")):
+            return  # a writer is saving this step again: the uploads are its own
         for rel, upload_id in self.uploads(d + "/"):  # of a writer that died before this step was saved again
             if is_our_file(rel.partition("/")[2]):
                 with contextlib.suppress(FileNotFoundError):
