@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import StepExistsError, StorageError
+from ..errors import CkptError, StepExistsError, StorageError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.naming import (
     attempt_name,
@@ -56,7 +56,6 @@ from ..format.naming import (
     parse_step_name,
     step_name,
 )
-from ..format.schema import MAX_MANIFEST_BYTES
 from .commit import manifest_sizes
 from .lease import Lease, LeaseKeeper, current, release, writer_gone
 
@@ -94,6 +93,11 @@ class ObjectStore(Protocol):
 
     def get(self, rel: str) -> bytes:
         """The object's bytes. Raises FileNotFoundError."""
+
+    def get_manifest(self, rel: str) -> bytes:
+        """A manifest's bytes, refused by its reported size before the body is read and never
+        read past the limit (:func:`~ckptmgr.format.manifest.read_manifest_bytes`). Raises
+        FileNotFoundError, CheckpointCorruptError (too large)."""
 
     def exists(self, rel: str) -> bool:
         """Whether the object exists (one HEAD)."""
@@ -360,7 +364,7 @@ class ManifestLastCommit:
 
     def _still_ours(self, manifest: bytes) -> bool:
         try:
-            return self.store.get(self._manifest) == manifest
+            return self.store.get_manifest(self._manifest) == manifest
         except Exception:
             return True  # cannot tell: keep the objects it may name
 
@@ -376,7 +380,7 @@ class ManifestLastCommit:
                 pass
             info = self.store.listing(self._manifest).get(self._manifest)
             try:
-                there = self.store.get(self._manifest)
+                there = self.store.get_manifest(self._manifest)
             except FileNotFoundError:
                 continue  # withdrawn meanwhile
             if there == manifest:
@@ -438,11 +442,8 @@ def manifest_names(store: ObjectStore, rel: str) -> set[str] | None:
     """The data file names a committed manifest lists; None when it is gone or cannot be read
     as one (then nothing it might name is removed)."""
     try:
-        data = store.get(rel)
-        if len(data) > MAX_MANIFEST_BYTES:
-            return None
-        files = json.loads(data).get("files")
-    except (OSError, ValueError, AttributeError, RecursionError):
+        files = json.loads(store.get_manifest(rel)).get("files")
+    except (OSError, ValueError, AttributeError, RecursionError, CkptError):
         return None
     return {n for n in files if isinstance(n, str)} if isinstance(files, dict) else None
 
