@@ -85,6 +85,7 @@ def test_replace_killed_in_its_window(tmp_path, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(7200)  # many child processes
 @pytest.mark.parametrize("mode", ["exchange", "fallback"])
 def test_replace_killed_at_every_operation_many_rounds(tmp_path, mode):
     events, _ = _trial(tmp_path / "calibrate", mode, -10**6)  # never killed: the list of operations

@@ -97,6 +97,7 @@ def test_stock_load_state_after_a_crash_takes_no_temporary(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(7200)  # many child processes
 @pytest.mark.parametrize(("mode", "exchange"), [("fixed", True), ("fixed", False), ("auto", True)],
                          ids=["fixed-exchange", "fixed-fallback", "auto"])
 def test_accelerate_killed_at_every_operation_many_rounds(tmp_path, mode, exchange):

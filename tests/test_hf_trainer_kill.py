@@ -107,6 +107,7 @@ def test_resaved_step_killed_in_the_window_resumes_from_it(saved_twice, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(7200)  # many child processes
 @pytest.mark.parametrize("mode", ["exchange", "fallback"])
 def test_resaved_step_killed_at_every_operation_many_rounds(saved_twice, tmp_path, mode):
     events, _ = _resave_killed(saved_twice, tmp_path / "calibrate", mode, -10**6)
@@ -157,6 +158,7 @@ def test_save_total_limit_1_with_best_keeps_the_newest(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(7200)  # many child processes
 def test_save_total_limit_1_with_best_killed_at_every_deletion_many_rounds(tmp_path):
     out = tmp_path / "calibrate"
     res = kill_points.run(_cmd(out, tmp_path / "r.json", *BEST), str(out), env=ENV, kill=lambda *_: False)
