@@ -108,3 +108,104 @@ def test_readme_first_command_needs_only_the_public_index():
     for local in (".ci/constraints.txt", "+cpu", "/opt/", "--find-links", "--index-url", "--extra-index-url"):
         assert local not in first, local  # nothing that only our machines have
     assert "pip install ckptmgr" not in text  # not on PyPI yet
+
+
+# --- the Hugging Face and accelerate snippets: a first run (nothing to resume) and a second ---
+
+HF_PRELUDE = """
+import sys
+import torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+forwards = 0
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1)
+
+    def forward(self, x, labels):
+        global forwards
+        forwards += 1
+        return {"loss": (self.lin(x) - labels).pow(2).mean()}
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i))
+        return {"x": x, "labels": x[:1]}
+
+model, ds, total_steps = Net(), Data(), int(sys.argv[1])
+"""
+HF_POSTLUDE = """
+torch.save(model.state_dict(), sys.argv[2])
+print("forwards", forwards, "global step", trainer.state.global_step, flush=True)
+"""
+
+ACCELERATE_PRELUDE = """
+import sys
+import torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+total_steps = int(sys.argv[1])
+
+def train_step(step):
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+    loss = (model(x) - x[:, :1]).pow(2).mean()
+    opt.zero_grad()
+    accelerator.backward(loss)
+    opt.step()
+    print("step", step, flush=True)
+"""
+ACCELERATE_POSTLUDE = """
+torch.save(accelerator.unwrap_model(model).state_dict(), sys.argv[2])
+print("done", flush=True)
+"""
+
+
+def snippet(tmp_path, heading: str, prelude: str, postlude: str, run_dir: str, every: str) -> str:
+    """The README's block under ``heading``, saving into ``run_dir`` every 5 steps instead of
+    every 500 (``every``: the text that says 500 there)."""
+    block = readme_block(heading)
+    assert '"run1"' in block and every in block
+    block = block.replace(every, every.replace("500", "5"))
+    path = tmp_path / f"snippet-{abs(hash(heading))}.py"
+    path.write_text(prelude + block.replace('"run1"', repr(run_dir)) + postlude)
+    return str(path)
+
+
+def run_snippet(path: str, steps: int, out: str) -> str:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+    r = subprocess.run([sys.executable, path, str(steps), out], capture_output=True, text=True, timeout=600,
+                       env=env, cwd=os.path.dirname(path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r.stdout
+
+
+def test_readme_hugging_face_snippet_runs_on_a_first_and_a_second_run(tmp_path):
+    run_dir = str(tmp_path / "hf")
+    path = snippet(tmp_path, "### Hugging Face Trainer: `CkptmgrTrainer`", HF_PRELUDE, HF_POSTLUDE, run_dir,
+                   "save_steps=500")
+    first = run_snippet(path, 6, str(tmp_path / "first.pt"))  # nothing to resume: starts fresh
+    assert "forwards 6 global step 6" in first
+    assert sorted(os.listdir(run_dir)) == ["checkpoint-5", "checkpoint-6"]  # save_steps, and the end
+    second = run_snippet(path, 11, str(tmp_path / "second.pt"))  # resumes from checkpoint-6
+    assert "forwards 5 global step 11" in second
+    assert sorted(os.listdir(run_dir)) == ["checkpoint-10", "checkpoint-11", "checkpoint-6"]  # KeepLatest(3)
+
+
+def test_readme_accelerate_snippet_runs_on_a_first_and_a_second_run(tmp_path):
+    path = snippet(tmp_path, "### accelerate: `AsyncStateSaver`", ACCELERATE_PRELUDE, ACCELERATE_POSTLUDE,
+                   str(tmp_path / "acc"), "% 500 == 0")
+    first = run_snippet(path, 6, str(tmp_path / "first.pt"))  # nothing to resume: starts fresh
+    assert first.split()[:2] == ["step", "0"] and "step 5\n" in first
+    second = run_snippet(path, 11, str(tmp_path / "second.pt"))  # resumes after its 5th step
+    assert second.split()[:2] == ["step", "5"] and "step 10\n" in second
+    ref_path = snippet(tmp_path, "### accelerate: `AsyncStateSaver`", ACCELERATE_PRELUDE, ACCELERATE_POSTLUDE,
+                       str(tmp_path / "ref"), "% 500 == 0")
+    run_snippet(ref_path, 11, str(tmp_path / "ref.pt"))  # one run, never interrupted
+    assert same(str(tmp_path / "ref.pt"), str(tmp_path / "second.pt"))
