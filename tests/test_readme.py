@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
@@ -19,6 +20,7 @@ README_ROOT = "/data/run1/checkpoints"
 # and a training step (deterministic in the step number, so that runs can be compared).
 PRELUDE = """
 import sys
+import pytest
 import torch
 torch.set_num_threads(1)  # tiny tensors: threads only contend on a shared machine
 torch.manual_seed(0)
@@ -114,6 +116,7 @@ def test_readme_first_command_needs_only_the_public_index():
 
 HF_PRELUDE = """
 import sys
+import pytest
 import torch
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -146,6 +149,7 @@ print("forwards", forwards, "global step", trainer.state.global_step, flush=True
 
 ACCELERATE_PRELUDE = """
 import sys
+import pytest
 import torch
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -209,3 +213,54 @@ def test_readme_accelerate_snippet_runs_on_a_first_and_a_second_run(tmp_path):
                        str(tmp_path / "ref"), "% 500 == 0")
     run_snippet(ref_path, 11, str(tmp_path / "ref.pt"))  # one run, never interrupted
     assert same(str(tmp_path / "ref.pt"), str(tmp_path / "second.pt"))
+
+
+# --- what the examples and the README tell users to install ---
+
+def _dists(extras: dict, names: list[str]) -> set[str]:
+    """The distributions the extras ``names`` install: their requirements and, where installed
+    here, those requirements' own (module names: lower case, ``-`` as ``_``)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    def name(req: str) -> str:
+        return re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0].lower().replace("-", "_")
+
+    out: set[str] = set()
+    for e in names:
+        for req in extras[e]:
+            out.add(name(req))
+            try:
+                out |= {name(r) for r in requires(name(req)) or [] if "extra ==" not in r}
+            except PackageNotFoundError:
+                pass
+    return out
+
+
+def test_every_example_says_which_extra_installs_what_it_imports():
+    import ast
+
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(os.path.dirname(README), "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    examples = os.path.join(os.path.dirname(README), "examples")
+    for fname in sorted(os.listdir(examples)):
+        if not fname.endswith(".py"):
+            continue
+        with open(os.path.join(examples, fname), encoding="utf-8") as f:
+            source = f.read()
+        tree = ast.parse(source)
+        mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0
+                 and n.module}
+        third = {m for m in mods if m not in sys.stdlib_module_names and m not in ("torch", "numpy", "ckptmgr")}
+        said = re.findall(r"pip install '\.\[([\w,]+)\]'", ast.get_docstring(tree) or "")
+        if third:
+            assert said, f"{fname} imports {sorted(third)} but does not say which extra installs them"
+        names = [e for s in said for e in s.split(",")]
+        assert all(e in extras for e in names), (fname, names)
+        missing = third - _dists(extras, names)
+        assert not missing, f"{fname}: {sorted(missing)} not installed by pip install '.[{','.join(names)}]'"
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    assert "ckptmgr[" not in text  # not on PyPI yet: extras are installed from the checkout, '.[s3]'
+    assert not [e for e in re.findall(r"'\.\[([\w,]+)\]'", text) for x in e.split(",") if x not in extras]
