@@ -264,3 +264,33 @@ def test_every_example_says_which_extra_installs_what_it_imports():
         text = f.read()
     assert "ckptmgr[" not in text  # not on PyPI yet: extras are installed from the checkout, '.[s3]'
     assert not [e for e in re.findall(r"'\.\[([\w,]+)\]'", text) for x in e.split(",") if x not in extras]
+
+
+# --- the README is about usage: guides in docs/, figures in benchmarks/RESULTS.md ---
+
+def test_readme_links_a_guide_per_integration_and_takes_its_figures_from_the_results():
+    import json
+
+    here = os.path.dirname(README)
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    for page in ("HUGGINGFACE.md", "TORCHTITAN.md", "LIGHTNING.md", "LOCAL_TIER.md"):
+        assert os.path.isfile(os.path.join(here, "docs", page)) and f"(docs/{page})" in text, page
+    # benchmark figures (seconds, percentages, GB/s) only in the Benchmarks section's summary,
+    # each of them a value of the chart's report, rounded as printed
+    bench = text[text.index("\n## Benchmarks\n"):]
+    usage = text[:text.index("\n## Benchmarks\n")]
+    assert not re.findall(r"\d+(?:\.\d+)?\s?(?:%|GB/s)", usage)
+    assert not re.findall(r"\b\d+\.\d+ s\b", usage)  # (timeouts such as "60 s" are not figures)
+    with open(os.path.join(here, "benchmarks", "results", "h200-2026-11-23i", "report", "summary.json")) as f:
+        metrics = json.load(f)["metrics"]
+    values = [v for m in metrics.values() for v in m.values() if isinstance(v, (int, float))]
+    figures = re.findall(r"\b(\d+\.\d+) s\b", bench)
+    assert len(figures) >= 4
+    for fig in figures:
+        digits = len(fig.split(".")[1])
+        assert any(f"{v:.{digits}f}" == fig for v in values), f"{fig} s is not in summary.json"
+    with open(os.path.join(here, "docs", "LOCAL_TIER.md"), encoding="utf-8") as f:
+        tier = f.read()
+    for what in ("## Where", "## When a step is written", "## When it is cleaned", "## How to drop it"):
+        assert what in tier
