@@ -41,6 +41,7 @@ def install(pip: list[str], spec: str, pin: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("order", [("torchtitan", "s3"), ("s3", "torchtitan"), ("s3,torchtitan,transformers",)])
 def test_extras_install_in_any_order(tmp_path, order):
     pip, pin = venv_pip(tmp_path), torch_pin(tmp_path)
