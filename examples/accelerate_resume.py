@@ -1,5 +1,7 @@
 """accelerate with save_state/load_state through ckptmgr: run it, kill it, run it again.
 
+    pip install '.[accelerate]'   # from a checkout of this repository (ckptmgr is not on PyPI yet)
+
     python examples/accelerate_resume.py /tmp/acc-run --steps 60
     python examples/accelerate_resume.py /tmp/acc-run --steps 120   # resumes where it stopped
 

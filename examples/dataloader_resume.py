@@ -1,5 +1,7 @@
 """A plain training loop whose data loader resumes at the exact next sample, on every rank.
 
+    pip install '.[torchdata]'   # from a checkout of this repository (ckptmgr is not on PyPI yet)
+
     python examples/dataloader_resume.py /tmp/dl-run --steps 30 --kill-at 17   # dies at step 17
     python examples/dataloader_resume.py /tmp/dl-run --steps 30                # resumes at step 16
 

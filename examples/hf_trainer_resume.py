@@ -1,5 +1,7 @@
 """Hugging Face Trainer with checkpoints saved in the background: run it, kill it, run it again.
 
+    pip install '.[transformers]'   # from a checkout of this repository (ckptmgr is not on PyPI yet)
+
     python examples/hf_trainer_resume.py /tmp/hf-run --steps 40
     python examples/hf_trainer_resume.py /tmp/hf-run --steps 80   # resumes from checkpoint-40
 

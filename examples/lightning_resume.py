@@ -1,5 +1,7 @@
 """Lightning with ckptmgr: fit, and on a restart resume from the newest complete checkpoint.
 
+    pip install '.[lightning]'   # from a checkout of this repository (ckptmgr is not on PyPI yet)
+
     python examples/lightning_resume.py /tmp/lightning-run --epochs 5
 
 Run it twice: the second run finds ``last.ckpt`` and continues where the first stopped

@@ -1,5 +1,7 @@
 """Checkpoints on S3 (or any S3-compatible store): save, list, restore.
 
+    pip install '.[s3]'   # from a checkout of this repository (ckptmgr is not on PyPI yet)
+
     python examples/s3_config.py s3://my-bucket/run1 --endpoint https://s3.example.com
 
 Credentials come from the usual places (environment, ~/.aws, instance profile); pass

@@ -1,5 +1,7 @@
 """torchtitan with ckptmgr as its checkpoint manager.
 
+    pip install '.[torchtitan]'   # from a checkout of this repository (ckptmgr is not on PyPI yet)
+
 With torchtitan on GPUs, select the manager in a config function (torchtitan's configs are
 Python) and point torchtitan at this module::
 

@@ -26,7 +26,9 @@ callbacks that hold the plugin can be pickled, deep-copied and sent to ``ddp_spa
 from __future__ import annotations
 
 import io
+import logging
 import os
+import re
 import sys
 import threading
 from types import FrameType
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ckptmgr.errors import ConfigError
+from ckptmgr.errors import CheckpointCorruptError, ConfigError
 from ckptmgr.format.torchzip import verify_file
 from ckptmgr.options import S3Options, StagingOptions, WriteOptions, option_or_default
 
@@ -45,6 +47,10 @@ __all__ = ["CkptmgrIOMixin", "install_in_flight_check"]
 
 _STACK_DEPTH = 12  # frames searched for the Checkpoint callback that asked for a save
 _ZIP_MAGIC = b"PK\x03\x04"
+_LAST = re.compile(r"last(-v?\d+)?\.ckpt$")  # ModelCheckpoint's last checkpoints: last.ckpt, last-v1.ckpt
+_STEP = re.compile(r"(?:^|[-_])step=(\d+)")  # ModelCheckpoint's names: epoch=3-step=400.ckpt
+
+log = logging.getLogger("ckptmgr")
 
 
 def _cpu(storage: Any, location: Any) -> Any:
@@ -65,6 +71,31 @@ def _url_fs(path: Any, storage_options: dict[str, Any] | None, *, resolve: bool 
     if p.startswith("file://"):
         p = p[len("file://"):]
     return os.path.abspath(p), None
+
+
+def _basename(p: str) -> str:
+    return p.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _newer(p: str, fs: Any, step: int) -> list[tuple[int, str]]:
+    """The ``.ckpt`` files beside ``p`` whose names give a step above ``step``, newest first."""
+    directory = p.rstrip("/").rsplit("/", 1)[0] if "/" in p.rstrip("/") else "."
+    try:
+        names = [n.rstrip("/") for n in fs.ls(directory, detail=False)] if fs is not None else \
+            [os.path.join(directory, n) for n in os.listdir(directory)]
+    except OSError:
+        return []
+    found = []
+    for n in names:
+        m = _STEP.search(_basename(n))
+        if m is not None and n.endswith(".ckpt") and int(m.group(1)) > step and not _LAST.match(_basename(n)):
+            found.append((int(m.group(1)), n if fs is None or "://" not in p else _with_protocol(p, n)))
+    return sorted(found, reverse=True)
+
+
+def _with_protocol(p: str, listed: str) -> str:
+    """``listed`` (as fsspec lists it, without the protocol) as a URL like ``p``."""
+    return listed if "://" in listed else f"{p.split('://', 1)[0]}://{listed.lstrip('/')}"
 
 
 def install_in_flight_check(model_checkpoint: Any) -> None:
@@ -170,14 +201,50 @@ class CkptmgrIOMixin:
 
         ``weights_only`` is passed to ``torch.load`` as given (None: torch's default, True).
 
+        A *last* checkpoint (``last.ckpt``, ``last-v1.ckpt``: what ``ckpt_path="last"`` picks, by
+        modification time) stands for the newest complete checkpoint of its directory: when a
+        ``.ckpt`` beside it names a higher step (``...step=N...``, Lightning's names) and
+        verifies, that one is loaded instead (the save of ``last.ckpt`` was cut short by a
+        crash, say); when the last checkpoint itself fails its checksums, the newest one that
+        verifies is loaded. Either is logged as a warning naming both files.
+
         Raises:
             FileNotFoundError: no such file.
-            CheckpointCorruptError: the file fails its checksums.
+            CheckpointCorruptError: the file fails its checksums (a last checkpoint: and no
+                other checkpoint of its directory verifies).
         """
         p, fs = _url_fs(path, self._storage_options)
         self.wait()
         if not (os.path.isfile(p) if fs is None else fs.isfile(p)):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        if not _LAST.match(_basename(p)):
+            return self._load(path, p, fs, map_location, weights_only)
+        loaded: dict[str, Any] | None = None
+        try:
+            loaded = self._load(path, p, fs, map_location, weights_only)
+        except CheckpointCorruptError as exc:
+            damaged: CheckpointCorruptError | None = exc
+            log.warning("%s is damaged (%s); looking for the newest checkpoint beside it that verifies", path, exc)
+        else:
+            damaged = None
+        step = loaded.get("global_step", -1) if isinstance(loaded, dict) else -1
+        for other_step, other in _newer(p, fs, step if isinstance(step, int) else -1):
+            try:
+                newer = self._load(other, other, fs, map_location, weights_only)
+            except CheckpointCorruptError as exc:
+                log.warning("%s is damaged (%s); skipped", other, exc)
+                continue
+            log.warning("resuming from %s (step %d), the newest checkpoint that verifies, rather than %s (%s)",
+                        other, other_step, path, "damaged" if damaged is not None else f"step {step}")
+            return newer
+        if loaded is None:
+            assert damaged is not None
+            raise damaged
+        return loaded
+
+    def _load(self, path: Any, p: str, fs: Any, map_location: Any | None, weights_only: bool | None
+              ) -> dict[str, Any]:
+        """Verify and load the file ``p`` (``path`` as the caller named it)."""
         if fs is None:
             with open(p, "rb") as f:
                 if f.read(4) == _ZIP_MAGIC:  # else a legacy torch.save file: torch.load decides

@@ -10,6 +10,9 @@ Scenarios:
   retain    save steps 1..6 with KeepLatest(2); every rank reports steps()
   skip      rank 1 never saves step 5: rank 0's save must fail with a timeout
   mismatch  an unwrapped per-rank value: the save must fail on every rank, naming it
+  resave    the README's loop: save step 1 with PerRank values (one differs between the ranks,
+            one is equal on both), restore it into a fresh target with state = mgr.restore(
+            target=state), save that state as step 2 and restore step 2: report what came back
 """
 
 from __future__ import annotations
@@ -76,8 +79,8 @@ def main() -> None:
             report["step"] = restored["step"]
             report["model"] = {k: digest(v) for k, v in model.state_dict().items()}
             report["tied"] = model[2].weight.data_ptr() == model[0].weight.data_ptr()
-            report["rng"] = digest(restored["rank"]["rng"])
-            report["loader_pos"] = restored["rank"]["loader_pos"]
+            report["rng"] = digest(restored["rank"].value["rng"])
+            report["loader_pos"] = restored["rank"].value["loader_pos"]
             report["opt_steps"] = sorted(float(s["step"]) for s in opt.state_dict()["state"].values())
         elif scenario == "die":
             train(model, opt, 1)
@@ -99,6 +102,22 @@ def main() -> None:
                 import time
 
                 time.sleep(timeout + 3)
+        elif scenario == "resave":
+            def fresh() -> dict:
+                return {"model": model, "step": 0, "rank": PerRank({"pos": -1}), "same": PerRank({"seed": 0})}
+
+            mgr.save(1, {"model": model, "step": 1, "rank": PerRank({"pos": 10 + rank}),
+                         "same": PerRank({"seed": 7})}).result()
+            state = mgr.restore(target=fresh())
+            report["types"] = [type(state[k]).__name__ for k in ("rank", "same")]
+            try:
+                mgr.save(2, {**state, "step": 2}).result()
+            except Exception as exc:
+                report["error"] = f"{type(exc).__name__}: {exc}"
+            else:
+                again = mgr.restore(2, target=fresh())
+                report["pos"] = again["rank"].value["pos"]
+                report["seed"] = again["same"].value["seed"]
         elif scenario == "mismatch":
             try:
                 mgr.save(7, {"model": model, "loader_pos": 100 + rank}).result()

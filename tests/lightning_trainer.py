@@ -30,6 +30,8 @@ ap.add_argument("--namespace", default="lightning")
 ap.add_argument("--step-sleep", type=float, default=0.0)
 ap.add_argument("--strategy", default="auto")
 ap.add_argument("--devices", type=int, default=1)
+ap.add_argument("--hold-last", type=int, default=0,
+                help="N: the N-th write of last.ckpt stops half-way (a gate, for a test to SIGKILL the run there)")
 ap.add_argument("--hparams", choices=["rich", "plain"], default="plain",
                 help="plain: numbers only (weights_only loads); rich: a module, a dataclass and a Namespace")
 # Imported by other processes (the loader, a test unpickling its hyper-parameters): the defaults.
@@ -71,6 +73,9 @@ class Net(pl.LightningModule):
 
 
 class Printer(pl.Callback):
+    def on_train_start(self, trainer, module):
+        print(f"start at step {trainer.global_step}", flush=True)
+
     def on_train_epoch_end(self, trainer, module):
         print(f"epoch {trainer.current_epoch} done", flush=True)
 
@@ -91,7 +96,41 @@ def data():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=False)
 
 
+def hold_last_write(n: int) -> None:
+    """Stop the ``n``-th write of last.ckpt half-way: the writer's temporary holds the first
+    half of its first chunk, "holding" is printed, and the writer waits (up to 5 minutes) for
+    the SIGKILL a test sends on reading that line."""
+    import threading
+
+    from ckptmgr.integrations import _lightning_writer
+    from ckptmgr.storage import onefile
+
+    write, pwrite = _lightning_writer.write_file_atomic, onefile.pwrite_all
+    state = {"seen": 0, "hold": False}
+
+    def write_file_atomic(path, data, **kw):
+        if os.path.basename(path) == "last.ckpt":
+            state["seen"] += 1
+            state["hold"] = state["seen"] == n
+        try:
+            return write(path, data, **kw)
+        finally:
+            state["hold"] = False
+
+    def pwrite_all(fd, buf, offset):
+        if state["hold"]:
+            pwrite(fd, buf[: len(buf) // 2], offset)
+            print("holding", flush=True)
+            threading.Event().wait(300)
+        return pwrite(fd, buf, offset)
+
+    _lightning_writer.write_file_atomic = write_file_atomic
+    onefile.pwrite_all = pwrite_all
+
+
 def main() -> None:
+    if args.hold_last:
+        hold_last_write(args.hold_last)
     if args.namespace == "lightning":
         from ckptmgr.integrations.lightning import CkptmgrCheckpointIO
     else:

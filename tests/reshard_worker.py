@@ -231,7 +231,8 @@ def check_mix(mgr: CheckpointManager, mesh: Any, place: Callable[[str], Any], ra
     if any(not torch.equal(out["ddp"][k], v) or out["ddp"][k] is not target["ddp"][k] for k, v in replicated().items()):
         problems.append("the replicated (DDP) tensors differ")
     src = (rank + 1) % saved_world
-    if out["rank"]["pos"] != 10 + src or not torch.equal(out["rank"]["rng"], torch.arange(4, dtype=torch.uint8) + src):
+    mine = out["rank"].value
+    if mine["pos"] != 10 + src or not torch.equal(mine["rng"], torch.arange(4, dtype=torch.uint8) + src):
         problems.append(f"per-rank values {out['rank']} are not rank {src}'s")
     if out["step"] != 1:
         problems.append("step")
@@ -507,7 +508,7 @@ def legacy(golden: str, mesh: Any, rank: int) -> Any:
     with CheckpointManager(golden) as gm:
         out = gm.restore(target=target, rank_map=lambda r, n: r % n)
     bad = [k for k in place if not torch.equal(dts[k].full_tensor(), g[k])]
-    if out["step"] != STEP or out["rank"]["pos"] != 10 + rank % 2 or not torch.equal(out["model"]["b"], g["b"]) \
+    if out["step"] != STEP or out["rank"].value["pos"] != 10 + rank % 2 or not torch.equal(out["model"]["b"], g["b"]) \
             or not torch.equal(out["big"], g["big"]):
         bad.append("plain values")
     return bad or None

@@ -94,6 +94,22 @@ def test_a_value_that_differs_between_ranks_must_be_wrapped(tmp_path):
     assert os.listdir(root) == []
 
 
+def test_restore_then_save_keeps_per_rank_values_per_rank(tmp_path):
+    """The README's loop, state = mgr.restore(target=state) then mgr.save(step, state), on two
+    ranks: the PerRank values stay per rank, both the one that differs between the ranks (the
+    save was refused) and the one that is equal on both (it was written once, as replicated)."""
+    root = str(tmp_path / "ckpt")
+    rcs, outs = launch(tmp_path, "resave", root, 2)
+    assert rcs == [0, 0], outs
+    for rank, o in enumerate(outs):
+        assert "error" not in o, o["error"]
+        assert o["types"] == ["PerRank", "PerRank"] and o["pos"] == 10 + rank and o["seed"] == 7
+    with open(os.path.join(root, "step_000000000002", "manifest.json")) as f:
+        manifest = json.load(f)
+    text = json.dumps(manifest["rank_states"])
+    assert len(manifest["rank_states"]) == 2 and text.count('"$per_rank"') == 4  # both values, on both ranks
+
+
 def test_per_rank_marker_is_transparent_in_one_process(root):
     from ckptmgr import PerRank
 
@@ -101,4 +117,6 @@ def test_per_rank_marker_is_transparent_in_one_process(root):
         mgr.save(1, {"w": torch.ones(3), "r": PerRank({"pos": 5, "t": torch.arange(4)})}).result()
         target = {"w": torch.zeros(3), "r": PerRank({"pos": 0, "t": torch.zeros(4, dtype=torch.int64)})}
         out = mgr.restore(target=target)
-    assert out["r"]["pos"] == 5 and torch.equal(out["r"]["t"], torch.arange(4)) and torch.equal(out["w"], torch.ones(3))
+    assert isinstance(out["r"], PerRank)  # saved again as it was saved (one process: as a plain value)
+    r = out["r"].value
+    assert r["pos"] == 5 and torch.equal(r["t"], torch.arange(4)) and torch.equal(out["w"], torch.ones(3))

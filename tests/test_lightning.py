@@ -107,6 +107,64 @@ def test_killed_fit_resumed_from_last_ends_bitwise_identical(tmp_path):
     assert sorted(os.listdir(d)) == ckpts(d) and len(ckpts(d)) == 3
 
 
+def test_a_kill_during_the_write_of_last_ckpt_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    """ckpt_path="last" picks last.ckpt by mtime: killed while last.ckpt of epoch 2 was being
+    written, it still holds epoch 1, and epoch=2-step=30.ckpt, complete, is newer."""
+    run(str(tmp_path / "ref"), 5, str(tmp_path / "ref.pt"))
+    d = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, TRAINER, d, "5", str(tmp_path / "x.pt"), "--hold-last", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("holding"):
+                break
+        else:
+            raise AssertionError("the run ended without writing last.ckpt a third time")
+        proc.send_signal(signal.SIGKILL)  # the third last.ckpt half-written, in its temporary
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert [n for n in os.listdir(d) if n.endswith(".partial")]  # the cut-short write
+    assert torch.load(os.path.join(d, "last.ckpt"), weights_only=True)["global_step"] == 20
+    assert "epoch=2-step=30.ckpt" in ckpts(d)
+    out = run(d, 5, str(tmp_path / "resumed.pt"), "--resume")
+    assert "start at step 30\n" in out  # not 20: the newest complete checkpoint
+    ref, got = (torch.load(tmp_path / n, weights_only=False) for n in ("ref.pt", "resumed.pt"))
+    assert got["global_step"] == ref["global_step"] == 50
+    assert_tree_equal(got["model"], ref["model"])
+    assert_tree_equal(got["optim"], ref["optim"])
+
+
+def test_a_damaged_last_ckpt_falls_back_to_the_newest_checkpoint_that_verifies(tmp_path, caplog):
+    d = str(tmp_path / "run")
+    run(d, 3, str(tmp_path / "out.pt"))
+    last = os.path.join(d, "last.ckpt")
+    assert torch.load(last, weights_only=True)["global_step"] == 30
+    os.utime(os.path.join(d, "epoch=2-step=30.ckpt"), (1, 1))  # older by mtime: last.ckpt is still picked
+    with open(last, "r+b") as f:  # a flipped byte in a tensor's bytes
+        rec = torchzip.read_records(lambda o, n: (f.seek(o), f.read(n))[1], os.path.getsize(last))
+        data = next(r for r in rec if r.name == "data/0")
+        f.seek(data.data_offset)
+        b = f.read(1)
+        f.seek(data.data_offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    io = CkptmgrCheckpointIO()
+    with caplog.at_level("WARNING", logger="ckptmgr"):
+        ckpt = io.load_checkpoint(last)
+    assert ckpt["global_step"] == 30 and ckpt["epoch"] == 2
+    assert any("last.ckpt is damaged" in r.getMessage() for r in caplog.records)
+    assert any("resuming from" in r.getMessage() and "epoch=2-step=30.ckpt" in r.getMessage()
+               for r in caplog.records)
+    # a damaged file named by itself is not replaced by another
+    named = str(tmp_path / "epoch=2-step=30.ckpt")
+    shutil.copy(last, named)
+    with pytest.raises(CheckpointCorruptError):
+        io.load_checkpoint(named)
+    # and through a Trainer: fit(ckpt_path="last") resumes from epoch=2-step=30.ckpt
+    out = run(d, 4, str(tmp_path / "resumed.pt"), "--resume")
+    assert "start at step 30\n" in out and "finished" in out
+
+
 def test_the_pytorch_lightning_namespace_has_its_own_plugin(tmp_path):
     d = str(tmp_path / "pl")
     run(d, 2, str(tmp_path / "out.pt"), "--namespace", "pytorch_lightning")

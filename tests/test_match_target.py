@@ -152,10 +152,11 @@ def _land(dests: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> d
 def _old(target: Any, skeleton: Any, index: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
     stand_ins = {n: torch.zeros((), dtype=ST_TO_DTYPE[e["dtype"]]).expand(e["shape"]) for n, e in index.items()}
     try:
-        dests = check_target(target, unflatten(skeleton, stand_ins, allow_pickle=False), stand_ins)
+        dests = check_target(target, unflatten(skeleton, stand_ins, allow_pickle=False, keep_per_rank=True), stand_ins)
     except StateMismatchError as exc:
         return "problems", exc.problems
-    return "ok", apply_target(target, unflatten(skeleton, _land(dests, tensors), allow_pickle=False))
+    tree = unflatten(skeleton, _land(dests, tensors), allow_pickle=False, keep_per_rank=True)
+    return "ok", apply_target(target, tree)
 
 
 def _new(target: Any, skeleton: Any, index: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
@@ -302,7 +303,8 @@ def test_stateful_objects_and_plain_state_dicts_restore_in_place(root):
         ptrs = [p.data_ptr() for p in m2.parameters()]
         out = mgr.restore(1, target={"model": m2, "optim": o2, "box": PerRank(b2), "sd": sd})
     assert [p.data_ptr() for p in m2.parameters()] == ptrs
-    assert out["model"] is m2 and out["optim"] is o2 and out["box"] is b2
+    assert out["model"] is m2 and out["optim"] is o2
+    assert isinstance(out["box"], PerRank) and out["box"].value is b2  # saved again per rank
     assert_tree_equal(_plain(m2), _plain(model))
     assert_tree_equal(o2.state_dict(), opt.state_dict())
     assert torch.equal(b2.sd["w"], box.sd["w"]) and b2.got["n"] == 3 and b2.got["w"] is b2.sd["w"]

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
@@ -19,6 +20,7 @@ README_ROOT = "/data/run1/checkpoints"
 # and a training step (deterministic in the step number, so that runs can be compared).
 PRELUDE = """
 import sys
+import pytest
 import torch
 torch.set_num_threads(1)  # tiny tensors: threads only contend on a shared machine
 torch.manual_seed(0)
@@ -108,3 +110,187 @@ def test_readme_first_command_needs_only_the_public_index():
     for local in (".ci/constraints.txt", "+cpu", "/opt/", "--find-links", "--index-url", "--extra-index-url"):
         assert local not in first, local  # nothing that only our machines have
     assert "pip install ckptmgr" not in text  # not on PyPI yet
+
+
+# --- the Hugging Face and accelerate snippets: a first run (nothing to resume) and a second ---
+
+HF_PRELUDE = """
+import sys
+import pytest
+import torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+forwards = 0
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1)
+
+    def forward(self, x, labels):
+        global forwards
+        forwards += 1
+        return {"loss": (self.lin(x) - labels).pow(2).mean()}
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i))
+        return {"x": x, "labels": x[:1]}
+
+model, ds, total_steps = Net(), Data(), int(sys.argv[1])
+"""
+HF_POSTLUDE = """
+torch.save(model.state_dict(), sys.argv[2])
+print("forwards", forwards, "global step", trainer.state.global_step, flush=True)
+"""
+
+ACCELERATE_PRELUDE = """
+import sys
+import pytest
+import torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+total_steps = int(sys.argv[1])
+
+def train_step(step):
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+    loss = (model(x) - x[:, :1]).pow(2).mean()
+    opt.zero_grad()
+    accelerator.backward(loss)
+    opt.step()
+    print("step", step, flush=True)
+"""
+ACCELERATE_POSTLUDE = """
+torch.save(accelerator.unwrap_model(model).state_dict(), sys.argv[2])
+print("done", flush=True)
+"""
+
+
+def snippet(tmp_path, heading: str, prelude: str, postlude: str, run_dir: str, every: str) -> str:
+    """The README's block under ``heading``, saving into ``run_dir`` every 5 steps instead of
+    every 500 (``every``: the text that says 500 there)."""
+    block = readme_block(heading)
+    assert '"run1"' in block and every in block
+    block = block.replace(every, every.replace("500", "5"))
+    path = tmp_path / f"snippet-{abs(hash(heading))}.py"
+    path.write_text(prelude + block.replace('"run1"', repr(run_dir)) + postlude)
+    return str(path)
+
+
+def run_snippet(path: str, steps: int, out: str) -> str:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+    r = subprocess.run([sys.executable, path, str(steps), out], capture_output=True, text=True, timeout=600,
+                       env=env, cwd=os.path.dirname(path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r.stdout
+
+
+def test_readme_hugging_face_snippet_runs_on_a_first_and_a_second_run(tmp_path):
+    run_dir = str(tmp_path / "hf")
+    path = snippet(tmp_path, "### Hugging Face Trainer: `CkptmgrTrainer`", HF_PRELUDE, HF_POSTLUDE, run_dir,
+                   "save_steps=500")
+    first = run_snippet(path, 6, str(tmp_path / "first.pt"))  # nothing to resume: starts fresh
+    assert "forwards 6 global step 6" in first
+    assert sorted(os.listdir(run_dir)) == ["checkpoint-5", "checkpoint-6"]  # save_steps, and the end
+    second = run_snippet(path, 11, str(tmp_path / "second.pt"))  # resumes from checkpoint-6
+    assert "forwards 5 global step 11" in second
+    assert sorted(os.listdir(run_dir)) == ["checkpoint-10", "checkpoint-11", "checkpoint-6"]  # KeepLatest(3)
+
+
+def test_readme_accelerate_snippet_runs_on_a_first_and_a_second_run(tmp_path):
+    path = snippet(tmp_path, "### accelerate: `AsyncStateSaver`", ACCELERATE_PRELUDE, ACCELERATE_POSTLUDE,
+                   str(tmp_path / "acc"), "% 500 == 0")
+    first = run_snippet(path, 6, str(tmp_path / "first.pt"))  # nothing to resume: starts fresh
+    assert first.split()[:2] == ["step", "0"] and "step 5\n" in first
+    second = run_snippet(path, 11, str(tmp_path / "second.pt"))  # resumes after its 5th step
+    assert second.split()[:2] == ["step", "5"] and "step 10\n" in second
+    ref_path = snippet(tmp_path, "### accelerate: `AsyncStateSaver`", ACCELERATE_PRELUDE, ACCELERATE_POSTLUDE,
+                       str(tmp_path / "ref"), "% 500 == 0")
+    run_snippet(ref_path, 11, str(tmp_path / "ref.pt"))  # one run, never interrupted
+    assert same(str(tmp_path / "ref.pt"), str(tmp_path / "second.pt"))
+
+
+# --- what the examples and the README tell users to install ---
+
+def _dists(extras: dict, names: list[str]) -> set[str]:
+    """The distributions the extras ``names`` install: their requirements and, where installed
+    here, those requirements' own (module names: lower case, ``-`` as ``_``)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    def name(req: str) -> str:
+        return re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0].lower().replace("-", "_")
+
+    out: set[str] = set()
+    for e in names:
+        for req in extras[e]:
+            out.add(name(req))
+            try:
+                out |= {name(r) for r in requires(name(req)) or [] if "extra ==" not in r}
+            except PackageNotFoundError:
+                pass
+    return out
+
+
+def test_every_example_says_which_extra_installs_what_it_imports():
+    import ast
+
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(os.path.dirname(README), "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    examples = os.path.join(os.path.dirname(README), "examples")
+    for fname in sorted(os.listdir(examples)):
+        if not fname.endswith(".py"):
+            continue
+        with open(os.path.join(examples, fname), encoding="utf-8") as f:
+            source = f.read()
+        tree = ast.parse(source)
+        mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0
+                 and n.module}
+        third = {m for m in mods if m not in sys.stdlib_module_names and m not in ("torch", "numpy", "ckptmgr")}
+        said = re.findall(r"pip install '\.\[([\w,]+)\]'", ast.get_docstring(tree) or "")
+        if third:
+            assert said, f"{fname} imports {sorted(third)} but does not say which extra installs them"
+        names = [e for s in said for e in s.split(",")]
+        assert all(e in extras for e in names), (fname, names)
+        missing = third - _dists(extras, names)
+        assert not missing, f"{fname}: {sorted(missing)} not installed by pip install '.[{','.join(names)}]'"
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    assert "ckptmgr[" not in text  # not on PyPI yet: extras are installed from the checkout, '.[s3]'
+    assert not [e for e in re.findall(r"'\.\[([\w,]+)\]'", text) for x in e.split(",") if x not in extras]
+
+
+# --- the README is about usage: guides in docs/, figures in benchmarks/RESULTS.md ---
+
+def test_readme_links_a_guide_per_integration_and_takes_its_figures_from_the_results():
+    import json
+
+    here = os.path.dirname(README)
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    for page in ("HUGGINGFACE.md", "TORCHTITAN.md", "LIGHTNING.md", "LOCAL_TIER.md"):
+        assert os.path.isfile(os.path.join(here, "docs", page)) and f"(docs/{page})" in text, page
+    # benchmark figures (seconds, percentages, GB/s) only in the Benchmarks section's summary,
+    # each of them a value of the chart's report, rounded as printed
+    bench = text[text.index("\n## Benchmarks\n"):]
+    usage = text[:text.index("\n## Benchmarks\n")]
+    assert not re.findall(r"\d+(?:\.\d+)?\s?(?:%|GB/s)", usage)
+    assert not re.findall(r"\b\d+\.\d+ s\b", usage)  # (timeouts such as "60 s" are not figures)
+    with open(os.path.join(here, "benchmarks", "results", "h200-2026-11-23i", "report", "summary.json")) as f:
+        metrics = json.load(f)["metrics"]
+    values = [v for m in metrics.values() for v in m.values() if isinstance(v, (int, float))]
+    figures = re.findall(r"\b(\d+\.\d+) s\b", bench)
+    assert len(figures) >= 4
+    for fig in figures:
+        digits = len(fig.split(".")[1])
+        assert any(f"{v:.{digits}f}" == fig for v in values), f"{fig} s is not in summary.json"
+    with open(os.path.join(here, "docs", "LOCAL_TIER.md"), encoding="utf-8") as f:
+        tier = f.read()
+    for what in ("## Where", "## When a step is written", "## When it is cleaned", "## How to drop it"):
+        assert what in tier

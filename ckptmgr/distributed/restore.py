@@ -175,7 +175,7 @@ def _plan(m: Manifest, coord: Coordinator | None, target: Any, device: torch.dev
             local = d.local_shape if d.box is not None else tuple(local_tensor(d.target).shape)  # type: ignore[arg-type]
             placeholders[key] = torch.zeros((), dtype=d.dtype).expand(local)
         try:
-            check_target(target, unflatten(skel, placeholders, allow_pickle=allow_pickle))
+            check_target(target, unflatten(skel, placeholders, allow_pickle=allow_pickle, keep_per_rank=True))
         except StateMismatchError as exc:
             problems += [p for p in exc.problems if p not in problems]
         if problems:
@@ -312,7 +312,7 @@ def _restore(restorer: Restorer, source: Source, step: int, m: Manifest, target:
             loaded[name] = view_of(loaded[e["view_of"]], name, e, where)
     for key, d in plan.dests.items():
         loaded[key] = _wrap(d, outs[key])
-    tree = unflatten(plan.skeleton, loaded, allow_pickle=restorer.allow_pickle)
+    tree = unflatten(plan.skeleton, loaded, allow_pickle=restorer.allow_pickle, keep_per_rank=target is not None)
     return tree if target is None else apply_target(target, tree)
 
 

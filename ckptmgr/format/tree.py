@@ -362,8 +362,10 @@ FLOAT_NAMES = frozenset({"nan", "inf", "-inf"})  # the values of {"$float": ...}
 DTYPE_NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")  # what {"$dtype": ...} may name (a torch attribute)
 
 
-def unflatten(skeleton: JSON, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool) -> Any:
-    """Rebuild the state tree. Stateful objects come back as their state dicts.
+def unflatten(skeleton: JSON, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool,
+              keep_per_rank: bool = False) -> Any:
+    """Rebuild the state tree. Stateful objects come back as their state dicts; PerRank values
+    as what they hold, or, with ``keep_per_rank``, wrapped in :class:`PerRank` again.
 
     The skeleton of a manifest has passed ``schema.check_skeleton``; this still refuses, with
     :class:`CheckpointCorruptError` rather than a crash, anything it cannot rebuild (nesting
@@ -415,7 +417,7 @@ def unflatten(skeleton: JSON, tensors: Mapping[str, torch.Tensor], *, allow_pick
                 raise CheckpointCorruptError(f"malformed $float node: {node!r:.80}")
             return float(val)
         if tag == "$per_rank":
-            return dec(val, depth + 1)
+            return PerRank(dec(val, depth + 1)) if keep_per_rank else dec(val, depth + 1)
         if tag in TENSOR_TAGS:
             if not isinstance(val, str) or val not in tensors:
                 raise CheckpointCorruptError(f"the skeleton names tensor {val!r:.80}, which the checkpoint lacks")

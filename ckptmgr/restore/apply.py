@@ -10,6 +10,10 @@ uses these functions.
 An empty dict or list in the target accepts whatever the checkpoint holds there: optimizer
 state is created lazily, so a fresh optimizer's ``state`` is ``{}``.
 
+A value that is :class:`~ckptmgr.PerRank` in the target, or in the checkpoint (a tree rebuilt
+with ``keep_per_rank=True``), is a ``PerRank`` in the result: the restored tree saves again
+as it was saved, each rank its own value.
+
 :mod:`ckptmgr.restore.match` uses this module's private walker and helpers (``_Applier``,
 ``_p``, ``_copy``, ``_PLAIN_TENSORS``, ``_ABSENT``): one set of rules and messages for both.
 """
@@ -66,13 +70,17 @@ class _Applier:
             else:
                 self._matched(target, ckpt, apply)
             return target
-        if isinstance(target, PerRank):
-            return self.walk(target.value, ckpt, path, apply)
+        if isinstance(target, PerRank) or isinstance(ckpt, PerRank):
+            # per rank in the target or in the checkpoint: per rank in the result, so that
+            # saving the result again saves it per rank again
+            return PerRank(self.walk(target.value if isinstance(target, PerRank) else target,
+                                     ckpt.value if isinstance(ckpt, PerRank) else ckpt, path, apply))
         if is_stateful(target):
             # Check against what the object holds now; load_state_dict does the copying.
             self.walk(target.state_dict(), ckpt, path, apply=False)
             if apply:
-                self.actions.append(lambda: target.load_state_dict(ckpt))
+                bare = _bare(ckpt)  # load_state_dict gets the values, as they were saved
+                self.actions.append(lambda: target.load_state_dict(bare))
             return target
         if isinstance(target, torch.Tensor):
             original = target  # what the result holds: a DTensor stays a DTensor
@@ -130,6 +138,26 @@ class _Applier:
             items = [self.walk(t, c, (*path, i), apply) for i, (t, c) in enumerate(zip(target, ckpt, strict=True))]
             return type(ckpt)(items) if type(ckpt) in (list, tuple) else items
         return ckpt  # a plain leaf: the checkpoint's value
+
+
+def _bare(x: Any) -> Any:
+    """``x`` without PerRank wrappers (the containers that held one rebuilt, the rest as is)."""
+    if isinstance(x, PerRank):
+        return _bare(x.value)
+    if isinstance(x, dict):
+        items = {k: _bare(v) for k, v in x.items()}
+        if all(items[k] is v for k, v in x.items()):
+            return x
+        out = type(x)(items)
+        if hasattr(x, "_metadata"):
+            out._metadata = x._metadata  # type: ignore[attr-defined]  # (a module's state_dict)
+        return out
+    if type(x) in (list, tuple):
+        seq = [_bare(v) for v in x]
+        if all(a is b for a, b in zip(seq, x, strict=True)):
+            return x
+        return type(x)(seq)
+    return x
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -97,6 +97,8 @@ def _resolve(x: Any) -> Any:
                 c[k] = _resolve(v)
         return c
     items = [_resolve(v) for v in c]
+    if x.kind is PerRank:
+        return PerRank(items[0])
     return tuple(items) if x.kind is tuple else items
 
 
@@ -142,7 +144,8 @@ class TargetPlan:
             elif kind == _APPLY:
                 target, node, path = a
                 applier = _apply._Applier()
-                b.value = applier.walk(target, unflatten(node, tensors, allow_pickle=self._allow_pickle), path)
+                b.value = applier.walk(target, unflatten(node, tensors, allow_pickle=self._allow_pickle,
+                                                         keep_per_rank=True), path)
                 if applier.problems:  # (the match saw the same shapes: not expected)
                     raise StateMismatchError(applier.problems)
                 ready[i] = applier.actions
@@ -210,7 +213,7 @@ class _Matcher:
 
     def _rebuilt(self, node: Any) -> Any:
         """``node`` rebuilt with placeholders: checked as the restore will rebuild it."""
-        return unflatten(node, self.stand_ins, allow_pickle=self.allow_pickle)
+        return unflatten(node, self.stand_ins, allow_pickle=self.allow_pickle, keep_per_rank=True)
 
     def _deferred(self, target: Any, node: Any, path: tuple[Any, ...], apply: bool) -> Any:
         """Check ``node`` rebuilt with placeholders; walk it for real once loaded."""
@@ -224,7 +227,8 @@ class _Matcher:
 
     def _concrete(self, target: Any, node: Any, path: tuple[Any, ...], apply: bool) -> Any:
         """A node without stored tensors: decoded and walked now, its actions queued."""
-        value = node if type(node) in _SCALARS else unflatten(node, {}, allow_pickle=self.allow_pickle)
+        value = node if type(node) in _SCALARS else unflatten(node, {}, allow_pickle=self.allow_pickle,
+                                                              keep_per_rank=True)
         out = self.plain.walk(target, value, path, apply)
         if self.plain.actions:
             self.steps += [(_CALL, act, None) for act in self.plain.actions]
@@ -232,9 +236,24 @@ class _Matcher:
         return out
 
     def match(self, target: Any, node: Any, path: tuple[Any, ...], apply: bool = True) -> Any:
-        """Check ``node`` against ``target``; return the result node (or a pending one)."""
+        """Check ``node`` against ``target``; return the result node (or a pending one).
+
+        A value that is PerRank in the target or in the checkpoint is PerRank in the result:
+        the restored tree saves again as it was saved, each rank its own value."""
+        per_rank = False
         while isinstance(target, PerRank):
-            target = target.value
+            target, per_rank = target.value, True
+        if type(node) is dict and next(iter(node), None) == "$per_rank":
+            per_rank = True
+        out = self._match(target, node, path, apply)
+        if not per_rank or not apply:
+            return out
+        if isinstance(out, _Pending):
+            self.pending += 1
+            return _PendingContainer([out], PerRank)
+        return PerRank(out)
+
+    def _match(self, target: Any, node: Any, path: tuple[Any, ...], apply: bool) -> Any:
         tag = None
         if type(node) is dict:
             tag = next(iter(node), None)
