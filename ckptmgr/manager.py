@@ -167,8 +167,10 @@ class CheckpointManager:
         lifecycle.close_at_exit(self)
         if self._tier is not None:  # slots an earlier process left committed: adopt, write out the newer
             root_id = self._target.root_id()  # (read only: a root gets its identity with its first commit)
+            # (a step the listing skipped, unreadable now, is not "deleted from the root": its tier copy stays)
+            unreadable = set(getattr(self._target, "skipped", {}))
             found = self._tier.scan(staging.slots or AUTO_MAX_SLOTS, root_id=root_id, root_is_empty=not durable,
-                                    durable=set(durable))
+                                    durable=set(durable) | unreadable)
             self._saver.adopt(found, set(durable), root_id, on_mapped=self._restorer.check_adopted)
 
     def _start_up(self) -> list[int]:
@@ -402,7 +404,8 @@ class CheckpointManager:
         self._check_writable("flush")
         step = self._saver.flush()
         self.wait(timeout)
-        return step
+        # (a save that took the step's slot meanwhile supersedes the flush: then nothing was sent)
+        return step if step is not None and self._saver.is_durable(step) else None
 
     def apply_retention(self) -> None:
         """Run the retention policy now and wait for its deletions (it also runs after every

@@ -270,3 +270,54 @@ def test_a_step_whose_manifest_cannot_be_read_is_kept_and_reported_once(tmp_path
         assert m.steps() == [1, 3]
         assert sum("keeping step 1" in r.getMessage() for r in caplog.records) == 1
         assert "manifest cannot be read" in m.skipped_steps()[1]
+
+
+def test_directories_another_process_made_meanwhile_are_synced_too(tmp_path, monkeypatch):
+    """Two processes opening a new root at once: the one whose mkdir finds the directory made
+    meanwhile still syncs it (the other may die before its own fsync)."""
+    from ckptmgr.storage import posix
+
+    synced: list[tuple[int, int]] = []
+    real_fsync, real_mkdir = os.fsync, os.mkdir
+
+    def recording_fsync(fd):
+        st = os.fstat(fd)
+        real_fsync(fd)
+        if stat.S_ISDIR(st.st_mode):
+            synced.append((st.st_dev, st.st_ino))
+
+    def raced_mkdir(path, mode=0o777):  # the other process's mkdir lands first
+        real_mkdir(path, mode)
+        raise FileExistsError(17, "File exists", path)
+
+    root = tmp_path / "a" / "ckpt"
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "mkdir", raced_mkdir)
+    assert posix.makedirs_durable(str(root)) == []  # this process created nothing...
+    monkeypatch.undo()
+    for p in (tmp_path, tmp_path / "a", root):  # ...and synced all it found missing
+        s = os.stat(p)
+        assert (s.st_dev, s.st_ino) in synced, p
+
+
+def test_a_lock_file_held_elsewhere_is_waited_for_within_a_bound(tmp_path):
+    """The claim's fallback (no anonymous files, as on NFS) waits for its new lock file with a
+    bound: a holder that never lets go fails the claim, it does not hang the save."""
+    import fcntl
+
+    from ckptmgr.errors import CkptTimeoutError
+    from ckptmgr.storage.commit import _lock_within
+
+    path = tmp_path / "lock"
+    path.write_bytes(b"")
+    holder = os.open(path, os.O_RDWR)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # (another open file: flock conflicts as across processes)
+        with pytest.raises(CkptTimeoutError, match="stayed locked"):
+            _lock_within(fd, str(path), 0.2)
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        _lock_within(fd, str(path), 0.2)  # free: taken at once
+    finally:
+        os.close(fd)
+        os.close(holder)

@@ -235,3 +235,16 @@ def test_the_manager_refuses_before_the_first_save_allocates(root, host, staging
         assert mgr.stats()["slot_allocations"] == 0 and mgr.steps() == []
     with CheckpointManager(root, staging=StagingOptions(slots=1, local_tier=False)) as mgr:
         mgr.save(1, _state(1)).result(timeout=30)  # one configured slot fits 90%
+
+
+def test_the_share_is_divided_among_the_processes_of_a_node(monkeypatch):
+    """Every rank of a node reads the same MemAvailable: each may take its part of the share,
+    so that all of them staging at once stay within it."""
+    from ckptmgr.save.memory import HostMemory, allowed_bytes
+
+    mem = HostMemory(64 << 30, "test")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = allowed_bytes(mem, 0, default=True, max_host_bytes=None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert allowed_bytes(mem, 0, default=True, max_host_bytes=None) == alone // 8
+    assert allowed_bytes(mem, 0, default=False, max_host_bytes=None) == int((64 << 30) * 0.9 / 8)

@@ -146,6 +146,34 @@ def test_a_full_filesystem_fails_the_save_at_once_is_reported_once_and_keeps_the
     assert not os.path.exists(os.path.join(root, step_name(1)))
 
 
+def test_a_step_whose_write_failed_for_good_does_not_hold_the_only_slot(small_fs, local_dir):
+    """With one slot, a later save takes the slot of a step whose durable write failed for good
+    (the newer step is then the one in the tier): it neither waits for a retry that never comes
+    nor forever."""
+    root = os.path.join(small_fs, "ckpt")
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB: twice what the filesystem holds
+    mgr = CheckpointManager(root, staging=StagingOptions(slots=1, local_dir=local_dir, local_tier=True))
+    try:
+        with pytest.raises(SaveError, match="No space left"):
+            mgr.save(1, state).result(timeout=60)
+        outcome: queue.Queue[object] = queue.Queue()
+
+        def second() -> None:
+            try:
+                outcome.put(mgr.save(2, state))
+            except BaseException as exc:  # (reported to the test thread)
+                outcome.put(exc)
+
+        threading.Thread(target=second, daemon=True).start()
+        got = outcome.get(timeout=120)  # before the fix: save(2) waited for the slot forever
+        assert not isinstance(got, BaseException), got
+        with pytest.raises(SaveError, match="No space left"):
+            got.result(timeout=60)  # type: ignore[attr-defined]
+        assert mgr.steps() == [2]  # the newest step is the one the tier keeps
+    finally:
+        mgr.close()
+
+
 # ------------------------------------------------------------ 9: retention after a roll-back
 
 def test_a_step_saved_after_a_roll_back_survives_its_own_retention_run(root):

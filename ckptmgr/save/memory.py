@@ -189,7 +189,8 @@ def allowed_bytes(memory: HostMemory | None, held: int, *, default: bool, max_ho
     """Host bytes all slots together may take: ``max_host_bytes`` when set, and never more
     than the share (:data:`DEFAULT_HOST_SHARE` for the default options, else
     :data:`MAX_HOST_SHARE`) of the memory available plus ``held`` (what the slots hold
-    already). None: no bound known.
+    already), divided among the job's processes on this machine (:func:`processes_per_node`).
+    None: no bound known.
 
     Example:
         >>> allowed_bytes(HostMemory(60 << 30, "test"), 4 << 30, default=True, max_host_bytes=None) == 32 << 30
@@ -200,5 +201,15 @@ def allowed_bytes(memory: HostMemory | None, held: int, *, default: bool, max_ho
         bounds.append(max_host_bytes)
     if memory is not None:
         share = DEFAULT_HOST_SHARE if default and max_host_bytes is None else MAX_HOST_SHARE
-        bounds.append(int((memory.available + held) * share))
+        bounds.append(int((memory.available + held) * share / processes_per_node()))
     return min(bounds) if bounds else None
+
+
+def processes_per_node() -> int:
+    """The processes of this job that share this machine's memory and each stage a checkpoint:
+    ``LOCAL_WORLD_SIZE`` as torchrun (and torchelastic) set it, else 1. Each gets an equal
+    part of the share, so that all ranks of a node staging at once stay within it."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1

@@ -126,6 +126,11 @@ class Saver:
 
     # ------------------------------------------------------------ training thread
 
+    def is_durable(self, step: int) -> bool:
+        """Whether ``step`` was written to the durable target by this saver (or found there)."""
+        with self._mu:
+            return step in self._durable
+
     def check_new(self, step: int) -> None:
         """Raise StepExistsError when ``step`` is committed or being saved (no storage I/O)."""
         with self._mu:
@@ -495,7 +500,9 @@ class Saver:
                 log.error("step %d in the local tier %s is damaged (%s); it is removed from there", step,
                           self._tier.path, error)
                 self._tier.invalidate(job.slot.index)
-            self.pool.release(job.slot, step=step if staged and not damaged else None, durable=error is None)
+            lasting = permanent(error) if error is not None else None
+            self.pool.release(job.slot, step=step if staged and not damaged else None, durable=error is None,
+                              given_up=lasting is not None and not retry)
             with self._mu:
                 self._pending.pop(step, None)
                 if error is None:
@@ -514,7 +521,7 @@ class Saver:
                 else:
                     self._protect.discard(step)
                     self._failed.add(step)
-            if error is not None and (lasting := permanent(error)) is not None:  # told once, not retried
+            if error is not None and lasting is not None:  # told once, not retried
                 tier = self._tier
                 kept = tier.path if tier is not None and tier.holds(job.slot.index) == step else None
                 report_permanent(step, self._target.url, error, lasting, kept_in=kept,

@@ -325,13 +325,18 @@ class SlotPool:
             self.tier.invalidate(slot.index)  # the manifest goes before the data changes
         return slot, waited
 
-    def release(self, slot: Slot, *, step: int | None, durable: bool, wanted: bool = False) -> None:
+    def release(self, slot: Slot, *, step: int | None, durable: bool, wanted: bool = False,
+                given_up: bool = False) -> None:
         """Return ``slot``, recording the step it now holds (None: its content is not valid);
-        ``wanted``: the step still waits for its durable write."""
+        ``wanted``: the step still waits for its durable write; ``given_up``: its durable write
+        failed for good, so it stays only until a newer save needs the slot (as a step the
+        schedule keeps local does: else one slot would stall every later save)."""
         with self._cond:
             slot.busy = False
             slot.step, slot.durable = step, durable and step is not None
             slot.wanted = wanted and step is not None and not slot.durable
+            if given_up and slot.step is not None and not slot.durable:
+                slot.local_only = True
             if slot.durable:
                 self._note_durable(step)
             self._cond.notify_all()

@@ -35,7 +35,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import StepExistsError, StorageError
+from ..errors import CkptTimeoutError, StepExistsError, StorageError
 from ..format.manifest import MANIFEST_NAME
 from ..format.naming import (
     is_our_file,
@@ -144,7 +144,7 @@ class RenameCommit:
         fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
         try:
             # (waits: a clean-up or another writer's look at the root may hold it for a moment)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _lock_within(fd, self._lock_path, CLAIM_LOCK_WAIT_S)
             st, now = os.fstat(fd), os.stat(self._lock_path, follow_symlinks=False)
             if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):  # (a clean-up took it meanwhile)
                 raise StorageError(f"the lock file {self._lock_path} was removed while it was being created")
@@ -294,6 +294,25 @@ def _refuse_if_written(root: str, step: int, prefix: str, mine: str) -> None:
             " (this process)" if lease.pid == os.getpid() and lease.on_this_machine() else "")
         raise StepExistsError(f"step {step} is being written by {where} (its claim {os.path.join(root, name)}); "
                               "a step is saved by one writer at a time")
+
+
+CLAIM_LOCK_WAIT_S = 30.0  # the longest a new claim waits for another process's look at its lock file
+
+
+def _lock_within(fd: int, path: str, timeout_s: float) -> None:
+    """flock(LOCK_EX) on ``fd``, waiting at most ``timeout_s`` (a look at the lock by another
+    process lasts moments; a holder hung on NFS must not hang the save). Raises
+    CkptTimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise CkptTimeoutError(f"the lock file {path} stayed locked by another process for "
+                                       f"{timeout_s:.0f} s") from None
+            time.sleep(0.01)
 
 
 def _claim_whole(root: str, path: str, record: bytes) -> int:

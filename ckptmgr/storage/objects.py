@@ -346,7 +346,11 @@ class ManifestLastCommit:
         self._hold("before the commit")
         if self._on_commit is not None:
             self._on_commit()
-        etag = self._write_manifest(manifest)
+        try:
+            etag = self._write_manifest(manifest)
+        except BaseException:  # (a PUT whose answer was lost may have landed: keep what it names)
+            self._keep_if_ours(manifest)
+            raise
         try:
             self._hold("while it wrote its manifest")
         except StorageError:
@@ -360,7 +364,17 @@ class ManifestLastCommit:
             with self._mu:
                 self._left = not gone and self._still_ours(manifest)
             raise
+        except BaseException:  # the renewal failed otherwise (a timeout, a reset): not known to be
+            self._keep_if_ours(manifest)  # lost, and our manifest names these objects
+            raise
         self.close()
+
+    def _keep_if_ours(self, manifest: bytes) -> None:
+        """After a failure from the manifest's write on: keep the data objects (abort leaves
+        them) while a manifest of ours may name them."""
+        left = self._still_ours(manifest)
+        with self._mu:
+            self._left = left
 
     def _still_ours(self, manifest: bytes) -> bool:
         try:

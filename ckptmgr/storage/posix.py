@@ -174,10 +174,11 @@ def makedirs_durable(path: str, mode: int = 0o777) -> list[str]:
         try:
             os.mkdir(d, mode)
             created.append(d)
-        except FileExistsError:  # another process was first: its own call syncs it
-            if not os.path.isdir(d):
+        except FileExistsError:  # another process was first; it may die before its fsync, so
+            if not os.path.isdir(d):  # this call syncs what it found missing all the same
                 raise
-    for d in sorted({*created, *(os.path.dirname(c) for c in created)}, key=len, reverse=True):
+    found = missing  # (those another process made meanwhile too)
+    for d in sorted({*found, *(os.path.dirname(c) for c in found)}, key=len, reverse=True):
         fsync_dir(d)  # (innermost first; each is durable once its fsync returns)
     return created
 
