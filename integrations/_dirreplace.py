@@ -125,11 +125,11 @@ def replace_dir(temp: str, final: str, *, scratch: str | None = None, use_exchan
         return
     away = old_name(scratch, final)
     os.rename(final, away)
-    fsync_dir(scratch)
     try:
+        fsync_dir(scratch)
         os.rename(temp, final)
-    except BaseException:
-        os.rename(away, final)  # put the old one back
+    except BaseException:  # (final is missing until the new copy is in: put the old one back)
+        os.rename(away, final)
         raise
     for d in dirs:
         fsync_dir(d)

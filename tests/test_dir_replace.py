@@ -88,3 +88,19 @@ def test_scratch_dir_is_the_parent_or_the_directory_above(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     assert scratch_dir(str(tmp_path / "checkpoints")) == str(tmp_path / "checkpoints")
     assert scratch_dir(str(tmp_path / "checkpoints"), outside=True) == str(tmp_path)
+
+
+def test_a_failure_between_the_renames_puts_the_old_copy_back(tmp_path, monkeypatch):
+    """Without the exchange, the old copy is renamed away first: when the sync of the scratch
+    directory fails then, the old copy goes back under the final name before the error is raised
+    (else the name stays empty for the rest of the process: recover() skips its own pid)."""
+    _dir(tmp_path / "step-1", "old")
+    _dir(tmp_path / ".tmp", "new")
+
+    def failing_sync(path):
+        raise OSError(5, "Input/output error (injected)", path)
+
+    monkeypatch.setattr(_dirreplace, "fsync_dir", failing_sync)
+    with pytest.raises(OSError, match="injected"):
+        replace_dir(str(tmp_path / ".tmp"), str(tmp_path / "step-1"), use_exchange=False)
+    assert _content(tmp_path / "step-1") == "old"
