@@ -288,7 +288,11 @@ class CheckpointManager:
         made = self._saver.pool.allocations
         ticket = self._saver.save(manifest, plan, sizes, block=block, t0=t0, coordinate=join, schedule=self._budget,
                                   durable=durable)
+        if ticket.skipped:  # (nothing staged: no cost to measure, no write to wait for)
+            return SaveHandle(ticket)
         self._budget.saved(step, allocated=self._saver.pool.allocations != made)
+        if durable:  # (asked for, past the planner: its durable interval counts from here too)
+            self._budget.durable_asked(step)
         ticket.future.add_done_callback(lambda f: self._budget_done(step, t0, f))
         return SaveHandle(ticket)
 

@@ -234,3 +234,16 @@ def test_a_manager_with_a_budget_schedule_measures_saves_and_reports_intervals(r
     assert len(handles) >= 2 and handles[0].step == WARMUP
     assert stats["budget_interval_steps"] >= 1 and stats["budget_step_s"] > 0 and "budget_save_cost_s" in stats
     assert "budget_durable_write_s" in stats and stats["budget_durable_bytes_per_s"] > 0
+
+
+def test_a_durable_save_the_caller_asked_for_counts_as_one():
+    """``save(durable=True)`` goes past the planner; the planner still counts it: in continuous
+    mode the next durable save waits for that write to end, as for one it chose."""
+    t = [0.0]
+    p = BudgetPlanner(Schedule(continuous=True), clock=lambda: t[0], tiered=True)
+    p.durable_asked(10)
+    t[0] = 1.0
+    assert not p.durable(11, None)  # the asked-for write is still in flight
+    p.finished(10, durable=True, nbytes=1 << 20, staged_at=0.0, committed_at=2.0)
+    t[0] = 3.0
+    assert p.durable(12, None)

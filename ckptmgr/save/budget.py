@@ -250,6 +250,13 @@ class BudgetPlanner:
                 self._last_durable_t = now
         return go
 
+    def durable_asked(self, step: int) -> None:
+        """The save of ``step`` goes to the durable target because its caller asked
+        (``save(durable=True)``), not because :meth:`durable` said so."""
+        with self._lock:
+            self._in_flight.add(step)
+            self._last_durable_t = self._clock()
+
     def _durable_due(self, now: float, it: Intervals) -> bool:
         if it.durable_s is None:
             return True
