@@ -9,6 +9,7 @@ import errno
 import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -298,3 +299,31 @@ def test_cli_flush_writes_or_drops_the_steps_only_the_local_tier_holds(root, loc
     assert read_tier(local_dir, url) == {}
     assert cli_main(["flush", root, "--local-dir", local_dir]) == 0
     assert "nothing to flush" in capsys.readouterr().out
+
+
+CRASH_AFTER_A_DURABLE_STEP = """
+import os, signal, sys, torch
+from ckptmgr import CheckpointManager, StagingOptions
+mgr = CheckpointManager(sys.argv[1], staging=StagingOptions(slots=1, local_dir=sys.argv[2]))
+mgr.save(10, {"w": torch.full((64,), 10.0), "step": 10}).result(timeout=60)
+mgr.wait(timeout=60)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_cli_flush_leaves_a_tier_step_deleted_from_the_root_after_it_was_written(root, local_dir, capsys):
+    """A step the tier holds that was written to the root and deleted there since (by hand, or
+    retention) is neither flushed again nor a failure: there is nothing to flush."""
+    from ckptmgr.cli import main as cli_main
+    from ckptmgr.format.naming import step_name
+
+    r = subprocess.run([sys.executable, "-c", CRASH_AFTER_A_DURABLE_STEP, root, local_dir], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    with CheckpointManager(root, staging=NO_TIER, read_only=True) as reader:
+        url = reader.root
+    assert 10 in read_tier(local_dir, url)  # the tier keeps it, marked written out
+    shutil.rmtree(os.path.join(root, step_name(10)))
+    assert cli_main(["flush", root, "--local-dir", local_dir]) == 0
+    assert "nothing to flush" in capsys.readouterr().out
+    assert durable_steps(root) == []

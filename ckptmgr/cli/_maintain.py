@@ -15,9 +15,9 @@ from ..restore.verify import StepReport, verify_step
 from ..retention import AnyOf, KeepBest, KeepEvery, KeepEverySeconds, KeepLatest, RetentionPolicy, StepInfo
 from ..retention.deleter import Deleter, StepGuard
 from ..storage import Target
+from ..storage.tier import read_tier
 from . import _dirckpts as dirckpts
 from . import _torchfiles as torchfiles
-from ._browse import local_tier_steps
 from ._context import EXIT, CorruptFound, Ctx, damaged, exit_code, manifests, no_checkpoint
 from ._render import human_bytes, print_json, progress
 
@@ -34,7 +34,7 @@ def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> int:
     found = manifests(ctx, target, steps)
     # steps committed in this node's local tier but not (yet) in the root: listed, not read
     # (the tier may belong to a running job, whose slots are reused under a reader)
-    local_only = sorted(set(local_tier_steps(args.local_dir, target.url)) - set(steps)) \
+    local_only = sorted(set(read_tier(args.local_dir, target.url, written_out=False)) - set(steps)) \
         if args.step is None and args.local_dir else []
     reports: list[StepReport] = []
     unreadable: dict[int, CkptError] = {}  # steps that failed for another reason than damage
@@ -180,7 +180,7 @@ def cmd_flush(ctx: Ctx, args: argparse.Namespace) -> int:
 
     target = ctx.target(args.root, read_only=False)
     url = target.url
-    only = sorted(set(local_tier_steps(args.local_dir, url)) - set(target.list_steps()))
+    only = sorted(set(read_tier(args.local_dir, url, written_out=False)) - set(target.list_steps()))
     tier = LocalTier(args.local_dir, url)  # TierBusyError (exit 5) while a running job owns it
     written: list[int] = []
     try:

@@ -292,10 +292,9 @@ class LocalTier:
 
     def _durable_step(self, index: int) -> int | None:
         try:
-            text = read_small(_DURABLE, self._slot_fd(index), 32).decode("ascii").strip()
-        except (OSError, UnicodeDecodeError, CkptError):
+            return _marked_durable(self._slot_fd(index))
+        except OSError:
             return None
-        return int(text) if text.isdigit() else None
 
     def mark_durable(self, index: int, step: int) -> None:
         """Record that slot ``index``'s step is committed on the durable root (a later start
@@ -457,10 +456,12 @@ class LocalTier:
         preadv_into(name, offset, out, dir_fd=self._slot_fd(self._slot_of(step)))
 
 
-def read_tier(local_dir: str, root_url: str) -> dict[int, Manifest]:
+def read_tier(local_dir: str, root_url: str, *, written_out: bool = True) -> dict[int, Manifest]:
     """The steps committed in this user's tier of ``root_url``, read only (the tier may belong
     to a running job), by step. Empty when there is no tier, or it is not a private directory
-    of this user: another user's planted tier is never listed."""
+    of this user: another user's planted tier is never listed. ``written_out=False`` leaves out
+    the steps whose slot records that they were committed on the root (since deleted there, by
+    retention or by hand: never to be written back)."""
     path = tier_dir(local_dir, root_url)
     found: dict[int, Manifest] = {}
     try:
@@ -479,6 +480,8 @@ def read_tier(local_dir: str, root_url: str) -> dict[int, Manifest]:
                 try:
                     m = Manifest.from_bytes(read_small(MANIFEST_NAME, slot, MAX_MANIFEST_BYTES),
                                             where=f"{path}/{name}/{MANIFEST_NAME}")
+                    if not written_out and _marked_durable(slot) == m.step:
+                        continue
                 finally:
                     os.close(slot)
             except (OSError, CkptError, ValueError):
@@ -487,6 +490,15 @@ def read_tier(local_dir: str, root_url: str) -> dict[int, Manifest]:
     finally:
         os.close(fd)
     return found
+
+
+def _marked_durable(slot_fd: int) -> int | None:
+    """The step a slot's durable mark names (None: none, or unreadable)."""
+    try:
+        text = read_small(_DURABLE, slot_fd, 32).decode("ascii").strip()
+    except (OSError, ValueError, CkptError):
+        return None
+    return int(text) if text.isdigit() else None
 
 
 _RAM_FS_MAGIC = frozenset({0x01021994, 0x858458F6, 0x958458F6})  # tmpfs, ramfs, hugetlbfs (linux/magic.h)
