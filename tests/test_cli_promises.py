@@ -239,9 +239,3 @@ print(before, "torch" in sys.modules, CheckpointManager.__module__, ckptmgr.Keep
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert r.stdout.split() == ["False", "True", "ckptmgr.manager", "True"], r.stdout + r.stderr
 
-
-def test_the_cli_names_the_integrations_record_as_they_write_it():
-    from ckptmgr.cli import _dirckpts
-    from ckptmgr.integrations import _dirrecord
-
-    assert _dirckpts.RECORD == _dirrecord.RECORD_NAME

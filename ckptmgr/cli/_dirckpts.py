@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError
+from ..format.dirrecord import RECORD_NAME, read_record, verify_dir
 from . import _torchfiles as torchfiles
 from ._context import CorruptFound, Ctx
 from ._render import human_bytes, print_json, table, when
@@ -28,13 +29,6 @@ from ._render import human_bytes, print_json, table, when
 __all__ = ["checkpoint_dirs", "handle", "refuse"]
 
 
-def _rec() -> Any:
-    """The integrations' directory record, imported when a command meets such a directory
-    (installed as ckptmgr.integrations; without the integrations, a plain root needs none)."""
-    from ..integrations import _dirrecord  # type: ignore[import-not-found,unused-ignore]
-    return _dirrecord
-
-RECORD = "ckptmgr.json"  # the integrations' record (integrations/_dirrecord.py's RECORD_NAME; a test pins it)
 DIR_RE = re.compile(r"checkpoint[-_](\d+)")  # transformers' checkpoint-N, accelerate's checkpoint_N
 
 
@@ -44,7 +38,7 @@ def checkpoint_dirs(root: str) -> list[tuple[int | None, str]] | None:
     ROOT is neither (a ckptmgr root, a directory of ``.ckpt`` files, a URL)."""
     if "://" in root or not os.path.isdir(root):
         return None
-    if os.path.lexists(os.path.join(root, RECORD)):
+    if os.path.lexists(os.path.join(root, RECORD_NAME)):
         m = DIR_RE.fullmatch(os.path.basename(os.path.normpath(root)))
         return [(int(m.group(1)) if m else None, root)]
     names = os.listdir(root)
@@ -64,7 +58,7 @@ def _row(step: int | None, path: str) -> dict[str, Any]:
     row: dict[str, Any] = {"step": step, "path": path, "record": False, "ok": True, "files": None, "bytes": None,
                            "time": os.lstat(path).st_mtime, "metadata": {}, "problem": None}
     try:
-        doc = _rec().read_record(path)
+        doc = read_record(path)
     except CheckpointCorruptError as exc:
         row.update(record=True, ok=False, problem=str(exc))
         return row
@@ -87,7 +81,7 @@ def _ls(ctx: Ctx, root: str, dirs: list[tuple[int | None, str]]) -> int:
                       "-" if r["bytes"] is None else human_bytes(r["bytes"]), when(r["time"]),
                       ("yes" if r["ok"] else "DAMAGED") if r["record"] else "no",
                       json.dumps(r["metadata"], ensure_ascii=False)[:80]] for r in rows],
-                    ["STEP", "DIRECTORY", "SIZE", "COMMITTED", RECORD.upper(), "METADATA"]))
+                    ["STEP", "DIRECTORY", "SIZE", "COMMITTED", RECORD_NAME.upper(), "METADATA"]))
         for r in rows:
             if not r["ok"]:
                 print(f"{r['path']}: {r['problem']}", file=sys.stderr)
@@ -103,14 +97,14 @@ def _verify(ctx: Ctx, root: str, dirs: list[tuple[int | None, str]]) -> int:
         row["verified"] = False
         if row["ok"] and row["record"]:
             try:
-                row["verified"] = _rec().verify_dir(path)
+                row["verified"] = verify_dir(path)
             except CheckpointCorruptError as exc:
                 row.update(ok=False, verified=True, problem=str(exc))
         elif row["ok"]:
-            row["problem"] = f"no {RECORD}: not written through ckptmgr, nothing to verify it against"
+            row["problem"] = f"no {RECORD_NAME}: not written through ckptmgr, nothing to verify it against"
         rows.append(row)
     if not any(r["verified"] or not r["ok"] for r in rows):
-        raise StepNotFoundError(f"no checkpoint directory under {root} has a {RECORD} record to verify "
+        raise StepNotFoundError(f"no checkpoint directory under {root} has a {RECORD_NAME} record to verify "
                                 "against (written without ckptmgr)")
     if ctx.json:
         print_json({"root": root, "ok": all(r["ok"] for r in rows), "checkpoints": rows})
@@ -121,7 +115,7 @@ def _verify(ctx: Ctx, root: str, dirs: list[tuple[int | None, str]]) -> int:
                 print(f"{name}: CORRUPT")
                 print(f"  {r['problem']}", file=sys.stderr)
             elif r["verified"]:
-                print(f"{name}: ok: {r['files']} file(s), {human_bytes(r['bytes'])} checked against {RECORD}")
+                print(f"{name}: ok: {r['files']} file(s), {human_bytes(r['bytes'])} checked against {RECORD_NAME}")
             else:
                 print(f"{name}: not verified ({r['problem']})")
     if not all(r["ok"] for r in rows):
