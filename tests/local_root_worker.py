@@ -15,9 +15,11 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
+import pkgutil
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 
@@ -58,7 +60,22 @@ def hold(root: str, step: int) -> None:
     print(json.dumps(out), flush=True)
 
 
+def import_all() -> None:
+    """Import every module of the package now: the environment may sit in a directory only root
+    reads (a CI's private temporary directory), and the package imports some modules lazily."""
+    import ckptmgr
+
+    for m in pkgutil.walk_packages(ckptmgr.__path__, "ckptmgr."):
+        if m.name.startswith("ckptmgr.integrations") or m.name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(m.name)
+        except ImportError:  # (an optional dependency this machine lacks: not on these paths)
+            pass
+
+
 def nobody(root: str) -> None:
+    import_all()
     if os.geteuid() == 0:
         os.setgroups([])
         os.setgid(NOBODY)

@@ -162,7 +162,10 @@ class LocalTarget:
             try:
                 makedirs_durable(self.path)  # (synced: a power loss after the first saves keeps the root)
             except FileExistsError:
-                raise StorageError(f"checkpoint root {self.path!r} exists and is not a directory") from None
+                if os.path.lexists(self.path):
+                    raise StorageError(f"checkpoint root {self.path!r} exists and is not a directory") from None
+                raise StorageError(f"cannot create checkpoint root {self.path!r}: a parent exists and is not "
+                                   "a directory") from None
             except OSError as exc:
                 raise StorageError(f"cannot create checkpoint root {self.path!r}: {exc.strerror}") from exc
             if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
