@@ -15,7 +15,7 @@ from test_fsspec_target import faulty  # noqa: F401  (fixture)
 import ckptmgr
 import ckptmgr._cuda as cuda_shim
 from ckptmgr import CheckpointCorruptError, CheckpointManager, StagingOptions
-from ckptmgr.restore.loaders.mapped import open_mapped, read_tensors_inplace
+from ckptmgr.restore.loaders.mapped import copy_pinning_pieces, open_mapped, read_tensors_inplace
 from ckptmgr.storage.tier import LocalTier
 
 
@@ -300,3 +300,30 @@ def test_load_file_verifies_a_step_file_against_the_manifest_beside_it(root):
     with open(os.path.join(d, "manifest.json"), "wb") as f:
         f.write(b"{not json")
     assert ckptmgr.load_file(path)["w"].numel() == 30_000
+
+
+def test_a_piece_that_fails_to_pin_unpins_the_pieces_before_it(ram_dir, monkeypatch):
+    from ckptmgr.restore.loaders import pieces
+    from ckptmgr.restore.loaders.landing import plan_landing
+
+    calls = []
+
+    def register(p, n, read_only=False):
+        if len([c for c in calls if c[0] == "reg"]) == 2:
+            raise RuntimeError("cudaHostRegister failed with CUDA error 2")
+        calls.append(("reg", p))
+    monkeypatch.setattr(cuda_shim, "available", lambda: True)
+    monkeypatch.setattr(cuda_shim, "host_register", register)
+    monkeypatch.setattr(cuda_shim, "host_unregister", lambda p: calls.append(("unreg", p)))
+    path = os.path.join(ram_dir, "m.safetensors")
+    st_save_file({"a": torch.randn(100_000)}, path)
+    mf = open_mapped(path)
+    landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, torch.device("cpu"))
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 64 << 10)
+    try:
+        with pytest.raises(RuntimeError, match="CUDA error 2"):
+            copy_pinning_pieces(mf, landing, torch.device("cpu"))
+    finally:
+        mf.close()
+    assert [c[0] for c in calls] == ["reg", "reg", "unreg", "unreg"]
+    assert sorted(c[1] for c in calls[:2]) == sorted(c[1] for c in calls[2:])

@@ -249,3 +249,23 @@ def test_loads_from_several_threads_while_the_file_is_replaced(ram_dir):
         assert not errors, errors
         assert_same(weights.load("cpu"), versions[-1])
     assert seen <= {0.0, 1.0, 2.0, 3.0}
+
+
+def test_a_registration_that_fails_midway_leaves_nothing_pinned_or_mapped(ram_dir, fake_cuda, monkeypatch):
+    path = os.path.join(ram_dir, "w.safetensors")
+    st_save_file({"a": torch.randn(200_000)}, path)
+    real = cuda_shim.host_register
+    count = [0]
+
+    def third_fails(p, n, read_only=False):
+        count[0] += 1
+        if count[0] == 3:
+            raise RuntimeError("cudaHostRegister failed with CUDA error 2")
+        real(p, n, read_only=read_only)
+    monkeypatch.setattr(cuda_shim, "host_register", third_fails)
+    before = open_fds_to(path)
+    with pytest.raises(RuntimeError, match="CUDA error 2"):
+        ckptmgr.pin_file(path)
+    assert sorted(c[1] for c in fake_cuda if c[0] == "reg") == sorted(c[1] for c in fake_cuda if c[0] == "unreg")
+    assert len([c for c in fake_cuda if c[0] == "reg"]) == 2
+    assert path not in mapped_paths() and open_fds_to(path) == before

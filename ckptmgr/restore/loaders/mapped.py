@@ -44,11 +44,11 @@ from ...format.tree import MAX_DIMS, MAX_FILE_BYTES
 from ...storage.tier import ram_filesystem
 from ..preflight import drain, verify_images, wait_all
 from .host import _build_views
-from .landing import Entry, lands_in_target, plan_landing
+from .landing import Entry, Landing, lands_in_target, plan_landing
 from .pieces import Pins, checkers, copy_in_pieces, piece_ranges, workers
 
-__all__ = ["MappedFile", "load_file", "open_mapped", "read_tensors_inplace", "sibling_record", "submit_checks",
-           "to_device"]
+__all__ = ["MappedFile", "copy_pinning_pieces", "load_file", "open_mapped", "read_tensors_inplace", "sibling_record",
+           "submit_checks", "to_device"]
 
 
 class MappedFile:
@@ -185,11 +185,7 @@ def to_device(mf: MappedFile, device: torch.device,
         landing.land(0, mf.bytes)
         return landing.tensors()
     if mf.in_ram:
-        pins = Pins()
-        try:
-            copy_in_pieces(mf.bytes, landing, device, piece_ranges(mf.size), register=pins, pool=workers())
-        finally:
-            pins.release()
+        copy_pinning_pieces(mf, landing, device)
         return landing.tensors()
     mf.pin()
     try:
@@ -198,6 +194,17 @@ def to_device(mf: MappedFile, device: torch.device,
     finally:
         mf.unpin()
     return landing.tensors()
+
+
+def copy_pinning_pieces(mf: MappedFile, landing: Landing, device: torch.device) -> None:
+    """Copy ``mf`` where ``landing`` says, pinning it piece by piece as the copies go
+    (:func:`.pieces.copy_in_pieces`); every piece pinned is unpinned before this returns or
+    raises."""
+    pins = Pins()
+    try:
+        copy_in_pieces(mf.bytes, landing, device, piece_ranges(mf.size), register=pins, pool=workers())
+    finally:
+        pins.release()
 
 
 def sibling_record(mf: MappedFile) -> FileRecord | None:
