@@ -36,9 +36,9 @@ import torch
 from .._threads import collector_paused
 from ..errors import ConfigError, StateMismatchError
 from .loaders.landing import Entry, plan_landing
-from .loaders.mapped import MappedFile, file_identity, open_mapped, sibling_record, submit_checks
+from .loaders.mapped import MappedFile, file_identity, open_mapped, sibling_record, submit_checks, wait_checks
 from .loaders.pieces import Pins, checkers, copy_in_pieces, piece_ranges, pin_pieces, workers
-from .preflight import drain, wait_all
+from .preflight import drain
 
 __all__ = ["PinnedWeights", "pin_file"]
 
@@ -56,7 +56,7 @@ class _Pinned:
             checks = submit_checks(self.mf, rec, checkers()) if rec is not None else []
             try:
                 pin_pieces(self.mf.bytes, self.pieces, self.pins, workers())
-                wait_all(checks)
+                wait_checks(checks)
             finally:
                 drain(checks)
         except BaseException:

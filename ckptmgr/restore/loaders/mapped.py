@@ -21,7 +21,6 @@ the manifest's checksums, where its bytes lie, while the copies run.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import mmap
@@ -42,13 +41,13 @@ from ...format.manifest import MANIFEST_NAME, FileRecord, Manifest, read_manifes
 from ...format.schema import MAX_HEADER_BYTES
 from ...format.tree import MAX_DIMS, MAX_FILE_BYTES
 from ...storage.tier import ram_filesystem
-from ..preflight import drain, verify_images, wait_all
+from ..preflight import drain, verify_images
 from .host import _build_views
 from .landing import Entry, Landing, lands_in_target, plan_landing
-from .pieces import Pins, checkers, copy_in_pieces, piece_ranges, workers
+from .pieces import WAIT_S, Pins, checkers, copy_in_pieces, piece_ranges, workers
 
 __all__ = ["MappedFile", "copy_pinning_pieces", "load_file", "open_mapped", "read_tensors_inplace", "sibling_record",
-           "submit_checks", "to_device"]
+           "submit_checks", "to_device", "wait_checks"]
 
 
 class MappedFile:
@@ -93,14 +92,14 @@ class MappedFile:
             self._registered = None
 
     def close(self) -> None:
-        """Unpin, then unmap (at once where no view of the mapping is left, else once the
-        last one goes) and close the mapping's descriptor. Idempotent."""
+        """Unpin, then let the mapping go: it is unmapped, and its descriptor closed, at once
+        where no view of it is left, else with the last one. Never closed by hand: a tensor
+        made by ``torch.frombuffer`` does not hold the mapping's buffer, so an explicit
+        ``mmap.close()`` would unmap memory that a view (a check still running) may read; the
+        views hold the mapping object itself. Idempotent."""
         self.unpin()
-        if not hasattr(self, "bytes"):
-            return
-        del self.bytes, self.data
-        with contextlib.suppress(BufferError):  # a view still alive: unmapped with it
-            self._mm.close()
+        if hasattr(self, "bytes"):
+            del self.bytes, self.data, self._mm
 
 
 def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -237,17 +236,18 @@ def sibling_record(mf: MappedFile) -> FileRecord | None:
     return rec
 
 
-def submit_checks(mf: MappedFile, rec: FileRecord, pool: Executor) -> list[Future[None]]:
+def submit_checks(mf: MappedFile, rec: FileRecord, pool: Executor) -> list[Future[str | None]]:
     """Start checking every checksum chunk of ``mf`` where it lies, one task per chunk on
-    ``pool``; each raises CheckpointCorruptError naming its bytes. The caller waits for them
+    ``pool``; each returns None, or what failed. Wait for them with :func:`wait_checks`
     before the mapping goes."""
     whole = mf.bytes.numpy()
 
-    def check(i: int, b: int, e: int) -> None:
+    def check(i: int, b: int, e: int) -> str | None:
         if crc32c_hex(whole[b:e]) != rec.crc32c[i]:
-            raise CheckpointCorruptError(f"{mf.path}: checksum mismatch in bytes [{b}, {e})")
+            return f"{mf.path}: checksum mismatch in bytes [{b}, {e})"
+        return None  # (raised by the waiting thread: an exception here would keep the mapping with its traceback)
 
-    futures: list[Future[None]] = []
+    futures: list[Future[str | None]] = []
     try:
         for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size)):
             futures.append(pool.submit(check, i, b, e))
@@ -255,6 +255,22 @@ def submit_checks(mf: MappedFile, rec: FileRecord, pool: Executor) -> list[Futur
         drain(futures)
         raise
     return futures
+
+
+def wait_checks(checks: list[Future[str | None]]) -> None:
+    """Wait for every check of :func:`submit_checks`.
+
+    Raises:
+        CheckpointCorruptError: the first chunk (in file order) that failed.
+        TimeoutError: a check still running after :data:`.pieces.WAIT_S` seconds.
+    """
+    errors = [f.exception(timeout=WAIT_S) for f in checks]  # (each waits for its chunk)
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:  # (not a mismatch: the pool shut down, an interrupt)
+        raise failed
+    bad = next((msg for f in checks if (msg := f.result()) is not None), None)
+    if bad is not None:
+        raise CheckpointCorruptError(bad)
 
 
 def load_file(path: str | os.PathLike[str], device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
@@ -283,13 +299,13 @@ def load_file(path: str | os.PathLike[str], device: str | torch.device | None = 
     """
     with collector_paused():
         mf = open_mapped(os.fspath(path))
-        checks: list[Future[None]] = []
+        checks: list[Future[str | None]] = []
         try:
             rec = sibling_record(mf)
             if rec is not None:
                 checks = submit_checks(mf, rec, checkers())
             out = to_device(mf, torch.device(device) if device is not None else torch.device("cpu"))
-            wait_all(checks)
+            wait_checks(checks)
             return out
         finally:
             drain(checks)
