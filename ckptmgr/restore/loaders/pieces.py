@@ -45,7 +45,10 @@ from .landing import Landing
 __all__ = ["COPY_STREAMS", "PIECE_BYTES", "POPULATE", "Pins", "checkers", "copy_in_pieces", "piece_ranges",
            "pin_pieces", "populate", "workers"]
 
-PIECE_BYTES = 256 << 20  # one registration and one group of copies
+# One registration and one group of copies. Registering populated pages took ~3 ms per 64 MiB on an
+# H200 (save/buffers.py), about twice a 64 MiB copy at the link's speed: the registrations set the
+# pace, and small pieces shorten what is not overlapped (the first registration, the last copy).
+PIECE_BYTES = 64 << 20
 COPY_STREAMS = 4  # the pieces' copies go round-robin on this many streams
 POPULATE = True  # fault pages in on the worker threads before they are registered
 WAIT_S = 600.0  # the longest a piece's populate may take before the load gives up
