@@ -42,7 +42,7 @@ from ..._threads import DaemonPool
 from ..preflight import drain
 from .landing import Landing
 
-__all__ = ["COPY_STREAMS", "PIECE_BYTES", "POPULATE", "Pins", "checkers", "copy_in_pieces", "piece_ranges",
+__all__ = ["COPY_STREAMS", "PIECE_BYTES", "POPULATE", "WAIT_S", "Pins", "checkers", "copy_in_pieces", "piece_ranges",
            "pin_pieces", "populate", "workers"]
 
 # One registration and one group of copies. Registering populated pages took ~3 ms per 64 MiB on an
