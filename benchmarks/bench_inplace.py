@@ -5,7 +5,7 @@
 
 The parent writes one file of ``--gib`` GiB (bf16, ``--tensors`` tensors of random bits) into
 ``--dir`` with the safetensors library, and records each tensor's CRC32C. Then, for ``--rounds``
-rounds, the tool order rotated each round (and reversed every other round), each tool runs in a
+rounds, the tool order rotated each round (the rest reversed every other round), each tool runs in a
 process of its own (the CUDA context is made before the clock starts):
 
 * ``ckptmgr.load_file(path, device=...)``;
@@ -186,10 +186,10 @@ def make_file(path: str, gib: float, tensors: int) -> dict[str, Any]:
 
 
 def order(tools: list[str], r: int) -> list[str]:
-    """Round ``r``'s order: rotated by ``r``, reversed every other round (each tool runs first
-    in turn, and after a different one)."""
+    """Round ``r``'s order: rotated by ``r`` (each tool runs first in turn), the ones after the
+    first reversed every other round (each also runs after another one)."""
     row = tools[r % len(tools):] + tools[:r % len(tools)]
-    return row[::-1] if r % 2 else row
+    return [row[0], *row[:0:-1]] if r % 2 else row
 
 
 def commit() -> str:
