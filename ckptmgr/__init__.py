@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (__getattr__)
     from .manager import CheckpointManager
     from .options import S3Options, Schedule, StagingOptions, WriteOptions
     from .restore.loaders import load_file
+    from .restore.pinned import PinnedWeights, pin_file
     from .retention import (
         AnyOf,
         KeepAll,
@@ -57,6 +58,7 @@ _LAZY = {
     **dict.fromkeys(["CheckpointManager"], ".manager"),
     **dict.fromkeys(["S3Options", "Schedule", "StagingOptions", "WriteOptions"], ".options"),
     **dict.fromkeys(["load_file"], ".restore.loaders"),
+    **dict.fromkeys(["PinnedWeights", "pin_file"], ".restore.pinned"),
     **dict.fromkeys(["AnyOf", "KeepAll", "KeepBest", "KeepEvery", "KeepEverySeconds", "KeepLatest",
                      "RetentionPolicy", "StepInfo"], ".retention"),
 }
@@ -91,6 +93,7 @@ __all__ = [
     "KeepEverySeconds",
     "KeepLatest",
     "PerRank",
+    "PinnedWeights",
     "RetentionPolicy",
     "S3Options",
     "SaveError",
@@ -108,4 +111,5 @@ __all__ = [
     "WriteOptions",
     "__version__",
     "load_file",
+    "pin_file",
 ]

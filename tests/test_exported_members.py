@@ -19,6 +19,7 @@ EXPECTED = [
     "KeepEverySeconds",
     "KeepLatest",
     "PerRank",
+    "PinnedWeights",
     "RetentionPolicy",
     "S3Options",
     "SaveError",
@@ -36,6 +37,7 @@ EXPECTED = [
     "WriteOptions",
     "__version__",
     "load_file",
+    "pin_file",
 ]
 
 

@@ -15,7 +15,7 @@ from test_fsspec_target import faulty  # noqa: F401  (fixture)
 import ckptmgr
 import ckptmgr._cuda as cuda_shim
 from ckptmgr import CheckpointCorruptError, CheckpointManager, StagingOptions
-from ckptmgr.restore.loaders.mapped import open_mapped, read_tensors_inplace
+from ckptmgr.restore.loaders.mapped import copy_pinning_pieces, open_mapped, read_tensors_inplace
 from ckptmgr.storage.tier import LocalTier
 
 
@@ -230,3 +230,100 @@ def test_bad_loader_arguments(root):
             mgr.restore(loader="fast")
         with pytest.raises(ckptmgr.ConfigError, match="pass device="):
             mgr.restore(loader="ring")
+
+
+def test_a_ram_file_is_pinned_piece_by_piece_as_its_copies_go(ram_dir, tmp_path, monkeypatch):
+    """The in-place path for files in RAM: each piece registered read-only (whole pages, in
+    file order, no copy spanning two), fed to the landing, and every piece unregistered at the
+    pointer registered once the copies are done."""
+    from ckptmgr.restore.loaders import pieces
+    from ckptmgr.restore.loaders.landing import plan_landing
+
+    calls = []
+    monkeypatch.setattr(cuda_shim, "available", lambda: True)
+    monkeypatch.setattr(cuda_shim, "host_register",
+                        lambda p, n, read_only=False: calls.append(("reg", p, n, read_only)))
+    monkeypatch.setattr(cuda_shim, "host_unregister", lambda p: calls.append(("unreg", p)))
+    path = os.path.join(ram_dir, "m.safetensors")
+    want = {"a": torch.randn(70_000), "b": torch.randn(3, 1000).bfloat16(), "c": torch.arange(11, dtype=torch.int8)}
+    st_save_file(want, path)
+    mf = open_mapped(path)
+    assert mf.in_ram
+    landed = []
+    landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, torch.device("cpu"))
+    land = landing.land
+    monkeypatch.setattr(landing, "land", lambda b, src: (landed.append((b, src.numel(), len(calls))), land(b, src)))
+    pins = pieces.Pins()
+    ranges = pieces.piece_ranges(mf.size, 64 << 10)
+    try:
+        pieces.copy_in_pieces(mf.bytes, landing, torch.device("cpu"), ranges, register=pins, pool=pieces.workers())
+    finally:
+        pins.release()
+        base = mf.bytes.data_ptr()
+        mf.close()
+    regs = [c for c in calls if c[0] == "reg"]
+    assert [(c[1] - base, c[1] - base + c[2]) for c in regs] == ranges and len(ranges) > 3
+    assert all(c[3] for c in regs) and all((c[1] - base) % 4096 == 0 for c in regs)
+    assert [(b, b + n) for b, n, _ in landed] == ranges
+    assert [k for _, _, k in landed] == list(range(1, len(ranges) + 1))  # each piece registered just before its copies
+    assert sorted(c[1] for c in calls if c[0] == "unreg") == sorted(c[1] for c in regs)
+    assert all(c[0] == "unreg" for c in calls[len(regs):])  # only after every copy
+    got = landing.tensors()
+    assert_tree_equal(dict(sorted(got.items())), dict(sorted(want.items())))
+    other = str(tmp_path / "m.safetensors")
+    st_save_file(want, other)
+    disk = open_mapped(other)
+    assert not disk.in_ram  # a file on disk keeps the whole-file path
+    disk.close()
+
+
+def test_load_file_verifies_a_step_file_against_the_manifest_beside_it(root):
+    state = {"w": torch.randn(30_000), "b": torch.randn(100).bfloat16()}
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False),
+                           write_options=ckptmgr.WriteOptions(chunk_size=4096)) as mgr:
+        mgr.save(1, state).result()
+    d = os.path.join(root, "step_000000000001")
+    path = os.path.join(d, "data-00000.safetensors")
+    assert_tree_equal(dict(sorted(ckptmgr.load_file(path).items())), dict(sorted(state.items())))
+    with open(path, "r+b") as f:
+        f.seek(5000)
+        b = f.read(1)
+        f.seek(5000)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(CheckpointCorruptError, match=r"00000.safetensors: checksum mismatch in bytes \[4096, 8192\)"):
+        ckptmgr.load_file(path, device="cpu")
+    # the same bytes under another name are not the manifest's file: loaded as any safetensors file
+    os.rename(path, os.path.join(d, "copy.safetensors"))
+    assert ckptmgr.load_file(os.path.join(d, "copy.safetensors"))["w"].numel() == 30_000
+    # beside something that is no manifest, the file has no checksums: loaded as any safetensors file
+    os.rename(os.path.join(d, "copy.safetensors"), path)
+    with open(os.path.join(d, "manifest.json"), "wb") as f:
+        f.write(b"{not json")
+    assert ckptmgr.load_file(path)["w"].numel() == 30_000
+
+
+def test_a_piece_that_fails_to_pin_unpins_the_pieces_before_it(ram_dir, monkeypatch):
+    from ckptmgr.restore.loaders import pieces
+    from ckptmgr.restore.loaders.landing import plan_landing
+
+    calls = []
+
+    def register(p, n, read_only=False):
+        if len([c for c in calls if c[0] == "reg"]) == 2:
+            raise RuntimeError("cudaHostRegister failed with CUDA error 2")
+        calls.append(("reg", p))
+    monkeypatch.setattr(cuda_shim, "available", lambda: True)
+    monkeypatch.setattr(cuda_shim, "host_register", register)
+    monkeypatch.setattr(cuda_shim, "host_unregister", lambda p: calls.append(("unreg", p)))
+    path = os.path.join(ram_dir, "m.safetensors")
+    st_save_file({"a": torch.randn(100_000)}, path)
+    mf = open_mapped(path)
+    landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, torch.device("cpu"))
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 64 << 10)
+    try:
+        with pytest.raises(RuntimeError, match="CUDA error 2"):
+            copy_pinning_pieces(mf, landing, torch.device("cpu"))
+    finally:
+        mf.close()
+    assert [c[0] for c in calls] == ["reg", "reg", "unreg", "unreg"]
+    assert sorted(c[1] for c in calls[:2]) == sorted(c[1] for c in calls[2:])

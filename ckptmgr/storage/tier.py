@@ -504,13 +504,15 @@ def _marked_durable(slot_fd: int) -> int | None:
 _RAM_FS_MAGIC = frozenset({0x01021994, 0x858458F6, 0x958458F6})  # tmpfs, ramfs, hugetlbfs (linux/magic.h)
 
 
-def ram_filesystem(path: str) -> bool | None:
-    """True when ``path`` lies on a filesystem kept in RAM, False when on another, None when
-    this cannot be told (not Linux, or statfs failed)."""
+def ram_filesystem(path: str | int) -> bool | None:
+    """True when ``path`` (or the open file descriptor ``path``) lies on a filesystem kept in
+    RAM, False when on another, None when this cannot be told (not Linux, or statfs failed)."""
     if not sys.platform.startswith("linux"):
         return None
     buf = ctypes.create_string_buffer(256)  # struct statfs; its first field is f_type
-    if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), buf) != 0:
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.fstatfs(path, buf) if isinstance(path, int) else libc.statfs(os.fsencode(path), buf)
+    if rc != 0:
         return None
     return (ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF) in _RAM_FS_MAGIC
 

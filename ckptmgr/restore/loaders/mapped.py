@@ -1,18 +1,22 @@
 """In-place loader: a safetensors file mapped where it lies, pinned there, copied to the GPU
-in one go.
+with no second copy in host memory.
 
 A file in /dev/shm (the local tier, or any tmpfs) is already laid out for the GPU. It is
-mapped read-only and MAP_SHARED (never a private mapping, which would double host memory),
-pinned in place with cudaHostRegister on the exact mapped range (with the read-only flag),
-and its whole data region is copied to the device in one transfer, into one allocation per
-file of which the tensors are views. Host memory grows by nothing but the mapping of pages
-that already exist. The range is unregistered before the mapping is dropped.
+mapped read-only and MAP_SHARED (never a private mapping, which would double host memory)
+and copied into one allocation per file on the device, of which the tensors are views (or
+into a target's own tensors). In a RAM filesystem the mapping is pinned in pieces, each
+registered (read-only, the exact range) while the previous one is copied, on several streams
+(:mod:`.pieces`); a file on disk is pinned whole and copied in one transfer. Host memory grows
+by nothing but the mapping of pages that already exist. Every range is unregistered before
+the mapping is dropped.
 
 Without CUDA, or for ``device="cpu"``, the data region is copied once into memory the
 result owns (a read-only mapping must never leak out as a writable tensor).
 
 Reads any safetensors file, ours or anyone's: the header is validated (offsets inside the
-file, sizes matching shapes and dtypes) before anything is copied.
+file, sizes matching shapes and dtypes) before anything is allocated. A file of a ckptmgr
+step (its directory's ``manifest.json`` lists it, with its size) is also verified against
+the manifest's checksums, where its bytes lie, while the copies run.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import mmap
 import os
 import stat
 import warnings
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import torch
@@ -32,18 +37,24 @@ from ..._threads import collector_paused
 from ...errors import CheckpointCorruptError
 from ...format.checksum import chunk_ranges, crc32c_hex
 from ...format.layout import ST_TO_DTYPE
-from ...format.manifest import Manifest
+from ...format.manifest import MANIFEST_NAME, FileRecord, Manifest, read_manifest_bytes
 from ...format.schema import MAX_HEADER_BYTES
 from ...format.tree import MAX_DIMS, MAX_FILE_BYTES
-from ..preflight import verify_images
+from ...storage.tier import ram_filesystem
+from ..preflight import drain, verify_images
 from .host import _build_views
-from .landing import Entry, lands_in_target, plan_landing
+from .landing import Entry, Landing, lands_in_target, plan_landing
+from .pieces import WAIT_S, Pins, checkers, copy_in_pieces, piece_ranges, workers
 
-__all__ = ["MappedFile", "load_file", "open_mapped", "read_tensors_inplace"]
+__all__ = ["MappedFile", "copy_pinning_pieces", "load_file", "open_mapped", "read_tensors_inplace", "sibling_record",
+           "submit_checks", "to_device", "wait_checks"]
 
 
 class MappedFile:
-    """A safetensors file mapped read-only; ``data`` is a uint8 view of its data region."""
+    """A safetensors file mapped read-only; ``data`` is a uint8 view of its data region.
+
+    ``identity`` is the mapped file's (device, inode, size, mtime in ns) when it was opened;
+    ``in_ram``: it lives in a RAM filesystem (tmpfs, ramfs)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -55,9 +66,11 @@ class MappedFile:
             size = st.st_size
             if size < 8:
                 raise CheckpointCorruptError(f"{path}: {size} bytes is too short for a safetensors file")
+            self.identity = file_identity(st)
+            self.in_ram = ram_filesystem(fd) is True
             self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
-            os.close(fd)
+            os.close(fd)  # (the mapping keeps its own descriptor until it is closed)
         with warnings.catch_warnings():  # read-only by design; nothing writes through it
             warnings.simplefilter("ignore", UserWarning)
             self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
@@ -79,9 +92,19 @@ class MappedFile:
             self._registered = None
 
     def close(self) -> None:
-        """Unpin, then let the mapping go (it closes once no view of it is left)."""
+        """Unpin, then let the mapping go: it is unmapped, and its descriptor closed, at once
+        where no view of it is left, else with the last one. Never closed by hand: a tensor
+        made by ``torch.frombuffer`` does not hold the mapping's buffer, so an explicit
+        ``mmap.close()`` would unmap memory that a view (a check still running) may read; the
+        views hold the mapping object itself. Idempotent."""
         self.unpin()
-        del self.bytes, self.data
+        if hasattr(self, "bytes"):
+            del self.bytes, self.data, self._mm
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells a file's contents apart after a rewrite: (device, inode, size, mtime in ns)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _parse(buf: torch.Tensor, size: int, path: str) -> tuple[list[Entry], int]:
@@ -154,10 +177,14 @@ def open_mapped(path: str) -> MappedFile:
 def to_device(mf: MappedFile, device: torch.device,
               dests: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of ``mf`` on ``device`` (or in the matching tensors of ``dests``): one
-    fresh allocation per file at most, the copies straight from the pinned mapping."""
+    fresh allocation per file at most, the copies straight from the mapping, pinned in
+    pieces overlapped with the copies where the file is in RAM (:mod:`.pieces`), else whole."""
     landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, device, dests)
     if device.type != "cuda":
         landing.land(0, mf.bytes)
+        return landing.tensors()
+    if mf.in_ram:
+        copy_pinning_pieces(mf, landing, device)
         return landing.tensors()
     mf.pin()
     try:
@@ -168,12 +195,93 @@ def to_device(mf: MappedFile, device: torch.device,
     return landing.tensors()
 
 
+def copy_pinning_pieces(mf: MappedFile, landing: Landing, device: torch.device) -> None:
+    """Copy ``mf`` where ``landing`` says, pinning it piece by piece as the copies go
+    (:func:`.pieces.copy_in_pieces`); every piece pinned is unpinned before this returns or
+    raises."""
+    pins = Pins()
+    try:
+        copy_in_pieces(mf.bytes, landing, device, piece_ranges(mf.size), register=pins, pool=workers())
+    finally:
+        pins.release()
+
+
+def sibling_record(mf: MappedFile) -> FileRecord | None:
+    """The checksums of ``mf`` when it is a data file of a ckptmgr step: the ``manifest.json``
+    beside it (a regular file, not followed through a link, validated) lists it by name with
+    its size. None for any other file (no manifest there, or one that is not valid or does
+    not list it).
+
+    Raises:
+        CheckpointCorruptError: the manifest lists the file with another size.
+    """
+    where = os.path.join(os.path.dirname(mf.path), MANIFEST_NAME)
+    try:
+        fd = os.open(where, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        manifest = Manifest.from_bytes(read_manifest_bytes(st.st_size, lambda n: os.read(fd, n), where),
+                                       where=where)
+    except (CheckpointCorruptError, OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    rec = manifest.files.get(os.path.basename(mf.path))
+    if rec is not None and rec.size != mf.size:
+        raise CheckpointCorruptError(f"{mf.path} has {mf.size} bytes; {where} says {rec.size}")
+    return rec
+
+
+def submit_checks(mf: MappedFile, rec: FileRecord, pool: Executor) -> list[Future[str | None]]:
+    """Start checking every checksum chunk of ``mf`` where it lies, one task per chunk on
+    ``pool``; each returns None, or what failed. Wait for them with :func:`wait_checks`
+    before the mapping goes."""
+    whole = mf.bytes.numpy()
+
+    def check(i: int, b: int, e: int) -> str | None:
+        if crc32c_hex(whole[b:e]) != rec.crc32c[i]:
+            return f"{mf.path}: checksum mismatch in bytes [{b}, {e})"
+        return None  # (raised by the waiting thread: an exception here would keep the mapping with its traceback)
+
+    futures: list[Future[str | None]] = []
+    try:
+        for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size)):
+            futures.append(pool.submit(check, i, b, e))
+    except BaseException:
+        drain(futures)
+        raise
+    return futures
+
+
+def wait_checks(checks: list[Future[str | None]]) -> None:
+    """Wait for every check of :func:`submit_checks`.
+
+    Raises:
+        CheckpointCorruptError: the first chunk (in file order) that failed.
+        TimeoutError: a check still running after :data:`.pieces.WAIT_S` seconds.
+    """
+    errors = [f.exception(timeout=WAIT_S) for f in checks]  # (each waits for its chunk)
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:  # (not a mismatch: the pool shut down, an interrupt)
+        raise failed
+    bad = next((msg for f in checks if (msg := f.result()) is not None), None)
+    if bad is not None:
+        raise CheckpointCorruptError(bad)
+
+
 def load_file(path: str | os.PathLike[str], device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
     """Load every tensor of a safetensors file (written by ckptmgr or by anyone).
 
-    On a CUDA device the file is mapped, pinned where it lies and copied to the GPU in one
-    transfer: from /dev/shm that runs at the host-to-device link's speed, with no second
-    copy in host memory. Without CUDA or for the CPU the data is copied once.
+    On a CUDA device the file is mapped and copied to the GPU straight from the mapping, with
+    no second copy in host memory: from /dev/shm (any RAM filesystem) pinned in pieces, each
+    registered while the previous one is copied, on several streams; from disk pinned whole,
+    in one transfer. Without CUDA or for the CPU the data is copied once. A data file of a
+    ckptmgr step (listed in the ``manifest.json`` beside it) is verified against its
+    checksums while the copies run; any other safetensors file has none to check.
 
     Args:
         path: the ``.safetensors`` file.
@@ -183,16 +291,24 @@ def load_file(path: str | os.PathLike[str], device: str | torch.device | None = 
         Tensor name -> tensor, in the file's order.
 
     Raises:
-        CheckpointCorruptError: the file is not a valid safetensors file.
+        CheckpointCorruptError: the file is not a valid safetensors file, or fails the
+            checksums of its step's manifest.
 
     Example:
         >>> tensors = ckptmgr.load_file("/dev/shm/model.safetensors", device="cuda")  # doctest: +SKIP
     """
     with collector_paused():
         mf = open_mapped(os.fspath(path))
+        checks: list[Future[str | None]] = []
         try:
-            return to_device(mf, torch.device(device) if device is not None else torch.device("cpu"))
+            rec = sibling_record(mf)
+            if rec is not None:
+                checks = submit_checks(mf, rec, checkers())
+            out = to_device(mf, torch.device(device) if device is not None else torch.device("cpu"))
+            wait_checks(checks)
+            return out
         finally:
+            drain(checks)
             mf.close()
 
 

@@ -1,0 +1,187 @@
+"""Pinning a mapped file in pieces, overlapped with the copies out of it.
+
+A file in a RAM filesystem (/dev/shm, any tmpfs or ramfs) is mapped where it lies
+(:mod:`.mapped`). To reach the GPU at the link's speed its pages must be pinned
+(cudaHostRegister), and pinning a whole fresh mapping in one call costs about as long as the
+copy itself, with the copy engine idle meanwhile. So the file goes in pieces of
+:data:`PIECE_BYTES` (from the start of the mapping, page-aligned):
+
+1. **populate**: worker threads fault each piece's pages into this process's page tables
+   (``madvise(MADV_POPULATE_READ)``; one read per page on kernels without it), in file
+   order, ahead of the thread that registers: the page-table work leaves the serial path;
+2. **register**: the calling thread pins piece k (read-only registration, the exact range);
+3. **copy**: and queues piece k's copies on stream ``k % COPY_STREAMS``, then goes on to
+   register piece k + 1 while the copy engine moves piece k;
+4. at the end every stream is synchronised, and only then is every piece unregistered, at
+   the exact pointer registered.
+
+No copy spans two pieces (a copy across two separately registered ranges fails with
+``cudaErrorInvalidValue``): the landing plan is fed one piece at a time.
+
+A :class:`~ckptmgr.restore.pinned.PinnedWeights` handle registers its pieces once
+(:func:`pin_pieces`) and copies from them at every load without registering again.
+
+Checksums, where the file carries them, are verified by the caller where the bytes lie, on
+threads of their own (:func:`checkers`), while the copies run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Executor, Future
+
+import torch
+
+from ... import _cuda
+from ..._threads import DaemonPool
+from ..preflight import drain
+from .landing import Landing
+
+__all__ = ["COPY_STREAMS", "PIECE_BYTES", "POPULATE", "WAIT_S", "Pins", "checkers", "copy_in_pieces", "piece_ranges",
+           "pin_pieces", "populate", "workers"]
+
+# One registration and one group of copies. Registering populated pages took ~3 ms per 64 MiB on an
+# H200 (save/buffers.py), about twice a 64 MiB copy at the link's speed: the registrations set the
+# pace, and small pieces shorten what is not overlapped (the first registration, the last copy).
+PIECE_BYTES = 64 << 20
+COPY_STREAMS = 4  # the pieces' copies go round-robin on this many streams
+POPULATE = True  # fault pages in on the worker threads before they are registered
+WAIT_S = 600.0  # the longest a piece's populate may take before the load gives up
+
+_PAGE = mmap.PAGESIZE
+_MADV_POPULATE_READ = 22  # Linux >= 5.14
+
+_libc: ctypes.CDLL | None = None
+_pool_mu = threading.Lock()
+_pools: dict[str, DaemonPool] = {}  # made once each, guarded by _pool_mu
+
+
+def _c() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc = lib
+    return _libc
+
+
+def workers() -> DaemonPool:
+    """The threads that populate pieces ahead of their registration (daemon threads, made at
+    first use, shared by the process)."""
+    return _shared("populate")
+
+
+def checkers() -> DaemonPool:
+    """The threads that verify checksums where the bytes lie for :func:`ckptmgr.load_file`
+    and pinned-weights handles: apart from :func:`workers`, so that no populate ever waits
+    behind a file's checks."""
+    return _shared("verify")
+
+
+def _shared(name: str) -> DaemonPool:
+    with _pool_mu:
+        pool = _pools.get(name)
+        if pool is None:
+            pool = _pools[name] = DaemonPool(max(2, min(8, os.cpu_count() or 1)),
+                                             thread_name_prefix=f"ckptmgr-inplace-{name}")
+        return pool
+
+
+def piece_ranges(size: int, piece: int = 0) -> list[tuple[int, int]]:
+    """``[begin, end)`` of each piece of a ``size``-byte mapping (``piece``: the piece size,
+    a multiple of the page size; 0: :data:`PIECE_BYTES`)."""
+    piece = piece or PIECE_BYTES
+    return [(b, min(b + piece, size)) for b in range(0, size, piece)]
+
+
+def populate(view: torch.Tensor) -> None:
+    """Fault every page of ``view`` (uint8, starting on a page boundary of a mapping) into this
+    process's page tables for reading, without CUDA."""
+    n = view.numel()
+    if n == 0:
+        return
+    if _c().madvise(ctypes.c_void_p(view.data_ptr()), ctypes.c_size_t(n), _MADV_POPULATE_READ) == 0:
+        return  # (ctypes releases the GIL for the call)
+    view[::_PAGE].clone()  # older kernels: one read per page (torch releases the GIL)
+
+
+class Pins:
+    """The pieces of one mapping registered with CUDA, each by its exact pointer. Owned by one
+    thread at a time (the loading thread, or the handle's lock holder)."""
+
+    def __init__(self) -> None:
+        self.pointers: list[int] = []
+
+    def register(self, view: torch.Tensor) -> None:
+        """Pin ``view`` in place (read-only registration)."""
+        ptr = view.data_ptr()
+        _cuda.host_register(ptr, view.numel(), read_only=True)  # (releases the GIL)
+        self.pointers.append(ptr)
+
+    def release(self) -> None:
+        """Unpin every piece, last first, at the pointers registered; call once no copy from
+        them is still running."""
+        while self.pointers:
+            _cuda.host_unregister(self.pointers.pop())
+
+
+def _populate_ahead(data: torch.Tensor, pieces: Sequence[tuple[int, int]], pool: Executor) -> list[Future[None]]:
+    if not POPULATE:
+        return []
+    return [pool.submit(populate, data[b:e]) for b, e in pieces]
+
+
+def pin_pieces(data: torch.Tensor, pieces: Sequence[tuple[int, int]], pins: Pins, pool: Executor) -> None:
+    """Register every piece of ``data`` (a whole mapping) in ``pins``, each populated first on
+    ``pool`` (nothing without CUDA). On failure the pieces registered stay in ``pins`` for the
+    caller to release."""
+    if not _cuda.available():
+        return
+    ahead = _populate_ahead(data, pieces, pool)
+    try:
+        for k, (b, e) in enumerate(pieces):
+            if ahead:
+                ahead[k].result(timeout=WAIT_S)
+            pins.register(data[b:e])
+    finally:
+        drain(ahead)
+
+
+def copy_in_pieces(data: torch.Tensor, landing: Landing, device: torch.device,
+                   pieces: Sequence[tuple[int, int]], *, register: Pins | None, pool: Executor) -> None:
+    """Copy every byte of ``data`` (a whole mapping: ``data[b:e]`` are the file's bytes
+    ``[b, e)``) that ``landing`` wants, one piece at a time, and wait for the copies.
+
+    With ``register``, each piece is populated ahead on ``pool`` and pinned into ``register``
+    just before its copies are queued (the caller releases it after this returns); without,
+    the pieces are already pinned (or the device is not a GPU). On a GPU the copies run on
+    :data:`COPY_STREAMS` streams, ordered after the work already queued on the current stream;
+    every stream is synchronised before this returns or raises.
+    """
+    ahead: list[Future[None]] = []
+    streams: list[torch.cuda.Stream] = []
+    try:
+        if register is not None:
+            ahead = _populate_ahead(data, pieces, pool)
+        if device.type == "cuda":
+            ready = _cuda.ready_event(device)
+            streams = [_cuda.staging_stream(device) for _ in range(max(1, min(COPY_STREAMS, len(pieces))))]
+            for s in streams:
+                s.wait_event(ready)
+        for k, (b, e) in enumerate(pieces):
+            piece = data[b:e]
+            if register is not None:
+                if ahead:
+                    ahead[k].result(timeout=WAIT_S)
+                register.register(piece)
+            with torch.cuda.stream(streams[k % len(streams)]) if streams else contextlib.nullcontext():
+                landing.land(b, piece)
+    finally:  # the copies end before the pieces may be unpinned or the mapping go
+        for s in streams:
+            s.synchronize()
+        drain(ahead)

@@ -1,0 +1,76 @@
+"""The in-place loader and pinned weights on a real GPU (``pytest -m cuda``); skipped elsewhere."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file as st_save_file
+from test_pinned_weights import assert_same, every_dtype, mapped_paths
+
+import ckptmgr
+from ckptmgr import StateMismatchError
+from ckptmgr.restore.loaders import pieces
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 64 << 10)  # many pieces, several streams, in a small file
+
+
+def on_host(tensors):
+    return {k: v.cpu() for k, v in tensors.items()}
+
+
+def test_load_file_from_ram_in_pieces_is_bit_exact_for_every_dtype(ram_dir, small_pieces):
+    path = os.path.join(ram_dir, "w.safetensors")
+    want = every_dtype() | {"big": torch.randn(300_000)}
+    st_save_file(want, path)
+    got = ckptmgr.load_file(path, device="cuda")
+    assert all(v.device.type == "cuda" for v in got.values())
+    assert_same(on_host(got), want)
+
+
+def test_load_file_from_disk_onto_the_gpu(tmp_path):
+    path = str(tmp_path / "w.safetensors")
+    want = every_dtype(2)
+    st_save_file(want, path)
+    assert_same(on_host(ckptmgr.load_file(path, device="cuda")), want)
+
+
+def test_pinned_weights_unlinked_rewritten_and_into_existing_tensors(ram_dir, small_pieces):
+    path = os.path.join(ram_dir, "w.safetensors")
+    want = every_dtype(3) | {"big": torch.randn(300_000)}
+    st_save_file(want, path)
+    with ckptmgr.pin_file(path) as weights:
+        os.unlink(path)
+        first = weights.load("cuda")
+        assert_same(on_host(first), want)
+        first["big"].zero_()
+        again = weights.load("cuda", out=first)
+        assert all(again[k] is first[k] for k in first)
+        assert_same(on_host(again), want)
+        new = {"big": torch.randn(300_000), "x": torch.arange(7)}
+        st_save_file(new, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        assert_same(on_host(weights.load("cuda")), new)
+        with pytest.raises(StateMismatchError, match="on cpu, but the load is to cuda"):
+            weights.load("cuda", out={"big": torch.empty(300_000)})
+    assert path not in mapped_paths() and path + " (deleted)" not in mapped_paths()
+
+
+def test_loads_are_ordered_after_work_queued_on_the_target(ram_dir):
+    """A load into ``out=`` comes after the kernels the caller already queued on those tensors."""
+    path = os.path.join(ram_dir, "w.safetensors")
+    want = {"w": torch.randn(4_000_000)}
+    st_save_file(want, path)
+    with ckptmgr.pin_file(path) as weights:
+        out = {"w": torch.zeros(4_000_000, device="cuda")}
+        torch.cuda._sleep(50_000_000)  # the current stream busy for a while
+        out["w"].fill_(3.0)  # queued behind it: the load must land after this
+        weights.load("cuda", out=out)
+        assert torch.equal(out["w"].cpu(), want["w"])
