@@ -1,0 +1,519 @@
+"""The peer tier: each rank's shard of a step copied to RAM on its node and sent to k peers.
+
+After ``save()`` has staged a rank's shard (the copy the training step already pays), two
+background threads of that rank take over; the training thread never waits for them:
+
+* the *copy* thread copies the shard from the staging slot into the rank's slot of its
+  node's peer area (:class:`~ckptmgr.storage.peer_tier.PeerArea`), checksumming each chunk
+  of the copy, and commits it there. The persist thread waits for this copy (not the
+  training thread) before the durable commit releases the staging slot;
+* the *replication* thread runs one *round* per save, on every rank in the same order: it
+  sends the newest copy it has not sent yet to its k peers and receives its sources'
+  copies into the peer area, each checked against its record's CRC32C before it is
+  committed there, then all ranks exchange receipts, so every rank knows which steps are
+  *replicated* (every rank's shard has k confirmed copies on other nodes).
+
+Peers (:func:`peers_of`): the nodes are ordered by their lowest rank; replica j of a rank
+goes to the rank at the same place on the j-th next node, so no replica shares a node with
+its source and each rank sends and receives about k shards per round.
+
+Transport: ``torch.distributed`` point-to-point calls on groups the replicator creates at
+manager start over the job's ranks: a gloo group for headers, records and receipts, and for
+the bytes either that group (host memory over TCP) or, with ``transport="nccl"``, an NCCL
+group, staging each piece through a GPU buffer of ``chunk_bytes`` per peer. Traffic is
+paced: pieces of ``chunk_bytes``, and at most ``max_bytes_per_s`` when set.
+
+Thread ownership: ``_mu`` guards the round queue, the copies made, the receipts and the
+counters; the replication groups are used by the replication thread only, except by
+:func:`~ckptmgr.distributed.peer_restore.restore_newest_peer` after :meth:`Replicator.drain`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .._threads import DaemonPool
+from ..errors import CkptError, CkptTimeoutError, ConfigError
+from ..format.checksum import chunk_ranges, crc32c_hex
+from ..format.manifest import FileRecord
+from ..format.schema import MAX_MANIFEST_BYTES
+from ..save.persist import PersistJob
+from ..storage.peer_tier import Copy, PeerArea, ShardRecord, check_files
+from .coordinator import Coordinator
+
+__all__ = ["NODE_ENV", "PeerOptions", "Replicator", "peers_of", "start_peers"]
+
+log = logging.getLogger("ckptmgr")
+NODE_ENV = "CKPTMGR_NODE"  # the node identity, when PeerOptions(node=None); default: the hostname
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    """The peer tier of a multi-rank job (see docs/DISTRIBUTED.md, "Peer tier").
+
+    Args:
+        replicas: k, the copies of each rank's shard kept in other nodes' RAM.
+        node: this process's node identity (ranks with the same one share a node and its RAM);
+            None: the ``CKPTMGR_NODE`` environment variable, else the hostname.
+        local_dir: the RAM directory of the node's peer area; None: ``StagingOptions.local_dir``.
+        slots: copies kept per shard on a node (at least 2: the newest stays while the next lands).
+        chunk_bytes: bytes sent per piece (and, with NCCL, the GPU staging buffer per peer).
+        max_bytes_per_s: the most bytes per second a rank sends (None: no limit).
+        transport: "gloo" (host bytes over TCP), "nccl" (through a GPU buffer), or "auto":
+            NCCL when the job's group is NCCL, else gloo.
+        timeout_s: how long one round, or one exchange of a restore, may take.
+    """
+
+    replicas: int = 1
+    node: str | None = None
+    local_dir: str | None = None
+    slots: int = 2
+    chunk_bytes: int = 16 << 20
+    max_bytes_per_s: float | None = None
+    transport: str = "auto"
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if type(self.replicas) is not int or self.replicas < 1:
+            raise ConfigError(f"PeerOptions.replicas must be an int >= 1, got {self.replicas!r}")
+        if type(self.slots) is not int or self.slots < 2:
+            raise ConfigError(f"PeerOptions.slots must be an int >= 2, got {self.slots!r}")
+        if type(self.chunk_bytes) is not int or self.chunk_bytes < 4096:
+            raise ConfigError(f"PeerOptions.chunk_bytes must be an int >= 4096, got {self.chunk_bytes!r}")
+        if self.transport not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"PeerOptions.transport must be 'auto', 'gloo' or 'nccl', got {self.transport!r}")
+        if self.max_bytes_per_s is not None and not self.max_bytes_per_s > 0:
+            raise ConfigError(f"PeerOptions.max_bytes_per_s must be None or > 0, got {self.max_bytes_per_s!r}")
+
+    def node_name(self) -> str:
+        return self.node or os.environ.get(NODE_ENV) or socket.gethostname()
+
+
+def peers_of(nodes: list[str], k: int) -> tuple[dict[int, list[int]], str]:
+    """Rank -> the ranks holding its k replicas, given every rank's node, and why fewer than
+    k when there are fewer than k + 1 nodes ("" otherwise)."""
+    order: list[str] = []
+    members: dict[str, list[int]] = collections.defaultdict(list)
+    for r, n in enumerate(nodes):
+        if n not in members:
+            order.append(n)
+        members[n].append(r)
+    kk = min(k, len(order) - 1)
+    why = "" if kk == k else (f"{len(order)} node(s) ({', '.join(order)}) hold at most {kk} replica(s) on other "
+                              f"nodes; {k} asked for")
+    out: dict[int, list[int]] = {}
+    for i, n in enumerate(order):
+        for place, r in enumerate(members[n]):
+            out[r] = [members[order[(i + j) % len(order)]][place % len(members[order[(i + j) % len(order)]])]
+                      for j in range(1, kk + 1)]
+    return out, why
+
+
+class _Transport:
+    """Point-to-point exchanges of host arrays over the replication groups."""
+
+    def __init__(self, coord: Coordinator, meta: Any, data: Any, gpu: torch.device | None) -> None:
+        self.coord, self.meta, self.data, self.gpu = coord, meta, data, gpu
+
+    def exchange(self, sends: list[tuple[int, np.ndarray[Any, Any]]], recvs: list[tuple[int, np.ndarray[Any, Any]]],
+                 *, meta: bool = False) -> None:
+        """Send each (rank, bytes) and receive each (rank, buffer), all at once; every array
+        is a contiguous uint8 array (received ones writable)."""
+        group = self.meta if meta or self.gpu is None else self.data
+        staged = self.gpu is not None and not meta
+        tx = [torch.from_numpy(a).to(self.gpu) if staged else torch.from_numpy(a) for _, a in sends]
+        rx = [torch.empty(a.size, dtype=torch.uint8, device=self.gpu) if staged else torch.from_numpy(a)
+              for _, a in recvs]
+        g = self.coord.global_rank
+        works = [dist.isend(t, dst=g(r), group=group) for (r, _), t in zip(sends, tx, strict=True)]
+        works += [dist.irecv(t, src=g(r), group=group) for (r, _), t in zip(recvs, rx, strict=True)]
+        for w in works:
+            if w is not None:
+                w.wait()
+        if staged:
+            for (_, a), t in zip(recvs, rx, strict=True):
+                torch.from_numpy(a).copy_(t.cpu())
+
+
+def _pieces(files: list[np.ndarray[Any, Any]], size: int) -> list[list[np.ndarray[Any, Any]]]:
+    """The files' bytes, concatenated, cut into pieces of ``size``: each piece as the list of
+    the file parts it covers (both sides cut the same stream the same way)."""
+    out: list[list[np.ndarray[Any, Any]]] = [[]]
+    room = size
+    for arr in files:
+        at = 0
+        while at < arr.size:
+            if room == 0:
+                out.append([])
+                room = size
+            n = min(room, arr.size - at)
+            out[-1].append(arr[at:at + n])
+            at += n
+            room -= n
+    return [p for p in out if p]
+
+
+class Replicator:
+    """One rank's side of the peer tier (see the module docstring)."""
+
+    def __init__(self, opts: PeerOptions, coord: Coordinator, local_dir: str, root_url: str, chunk_size: int) -> None:
+        self.opts, self.coord, self.chunk_size = opts, coord, chunk_size
+        self.node = opts.node_name()
+        self.nodes: list[str] = coord.all_gather(self.node, "peer tier start-up (node identities)")
+        self.dests, why = peers_of(self.nodes, opts.replicas)
+        self.sources = [s for s, ds in self.dests.items() if coord.rank in ds]
+        self.k = len(self.dests[coord.rank])
+        if why:
+            log.warning("peer tier: %s; a step counts as replicated with %d", why, self.k)
+        timeout = datetime.timedelta(seconds=opts.timeout_s)
+        ranks = [coord.global_rank(r) for r in range(coord.world)]
+        self.meta = coord._run("creating the peer tier's groups", lambda: dist.new_group(ranks, backend="gloo",
+                                                                                         timeout=timeout))
+        nccl = opts.transport == "nccl" or (opts.transport == "auto" and dist.get_backend(coord.group) == "nccl")
+        gpu = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        data = coord._run("creating the peer tier's groups", lambda: dist.new_group(ranks, backend="nccl",
+                                                                                    timeout=timeout)) if nccl else None
+        self.transport = _Transport(coord, self.meta, data, gpu)
+        self.area = PeerArea(opts.local_dir or local_dir, root_url, opts.slots)
+        self.io = DaemonPool(4, thread_name_prefix="ckptmgr-peer-io")
+        self._copier = DaemonPool(1, thread_name_prefix="ckptmgr-peer-copy")
+        self._mu = threading.Condition()
+        self._ticks: collections.deque[tuple[int, Future[None], float] | None] = collections.deque()
+        self._busy = False
+        self._sent = -1  # newest own step sent
+        self._own: dict[int, int] = {}  # own step -> slot in the peer area
+        self._replicated: dict[int, float] = {}  # step -> seconds from save() until replicated
+        self._saved_at: dict[int, float] = {}  # step -> perf_counter() at its save()
+        self._receipts: dict[int, dict[int, int]] = {}  # step -> shard rank -> confirmed copies
+        self._error = ""
+        self._received: dict[int, tuple[int, bool]] = {}  # (replication thread) this round's receipts
+        self.counts = {"peer_rounds": 0, "peer_bytes_sent": 0, "peer_bytes_received": 0, "peer_copy_skips": 0,
+                       "peer_bad_copies": 0}
+        self._thread = threading.Thread(target=self._loop, name="ckptmgr-peer-replicate", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ save side (training thread)
+
+    def joined(self, join: Callable[[PersistJob], None]) -> Callable[[PersistJob], None]:
+        """``join`` (which makes a job this rank's share of a multi-rank save), then :meth:`track`."""
+        def both(job: PersistJob) -> None:
+            join(job)
+            self.track(job)
+        return both
+
+    def track(self, job: PersistJob) -> None:
+        """Copy ``job``'s shard into the peer area once staged, and replicate it; the durable
+        commit (which releases the staging slot) waits for the copy, training does not."""
+        copied = self._copier.submit(self._copy, job)
+        inner = job.coordinate
+
+        def coordinate(writer: Any, m: Any, error: BaseException | None) -> Any:
+            try:
+                copied.result(timeout=self.opts.timeout_s)
+            except Exception as exc:  # logged by _copy; the durable save goes on
+                log.debug("peer tier: copy of step %d: %s", job.step, exc)
+            assert inner is not None
+            return inner(writer, m, error)
+
+        job.coordinate = coordinate
+        with self._mu:
+            self._ticks.append((job.step, copied, job.t0))
+            self._saved_at[job.step] = job.t0
+            self._mu.notify_all()
+
+    def _copy(self, job: PersistJob) -> None:
+        """(copy thread) The staged shard into this rank's slot of the node's peer area."""
+        job.staging.wait(self.opts.timeout_s)
+        rank = self.coord.rank
+        slot = self.area.take_slot(rank, wait_s=self.opts.timeout_s)  # (a round may still send from the other)
+        if slot is None:
+            with self._mu:
+                self.counts["peer_copy_skips"] += 1
+            log.info("peer tier: step %d is not copied: every slot of rank %d is held", job.step, rank)
+            return
+        try:
+            images = [seg.numpy() for seg in job.slot.segments[:len(job.names)]]
+            records = {name: FileRecord(a.size, self.chunk_size, (), hs)
+                       for name, a, hs in zip(job.names, images, job.header_sizes, strict=True)}
+            m = dataclasses.replace(job.manifest, files=records)
+            shell = ShardRecord.make(m, rank, self.coord.world, self.node)
+            dst = self.area.create(rank, slot, shell)
+            tasks = [(i, b, e) for i, a in enumerate(images) for b, e in chunk_ranges(a.size, self.chunk_size)]
+
+            def one(t: tuple[int, int, int]) -> str:
+                i, b, e = t
+                out = dst[job.names[i]][b:e]
+                np.copyto(out, images[i][b:e])
+                return crc32c_hex(out)
+
+            crcs = list(self.io.map(one, tasks))
+            joined: dict[int, list[str]] = collections.defaultdict(list)
+            for (i, _, _), c in zip(tasks, crcs, strict=True):
+                joined[i].append(c)
+            m.files = {n: dataclasses.replace(r, crc32c=tuple(joined[i])) for i, (n, r) in enumerate(records.items())}
+            self.area.commit(rank, slot, ShardRecord.make(m, rank, self.coord.world, self.node))
+        except BaseException as exc:
+            self.area.abort(rank, slot)
+            log.warning("peer tier: step %d could not be copied to %s: %s: %s", job.step, self.area.path,
+                        type(exc).__name__, exc)
+            raise
+        with self._mu:
+            self._own[job.step] = slot
+
+    # ------------------------------------------------------------ replication thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._mu:
+                while not self._ticks:
+                    self._mu.wait()
+                tick = self._ticks.popleft()
+                if tick is None:
+                    self._mu.notify_all()
+                    return
+                self._busy = True
+            try:
+                if not self._error:
+                    self._round(*tick)
+            except Exception as exc:  # a peer died or the channel broke: replication stops (said once)
+                with self._mu:
+                    self._error = f"{type(exc).__name__}: {exc}"
+                log.error("peer tier: replication stops (round of step %d): %s; saves go on to the durable target",
+                          tick[0], self._error)
+            finally:
+                with self._mu:
+                    self._busy = False
+                    self._mu.notify_all()
+
+    def _round(self, step: int, copied: Future[None], t0: float) -> None:
+        with contextlib.suppress(Exception):  # (a failed copy was logged where it failed: nothing new to send)
+            copied.result(timeout=self.opts.timeout_s)
+        me = self.coord.rank
+        with self._mu:
+            fresh = {s: slot for s, slot in self._own.items() if s > self._sent}
+        with contextlib.ExitStack() as held_open:  # the copies this rank could send, held against reuse
+            held: dict[int, tuple[Copy, dict[str, np.ndarray[Any, Any]]]] = {}
+            for c in self.area.copies():
+                if c.rank == me and fresh.get(c.record.step) == c.slot:
+                    try:
+                        held[c.record.step] = (c, held_open.enter_context(self.area.mapped(c)))
+                    except (OSError, CkptError) as exc:  # (rewritten since it was listed: not sent)
+                        log.debug("peer tier: copy of step %d not sent: %s", c.record.step, exc)
+            box: list[Any] = [None] * self.coord.world
+            self.coord._run("the peer tier's round", lambda: dist.all_gather_object(box, sorted(held), group=self.meta))
+            common = set.intersection(*(set(b) for b in box))  # every rank sends the same step: the newest all have
+            if not common:
+                self._exchange(None, None)
+            else:
+                copy, files = held[max(common)]
+                self._exchange(copy.record, files)
+                with self._mu:
+                    self._sent = copy.record.step
+                    self._own = {s: slot for s, slot in self._own.items() if s >= self._sent}
+        got = self._receipts_round()
+        now = time.perf_counter()
+        with self._mu:
+            self.counts["peer_rounds"] += 1
+            for shard_step, shards in got.items():
+                if len(shards) == self.coord.world and min(shards.values()) >= self.k:
+                    self._replicated.setdefault(shard_step, now - self._saved_at.get(shard_step, now))
+            self._saved_at = {s: t for s, t in self._saved_at.items() if s >= step - 1000}
+
+    def _exchange(self, record: ShardRecord | None, files: dict[str, np.ndarray[Any, Any]] | None) -> None:
+        """Send ``record`` and its files to this rank's peers; receive its sources' shards
+        into the peer area (kept only when they pass their checks)."""
+        got = self.transfer([(d, record, files or {}) for d in self.dests[self.coord.rank]], self.sources,
+                            own_node_ok=False)
+        self._received = {s: (rec.step, ok) for s, (rec, ok) in got.items() if rec is not None}
+
+    def transfer(self, sends: list[tuple[int, ShardRecord | None, dict[str, np.ndarray[Any, Any]]]],
+                 recvs: list[int], *, own_node_ok: bool) -> dict[int, tuple[ShardRecord | None, bool]]:
+        """Send each (rank, record, files) (record None: tell the rank there is nothing);
+        receive a shard from each rank of ``recvs`` into this node's peer area. Returns, per
+        source, the record received (None: nothing, or refused) and whether the copy passed
+        its checks and was committed. Every rank named on one side must name this rank on the
+        other side in the same call."""
+        t = self.transport
+        heads = {s: np.zeros(3, dtype=np.int64) for s in recvs}
+        t.exchange([(d, np.array([rec.step, len(rec.raw), sum(a.size for a in fs.values())] if rec is not None
+                                 else [-1, 0, 0], dtype=np.int64).view(np.uint8)) for d, rec, fs in sends],
+                   [(s, h.view(np.uint8)) for s, h in heads.items()], meta=True)
+        sends = [x for x in sends if x[1] is not None]
+        for s, h in heads.items():
+            if not 0 <= h[1] <= MAX_MANIFEST_BYTES or h[2] < 0:
+                raise CkptError(f"rank {s} announced a shard record of {h[1]} bytes and {h[2]} data bytes")
+        raws = {s: np.zeros(int(h[1]), dtype=np.uint8) for s, h in heads.items() if h[1]}
+        t.exchange([(d, np.frombuffer(rec.raw, dtype=np.uint8).copy()) for d, rec, _ in sends if rec is not None],
+                   list(raws.items()), meta=True)
+        incoming: dict[int, tuple[ShardRecord | None, int | None, list[np.ndarray[Any, Any]]]] = {}
+        for s in recvs:
+            rec: ShardRecord | None = None
+            slot = None
+            bufs: list[np.ndarray[Any, Any]] = []
+            if s in raws:
+                try:
+                    rec = ShardRecord.parse(raws[s].tobytes(), f"the shard record rank {s} sent")
+                    if not own_node_ok and rec.node == self.node:
+                        raise CkptError(f"rank {s} sent a shard saved on this very node ({rec.node})")
+                    slot = self.area.take_slot(rec.rank)
+                    if slot is None:
+                        raise CkptError(f"every slot of rank {rec.rank}'s shard here is held")
+                    bufs = list(self.area.create(rec.rank, slot, rec).values())
+                except (CkptError, OSError) as exc:
+                    log.warning("peer tier: the shard rank %d sent is not kept: %s", s, exc)
+                    if rec is not None and slot is not None:
+                        self.area.abort(rec.rank, slot)
+                    rec, slot, bufs = None, None, []
+            if sum(b.size for b in bufs) != heads[s][2]:
+                if rec is not None and slot is not None:
+                    self.area.abort(rec.rank, slot)
+                rec, slot, bufs = None, None, [np.empty(int(heads[s][2]), dtype=np.uint8)]
+            incoming[s] = (rec, slot, bufs)
+        self._pump(sends, incoming)
+        out: dict[int, tuple[ShardRecord | None, bool]] = {}
+        for s, (rec, slot, bufs) in incoming.items():
+            if rec is None or slot is None:
+                out[s] = (None, False)
+                continue
+            bad = check_files(rec, dict(zip(rec.manifest.files, bufs, strict=True)), self.io)
+            if bad is None:
+                self.area.commit(rec.rank, slot, rec)
+            else:
+                self.area.abort(rec.rank, slot)
+                with self._mu:
+                    self.counts["peer_bad_copies"] += 1
+                log.warning("peer tier: the copy of step %d of rank %d that rank %d sent fails its check (%s); "
+                            "not kept", rec.step, rec.rank, s, bad)
+            out[s] = (rec, bad is None)
+        return out
+
+    def _pump(self, sends: list[tuple[int, ShardRecord | None, dict[str, np.ndarray[Any, Any]]]],
+              incoming: dict[int, tuple[ShardRecord | None, int | None, list[np.ndarray[Any, Any]]]]) -> None:
+        """Move the files' bytes, piece by piece, paced by ``max_bytes_per_s``."""
+        size = self.opts.chunk_bytes
+        out_pieces = [(d, _pieces(list(fs.values()), size)) for d, _, fs in sends]
+        in_pieces = {s: _pieces(bufs, size) for s, (_, _, bufs) in incoming.items()}
+        rounds = max([*(len(p) for _, p in out_pieces), *(len(p) for p in in_pieces.values())], default=0)
+        start, sent = time.monotonic(), 0
+        for i in range(rounds):
+            tx: list[tuple[int, np.ndarray[Any, Any]]] = []
+            rx: list[tuple[int, np.ndarray[Any, Any]]] = []
+            scatter = []
+            for d, pieces in out_pieces:
+                if i < len(pieces):
+                    buf = pieces[i][0] if len(pieces[i]) == 1 else np.concatenate(pieces[i])
+                    tx.append((d, buf))
+                    sent += buf.size
+            for s, pieces in in_pieces.items():
+                if i < len(pieces):
+                    parts = pieces[i]
+                    dst = parts[0] if len(parts) == 1 else np.empty(sum(p.size for p in parts), dtype=np.uint8)
+                    rx.append((s, dst))
+                    if len(parts) > 1:
+                        scatter.append((dst, parts))
+            self.transport.exchange(tx, rx)
+            for dst, parts in scatter:
+                at = 0
+                for p in parts:
+                    p[:] = dst[at:at + p.size]
+                    at += p.size
+            if self.opts.max_bytes_per_s:  # pace: never ahead of the allowed rate
+                ahead = sent / self.opts.max_bytes_per_s - (time.monotonic() - start)
+                if ahead > 0:
+                    time.sleep(ahead)
+        with self._mu:
+            self.counts["peer_bytes_sent"] += sent
+            self.counts["peer_bytes_received"] += sum(b.size for _, _, bs in incoming.values() for b in bs)
+
+    def _receipts_round(self) -> dict[int, dict[int, int]]:
+        """Every rank's receipts of this round; returns step -> shard rank -> copies confirmed so far."""
+        mine = self._received
+        box: list[Any] = [None] * self.coord.world
+        self.coord._run("the peer tier's receipts", lambda: dist.all_gather_object(box, mine, group=self.meta))
+        with self._mu:
+            for receipts in box:
+                for shard, (shard_step, ok) in (receipts or {}).items():
+                    if ok:
+                        per = self._receipts.setdefault(int(shard_step), {})
+                        per[int(shard)] = per.get(int(shard), 0) + 1
+            for s in [s for s in self._receipts if s < max(self._receipts) - 64]:  # bounded history
+                del self._receipts[s]
+            return {s: dict(v) for s, v in self._receipts.items()}
+
+    # ------------------------------------------------------------ state
+
+    def replicated(self) -> list[int]:
+        """Steps whose every shard has k confirmed copies on other nodes (this run)."""
+        with self._mu:
+            return sorted(self._replicated)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every round queued so far has run.
+
+        Raises:
+            CkptTimeoutError: still running after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._mu:
+            while self._ticks or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CkptTimeoutError(f"the peer tier's rounds were still running after {timeout} s")
+                self._mu.wait(left)
+
+    def stats(self) -> dict[str, float]:
+        with self._mu:
+            newest = max(self._replicated, default=-1)
+            return {**self.counts, "peer_replicas": self.k, "peer_replicated_step": newest,
+                    "peer_replicate_s": self._replicated.get(newest, float("nan")),
+                    "peer_failed": float(bool(self._error))}
+
+    def close(self, timeout: float | None) -> None:
+        """Run the rounds queued (bounded by ``timeout``), then stop."""
+        with self._mu:
+            self._ticks.append(None)
+            self._mu.notify_all()
+        self._thread.join(timeout)
+        self._copier.shutdown(wait=not self._thread.is_alive())
+        self.io.shutdown(wait=False)
+        if not self._thread.is_alive():
+            self.area.close()
+            for g in (self.meta, self.transport.data):
+                if g is not None:
+                    try:
+                        dist.destroy_process_group(g)
+                    except Exception as exc:  # the job may have torn the default group down first
+                        log.debug("destroying a peer tier group: %s", exc)
+
+
+def start_peers(opts: PeerOptions | None, coord: Coordinator | None, local_dir: str, root_url: str, chunk_size: int,
+                read_only: bool) -> Replicator | None:
+    """The peer tier of a manager, or None when ``opts`` is None or the manager only reads.
+
+    Raises:
+        ConfigError: ``opts`` is not a :class:`PeerOptions`, or there is no multi-rank job.
+    """
+    if opts is None or read_only:
+        return None
+    if not isinstance(opts, PeerOptions):
+        raise ConfigError(f"peers must be a ckptmgr.PeerOptions or None, got {type(opts).__name__}")
+    if coord is None:
+        raise ConfigError("PeerOptions: the peer tier replicates the shards of a multi-rank job; initialize "
+                          "torch.distributed with more than one rank (or pass peers=None)")
+    return Replicator(opts, coord, local_dir, root_url, chunk_size)
