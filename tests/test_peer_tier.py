@@ -43,10 +43,10 @@ def _start(scenario: str, root: str, out: Path, layout: list[str], nodes: Path) 
     return procs
 
 
-def _reports(scenario: str, out: Path) -> list[dict]:
-    for r in range(WORLD):
+def _reports(scenario: str, out: Path, world: int = WORLD) -> list[dict]:
+    for r in range(world):
         sys.stderr.write((out / f"{scenario}-{r}.stderr").read_text())
-    return [json.loads((out / f"{scenario}-{r}.json").read_text()) for r in range(WORLD)]
+    return [json.loads((out / f"{scenario}-{r}.json").read_text()) for r in range(world)]
 
 
 def _await_ready(procs: list[subprocess.Popen], timeout_s: float) -> None:
@@ -82,34 +82,45 @@ def _resume(tmp: Path, root: str, layout: list[str]) -> list[dict]:
         rcs = [p.wait(timeout=240) for p in procs]
     finally:
         _kill(procs)
-    reports = _reports("resume", out)
-    assert rcs == [0] * WORLD or all(rc in (0, -6) for rc in rcs), rcs  # (gloo may abort at exit, after the report)
+    reports = _reports("resume", out, len(layout))
+    assert all(rc in (0, -6) for rc in rcs), rcs  # (gloo may abort at exit, after the report)
     return reports
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """Nodes A (ranks 0, 1) and B (ranks 2, 3) trained to step 6, every step replicated; then
-    every process is SIGKILLed (B is the node lost; the job restarts). Returns a folder with
-    the root and both nodes' RAM directories, copied by each test before it changes them."""
-    base = tmp_path_factory.mktemp("trained")
+def _train(base: Path, layout: list[str]) -> Path:
+    """The nodes of ``layout`` trained to step 6, every step replicated; then every process
+    is SIGKILLed, the last node's first (it is the node lost; the job restarts). Returns a
+    folder with the root and the nodes' RAM directories, copied by each test before it
+    changes them."""
     root = str(base / "ckpt")
     (base / "nodes").mkdir()
     out = base / "train"
     out.mkdir()
-    procs = _start("train", root, out, ["A", "A", "B", "B"], base / "nodes")
+    procs = _start("train", root, out, layout, base / "nodes")
     try:
         _await_ready(procs, 240)
-        _kill(procs[2:])  # node B goes first; the survivors are killed by the job's restart
+        _kill([p for p, node in zip(procs, layout, strict=True) if node == layout[-1]])
     finally:
         _kill(procs)
     shutil.copytree(root, base / "pristine")
-    reports = _reports("train", out)
+    reports = _reports("train", out, len(layout))
     for r in reports:
         assert r["stats"]["peer_replicated_step"] == 6 and r["stats"]["peer_replicas"] == 1
         assert r["steps"] == [2, 4, 6] and r["stats"]["peer_failed"] == 0
         assert r["stats"]["peer_bytes_sent"] > 0 and r["stats"]["peer_bad_copies"] == 0
     return base
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """Nodes A (ranks 0, 1) and B (ranks 2, 3)."""
+    return _train(tmp_path_factory.mktemp("trained"), ["A", "A", "B", "B"])
+
+
+@pytest.fixture(scope="module")
+def trained_pair(tmp_path_factory) -> Path:
+    """Nodes A (rank 0) and B (rank 1)."""
+    return _train(tmp_path_factory.mktemp("trained_pair"), ["A", "B"])
 
 
 def _setup(trained: Path, tmp: Path, *, lose: tuple[str, ...], zero_durable: bool) -> str:
@@ -134,6 +145,19 @@ def _area(tmp: Path, node: str, root: str) -> PeerArea:
     return PeerArea(str(tmp / "nodes" / node), root)
 
 
+def test_a_lost_node_of_two_is_restored_from_its_peer_without_the_durable_target(trained_pair, tmp_path):
+    """The fast variant of the next test: one rank per node."""
+    root = _setup(trained_pair, tmp_path, lose=("B",), zero_durable=True)
+    reports = _resume(tmp_path, root, ["C", "A"])  # the fresh node C takes rank 0; A's process runs rank 1
+    for r in reports:
+        assert r["restored"] == 6 and not r["warnings"], r["warnings"]
+        assert r["restored_digest"] == peer_worker.reference(r["rank"], 6)
+        assert r["digest"] == peer_worker.reference(r["rank"])
+    assert [r["stats"].get("peer_restore_peer", 0) for r in reports] == [1, 0]
+    assert [r["stats"].get("peer_restore_own", 0) for r in reports] == [0, 1]
+
+
+@pytest.mark.slow  # (two launches of 4 processes: over a minute on 2 cores)
 def test_a_lost_node_is_restored_from_peers_bit_exact_without_the_durable_target(trained, tmp_path):
     root = _setup(trained, tmp_path, lose=("B",), zero_durable=True)
     # the fresh node C takes ranks 0 and 1; node A's processes now run ranks 2 and 3
@@ -153,6 +177,7 @@ def test_a_lost_node_is_restored_from_peers_bit_exact_without_the_durable_target
     assert all(r["after"]["peer_replicated_step"] == 8 for r in reports)
 
 
+@pytest.mark.slow
 def test_a_corrupted_replica_falls_back_to_another_copy(trained, tmp_path):
     root = _setup(trained, tmp_path, lose=(), zero_durable=True)
     area = _area(tmp_path, "A", root)
@@ -168,23 +193,24 @@ def test_a_corrupted_replica_falls_back_to_another_copy(trained, tmp_path):
     assert reports[2]["stats"]["peer_bad_copies"] == 1 and reports[2]["stats"]["peer_restore_peer"] == 1
 
 
-def test_a_corrupted_last_copy_is_read_from_the_durable_target_saying_why(trained, tmp_path):
-    root = _setup(trained, tmp_path, lose=("B",), zero_durable=False)
+def test_a_corrupted_last_copy_is_read_from_the_durable_target_saying_why(trained_pair, tmp_path):
+    root = _setup(trained_pair, tmp_path, lose=("B",), zero_durable=False)
     area = _area(tmp_path, "A", root)
-    bad = next(c for c in area.copies() if c.rank == 2 and c.record.step == 6)  # the only copy left
+    bad = next(c for c in area.copies() if c.rank == 1 and c.record.step == 6)  # the only copy left
     with open(area.path_of(bad, next(iter(bad.record.manifest.files))), "r+b") as f:
         f.seek(100)
         f.write(b"\xff")
-    reports = _resume(tmp_path, root, ["A", "A", "C", "C"])
+    reports = _resume(tmp_path, root, ["A", "C"])
     for r in reports:
         assert r["restored"] == 6 and r["digest"] == peer_worker.reference(r["rank"])
-    assert [r["stats"].get("peer_restore_durable", 0) for r in reports] == [0, 0, 1, 0]
-    assert any("read from the durable target" in w and "fails its check" in w for w in reports[2]["warnings"])
+    assert [r["stats"].get("peer_restore_durable", 0) for r in reports] == [0, 1]
+    assert any("read from the durable target" in w and "the copy on node A fails its check" in w
+               for w in reports[1]["warnings"]), reports[1]["warnings"]
 
 
-def test_losing_more_nodes_than_replicas_restores_from_the_durable_target_saying_why(trained, tmp_path):
-    root = _setup(trained, tmp_path, lose=("A", "B"), zero_durable=False)
-    reports = _resume(tmp_path, root, ["C", "C", "D", "D"])
+def test_losing_more_nodes_than_replicas_restores_from_the_durable_target_saying_why(trained_pair, tmp_path):
+    root = _setup(trained_pair, tmp_path, lose=("A", "B"), zero_durable=False)
+    reports = _resume(tmp_path, root, ["C", "D"])
     for r in reports:
         assert r["restored"] == 6 and r["digest"] == peer_worker.reference(r["rank"])
         assert any("no node's RAM holds a shard of step 6" in w for w in r["warnings"]), r["warnings"]

@@ -161,7 +161,8 @@ def _restore_step(rep: Replicator, restorer: Restorer, coord: Coordinator, s: in
         why = f"its copy on this node ({rep.node}) fails its check: {bad}"
         log.warning("peer tier: step %d, rank %d: %s", s, me, why)
     sources = [r for r in shards.get(me, []) if rep.nodes[r] != rep.node]
-    fetched = _fetch(rep, coord, s, shards, need=not local, sources=sources)
+    fetched, failed = _fetch(rep, coord, s, shards, need=not local, sources=sources)
+    why = "; ".join(x for x in (why, failed) if x)
     if fetched is not None:
         local = {n: rep.area.path_of(fetched, n) for n in fetched.record.manifest.files}
     elif not local:
@@ -209,16 +210,18 @@ def _manifest(restorer: Restorer, coord: Coordinator, s: int, raws: dict[int, by
 
 
 def _fetch(rep: Replicator, coord: Coordinator, s: int, shards: dict[int, list[int]], *, need: bool,
-           sources: list[int]) -> Copy | None:
+           sources: list[int]) -> tuple[Copy | None, str]:
     """Rounds in which each rank still needing its shard asks the next holding node for it;
-    every rank serves what it is asked. Returns the copy received and verified, or None."""
+    every rank serves what it is asked. Returns the copy received and verified (or None),
+    and why the copies tried were not usable."""
     me = coord.rank
     tried = 0
+    why: list[str] = []
     while True:
         ask = sources[tried] if need and tried < len(sources) else None
         asks = coord.all_gather(ask, f"asking for the shards of step {s}")
         if all(a is None for a in asks):
-            return None
+            return None, "; ".join(why)
         serve = [r for r, a in enumerate(asks) if a == me]
         sends = []
         held = {c.rank: c for c in rep.area.copies() if c.record.step == s}
@@ -233,7 +236,9 @@ def _fetch(rep: Replicator, coord: Coordinator, s: int, shards: dict[int, list[i
                 need = False
                 found = next((c for c in rep.area.copies() if c.rank == me and c.record.step == s), None)
                 if found is not None:
-                    return _finish(rep, coord, s, found)
+                    return _finish(rep, coord, s, found), ""
+            why.append(f"the copy on node {rep.nodes[ask]} " + ("fails its check" if rec is not None else
+                                                                  "could not be received"))
             log.warning("peer tier: step %d, rank %d: the copy from rank %d (node %s) is not usable; %s", s, me, ask,
                         rep.nodes[ask], "trying the next node" if tried < len(sources) else "no other node holds one")
 

@@ -141,11 +141,18 @@ class _Transport:
         rx = [torch.empty(a.size, dtype=torch.uint8, device=self.gpu) if staged else torch.from_numpy(a)
               for _, a in recvs]
         g = self.coord.global_rank
-        works = [dist.isend(t, dst=g(r), group=group) for (r, _), t in zip(sends, tx, strict=True)]
-        works += [dist.irecv(t, src=g(r), group=group) for (r, _), t in zip(recvs, rx, strict=True)]
+        if staged:  # NCCL: one batch, so that a pair of ranks sending to each other cannot deadlock
+            ops = [dist.P2POp(dist.isend, t, g(r), group) for (r, _), t in zip(sends, tx, strict=True)]
+            ops += [dist.P2POp(dist.irecv, t, g(r), group) for (r, _), t in zip(recvs, rx, strict=True)]
+            works: list[Any] = dist.batch_isend_irecv(ops) if ops else []
+        else:
+            works = [dist.isend(t, dst=g(r), group=group) for (r, _), t in zip(sends, tx, strict=True)]
+            works += [dist.irecv(t, src=g(r), group=group) for (r, _), t in zip(recvs, rx, strict=True)]
         for w in works:
             if w is not None:
                 w.wait()
+        if staged:
+            torch.cuda.current_stream(self.gpu).synchronize()
         if staged:
             for (_, a), t in zip(recvs, rx, strict=True):
                 torch.from_numpy(a).copy_(t.cpu())
@@ -185,7 +192,8 @@ class Replicator:
         ranks = [coord.global_rank(r) for r in range(coord.world)]
         self.meta = coord._run("creating the peer tier's groups", lambda: dist.new_group(ranks, backend="gloo",
                                                                                          timeout=timeout))
-        nccl = opts.transport == "nccl" or (opts.transport == "auto" and dist.get_backend(coord.group) == "nccl")
+        nccl = opts.transport == "nccl" or (opts.transport == "auto" and "nccl" in str(dist.get_backend(coord.group))
+                                            and torch.cuda.is_available())
         gpu = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         data = coord._run("creating the peer tier's groups", lambda: dist.new_group(ranks, backend="nccl",
                                                                                     timeout=timeout)) if nccl else None
