@@ -3,7 +3,7 @@ fast a replaced node's ranks get their shards back from peers against the durabl
 
     torchrun --nproc-per-node 4 benchmarks/bench_peer_tier.py --ranks-per-node 2 --out $OUT/peer.json   # GPUs
     python benchmarks/bench_peer_tier.py --device cpu --nproc 4 --ranks-per-node 2 --width 256 --layers 2 \\
-        --steps 50                                                                                        # CPU smoke
+        --batch 16 --steps 50                                                                   # CPU smoke
 
 Ranks are grouped into simulated nodes of ``--ranks-per-node`` (node identity and RAM directory
 per group). A DDP model (``--layers`` x Linear(``--width``)) + AdamW trains ``--steps`` steps
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, dev: torch.device, root: str, shm: str, peers:
     dist.barrier()
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
-        model(torch.randn(16, args.width, device=dev, generator=g)).float().pow(2).mean().backward()
+        model(torch.randn(args.batch, args.width, device=dev, generator=g)).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
         if step % args.every == 0:
@@ -211,6 +211,7 @@ def main() -> None:
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--width", type=int, default=8192)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4096, help="rows per training step")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every", type=int, default=25)
     p.add_argument("--rounds", type=int, default=2)
