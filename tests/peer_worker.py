@@ -98,6 +98,7 @@ def main() -> None:
         threading.Event().wait(300)  # until the test SIGKILLs this node (or the job)
         return
     if scenario == "resume":
+        report.update(before=mgr.stats()["peer_replicated_step"])  # what the nodes' RAM holds complete
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             state = mgr.restore(target=state)

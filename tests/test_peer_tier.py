@@ -150,6 +150,7 @@ def test_a_lost_node_of_two_is_restored_from_its_peer_without_the_durable_target
     root = _setup(trained_pair, tmp_path, lose=("B",), zero_durable=True)
     reports = _resume(tmp_path, root, ["C", "A"])  # the fresh node C takes rank 0; A's process runs rank 1
     for r in reports:
+        assert r["before"] == 6  # node A's RAM holds both shards of step 6: listed at start-up
         assert r["restored"] == 6 and not r["warnings"], r["warnings"]
         assert r["restored_digest"] == peer_worker.reference(r["rank"], 6)
         assert r["digest"] == peer_worker.reference(r["rank"])
@@ -212,6 +213,7 @@ def test_losing_more_nodes_than_replicas_restores_from_the_durable_target_saying
     root = _setup(trained_pair, tmp_path, lose=("A", "B"), zero_durable=False)
     reports = _resume(tmp_path, root, ["C", "D"])
     for r in reports:
+        assert r["before"] == -1  # nothing in RAM
         assert r["restored"] == 6 and r["digest"] == peer_worker.reference(r["rank"])
         assert any("no node's RAM holds a shard of step 6" in w for w in r["warnings"]), r["warnings"]
 

@@ -211,6 +211,7 @@ class Replicator:
         self._receipts: dict[int, dict[int, int]] = {}  # step -> shard rank -> confirmed copies
         self._error = ""
         self._received: dict[int, tuple[int, bool]] = {}  # (replication thread) this round's receipts
+        self._found = self._complete_steps()  # steps an earlier run left complete in the nodes' RAM
         self.counts = {"peer_rounds": 0, "peer_bytes_sent": 0, "peer_bytes_received": 0, "peer_copy_skips": 0,
                        "peer_bad_copies": 0}
         self._thread = threading.Thread(target=self._loop, name="ckptmgr-peer-replicate", daemon=True)
@@ -466,10 +467,21 @@ class Replicator:
 
     # ------------------------------------------------------------ state
 
+    def _complete_steps(self) -> set[int]:
+        """(start-up, every rank together) The steps of which the nodes' RAM holds every shard,
+        saved at this world size."""
+        mine = sorted({(c.record.step, c.rank) for c in self.area.copies() if c.record.world == self.coord.world})
+        shards: dict[int, set[int]] = collections.defaultdict(set)
+        for listed in self.coord.all_gather(mine, "peer tier start-up (the copies in RAM)"):
+            for step, rank in listed:
+                shards[step].add(rank)
+        return {s for s, ranks in shards.items() if len(ranks) == self.coord.world}
+
     def replicated(self) -> list[int]:
-        """Steps whose every shard has k confirmed copies on other nodes (this run)."""
+        """Steps whose every shard has k confirmed copies on other nodes (this run), and the
+        steps whose every shard an earlier run left in some node's RAM."""
         with self._mu:
-            return sorted(self._replicated)
+            return sorted(set(self._replicated) | self._found)
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every round queued so far has run.
@@ -487,7 +499,7 @@ class Replicator:
 
     def stats(self) -> dict[str, float]:
         with self._mu:
-            newest = max(self._replicated, default=-1)
+            newest = max(set(self._replicated) | self._found, default=-1)
             return {**self.counts, "peer_replicas": self.k, "peer_replicated_step": newest,
                     "peer_replicate_s": self._replicated.get(newest, float("nan")),
                     "peer_failed": float(bool(self._error))}
