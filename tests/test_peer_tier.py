@@ -226,3 +226,15 @@ def test_peers_are_on_other_nodes():
         assert len(ds) == 2 and all(["a", "b", "c", "a", "b", "c"][d] != ["a", "b", "c", "a", "b", "c"][r] for d in ds)
     dests, why = peers_of(["a", "a", "b"], 3)  # 2 nodes hold at most 1 replica off-node
     assert all(len(ds) == 1 for ds in dests.values()) and "at most 1" in why
+
+
+def test_ls_says_which_steps_this_nodes_peer_tier_holds(trained_pair, tmp_path):
+    root = _setup(trained_pair, tmp_path, lose=("B",), zero_durable=False)
+    shutil.rmtree(os.path.join(root, "step_000000000006"))  # step 6 is now in RAM only
+    p = subprocess.run([sys.executable, "-m", "ckptmgr", "ls", root, "--local-dir", str(tmp_path / "nodes" / "A"),
+                        "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    rows = {r["step"]: r for r in json.loads(p.stdout)["steps"]}
+    assert rows[6]["tier"] == "peer" and rows[6]["peer"] == {"ranks": [0, 1], "world_size": 2}
+    assert rows[4]["tier"] == "durable+peer"  # (2 slots per shard: steps 4 and 6)
+    assert rows[2]["tier"] == "durable" and "peer" not in rows[2]

@@ -55,7 +55,7 @@ from ..format.schema import MAX_MANIFEST_BYTES
 from .private import NOFOLLOW, check_private_dir, open_private_dir, read_small, write_small
 from .tier import tier_dir
 
-__all__ = ["Copy", "PeerArea", "ShardRecord"]
+__all__ = ["Copy", "PeerArea", "ShardRecord", "check_files", "read_peer"]
 
 RECORD = "record.json"
 _TMP_RECORD = ".record.json.tmp"
@@ -127,10 +127,13 @@ class PeerArea:
         slots: slots kept per shard (at least 2: one holds the newest copy while the next lands).
     """
 
-    def __init__(self, local_dir: str, root_url: str, slots: int = 2) -> None:
+    def __init__(self, local_dir: str, root_url: str, slots: int = 2, *, create: bool = True) -> None:
         top = tier_dir(local_dir, root_url)
         self.path = os.path.join(top, "peer")
         self.slots = max(2, slots)
+        if not create:  # (to read only: a missing area is not made; FileNotFoundError)
+            check_private_dir(os.lstat(top), top)
+            check_private_dir(os.lstat(self.path), self.path)
         tfd = open_private_dir(top, None, top)
         try:
             self._fd = open_private_dir("peer", tfd, self.path)
@@ -338,6 +341,23 @@ class PeerArea:
                     continue
                 self._writing.add((rank, c.slot))
             self.abort(rank, c.slot)
+
+
+def read_peer(local_dir: str, root_url: str) -> dict[int, dict[int, int]]:
+    """Step -> saved rank -> world size of the shards this node's peer area holds for
+    ``root_url`` (read only; empty when there is none, or it is not this user's private
+    directory)."""
+    try:
+        area = PeerArea(local_dir, root_url, create=False)
+    except OSError:
+        return {}
+    try:
+        out: dict[int, dict[int, int]] = {}
+        for c in area.copies():
+            out.setdefault(c.record.step, {})[c.rank] = c.record.world
+        return out
+    finally:
+        area.close()
 
 
 def check_files(record: ShardRecord, files: dict[str, np.ndarray[Any, Any]], pool: Any = None) -> str | None:
