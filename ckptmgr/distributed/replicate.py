@@ -60,6 +60,7 @@ from .coordinator import Coordinator
 __all__ = ["NODE_ENV", "PeerOptions", "Replicator", "peers_of", "start_peers"]
 
 log = logging.getLogger("ckptmgr")
+MAX_SHARD_BYTES = 1 << 44  # the most bytes a peer may announce for one shard (16 TiB)
 NODE_ENV = "CKPTMGR_NODE"  # the node identity, when PeerOptions(node=None); default: the hostname
 
 
@@ -365,7 +366,7 @@ class Replicator:
                    [(s, h.view(np.uint8)) for s, h in heads.items()], meta=True)
         sends = [x for x in sends if x[1] is not None]
         for s, h in heads.items():
-            if not 0 <= h[1] <= MAX_MANIFEST_BYTES or h[2] < 0:
+            if not 0 <= h[1] <= MAX_MANIFEST_BYTES or not 0 <= h[2] <= MAX_SHARD_BYTES:
                 raise CkptError(f"rank {s} announced a shard record of {h[1]} bytes and {h[2]} data bytes")
         raws = {s: np.zeros(int(h[1]), dtype=np.uint8) for s, h in heads.items() if h[1]}
         t.exchange([(d, np.frombuffer(rec.raw, dtype=np.uint8).copy()) for d, rec, _ in sends if rec is not None],
@@ -392,7 +393,7 @@ class Replicator:
             if sum(b.size for b in bufs) != heads[s][2]:
                 if rec is not None and slot is not None:
                     self.area.abort(rec.rank, slot)
-                rec, slot, bufs = None, None, [np.empty(int(heads[s][2]), dtype=np.uint8)]
+                rec, slot, bufs = None, None, self._discard(int(heads[s][2]))
             incoming[s] = (rec, slot, bufs)
         self._pump(sends, incoming)
         out: dict[int, tuple[ShardRecord | None, bool]] = {}
@@ -411,6 +412,13 @@ class Replicator:
                             "not kept", rec.step, rec.rank, s, bad)
             out[s] = (rec, bad is None)
         return out
+
+    def _discard(self, nbytes: int) -> list[np.ndarray[Any, Any]]:
+        """Where the bytes of a refused shard go: one reused buffer of ``chunk_bytes``, never
+        an allocation of the size a peer announced."""
+        size = self.opts.chunk_bytes
+        scratch = np.empty(min(size, nbytes), dtype=np.uint8)
+        return [scratch] * (nbytes // size) + ([scratch[:nbytes % size]] if nbytes % size else [])
 
     def _pump(self, sends: list[tuple[int, ShardRecord | None, dict[str, np.ndarray[Any, Any]]]],
               incoming: dict[int, tuple[ShardRecord | None, int | None, list[np.ndarray[Any, Any]]]]) -> None:
