@@ -114,7 +114,7 @@ def restore_newest_peer(rep: Replicator, restorer: Restorer, coord: Coordinator,
             warnings.warn(f"no node's RAM holds a shard of step {s} (more nodes were lost than the {rep.k} "
                           "replica(s) per shard cover, or the step was never replicated): restoring from the durable "
                           f"target {restorer.target.url}", RuntimeWarning, stacklevel=3)
-            rep.counts["peer_restore_durable"] = rep.counts.get("peer_restore_durable", 0) + 1
+            rep.count("peer_restore_durable")
             if step is not None and s not in durable_set:
                 raise StepNotFoundError(f"step {s} is neither in the peer tier nor on {restorer.target.url}")
             return restore_newest_dist(restorer, coord, older, target, device, loader, rank_map)
@@ -175,7 +175,7 @@ def _restore_step(rep: Replicator, restorer: Restorer, coord: Coordinator, s: in
     if bad_ranks:
         raise CheckpointCorruptError(f"step {s}: no verified copy of the shards of ranks {bad_ranks} in any tier")
     where = "own" if local and fetched is None else ("peer" if fetched is not None else "durable")
-    rep.counts[f"peer_restore_{where}"] = rep.counts.get(f"peer_restore_{where}", 0) + 1
+    rep.count(f"peer_restore_{where}")
     log.info("peer tier: step %d, rank %d: shard from %s", s, me, where)
     source = PeerSource(local, restorer.target, f"peer tier {rep.area.path}", rep.io)
     with restorer.guard.reading(s):
@@ -228,7 +228,7 @@ def _fetch(rep: Replicator, coord: Coordinator, s: int, shards: dict[int, list[i
         with _Mapped(rep, [held.get(r) for r in serve]) as files:
             for r, (c, fs) in zip(serve, files, strict=True):
                 sends.append((r, c.record if c is not None else None, fs))
-            got = rep.transfer(sends, [ask] if ask is not None else [], own_node_ok=True)
+            got = rep.mover.transfer(sends, [ask] if ask is not None else [], own_node_ok=True)
         tried += 1
         if ask is not None:
             rec, ok = got.get(ask, (None, False))
@@ -253,7 +253,7 @@ def _finish(rep: Replicator, coord: Coordinator, s: int, found: Copy) -> Copy:
         held = {c.rank: c for c in rep.area.copies() if c.record.step == s}
         with _Mapped(rep, [held.get(r) for r in serve]) as files:
             sends = [(r, c.record if c is not None else None, fs) for r, (c, fs) in zip(serve, files, strict=True)]
-            rep.transfer(sends, [], own_node_ok=True)
+            rep.mover.transfer(sends, [], own_node_ok=True)
 
 
 class _Mapped:
