@@ -582,6 +582,7 @@ class CheckpointManager:
             raise ConfigError(f"loader={loader!r} loads onto a device: pass device= or a target")
         with collector_paused():  # (see _threads: the collector finds nothing to free in what a restore builds)
             if self._peers is not None and self._coord is not None:  # each rank's shard from the nearest tier
+                self._check_open()
                 durable = self._coord.broadcast(sorted(self._target.list_steps()) if self._coord.is_leader else [],
                                                 "restore (the durable listing)")
                 return restore_newest_peer(self._peers, self._restorer, self._coord, durable, target, dev, loader,

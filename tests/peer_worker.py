@@ -5,6 +5,7 @@
     RAM directory) set)
 
 Scenarios:
+  start    create the manager and close it; report the ConfigError it raised, if any
   train    train steps 1..6, saving every second step; wait until every save is committed and
            replicated; report; print "ready" and block until killed (the node is lost)
   resume   restore the newest step into fresh state, report where each shard came from and
@@ -24,7 +25,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ckptmgr import CheckpointManager, PeerOptions, PerRank, WriteOptions
+from ckptmgr import CheckpointManager, ConfigError, PeerOptions, PerRank, WriteOptions
 
 FINAL = 8
 SAVES = (2, 4, 6)
@@ -83,6 +84,14 @@ def main() -> None:
     logging.getLogger("ckptmgr").addHandler(Keep(logging.INFO))
     logging.getLogger("ckptmgr").setLevel(logging.INFO)
     report: dict = {"rank": rank, "node": os.environ["CKPTMGR_NODE"]}
+    if scenario == "start":  # only create the manager: report what it raised
+        try:
+            manager(root).close()
+        except ConfigError as exc:
+            report["error"] = str(exc)
+        with open(out, "w") as f:
+            json.dump(report, f)
+        return
     mgr = manager(root)
     state = fresh(rank)
     if scenario == "train":

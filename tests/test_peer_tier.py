@@ -22,6 +22,7 @@ import pytest
 
 from ckptmgr.distributed.replicate import peers_of
 from ckptmgr.storage.peer_tier import PeerArea
+from ckptmgr.storage.tier import tier_dir
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_worker.py")
 WORLD = 4
@@ -239,3 +240,22 @@ def test_ls_says_which_steps_this_nodes_peer_tier_holds(trained_pair, tmp_path):
     for step in (2, 4):  # (which older copies stay in the 2 slots per shard depends on how rounds coalesced)
         assert rows[step]["tier"] in ("durable", "durable+peer")
         assert ("peer" in rows[step]) == rows[step]["tier"].endswith("peer")
+
+
+def test_a_node_whose_ram_directory_is_not_private_stops_every_rank_at_start(tmp_path):
+    root = str(tmp_path / "ckpt")
+    (tmp_path / "nodes" / "B").mkdir(parents=True)
+    planted = tier_dir(str(tmp_path / "nodes" / "B"), root)
+    os.mkdir(planted, 0o755)  # someone else's (or a careless) directory where node B's would be
+    os.chmod(planted, 0o755)
+    out = tmp_path / "start"
+    out.mkdir()
+    procs = _start("start", root, out, ["A", "B"], tmp_path / "nodes")
+    try:
+        rcs = [p.wait(timeout=240) for p in procs]
+    finally:
+        _kill(procs)
+    reports = _reports("start", out, 2)
+    assert all(rc in (0, -6) for rc in rcs), rcs
+    for r in reports:  # both ranks raise (rank 0's directory is fine), naming the node and why
+        assert "rank 1 (node B)" in r["error"] and "mode 755" in r["error"], r

@@ -146,7 +146,22 @@ class Replicator:
         gpu = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         data = coord._run("creating the peer tier's groups", lambda: dist.new_group(ranks, backend="nccl",
                                                                                     timeout=timeout)) if nccl else None
-        self.area = PeerArea(opts.local_dir or local_dir, root_url, opts.slots)
+        where = opts.local_dir or local_dir
+        try:
+            area: PeerArea | None = PeerArea(where, root_url, opts.slots)
+            problem = ""
+        except OSError as exc:  # (not private, not there, full): every rank must hear of it, or rounds hang
+            area, problem = None, f"rank {coord.rank} (node {self.node}): {where}: {exc}"
+        problems = [p for p in coord.all_gather(problem, "peer tier start-up (RAM directories)") if p]
+        if problems or area is None:
+            for g in (self.meta, data):
+                if g is not None:
+                    dist.destroy_process_group(g)
+            if area is not None:
+                area.close()
+            raise ConfigError("the peer tier cannot keep shards in RAM: " + "; ".join(problems) +
+                              " (set PeerOptions(local_dir=...) to a private directory in RAM on every node)")
+        self.area = area
         self.io = DaemonPool(4, thread_name_prefix="ckptmgr-peer-io")
         self.data = data
         self.mover = ShardMover(Transport(coord, self.meta, data, gpu), self.area, self.node, opts.chunk_bytes,
