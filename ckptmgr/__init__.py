@@ -35,6 +35,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # the names below are imported on first use (__getattr__)
+    from .distributed.replicate import PeerOptions
     from .format.tree import PerRank
     from .handle import SaveHandle, SaveInfo
     from .manager import CheckpointManager
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (__getattr__)
     )
 
 _LAZY = {
+    **dict.fromkeys(["PeerOptions"], ".distributed.replicate"),
     **dict.fromkeys(["PerRank"], ".format.tree"),
     **dict.fromkeys(["SaveHandle", "SaveInfo"], ".handle"),
     **dict.fromkeys(["CheckpointManager"], ".manager"),
@@ -92,6 +94,7 @@ __all__ = [
     "KeepEvery",
     "KeepEverySeconds",
     "KeepLatest",
+    "PeerOptions",
     "PerRank",
     "PinnedWeights",
     "RetentionPolicy",

@@ -25,6 +25,8 @@ from . import __version__
 from . import _lifecycle as lifecycle
 from ._threads import collector_paused
 from .distributed.coordinator import coordinator_for, rank_file_prefix, rank_prefix
+from .distributed.peer_restore import restore_newest_peer
+from .distributed.replicate import PeerOptions, start_peers
 from .distributed.restore import restore_newest_dist, restore_step_dist
 from .distributed.save import coordinate, fingerprints, share_of
 from .errors import CkptTimeoutError, ConfigError, StepNotFoundError
@@ -97,6 +99,9 @@ class CheckpointManager:
             durable target too, and what :meth:`should_save` answers. None: every save goes
             to both tiers. Either way, durable writes that fall behind are coalesced to the
             newest locally committed step (see :class:`SaveHandle`).
+        peers: in a multi-rank job, the peer tier (:class:`PeerOptions`): each rank's shard
+            of every step is kept in its node's RAM and sent to k ranks on other nodes, so a
+            restart after a lost node restores from RAM (see docs/DISTRIBUTED.md, "Peer tier").
 
     Example:
         >>> import torch
@@ -125,6 +130,7 @@ class CheckpointManager:
         close_timeout: float | None = CLOSE_TIMEOUT_S,
         read_only: bool | None = None,
         schedule: Schedule | None = None,
+        peers: PeerOptions | None = None,
     ) -> None:
         retention = option_or_default(retention, RetentionPolicy, "retention", KeepAll)
         write_options = option_or_default(write_options, WriteOptions, "write_options", WriteOptions)
@@ -147,6 +153,8 @@ class CheckpointManager:
         if write_options.gds and not self.read_only:
             enable_writer(self._target, self.root)
         self._coord = coordinator_for(process_group, coordination_timeout)
+        self._peers = start_peers(peers, self._coord, staging.local_dir, self.root, write_options.chunk_size,
+                                  self.read_only)
         if self._coord is not None or self.read_only:
             # one tier per node would be shared by its ranks; a reader writes nothing: none
             staging = dataclasses.replace(staging, local_tier=False)
@@ -213,8 +221,9 @@ class CheckpointManager:
         ``budget_save_cost_s``, ``budget_durable_write_s``, ``budget_durable_bytes_per_s``.
         """
         budget = {} if self._budget is None else {f"budget_{k}": v for k, v in self._budget.stats().items()}
+        peers = self._peers.stats() if self._peers is not None else {}
         return {**self._saver.stats(), "slots": len(self._saver.pool.slots), "deleted": len(self._deleter.deleted),
-                "skipped_steps": len(self.skipped_steps()), **budget}
+                "skipped_steps": len(self.skipped_steps()), **budget, **peers}
 
     def skipped_steps(self) -> dict[int, str]:
         """Steps under the root left alone, with why: those the last listing could not read
@@ -282,6 +291,8 @@ class CheckpointManager:
                             metadata=meta_json, library_version=__version__)
         coord = self._coord
         join = None if coord is None else (lambda job: coordinate(job, coord, self._target, fps))
+        if self._peers is not None and join is not None:  # the shard is also copied to RAM and sent to peers
+            join = self._peers.joined(join)
         if self._budget is None:
             return SaveHandle(self._saver.save(manifest, plan, sizes, block=block, t0=t0, coordinate=join,
                                                schedule=self._schedule, durable=durable))
@@ -378,7 +389,8 @@ class CheckpointManager:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save has committed (or failed), every :meth:`prepare`
-        has finished, and the deletions the retention policy decided after them are done.
+        has finished, the peer tier's rounds for them have run (with :class:`PeerOptions`),
+        and the deletions the retention policy decided after them are done.
 
         Raises:
             SaveError: a save failed and nobody has been told yet.
@@ -387,6 +399,8 @@ class CheckpointManager:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         self._saver.wait(timeout)
+        if self._peers is not None:  # (and their copies in the peer tier)
+            self._peers.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._deleter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._raise_unobserved()
 
@@ -481,7 +495,8 @@ class CheckpointManager:
         # the tier first: a step leaves it only once durable or superseded by a newer commit,
         # so the newest step listed never goes back while a save moves it between the two
         local = set(self._tier.steps()) if self._tier is not None else set()
-        return set(self._target.list_steps()) | local
+        peers = set(self._peers.replicated()) if self._peers is not None else set()
+        return set(self._target.list_steps()) | local | peers
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none."""
@@ -566,6 +581,12 @@ class CheckpointManager:
         if loader in ("inplace", "ring", "gds") and dev is None and target is None:
             raise ConfigError(f"loader={loader!r} loads onto a device: pass device= or a target")
         with collector_paused():  # (see _threads: the collector finds nothing to free in what a restore builds)
+            if self._peers is not None and self._coord is not None:  # each rank's shard from the nearest tier
+                self._check_open()
+                durable = self._coord.broadcast(sorted(self._target.list_steps()) if self._coord.is_leader else [],
+                                                "restore (the durable listing)")
+                return restore_newest_peer(self._peers, self._restorer, self._coord, durable, target, dev, loader,
+                                           rank_map, None if step is None else self._resolve_step(step))
             if self._coord is not None and step is not None:
                 return restore_step_dist(self._restorer, self._coord, self._resolve_step(step), target, dev, loader,
                                          rank_map)
@@ -651,6 +672,8 @@ class CheckpointManager:
             self._tier.close(remove=not kept and not hung, wait=not hung)
         if not hung and not deleting:
             self._target.close()
+        if self._peers is not None:
+            self._peers.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self._coord is not None:
             self._coord.destroy()
         for step, fate in lost.items():

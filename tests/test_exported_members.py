@@ -18,6 +18,7 @@ EXPECTED = [
     "KeepEvery",
     "KeepEverySeconds",
     "KeepLatest",
+    "PeerOptions",
     "PerRank",
     "PinnedWeights",
     "RetentionPolicy",

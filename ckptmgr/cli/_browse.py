@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import CkptError, StepNotFoundError
 from ..format.manifest import Manifest
+from ..storage.peer_tier import read_peer
 from ..storage.tier import read_tier
 from . import _dirckpts as dirckpts
 from . import _torchfiles as torchfiles
@@ -39,12 +40,15 @@ def cmd_ls(ctx: Ctx, args: argparse.Namespace) -> int:
     # a step deleted (by retention) between the listing and the read is simply not there
     found = {s: m for s, m in found.items() if not isinstance(m, StepNotFoundError)}
     local = local_tier_steps(args.local_dir, target.url) if args.local_dir else {}
+    peer = read_peer(args.local_dir, target.url) if args.local_dir else {}  # shards in this node's peer tier
     rows: list[dict[str, Any]] = []
-    for step in sorted(set(found) | set(local)):
+    for step in sorted(set(found) | set(local) | set(peer)):
         durable = found.get(step)
         m = durable if isinstance(durable, Manifest) else local.get(step)
-        tier = "durable+local" if step in found and step in local else ("durable" if step in found else "local")
+        tier = "+".join(t for t, held in (("durable", found), ("local", local), ("peer", peer)) if step in held)
         row: dict[str, Any] = {"step": step, "tier": tier, "ok": not isinstance(durable, CkptError)}
+        if step in peer:
+            row["peer"] = {"ranks": sorted(peer[step]), "world_size": max(peer[step].values())}
         if isinstance(durable, CkptError):
             row["error"] = str(durable)
         if m is not None:

@@ -1,0 +1,279 @@
+"""Restore from the peer tier: each rank's shard from its node's RAM, else a peer's, else durable.
+
+Every rank calls :func:`restore_newest_peer` together (it is collective, like every restore):
+
+1. *inventory*: every rank lists the copies in its node's peer area
+   (:meth:`~ckptmgr.storage.peer_tier.PeerArea.copies`); the lists are gathered, so every
+   rank knows which node holds which shard of which step;
+2. the candidates, newest first, are the steps the durable target lists and the steps some
+   node holds a shard of; a step restores from the peer tier when it was saved at this
+   world size and every shard has a copy in some node's RAM or on the durable target;
+3. *records*: one holder of each shard sends its record; the step's manifest is merged from
+   them as the commit does (no read of the durable target when every shard has a copy);
+4. *fetch*: rank r takes saved rank r's shard: a copy on its own node that passes its
+   checksums, else one sent by a holding node (the next one when a copy fails its checks),
+   received into its own node's peer area (so the replaced node holds a copy again), else,
+   saying why, from the durable target;
+5. the step is then restored by the multi-rank restore (:func:`restore_from`), reading each
+   rank's files from where step 4 put them; a step that fails on any rank is skipped on
+   all of them, and the next older candidate is tried.
+
+Steps older than the newest step no node holds any shard of come from the durable target as
+before (:func:`restore_newest_dist`), with a warning saying why the peer tier could not serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointCorruptError, CkptError, SaveError, StepNotFoundError
+from ..format.manifest import Manifest
+from ..storage.peer_tier import Copy, ShardRecord
+from ..storage.posix import preadv_into
+from .coordinator import Coordinator
+from .replicate import Replicator
+from .restore import RankMap, Restorer, restore_newest_dist
+from .restore import _restore as restore_from  # the multi-rank restore of a step, from a given source
+from .save import RankPart
+from .save import _merge as merge_parts  # the commit's merge of every rank's part into the step's manifest
+
+__all__ = ["PeerSource", "restore_newest_peer"]
+
+log = logging.getLogger("ckptmgr")
+
+
+class PeerSource:
+    """This rank's files of a step from the peer area; any other file from the durable target."""
+
+    def __init__(self, local: dict[str, str], durable: Any, url: str, io_pool: Any) -> None:
+        self._local, self._durable, self.url, self.io_pool = local, durable, url, io_pool
+
+    def file_size(self, step: int, name: str) -> int:
+        path = self._local.get(name)
+        if path is None:
+            return int(self._durable.file_size(step, name))
+        st = os.stat(path, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorruptError(f"{path} is not a regular file")
+        return st.st_size
+
+    def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
+        path = self._local.get(name)
+        if path is None:
+            self._durable.read_into(step, name, offset, out)
+            return
+        d = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            preadv_into(os.path.basename(path), offset, out, dir_fd=d)
+        finally:
+            os.close(d)
+
+    def path_of(self, step: int, name: str) -> str | None:
+        path = self._local.get(name)
+        if path is not None:
+            return path
+        path_of = getattr(self._durable, "path_of", None)
+        return path_of(step, name) if path_of is not None else None
+
+    def steps(self) -> list[int]:
+        return list(self._durable.list_steps())
+
+
+def restore_newest_peer(rep: Replicator, restorer: Restorer, coord: Coordinator, durable: list[int], target: Any,
+                        device: torch.device | None, loader: str, rank_map: RankMap | None = None,
+                        step: int | None = None) -> Any:
+    """The newest step complete across all ranks in some tier (or ``step``), each rank's shard
+    taken from the nearest tier that verifies (see the module docstring)."""
+    rep.drain(rep.opts.timeout_s)
+    mine = [(c.record.step, c.rank, c.record.world) for c in rep.area.copies()]
+    inventory = coord.all_gather((rep.node, mine), "the peer tier's inventory")
+    holders: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))  # step -> shard -> ranks
+    worlds: dict[int, set[int]] = defaultdict(set)
+    seen_nodes: set[str] = set()
+    for r, (node, copies) in enumerate(inventory):
+        if node in seen_nodes:  # (ranks of one node list the same copies: its lowest rank speaks for it)
+            continue
+        seen_nodes.add(node)
+        for s, shard, world in copies:
+            holders[s][shard].append(r)
+            worlds[s].add(world)
+    durable_set = set(durable)
+    candidates = sorted((durable_set | set(holders)) if step is None else {step}, reverse=True)
+    for s in candidates:
+        shards = holders.get(s, {})
+        if not shards:
+            older = [d for d in sorted(durable_set) if d <= s]
+            warnings.warn(f"no node's RAM holds a shard of step {s} (more nodes were lost than the {rep.k} "
+                          "replica(s) per shard cover, or the step was never replicated): restoring from the durable "
+                          f"target {restorer.target.url}", RuntimeWarning, stacklevel=3)
+            rep.count("peer_restore_durable")
+            if step is not None and s not in durable_set:
+                raise StepNotFoundError(f"step {s} is neither in the peer tier nor on {restorer.target.url}")
+            return restore_newest_dist(restorer, coord, older, target, device, loader, rank_map)
+        if worlds[s] != {coord.world}:
+            warnings.warn(f"step {s} was saved by {sorted(worlds[s])} rank(s) and this job has {coord.world}: the "
+                          "peer tier serves restores at the saved world size; trying the durable target",
+                          RuntimeWarning, stacklevel=3)
+            if s in durable_set:
+                return restore_newest_dist(restorer, coord, [d for d in sorted(durable_set) if d <= s], target,
+                                           device, loader, rank_map)
+            continue
+        missing = [r for r in range(coord.world) if r not in shards]
+        if missing and s not in durable_set:
+            log.info("peer tier: step %d is not complete (no copy of the shards of ranks %s anywhere)", s, missing)
+            continue
+        try:
+            return _restore_step(rep, restorer, coord, s, shards, s in durable_set, target, device, loader, rank_map)
+        except (CheckpointCorruptError, StepNotFoundError) as exc:
+            if step is not None:
+                raise
+            warnings.warn(f"skipping step {s}: {exc}", RuntimeWarning, stacklevel=3)
+    raise StepNotFoundError(f"no step under {restorer.target.url} restores from any tier (tried {candidates})")
+
+
+def _restore_step(rep: Replicator, restorer: Restorer, coord: Coordinator, s: int, shards: dict[int, list[int]],
+                  on_durable: bool, target: Any, device: torch.device | None, loader: str,
+                  rank_map: RankMap | None) -> Any:
+    me = coord.rank
+    copies = [c for c in rep.area.copies() if c.record.step == s]
+    # 3. records: the first holder of each shard sends it (every rank gets all of them)
+    mine = {c.rank: c.record.raw for c in copies if shards.get(c.rank, [None])[0] == me}
+    got: dict[int, bytes] = {}
+    for part in coord.all_gather(mine, f"the shard records of step {s}"):
+        got.update(part)
+    m = _manifest(restorer, coord, s, got, on_durable)
+    # 4. fetch this rank's shard
+    why = ""
+    local: dict[str, str] = {}
+    for c in [c for c in copies if c.rank == me]:
+        bad = rep.area.verify(c, rep.io)
+        if bad is None:
+            local = {n: rep.area.path_of(c, n) for n in c.record.manifest.files}
+            break
+        why = f"its copy on this node ({rep.node}) fails its check: {bad}"
+        log.warning("peer tier: step %d, rank %d: %s", s, me, why)
+    sources = [r for r in shards.get(me, []) if rep.nodes[r] != rep.node]
+    fetched, failed = _fetch(rep, coord, s, shards, need=not local, sources=sources)
+    why = "; ".join(x for x in (why, failed) if x)
+    if fetched is not None:
+        local = {n: rep.area.path_of(fetched, n) for n in fetched.record.manifest.files}
+    elif not local:
+        why = why or "no node holds a copy of it"
+        if on_durable:
+            warnings.warn(f"step {s}: rank {me}'s shard is read from the durable target: {why}", RuntimeWarning,
+                          stacklevel=4)
+    fails = coord.all_gather(None if local or on_durable else why, f"fetching the shards of step {s}")
+    bad_ranks = [r for r, f in enumerate(fails) if f]
+    if bad_ranks:
+        raise CheckpointCorruptError(f"step {s}: no verified copy of the shards of ranks {bad_ranks} in any tier")
+    where = "own" if local and fetched is None else ("peer" if fetched is not None else "durable")
+    rep.count(f"peer_restore_{where}")
+    log.info("peer tier: step %d, rank %d: shard from %s", s, me, where)
+    source = PeerSource(local, restorer.target, f"peer tier {rep.area.path}", rep.io)
+    with restorer.guard.reading(s):
+        return restore_from(restorer, source, s, m, target, device, loader, rank_map, coord)
+
+
+def _manifest(restorer: Restorer, coord: Coordinator, s: int, raws: dict[int, bytes], on_durable: bool) -> Manifest:
+    """The step's manifest: merged from every shard's record, else the durable target's."""
+    if len(raws) == coord.world:
+        recs = [ShardRecord.parse(raws[r], f"the shard record of rank {r} of step {s}") for r in range(coord.world)]
+        parts = [RankPart(r.rank, r.step, state=r.manifest.state, tensors=r.manifest.tensors,
+                          files={k: v.to_json() for k, v in r.manifest.files.items()}) for r in recs]
+        try:
+            merged = merge_parts(parts, recs[0].manifest)
+        except SaveError as exc:  # (the same records on every rank: every rank raises this)
+            raise CheckpointCorruptError(f"the peer tier's records of step {s} do not agree: {exc}") from None
+        # every field checked as the durable commit's manifest is (the records' state trees too)
+        return Manifest.from_bytes(merged.to_bytes(), where=f"the peer tier's records of step {s}")
+    if not on_durable:
+        raise CheckpointCorruptError(f"step {s}: shard records missing for ranks "
+                                     f"{sorted(set(range(coord.world)) - set(raws))}")
+    raw, err = None, ""
+    if coord.is_leader:
+        try:
+            raw = restorer.target.read_manifest(s)
+        except CkptError as exc:
+            err = f"{type(exc).__name__}: {exc}"
+    raw, err = coord.broadcast((raw, err), f"the manifest of step {s}")
+    if raw is None:
+        raise CheckpointCorruptError(err)
+    return Manifest.from_bytes(raw, where=f"{restorer.target.url}: step {s}")
+
+
+def _fetch(rep: Replicator, coord: Coordinator, s: int, shards: dict[int, list[int]], *, need: bool,
+           sources: list[int]) -> tuple[Copy | None, str]:
+    """Rounds in which each rank still needing its shard asks the next holding node for it;
+    every rank serves what it is asked. Returns the copy received and verified (or None),
+    and why the copies tried were not usable."""
+    me = coord.rank
+    tried = 0
+    why: list[str] = []
+    while True:
+        ask = sources[tried] if need and tried < len(sources) else None
+        asks = coord.all_gather(ask, f"asking for the shards of step {s}")
+        if all(a is None for a in asks):
+            return None, "; ".join(why)
+        serve = [r for r, a in enumerate(asks) if a == me]
+        sends = []
+        held = {c.rank: c for c in rep.area.copies() if c.record.step == s}
+        with _Mapped(rep, [held.get(r) for r in serve]) as files:
+            for r, (c, fs) in zip(serve, files, strict=True):
+                sends.append((r, c.record if c is not None else None, fs))
+            got = rep.mover.transfer(sends, [ask] if ask is not None else [], own_node_ok=True)
+        tried += 1
+        if ask is not None:
+            rec, ok = got.get(ask, (None, False))
+            if ok and rec is not None and rec.rank == me and rec.step == s:
+                need = False
+                found = next((c for c in rep.area.copies() if c.rank == me and c.record.step == s), None)
+                if found is not None:
+                    return _finish(rep, coord, s, found), ""
+            why.append(f"the copy on node {rep.nodes[ask]} " + ("fails its check" if rec is not None else
+                                                                  "could not be received"))
+            log.warning("peer tier: step %d, rank %d: the copy from rank %d (node %s) is not usable; %s", s, me, ask,
+                        rep.nodes[ask], "trying the next node" if tried < len(sources) else "no other node holds one")
+
+
+def _finish(rep: Replicator, coord: Coordinator, s: int, found: Copy) -> Copy:
+    """Serve the remaining rounds (other ranks may still be fetching), then return ``found``."""
+    while True:
+        asks = coord.all_gather(None, f"asking for the shards of step {s}")
+        if all(a is None for a in asks):
+            return found
+        serve = [r for r, a in enumerate(asks) if a == coord.rank]
+        held = {c.rank: c for c in rep.area.copies() if c.record.step == s}
+        with _Mapped(rep, [held.get(r) for r in serve]) as files:
+            sends = [(r, c.record if c is not None else None, fs) for r, (c, fs) in zip(serve, files, strict=True)]
+            rep.mover.transfer(sends, [], own_node_ok=True)
+
+
+class _Mapped:
+    """The files of several copies, mapped for the time of a transfer (None stays None)."""
+
+    def __init__(self, rep: Replicator, copies: list[Copy | None]) -> None:
+        self.rep, self.copies = rep, copies
+        self._stack: list[Any] = []
+
+    def __enter__(self) -> list[tuple[Copy | None, dict[str, np.ndarray[Any, Any]]]]:
+        out: list[tuple[Copy | None, dict[str, np.ndarray[Any, Any]]]] = []
+        for c in self.copies:
+            if c is None:
+                out.append((None, {}))
+                continue
+            cm = self.rep.area.mapped(c)
+            out.append((c, cm.__enter__()))
+            self._stack.append(cm)
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        for cm in reversed(self._stack):
+            cm.__exit__(None, None, None)
