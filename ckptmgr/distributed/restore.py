@@ -37,7 +37,8 @@ from ..format.manifest import Manifest
 from ..format.tree import unflatten
 from ..restore.apply import apply_target, check_target, local_tensor, target_tensors
 from ..restore.loaders.host import view_of
-from ..restore.preflight import Source, preflight, verify_files
+from ..restore.preflight import Source, preflight
+from ..restore.verify import verify_files
 from .coordinator import Coordinator, owner_of
 from .ranged import RangedReads
 from .reshard import Dest, box_for, box_of, fill, parse_placements, plan_dtensor, saved_boxes, stored, whole
