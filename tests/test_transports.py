@@ -9,6 +9,7 @@ goes on past them.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 
@@ -35,6 +36,26 @@ class _Collect:
         self._mu = threading.Lock()
 
     def land(self, begin: int, data: torch.Tensor) -> None:
+        arr = data.numpy()
+        self.buf[begin:begin + arr.size] = arr
+        with self._mu:
+            self.landed.append(begin)
+
+
+class _Scattered:
+    """A destination that takes bytes straight into its own memory: each chunk into pieces
+    cut at odd offsets (as the host loader's tensors cut a file)."""
+
+    def __init__(self, size: int) -> None:
+        self.buf = np.zeros(size, dtype=np.uint8)
+        self.landed: list[int] = []
+        self._mu = threading.Lock()
+
+    def into(self, begin: int, end: int) -> list:
+        cuts = sorted({begin, end, *range(begin + 1000, end, 1777)})
+        return [self.buf[b:e] for b, e in itertools.pairwise(cuts)]
+
+    def land(self, begin: int, data: torch.Tensor) -> None:  # a transport that read it elsewhere
         arr = data.numpy()
         self.buf[begin:begin + arr.size] = arr
         with self._mu:
@@ -107,6 +128,23 @@ class TransportSuite:
             with open(_file(root, m, f), "rb") as fh:
                 assert d.buf.tobytes() == fh.read()
             assert sorted(d.landed) == [c.begin for c in plan.chunks if c.file == f]
+
+    def test_bytes_read_straight_into_a_destination_are_exact_and_verified(self, step):
+        root, target, m = step
+        dests = {f: _Scattered(rec.size) for f, rec in m.files.items()}
+        run(plan_check(m, root, dests=dests), self.make(target, m))
+        for f, d in dests.items():
+            with open(_file(root, m, f), "rb") as fh:
+                assert d.buf.tobytes() == fh.read()
+        fname = sorted(m.files)[0]
+        with open(_file(root, m, fname), "r+b") as fh:  # then one flipped byte is caught there too
+            fh.seek(2 * CHUNK + 7)
+            b = fh.read(1)
+            fh.seek(2 * CHUNK + 7)
+            fh.write(bytes([b[0] ^ 4]))
+        dests = {f: _Scattered(rec.size) for f, rec in m.files.items()}
+        with pytest.raises(CheckpointCorruptError, match=rf"{fname}: checksum mismatch in bytes \[{2 * CHUNK}, "):
+            run(plan_check(m, root, dests=dests), self.make(target, m))
 
     def test_a_check_only_plan_reads_every_chunk_and_lands_nothing(self, step):
         root, target, m = step

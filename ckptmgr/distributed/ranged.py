@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +63,6 @@ class RangedReads:
         self._chunks: dict[str, set[int]] = {}  # file -> indices of the verifiable pieces wanted
         self._spans: dict[str, list[tuple[int, np.ndarray[Any, Any]]]] = {}  # file -> (begin, buffer), sorted
         self._begins: dict[str, list[int]] = {}  # file -> the begin of each span, for bisection
-        self.lock = threading.Lock()  # guards bytes_read (added to by the read's threads)
         self.bytes_read = 0
         self.requested = 0
 
@@ -98,7 +96,7 @@ class RangedReads:
             spans: list[tuple[int, np.ndarray[Any, Any]]] = []
             for first, last in _runs(sorted(idx)):
                 begin, end = first * unit, min((last + 1) * unit, rec.size)
-                run_of = _Run(self, begin, np.empty(end - begin, dtype=np.uint8))
+                run_of = _Run(begin, np.empty(end - begin, dtype=np.uint8))
                 spans.append((begin, run_of.buf))
                 chunks += [Chunk(fname, i, i * unit, min((i + 1) * unit, rec.size), crc(i), run_of)
                            for i in range(first, last + 1)]
@@ -111,6 +109,7 @@ class RangedReads:
             self._spans.clear()
             self._begins.clear()
             raise
+        self.bytes_read += sum(c.size for c in chunks)
 
     def _message(self, m: Mismatch) -> str:
         return f"{self._where(m.file)}: bytes [{m.begin}, {m.end}) fail their checksum (CRC32C {m.got}, " \
@@ -138,19 +137,16 @@ class _Run:
     """A run of adjacent pieces of one file: read straight into ``buf`` (file offset ``begin``
     at its start), each piece verified there."""
 
-    def __init__(self, reads: RangedReads, begin: int, buf: np.ndarray[Any, Any]) -> None:
-        self.reads, self.begin, self.buf = reads, begin, buf
+    def __init__(self, begin: int, buf: np.ndarray[Any, Any]) -> None:
+        self.begin, self.buf = begin, buf
 
-    def into(self, begin: int, end: int) -> np.ndarray[Any, Any]:
-        return self.buf[begin - self.begin:end - self.begin]
+    def into(self, begin: int, end: int) -> list[np.ndarray[Any, Any]]:
+        return [self.buf[begin - self.begin:end - self.begin]]
 
     def land(self, begin: int, data: torch.Tensor) -> None:
-        here = self.buf[begin - self.begin:begin - self.begin + data.numel()]
+        """(A transport that read the piece elsewhere.)"""
         arr = data.numpy()
-        if arr.__array_interface__["data"][0] != here.__array_interface__["data"][0]:
-            here[:] = arr  # (a transport that read it elsewhere)
-        with self.reads.lock:
-            self.reads.bytes_read += arr.size
+        self.buf[begin - self.begin:begin - self.begin + arr.size] = arr
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:

@@ -19,25 +19,32 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointCorruptError, CkptError
-from ..format.checksum import chunk_ranges, crc32c_hex
+from ..format.checksum import chunk_ranges, crc32c_hex, crc32c_hex_pieces
 from ..format.manifest import Manifest
 
-__all__ = ["ChecksumMismatchError", "Chunk", "Dest", "Land", "Mismatch", "ReadCancelledError", "ReadPlan", "Transport",
-           "plan_check", "run", "verify"]
+__all__ = ["Bytes", "ChecksumMismatchError", "Chunk", "Dest", "Land", "Mismatch", "ReadCancelledError", "ReadPlan",
+           "Transport", "plan_check", "run", "verify"]
+
+
+# the bytes of one chunk: a uint8 host tensor, or the destination's own arrays (see Dest.into)
+Bytes = torch.Tensor | list[np.ndarray[Any, Any]]
 
 
 class Dest(Protocol):
     """Where the verified bytes of a chunk go.
 
-    A destination may also offer ``into(begin, end) -> numpy uint8 array | None``: memory
-    of its own where bytes ``[begin, end)`` of the file may be read straight in (a transport
-    that can then skips its own buffer; :meth:`land` gets a view of that very memory). It
-    accepts unverified bytes there: it must not be used before the run has returned.
+    A destination may also offer ``into(begin, end) -> list of numpy uint8 arrays | None``:
+    memory of its own that bytes ``[begin, end)`` of the file may be read straight into, the
+    arrays in file order. A transport that can skips its own buffer then, and the chunk,
+    once verified there, is in place: :meth:`land` is not called for it. Such a destination
+    accepts unverified bytes: it must not be used before the run has returned, and a run
+    that fails leaves it holding whatever was read.
     """
 
     def land(self, begin: int, data: torch.Tensor) -> None:
@@ -127,7 +134,7 @@ class ChecksumMismatchError(CheckpointCorruptError):
 # land(chunk, data): verify ``data`` (the chunk's bytes, uint8 host memory) and move it to the
 # chunk's destination; or, ``data`` an exception, the chunk's fetch failed with it (raised again
 # unless the run lists faults). Called by a transport once per chunk.
-Land = Callable[[Chunk, "torch.Tensor | Exception"], None]
+Land = Callable[[Chunk, "Bytes | Exception"], None]
 
 
 class Transport(Protocol):
@@ -162,13 +169,19 @@ class ReadCancelledError(CkptError):
     """A run was cancelled (its ``cancel`` event was set) before every chunk landed."""
 
 
-def verify(plan: ReadPlan, chunk: Chunk, data: torch.Tensor) -> list[ChecksumMismatchError]:
+def _size(data: Bytes) -> int:
+    return data.numel() if isinstance(data, torch.Tensor) else sum(a.size for a in data)
+
+
+def verify(plan: ReadPlan, chunk: Chunk, data: Bytes) -> list[ChecksumMismatchError]:
     """The checksum failures of ``chunk``'s bytes ``data`` (its CRC32C, then each sub-chunk's)."""
-    arr = data.numpy()
     out = []
-    got = crc32c_hex(arr)
+    got = crc32c_hex(data.numpy()) if isinstance(data, torch.Tensor) else crc32c_hex_pieces(data)
     if got != chunk.crc:
         out.append(plan.mismatch(Mismatch(chunk.file, chunk.begin, chunk.end, got, chunk.crc, False)))
+    if not chunk.subs:
+        return out
+    arr = data.numpy() if isinstance(data, torch.Tensor) else np.concatenate(data)
     for b, e, want in chunk.subs:
         got = crc32c_hex(arr[b - chunk.begin:e - chunk.begin])
         if got != want:
@@ -194,13 +207,13 @@ def run(plan: ReadPlan, transport: Transport, *, cancel: threading.Event | None 
         CheckpointCorruptError: a chunk failed its checksum, or its file ended early.
         ReadCancelledError: ``cancel`` was set.
     """
-    def land(chunk: Chunk, data: torch.Tensor | Exception) -> None:
+    def land(chunk: Chunk, data: Bytes | Exception) -> None:
         if isinstance(data, Exception):
             raise data
         if cancel is not None and cancel.is_set():
             raise ReadCancelledError(f"{plan.where}: the read was cancelled")
-        if data.numel() != chunk.size:  # (a transport's bug, never bad data: it raises for short files)
-            raise RuntimeError(f"{plan.where}: {chunk.file}: {data.numel()} bytes came for [{chunk.begin}, "
+        if _size(data) != chunk.size:  # (a transport's bug, never bad data: it raises for short files)
+            raise RuntimeError(f"{plan.where}: {chunk.file}: {_size(data)} bytes came for [{chunk.begin}, "
                                f"{chunk.end})")
         faults = verify(plan, chunk, data)
         if faults:
@@ -209,14 +222,14 @@ def run(plan: ReadPlan, transport: Transport, *, cancel: threading.Event | None 
             for fault in faults:
                 on_fault(chunk, fault)
             return
-        if chunk.dest is not None:
+        if chunk.dest is not None and isinstance(data, torch.Tensor):  # (else read in place: see Dest)
             chunk.dest.land(chunk.begin, data)
 
     if on_fault is None:
         transport.read(plan.chunks, land)
         return
 
-    def land_or_report(chunk: Chunk, data: torch.Tensor | Exception) -> None:
+    def land_or_report(chunk: Chunk, data: Bytes | Exception) -> None:
         try:
             land(chunk, data)
         except ReadCancelledError:

@@ -69,16 +69,17 @@ class PreadTransport:
 
         stop = threading.Event()  # set at the first failure: no fetch starts after it
 
-        def fetch(group: list[Chunk], out: np.ndarray[Any, Any]) -> None:
-            first = group[0]
+        def fetch(group: list[Chunk], pieces: list[list[np.ndarray[Any, Any]]], in_place: bool) -> None:
+            """One request for the adjacent ``group``: each chunk's bytes into its ``pieces``
+            (its destination's own memory where ``in_place``, else one scratch buffer)."""
             try:
-                self.source.read_into(self.step, first.file, first.begin, [out])
+                self.source.read_into(self.step, group[0].file, group[0].begin, [a for p in pieces for a in p])
             except Exception as exc:  # (raised again by land, unless the run lists faults)
                 for c in group:
                     land(c, exc)
                 return
-            for c in group:
-                land(c, torch.from_numpy(out[c.begin - first.begin:c.end - first.begin]))
+            for c, p in zip(group, pieces, strict=True):
+                land(c, p if in_place else torch.from_numpy(p[0]))
 
         def into_scratch(c: Chunk) -> None:
             try:  # waits only for another task's read of one chunk
@@ -86,18 +87,18 @@ class PreadTransport:
             except queue.Empty:
                 raise CkptTimeoutError(f"no read of one chunk finished in {_SCRATCH_WAIT} s") from None
             try:
-                fetch([c], buf[:c.size])
+                fetch([c], [[buf[:c.size]]], False)
             finally:
                 free.put(buf)
 
-        def task(group: list[Chunk], out: np.ndarray[Any, Any] | None) -> None:
+        def task(group: list[Chunk], out: list[list[np.ndarray[Any, Any]]] | None) -> None:
             if stop.is_set():
                 return
             try:
                 if out is None:
                     into_scratch(group[0])
                 else:
-                    fetch(group, out)
+                    fetch(group, out, True)
             except BaseException:
                 stop.set()
                 raise
@@ -116,31 +117,28 @@ class PreadTransport:
 
 
 def _requests(chunks: Sequence[Chunk], request_bytes: int
-              ) -> tuple[list[tuple[list[Chunk], np.ndarray[Any, Any]]], list[Chunk]]:
+              ) -> tuple[list[tuple[list[Chunk], list[list[np.ndarray[Any, Any]]]]], list[Chunk]]:
     """The read requests of ``chunks``: runs of adjacent chunks of one file whose destination
     takes them straight into its memory (:meth:`~ckptmgr.restore.read.Dest.into`), up to
-    ``request_bytes`` each, with that memory; and the chunks read into scratch buffers."""
-    direct: list[tuple[list[Chunk], np.ndarray[Any, Any]]] = []
+    ``request_bytes`` each (0: one chunk a request), with each chunk's memory; and the chunks
+    read into scratch buffers."""
+    direct: list[tuple[list[Chunk], list[list[np.ndarray[Any, Any]]]]] = []
     scratch: list[Chunk] = []
     for c in chunks:
         into = getattr(c.dest, "into", None)
-        if into is None:
+        pieces = into(c.begin, c.end) if into is not None else None
+        if pieces is None:
             scratch.append(c)
             continue
         if direct:
-            group, _ = direct[-1]
-            first, last = group[0], group[-1]
-            if (last.file, last.end, last.dest) == (c.file, c.begin, c.dest) and c.end - first.begin <= request_bytes:
-                out = into(first.begin, c.end)
-                if out is not None:
-                    group.append(c)
-                    direct[-1] = (group, out)
-                    continue
-        out = into(c.begin, c.end)
-        if out is None:
-            scratch.append(c)
-        else:
-            direct.append(([c], out))
+            group, memory = direct[-1]
+            last = group[-1]
+            joins = (last.file, last.end, last.dest) == (c.file, c.begin, c.dest)
+            if joins and c.end - group[0].begin <= request_bytes:
+                group.append(c)
+                memory.append(pieces)
+                continue
+        direct.append(([c], [pieces]))
     return direct, scratch
 
 
