@@ -9,9 +9,11 @@ memory (threaded reads into scratch buffers, the pinned ring, ...); :func:`run` 
 driver: it hands the plan's chunks to the transport and, as each chunk's bytes come in,
 verifies them and moves them to their destination.
 
-Plans are made by :func:`plan_check` (every checksum chunk of a step's files) and by callers
-that pick chunks of their own (the CLI's export); every chunk a plan holds is a whole
-checksum chunk of its file, so that each byte read is verified before it is used.
+Plans are made by :func:`plan_check` (every checksum chunk of a step's files, each file's to
+one destination or none: the checks, the CLI's export, the CPU restore's scatter reads) and
+by readers that pick chunks of their own (the pinned ring's, the verifiable pieces a
+resharded restore needs); every chunk a plan holds is a whole checksum chunk (or sub-chunk)
+of its file, so that each byte read is verified before it is used.
 """
 
 from __future__ import annotations
@@ -145,14 +147,15 @@ class Transport(Protocol):
     1. ``read(chunks, land)``, once, on the caller's thread, with the plan's chunks in file
        order.
     2. For each chunk, on threads of the transport's choosing: the transport fetches bytes
-       ``[begin, end)`` of ``chunk.file`` into host memory it owns (exactly ``chunk.size``
-       bytes, or an error: a file that ends early is a
+       ``[begin, end)`` of ``chunk.file`` into host memory it owns, or, where the chunk's
+       destination offers ``into`` and the transport can, straight into the arrays that
+       gives (exactly ``chunk.size`` bytes, or an error: a file that ends early is a
        :class:`~ckptmgr.errors.CheckpointCorruptError` naming the file and offset), then
-       calls ``land(chunk, data)`` once. ``land`` verifies the bytes and copies them to the
-       chunk's destination; the transport keeps ``data`` unchanged until ``land`` returns,
-       and may reuse it after. A fetch that fails (an ``Exception``) is handed to
-       ``land(chunk, exc)`` instead, which raises it again unless the run lists faults and
-       goes on (``ckptmgr verify``).
+       calls ``land(chunk, data)`` once (``data``: a uint8 tensor, or that list of arrays).
+       ``land`` verifies the bytes and copies a tensor to the chunk's destination; the
+       transport keeps ``data`` unchanged until ``land`` returns, and may reuse it after.
+       A fetch that fails (an ``Exception``) is handed to ``land(chunk, exc)`` instead,
+       which raises it again unless the run lists faults and goes on (``ckptmgr verify``).
     3. ``read`` returns once every chunk has landed. When a fetch or a ``land`` raises (a
        checksum failure, a cancelled run, an interrupt), the transport starts no further
        fetch, waits for those started to end, releases what it holds, and raises the
