@@ -27,7 +27,7 @@ from ._threads import collector_paused
 from .distributed.coordinator import coordinator_for, rank_file_prefix, rank_prefix
 from .distributed.peer_restore import restore_newest_peer
 from .distributed.replicate import PeerOptions, start_peers
-from .distributed.restore import restore_newest_dist, restore_step_dist
+from .distributed.restore import RankRestore
 from .distributed.save import coordinate, fingerprints, share_of
 from .errors import CkptTimeoutError, ConfigError, StepNotFoundError
 from .format.layout import Plan, plan_layout
@@ -171,7 +171,8 @@ class CheckpointManager:
         # restore onto a GPU: up to 12 readers (16 read slower on an H200), each pinning a 16 MiB buffer
         # at its first use
         self._ring = PinnedRing(min(12, os.cpu_count() or 1), max(write_options.chunk_size, 16 << 20))
-        self._restorer = Restorer(self._target, self._tier, self._guard, self._ring, self._allow_pickle)
+        self._restorer = Restorer(self._target, self._tier, self._guard, self._ring, self._allow_pickle,
+                                  RankRestore(self._coord))
         lifecycle.close_at_exit(self)
         if self._tier is not None:  # slots an earlier process left committed: adopt, write out the newer
             root_id = self._target.root_id()  # (read only: a root gets its identity with its first commit)
@@ -587,14 +588,10 @@ class CheckpointManager:
                                                 "restore (the durable listing)")
                 return restore_newest_peer(self._peers, self._restorer, self._coord, durable, target, dev, loader,
                                            rank_map, None if step is None else self._resolve_step(step))
-            if self._coord is not None and step is not None:
-                return restore_step_dist(self._restorer, self._coord, self._resolve_step(step), target, dev, loader,
-                                         rank_map)
-            if self._coord is not None:
-                return restore_newest_dist(self._restorer, self._coord, self.steps(), target, dev, loader, rank_map)
             if step is not None:
                 return self._restorer.restore_step(self._resolve_step(step), target, dev, loader, rank_map)
-            self._check_open()
+            if self._coord is None:
+                self._check_open()
             return self._restorer.restore_newest(self.steps(), target, dev, loader, rank_map)
 
     # ------------------------------------------------------------ lifecycle

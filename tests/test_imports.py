@@ -19,6 +19,8 @@ PKG = os.path.dirname(ckptmgr.__file__)
 # (importer prefix, imported prefix, why it is forbidden)
 FORBIDDEN = [
     ("ckptmgr.restore", "ckptmgr.save", "the read path imports nothing of the save path"),
+    ("ckptmgr.restore", "ckptmgr.distributed",
+     "the multi-rank layer builds on the read path, which imports nothing of it (the manager injects it)"),
     ("ckptmgr.storage", "ckptmgr.restore", "storage knows no loaders"),
     ("ckptmgr.storage", "ckptmgr.save", "storage is below the save path"),
     ("ckptmgr.storage", "ckptmgr.retention", "storage is below retention"),
@@ -153,3 +155,11 @@ def test_a_forbidden_edge_is_caught(tmp_path):
     tree = ast.parse(src)
     node = next(n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))
     assert "ckptmgr.save.slots" in _resolve("ckptmgr.restore.restorer", False, node)
+
+
+def test_a_lazy_import_back_up_is_caught():
+    """A lazy import of the multi-rank layer from the read path counts as an edge."""
+    src = "def f():\n    from ..distributed.restore import RankRestore\n    return RankRestore\n"
+    node = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom))
+    deps = _resolve("ckptmgr.restore.restorer", False, node)
+    assert any(_under(d, "ckptmgr.distributed") for d in deps)

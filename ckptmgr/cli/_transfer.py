@@ -23,18 +23,18 @@ import os
 import pickle
 import re
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import CheckpointCorruptError, ConfigError, StepExistsError, StorageError, UnsupportedValueError
-from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.layout import ST_TO_DTYPE, StoredTensor, header_bytes
 from ..format.manifest import Manifest
 from ..restore.loaders.host import view_of
 from ..restore.preflight import preflight
+from ..restore.read import Mismatch, plan_check, run
+from ..restore.transports.pread import PreadTransport
 from ..restore.verify import file_url
 from ..storage import Target
 from . import _dirckpts as dirckpts
@@ -69,35 +69,45 @@ def _select(m: Manifest, prefix: str) -> dict[str, str]:
     return {n: n[len(prefix):] for n in m.tensors if n.startswith(prefix) and not n.endswith("~storage")}
 
 
+class _Export:
+    """Where the verified chunks of one source file go: the selected tensors' bytes to the
+    export file ``fd``, the bytes of view bases into ``bases``."""
+
+    def __init__(self, spans: list[tuple[int, int, str]], base_spans: list[tuple[int, int, str]],
+                 out: _Out | None, fd: int | None, bases: dict[str, np.ndarray[Any, Any]], bar: Progress) -> None:
+        self.spans, self.base_spans, self.out, self.fd, self.bases, self.bar = spans, base_spans, out, fd, bases, bar
+
+    def land(self, begin: int, data: torch.Tensor) -> None:
+        buf = data.numpy()
+        b, e = begin, begin + buf.size
+        for lo, hi, n in self.spans:
+            s, t = max(lo, b), min(hi, e)
+            if s < t and self.out is not None and self.fd is not None:
+                os.pwrite(self.fd, buf[s - b:t - b].data, len(self.out.header) + self.out.where[n] + s - lo)
+        for lo, hi, n in self.base_spans:
+            s, t = max(lo, b), min(hi, e)
+            if s < t:
+                self.bases[n][s - lo:t - lo] = buf[s - b:t - b]
+        self.bar.update(e - b)
+
+
 def _stream(target: Target, step: int, m: Manifest, fname: str, out: _Out | None, fd: int | None,
             bases: dict[str, np.ndarray[Any, Any]], bar: Progress) -> None:
     """Read ``fname`` chunk by chunk, verify each chunk, write the selected tensors' bytes
-    to ``fd`` and keep the bytes of view bases in ``bases``."""
-    rec = m.files[fname]
-    hs = rec.header_size
+    to ``fd`` and keep the bytes of view bases in ``bases`` (a plan of the file's chunks,
+    run by the read driver)."""
+    hs = m.files[fname].header_size
     spans = [(hs + int(m.tensors[n]["offsets"][0]), hs + int(m.tensors[n]["offsets"][1]), n)
              for n in (out.where if out else {})]
     base_spans = [(hs + int(m.tensors[n]["offsets"][0]), hs + int(m.tensors[n]["offsets"][1]), n)
                   for n in bases if m.tensors[n].get("file") == fname]
 
-    def chunk(i: int, b: int, e: int) -> None:
-        buf = np.empty(e - b, dtype=np.uint8)
-        target.read_into(step, fname, b, [buf])
-        if crc32c_hex(buf) != rec.crc32c[i]:
-            raise CheckpointCorruptError(f"{file_url(target, step, fname)}: bytes [{b}, {e}) fail their checksum")
-        for lo, hi, n in spans:
-            s, t = max(lo, b), min(hi, e)
-            if s < t and out is not None and fd is not None:
-                os.pwrite(fd, buf[s - b:t - b].data, len(out.header) + out.where[n] + s - lo)
-        for lo, hi, n in base_spans:
-            s, t = max(lo, b), min(hi, e)
-            if s < t:
-                bases[n][s - lo:t - lo] = buf[s - b:t - b]
-        bar.update(e - b)
+    def message(x: Mismatch) -> str:
+        return f"{file_url(target, step, x.file)}: bytes [{x.begin}, {x.end}) fail their checksum"
 
-    with ThreadPoolExecutor(8, thread_name_prefix="ckptmgr-export") as pool:
-        for f in [pool.submit(chunk, i, b, e) for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]:
-            f.result()
+    plan = plan_check(m, file_url(target, step, fname), files=[fname], message=message,
+                      dests={fname: _Export(spans, base_spans, out, fd, bases, bar)})
+    run(plan, PreadTransport(target, step, workers=8))
 
 
 def _view(m: Manifest, name: str, bases: dict[str, np.ndarray[Any, Any]]) -> torch.Tensor:

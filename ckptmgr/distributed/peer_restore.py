@@ -19,7 +19,7 @@ Every rank calls :func:`restore_newest_peer` together (it is collective, like ev
    all of them, and the next older candidate is tried.
 
 Steps older than the newest step no node holds any shard of come from the durable target as
-before (:func:`restore_newest_dist`), with a warning saying why the peer tier could not serve.
+before (the restorer's ``restore_newest``), with a warning saying why the peer tier could not serve.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from ..storage.peer_tier import Copy, ShardRecord
 from ..storage.posix import preadv_into
 from .coordinator import Coordinator
 from .replicate import Replicator
-from .restore import RankMap, Restorer, restore_newest_dist
+from .restore import RankMap, Restorer
 from .restore import _restore as restore_from  # the multi-rank restore of a step, from a given source
 from .save import RankPart
 from .save import _merge as merge_parts  # the commit's merge of every rank's part into the step's manifest
@@ -117,13 +117,13 @@ def restore_newest_peer(rep: Replicator, restorer: Restorer, coord: Coordinator,
             rep.count("peer_restore_durable")
             if step is not None and s not in durable_set:
                 raise StepNotFoundError(f"step {s} is neither in the peer tier nor on {restorer.target.url}")
-            return restore_newest_dist(restorer, coord, older, target, device, loader, rank_map)
+            return restorer.restore_newest(older, target, device, loader, rank_map)
         if worlds[s] != {coord.world}:
             warnings.warn(f"step {s} was saved by {sorted(worlds[s])} rank(s) and this job has {coord.world}: the "
                           "peer tier serves restores at the saved world size; trying the durable target",
                           RuntimeWarning, stacklevel=3)
             if s in durable_set:
-                return restore_newest_dist(restorer, coord, [d for d in sorted(durable_set) if d <= s], target,
+                return restorer.restore_newest([d for d in sorted(durable_set) if d <= s], target,
                                            device, loader, rank_map)
             continue
         missing = [r for r in range(coord.world) if r not in shards]

@@ -11,23 +11,26 @@ end (ranges that share a piece share the read). Measured on the layout of a Llam
 state restored at other world sizes (benchmarks/reshard_reads.py), 16 MiB pieces made a rank
 read 1.6-7.3x the bytes of its new shards, 1 MiB pieces 1.1-1.6x. Runs of adjacent pieces
 are read in requests of up to 16 MiB on the source's I/O threads, straight into a buffer per
-run, and each piece is verified there.
+run, and each piece is verified there: a plan of the pieces, run by the read driver
+(:mod:`ckptmgr.restore.read`) over threaded reads
+(:class:`~ckptmgr.restore.transports.pread.PreadTransport`).
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..errors import CheckpointCorruptError
-from ..format.checksum import crc32c_hex
 from ..format.manifest import FileRecord, Manifest
 from ..restore.preflight import Source, preflight
+from ..restore.read import Chunk, Mismatch, ReadPlan, run
+from ..restore.transports.pread import PreadTransport
 
 __all__ = ["RangedReads", "sub_chunk_size"]
 
@@ -86,44 +89,31 @@ class RangedReads:
         files = {f: self.manifest.files[f] for f in self._chunks}
         # every file to be read: regular, of its size, its header the index's; before any allocation
         preflight(self.source, self.step, dataclasses.replace(self.manifest, files=files), self._where_step())
-        tasks: list[tuple[str, int, np.ndarray[Any, Any], int, int, Callable[[int], str]]] = []
+        chunks: list[Chunk] = []
         for fname, idx in sorted(self._chunks.items()):
             rec = self.manifest.files[fname]
             unit, crc = _pieces(rec)
-            per_request = max(1, _REQUEST // unit)
             spans: list[tuple[int, np.ndarray[Any, Any]]] = []
             for first, last in _runs(sorted(idx)):
                 begin, end = first * unit, min((last + 1) * unit, rec.size)
-                buf = np.empty(end - begin, dtype=np.uint8)
-                spans.append((begin, buf))
-                for i in range(first, last + 1, per_request):
-                    j = min(i + per_request, last + 1)
-                    b, e = i * unit, min(j * unit, rec.size)
-                    tasks.append((fname, b, buf[b - begin:e - begin], i, unit, crc))
+                run_of = _Run(begin, np.empty(end - begin, dtype=np.uint8))
+                spans.append((begin, run_of.buf))
+                chunks += [Chunk(fname, i, i * unit, min((i + 1) * unit, rec.size), crc(i), run_of)
+                           for i in range(first, last + 1)]
             self._spans[fname] = spans
             self._begins[fname] = [b for b, _ in spans]
-        lock = threading.Lock()
-
-        def task(fname: str, b: int, out: np.ndarray[Any, Any], first: int, unit: int,
-                 crc: Callable[[int], str]) -> None:
-            self.source.read_into(self.step, fname, b, [out])
-            for k in range(0, out.size, unit):
-                got = crc32c_hex(out[k:k + unit])
-                want = crc(first + k // unit)
-                if got != want:
-                    raise CheckpointCorruptError(
-                        f"{self._where(fname)}: bytes [{b + k}, {b + min(k + unit, out.size)}) fail their checksum "
-                        f"(CRC32C {got}, manifest {want})")
-            with lock:
-                self.bytes_read += out.size
-
-        futures = [self.source.io_pool.submit(task, *t) for t in tasks]
-        errors = [f.exception() for f in futures]
-        first_error = next((x for x in errors if x is not None), None)
-        if first_error is not None:
+        try:
+            run(ReadPlan(self._where_step(), tuple(chunks), self._message), PreadTransport(
+                self.source, self.step, pool=self.source.io_pool, request_bytes=_REQUEST))
+        except BaseException:
             self._spans.clear()
             self._begins.clear()
-            raise first_error
+            raise
+        self.bytes_read += sum(c.size for c in chunks)
+
+    def _message(self, m: Mismatch) -> str:
+        return f"{self._where(m.file)}: bytes [{m.begin}, {m.end}) fail their checksum (CRC32C {m.got}, " \
+               f"manifest {m.want})"
 
     def get(self, fname: str, begin: int, end: int) -> np.ndarray[Any, Any] | None:
         """The verified bytes ``[begin, end)`` of ``fname``, or None when they are not all in
@@ -141,6 +131,22 @@ class RangedReads:
 
     def _where_step(self) -> str:
         return f"{self.source.url}: step {self.step}"
+
+
+class _Run:
+    """A run of adjacent pieces of one file: read straight into ``buf`` (file offset ``begin``
+    at its start), each piece verified there."""
+
+    def __init__(self, begin: int, buf: np.ndarray[Any, Any]) -> None:
+        self.begin, self.buf = begin, buf
+
+    def into(self, begin: int, end: int) -> list[np.ndarray[Any, Any]]:
+        return [self.buf[begin - self.begin:end - self.begin]]
+
+    def land(self, begin: int, data: torch.Tensor) -> None:
+        """(A transport that read the piece elsewhere.)"""
+        arr = data.numpy()
+        self.buf[begin - self.begin:begin - self.begin + arr.size] = arr
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -38,13 +37,14 @@ from ..format.manifest import Manifest
 from ..format.tree import unflatten
 from ..restore.apply import apply_target, check_target, local_tensor, target_tensors
 from ..restore.loaders.host import view_of
-from ..restore.preflight import Source, preflight, verify_files
+from ..restore.preflight import Source, preflight
+from ..restore.verify import verify_files
 from .coordinator import Coordinator, owner_of
 from .ranged import RangedReads
 from .reshard import Dest, box_for, box_of, fill, parse_placements, plan_dtensor, saved_boxes, stored, whole
 from .skeletons import optimizer_params, rank_view, tensor_names
 
-__all__ = ["RankMap", "restore_newest_dist", "restore_solo", "restore_step_dist"]
+__all__ = ["RankMap", "RankRestore"]
 
 log = logging.getLogger("ckptmgr")
 RankMap = Callable[[int, int], int]  # (this rank, the saved world size) -> the saved rank whose PerRank values it takes
@@ -52,16 +52,18 @@ RankMap = Callable[[int, int], int]  # (this rank, the saved world size) -> the 
 
 class Restorer(Protocol):
     """What a multi-rank restore uses of the manager's restorer
-    (:class:`ckptmgr.restore.restorer.Restorer`, which imports this module for single-process
-    restores of multi-rank steps: a protocol here keeps the imports one way)."""
+    (:class:`ckptmgr.restore.restorer.Restorer`)."""
 
     target: Any  # the durable Target
     guard: Any  # the retention StepGuard
     allow_pickle: bool
 
-    def _load(self, source: Any, step: int, manifest: Manifest, device: torch.device, loader: str,
-              images: dict[str, torch.Tensor] | None, dests: dict[str, torch.Tensor] | None,
-              verified: bool = False) -> dict[str, torch.Tensor]: ...
+    def read(self, source: Any, step: int, manifest: Manifest, device: torch.device, loader: str,
+             images: dict[str, torch.Tensor] | None, dests: dict[str, torch.Tensor] | None,
+             verified: bool = False) -> dict[str, torch.Tensor]: ...
+
+    def restore_newest(self, candidates: list[int], target: Any, device: torch.device | None, loader: str,
+                       rank_map: Any = None) -> Any: ...
 
 
 def _agree(coord: Coordinator | None, error: CkptError | None, what: str) -> None:
@@ -283,8 +285,7 @@ def _restore(restorer: Restorer, source: Source, step: int, m: Manifest, target:
     try:  # every rank verified its part: land it
         with torch.no_grad(), _ours(source, step, where):
             if own is not None:
-                loaded = restorer._load(source, step, own, dev, loader, None, _own_dests(plan, own),
-                                        verified=True)
+                loaded = restorer.read(source, step, own, dev, loader, None, _own_dests(plan, own), verified=True)
                 outs = {key: loaded[d.own] for key, d in plan.dests.items()}
             else:
                 loaded, outs = _assemble(m, plan, me, reads, dev, where)
@@ -412,30 +413,33 @@ def _wrap(d: Dest, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def restore_step_dist(restorer: Restorer, coord: Coordinator, step: int, target: Any, device: torch.device | None,
-                      loader: str, rank_map: RankMap | None = None) -> Any:
-    """Restore ``step`` on every rank of ``coord`` (all ranks call it together)."""
-    m = _manifest(restorer, coord, step)
-    with restorer.guard.reading(step) as ok:
-        error = None if ok else StepNotFoundError(f"step {step} is being deleted by the retention policy")
-        _agree(coord, error, f"holding step {step} against deletion")
-        return _restore(restorer, restorer.target, step, m, target, device, loader, rank_map, coord)
+class RankRestore:
+    """The multi-rank side of the manager's restorer (its
+    :class:`~ckptmgr.restore.restorer.MultiRank`): the manager builds one and hands it to the
+    restorer, whose fallback loop (``restore_newest``) serves single- and multi-rank restores.
 
+    Args:
+        coord: the job's coordinator; None in a single process (which still reads steps
+            written by several ranks, whole).
+    """
 
-def restore_solo(restorer: Restorer, source: Source, step: int, m: Manifest, target: Any,
-                 device: torch.device | None, loader: str, rank_map: RankMap | None = None) -> Any:
-    """Restore a multi-rank checkpoint in a single process: DTensors come back whole."""
-    return _restore(restorer, source, step, m, target, device, loader, rank_map, None)
+    def __init__(self, coord: Coordinator | None) -> None:
+        self.coord = coord
+        self.coordinated = coord is not None
 
+    def restore_step(self, restorer: Restorer, step: int, target: Any, device: torch.device | None, loader: str,
+                     rank_map: RankMap | None = None) -> Any:
+        """Restore ``step`` on every rank of the job (all ranks call it together); every rank
+        raises the same error when any fails."""
+        coord = self.coord
+        assert coord is not None, "a restore by every rank needs the job's coordinator"
+        m = _manifest(restorer, coord, step)
+        with restorer.guard.reading(step) as ok:
+            error = None if ok else StepNotFoundError(f"step {step} is being deleted by the retention policy")
+            _agree(coord, error, f"holding step {step} against deletion")
+            return _restore(restorer, restorer.target, step, m, target, device, loader, rank_map, coord)
 
-def restore_newest_dist(restorer: Restorer, coord: Coordinator, candidates: list[int], target: Any,
-                        device: torch.device | None, loader: str, rank_map: RankMap | None = None) -> Any:
-    """The newest of rank 0's ``candidates`` that every rank reads and verifies."""
-    if not candidates:
-        raise StepNotFoundError(f"no committed checkpoint under {restorer.target.url}")
-    for s in reversed(candidates):
-        try:
-            return restore_step_dist(restorer, coord, s, target, device, loader, rank_map)
-        except (CheckpointCorruptError, StepNotFoundError) as exc:
-            warnings.warn(f"skipping step {s}: {exc}", RuntimeWarning, stacklevel=3)
-    raise StepNotFoundError(f"no checkpoint under {restorer.target.url} verifies (tried steps {candidates})")
+    def restore_solo(self, restorer: Restorer, source: Source, step: int, manifest: Manifest, target: Any,
+                     device: torch.device | None, loader: str, rank_map: RankMap | None = None) -> Any:
+        """Restore a multi-rank checkpoint in a single process: DTensors come back whole."""
+        return _restore(restorer, source, step, manifest, target, device, loader, rank_map, None)

@@ -7,7 +7,7 @@ sized by a manifest alone), and its safetensors header lists exactly the tensors
 manifest puts in it, with the same dtypes, shapes and offsets.
 
 A restore into a target then verifies every checksum before a byte lands in the target's
-tensors (:func:`verify_files`, :func:`verify_images`), so a step that fails leaves the
+tensors (:func:`~ckptmgr.restore.verify.verify_files`, :func:`verify_images`), so a step that fails leaves the
 target as it was. The loaders check every chunk again as they copy it.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import stat
 import time
 from collections.abc import Callable, Iterable
@@ -31,11 +30,7 @@ from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import FileRecord, Manifest
 
 __all__ = ["Source", "check_regular", "drain", "header_problems", "local_path", "preflight", "run_all",
-           "submit_image_checks", "verify_files", "verify_images", "wait_all"]
-
-
-_SCRATCH_BYTES = 256 << 20  # host memory the checking pass may use, whatever the chunk size
-_SCRATCH_WAIT = 600.0  # seconds a checking task waits for a scratch buffer (one chunk read of another task)
+           "submit_image_checks", "verify_images", "wait_all"]
 
 
 class Source(Protocol):
@@ -198,38 +193,6 @@ def _chunks(manifest: Manifest) -> list[tuple[str, FileRecord, int, int, int]]:
 
 def _mismatch(where: str, fname: str, b: int, e: int) -> CheckpointCorruptError:
     return CheckpointCorruptError(f"{where}: {fname}: checksum mismatch in bytes [{b}, {e})")
-
-
-def verify_files(source: Source, step: int, manifest: Manifest, pool: Executor, workers: int, where: str) -> None:
-    """Read every checksum chunk of ``step`` into scratch memory and check it, landing
-    nothing: up to ``workers`` buffers of one chunk each (256 MiB in all at most), each held
-    by one task on ``pool`` at a time.
-
-    Raises:
-        CheckpointCorruptError: the first chunk (in file order) that fails.
-    """
-    chunks = _chunks(manifest)
-    if not chunks:
-        return
-    size = max(e - b for _, _, _, b, e in chunks)
-    free: queue.SimpleQueue[np.ndarray[Any, Any]] = queue.SimpleQueue()
-    for _ in range(max(1, min(workers, len(chunks), _SCRATCH_BYTES // size))):
-        free.put(np.empty(size, dtype=np.uint8))
-
-    def task(fname: str, rec: FileRecord, i: int, b: int, e: int) -> None:
-        try:  # waits only for another task's read of one chunk
-            buf = free.get(timeout=_SCRATCH_WAIT)
-        except queue.Empty:
-            raise CkptTimeoutError(f"{where}: no read of one chunk finished in {_SCRATCH_WAIT} s") from None
-        try:
-            view = buf[:e - b]
-            source.read_into(step, fname, b, [view])
-            if crc32c_hex(view) != rec.crc32c[i]:
-                raise _mismatch(where, fname, b, e)
-        finally:
-            free.put(buf)
-
-    run_all(pool, task, chunks)
 
 
 def verify_images(images: dict[str, torch.Tensor], manifest: Manifest, pool: Executor, where: str) -> None:

@@ -27,7 +27,7 @@ import threading
 import warnings
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import torch
 
@@ -43,14 +43,39 @@ from .loaders.gds import read_tensors_gds
 from .loaders.landing import lands_in_target
 from .loaders.ring import NoDeviceRoom, entries_by_file
 from .match import match_target
-from .preflight import check_regular, local_path, preflight, submit_image_checks, verify_files, verify_images, wait_all
+from .preflight import check_regular, local_path, preflight, submit_image_checks, verify_images, wait_all
+from .verify import verify_files
 
-__all__ = ["LOADERS", "Restorer"]
+__all__ = ["LOADERS", "MultiRank", "Restorer"]
 
 log = logging.getLogger("ckptmgr")
 LOADERS = ("auto", "inplace", "ring", "host", "gds")
 _CPU = torch.device("cpu")
 _ADOPTED_CHECK_WAIT = 600.0  # seconds a restore waits for the checks of an adopted slot
+
+
+class MultiRank(Protocol):
+    """How steps written by several ranks are read, and how every rank of a job restores
+    together. :mod:`ckptmgr.distributed.restore` provides it and the manager hands it to the
+    :class:`Restorer`: the read path imports nothing of the multi-rank layer.
+
+    ``coordinated`` is True in a multi-rank job: then :meth:`Restorer.restore_step` hands
+    every step to :meth:`restore_step`, which every rank calls together and which is the
+    fallback loop's agreement hook: the ranks agree on every failure, so each raises the
+    same error and :meth:`Restorer.restore_newest` moves them all to the same older step.
+    """
+
+    coordinated: bool
+
+    def restore_step(self, restorer: Restorer, step: int, target: Any, device: torch.device | None, loader: str,
+                     rank_map: Any) -> Any:
+        """Restore ``step`` on every rank of the job (all ranks call it together)."""
+        ...
+
+    def restore_solo(self, restorer: Restorer, source: Target | LocalTier, step: int, manifest: Manifest,
+                     target: Any, device: torch.device | None, loader: str, rank_map: Any) -> Any:
+        """Restore ``step``, written by several ranks, in this process alone."""
+        ...
 
 
 class Restorer:
@@ -60,8 +85,9 @@ class Restorer:
     adopted tier slots (:meth:`check_adopted`)."""
 
     def __init__(self, target: Target, tier: LocalTier | None, guard: StepGuard,
-                 ring: PinnedRing, allow_pickle: bool) -> None:
+                 ring: PinnedRing, allow_pickle: bool, ranks: MultiRank | None = None) -> None:
         self.target = target
+        self.ranks = ranks
         self.tier = tier
         self.guard = guard
         self.ring = ring
@@ -148,7 +174,9 @@ class Restorer:
     def restore_newest(self, candidates: list[int], target: Any, device: torch.device | None, loader: str,
                        rank_map: Any = None) -> Any:
         """The newest of ``candidates`` that verifies, warning once about each newer one that does not
-        (damaged, or deleted by another process while it was read)."""
+        (damaged, or deleted by another process while it was read). The one fallback loop of
+        single- and multi-rank restores: in a multi-rank job every rank runs it over rank 0's
+        listing and the ranks agree on each step's outcome (:class:`MultiRank`)."""
         if not candidates:
             raise StepNotFoundError(f"no committed checkpoint under {self.target.url}")
         for s in reversed(candidates):
@@ -167,6 +195,8 @@ class Restorer:
             StepNotFoundError: not committed, or deleted while it was read.
             CheckpointCorruptError: the step is damaged; the target (if any) is unchanged.
         """
+        if self.ranks is not None and self.ranks.coordinated:
+            return self.ranks.restore_step(self, step, target, device, loader, rank_map)
         tier_error: CkptError | None = None
         if self.tier is not None and step in self.tier.steps():
             try:
@@ -213,9 +243,9 @@ class Restorer:
         steps = source.steps() if isinstance(source, LocalTier) else source.list_steps()
         return step in steps
 
-    def _load(self, source: Target | LocalTier, step: int, manifest: Manifest, device: torch.device,
-              loader: str, images: dict[str, torch.Tensor] | None, dests: dict[str, torch.Tensor] | None,
-              verified: bool = False) -> dict[str, torch.Tensor]:
+    def read(self, source: Target | LocalTier, step: int, manifest: Manifest, device: torch.device,
+             loader: str, images: dict[str, torch.Tensor] | None, dests: dict[str, torch.Tensor] | None,
+             verified: bool = False) -> dict[str, torch.Tensor]:
         """Read every tensor of ``step`` (preflight first); when any lands in ``dests``, every
         checksum is verified before the first byte lands (``verified``: the caller did, as a
         multi-rank restore does on every rank before any lands)."""
@@ -300,9 +330,10 @@ class Restorer:
                       device: torch.device | None, loader: str, images: dict[str, torch.Tensor] | None,
                       rank_map: Any = None) -> Any:
         if manifest.world_size > 1:  # written by several ranks: assembled whole (docs/DISTRIBUTED.md)
-            from ..distributed.restore import restore_solo
-
-            return restore_solo(self, source, step, manifest, target, device, loader, rank_map)
+            if self.ranks is None:
+                raise ConfigError(f"{source.url}: step {step} was written by {manifest.world_size} ranks; "
+                                  "this restorer has no multi-rank reader")
+            return self.ranks.restore_solo(self, source, step, manifest, target, device, loader, rank_map)
         plan = None
         if target is not None:
             # every difference is reported before a byte lands in the target's tensors
@@ -311,7 +342,7 @@ class Restorer:
                 device = plan.device
         if device is not None and str(device) == "cuda":  # no index: the current device
             device = torch.device("cuda", torch.cuda.current_device())  # compares equal to its tensors' device
-        tensors = self._load(source, step, manifest, device or _CPU, loader, images,
+        tensors = self.read(source, step, manifest, device or _CPU, loader, images,
                              plan.dests if plan is not None else None)
         if plan is not None:  # the bytes are in the target's tensors: copy what is not, load Stateful objects
             return plan.finish(tensors)

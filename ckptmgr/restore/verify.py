@@ -1,4 +1,7 @@
-"""Verification of a committed checkpoint against its manifest, reading every byte.
+"""Verification of a committed checkpoint against its manifest, reading every byte: plans of
+checksum chunks with nowhere to land (:func:`~ckptmgr.restore.read.plan_check`), run by the
+read driver over threaded reads into scratch buffers
+(:class:`~ckptmgr.restore.transports.pread.PreadTransport`).
 
 For each data file the manifest lists: the file exists, is a regular file (where the files
 are local; a FIFO is never opened) and has the recorded size; its safetensors header agrees
@@ -12,19 +15,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ..errors import CkptError, StepNotFoundError
-from ..format.checksum import chunk_ranges, crc32c_hex
-from ..format.manifest import FileRecord, Manifest
+from ..format.manifest import Manifest
 from ..format.naming import step_name
 from ..storage import Target
-from .preflight import check_regular, header_problems, local_path
+from .preflight import Source, check_regular, header_problems, local_path
+from .read import ChecksumMismatchError, Chunk, Mismatch, plan_check, run
+from .transports.pread import PreadTransport
 
-__all__ = ["StepReport", "file_url", "verify_step"]
+__all__ = ["StepReport", "file_url", "verify_files", "verify_step"]
 
 
 def file_url(target: Target, step: int, name: str) -> str:
@@ -90,26 +95,25 @@ def verify_step(target: Target, step: int, *, threads: int = 8, manifest: Manife
         with lock:
             report.problems.append(f"{file_url(target, step, fname)}: {what}")
 
-    def check_chunk(fname: str, rec: FileRecord, index: int, begin: int, end: int) -> None:
-        buf = np.empty(end - begin, dtype=np.uint8)
-        try:
-            target.read_into(step, fname, begin, [buf])
-        except (OSError, CkptError) as exc:
-            fault(fname, f"bytes [{begin}, {end}) cannot be read ({exc})")
-            return
-        got = crc32c_hex(buf)
-        if got != rec.crc32c[index]:
-            fault(fname, f"bytes [{begin}, {end}) fail their checksum (CRC32C {got}, manifest {rec.crc32c[index]})")
-        sub = rec.sub_chunk_size  # the finer checksums of multi-rank saves (reads of parts of a file)
-        for b in range(begin, end, sub) if sub else ():
-            got = crc32c_hex(buf[b - begin:b - begin + sub])
-            if got != rec.sub_crc(b // sub):
-                fault(fname, f"bytes [{b}, {min(b + sub, end)}) fail their sub-chunk checksum (CRC32C {got}, "
-                      f"manifest {rec.sub_crc(b // sub)})")
-        if on_bytes is not None:
-            on_bytes(end - begin)
+    def message(m: Mismatch) -> str:
+        kind = "sub-chunk checksum" if m.sub else "checksum"
+        return f"{file_url(target, step, m.file)}: bytes [{m.begin}, {m.end}) fail their {kind} (CRC32C {m.got}, " \
+               f"manifest {m.want})"
 
-    chunks: list[tuple[str, FileRecord, int, int, int]] = []
+    failed: set[tuple[str, int]] = set()  # chunks that failed a checksum (guarded by lock)
+
+    def on_fault(c: Chunk, exc: BaseException) -> None:
+        if not isinstance(exc, ChecksumMismatchError):
+            fault(c.file, f"bytes [{c.begin}, {c.end}) cannot be read ({exc})")
+            return
+        with lock:
+            report.problems.append(str(exc))
+            first = (c.file, c.index) not in failed
+            failed.add((c.file, c.index))
+        if first and on_bytes is not None:  # (read and checked, like every chunk that verifies)
+            on_bytes(c.size)
+
+    readable: list[str] = []
     for fname, rec in sorted(manifest.files.items()):
         report.files += 1
         try:
@@ -134,12 +138,33 @@ def verify_step(target: Target, step: int, *, threads: int = 8, manifest: Manife
             continue
         for p in header_problems(head.tobytes(), fname, manifest):
             fault(fname, p)
-        for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size)):
-            chunks.append((fname, rec, i, b, e))
-            report.bytes += e - b
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckptmgr-verify") as pool:
-        for f in [pool.submit(check_chunk, *c) for c in chunks]:
-            f.result()
+        readable.append(fname)
+        report.bytes += rec.size
+    progress = _Progress(on_bytes) if on_bytes is not None else None
+    plan = plan_check(manifest, file_url(target, step, "").rstrip("/"), files=readable, subs=True, message=message,
+                      dests=dict.fromkeys(readable, progress) if progress is not None else None)
+    run(plan, PreadTransport(target, step, workers=threads), on_fault=on_fault)
     report.problems.sort()
     return report
 
+
+
+class _Progress:
+    """Where the verified chunks of ``ckptmgr verify`` go: their sizes, to ``on_bytes``."""
+
+    def __init__(self, on_bytes: Callable[[int], None]) -> None:
+        self.on_bytes = on_bytes
+
+    def land(self, begin: int, data: Any) -> None:
+        self.on_bytes(data.numel())
+
+
+def verify_files(source: Source, step: int, manifest: Manifest, pool: Executor, workers: int, where: str) -> None:
+    """Read every checksum chunk of ``step`` into scratch memory and check it, landing
+    nothing: up to ``workers`` buffers of one chunk each (256 MiB in all at most), each held
+    by one task on ``pool`` at a time.
+
+    Raises:
+        CheckpointCorruptError: the first chunk (in file order) that fails.
+    """
+    run(plan_check(manifest, where), PreadTransport(source, step, pool=pool, workers=workers))

@@ -2,7 +2,9 @@
 
 Every stored tensor gets its own host allocation, and each checksum chunk of a file is read
 by one task on the target's I/O threads with a scatter read (``preadv``) into the pieces of
-the tensors it covers; the task then checks the chunk's CRC32C over those pieces. So the
+the tensors it covers; the task then checks the chunk's CRC32C over those pieces (a plan of
+the file's chunks, read straight into those pieces, run by the read driver
+:mod:`ckptmgr.restore.read`). So the
 bytes are copied once, verification runs in parallel with the reads, and a restored tensor
 owns its storage (it does not pin a whole file image in memory). Aliased tensors come back
 aliased: views are rebuilt on top of their (moved) bases.
@@ -17,10 +19,11 @@ import numpy as np
 import torch
 
 from ...errors import CheckpointCorruptError
-from ...format.checksum import chunk_ranges, crc32c_hex_pieces
 from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import Manifest
-from ..preflight import Source, run_all
+from ..preflight import Source
+from ..read import Mismatch, plan_check, run
+from ..transports.pread import PreadTransport
 from .landing import Entry, checked_dests, usable_dest
 
 __all__ = ["Source", "read_tensors", "view_of"]
@@ -50,8 +53,26 @@ def _pieces(regions: list[_Region], b: int, e: int) -> list[np.ndarray[Any, Any]
     return out
 
 
+class _Scatter:
+    """A file's bytes read straight into its tensors' memory (``regions``, tiling the file):
+    each chunk a scatter read into the pieces it covers, verified there."""
+
+    def __init__(self, regions: list[_Region]) -> None:
+        self.regions = regions
+
+    def into(self, begin: int, end: int) -> list[np.ndarray[Any, Any]]:
+        return _pieces(self.regions, begin, end)
+
+    def land(self, begin: int, data: torch.Tensor) -> None:
+        """(A transport that read the chunk elsewhere.)"""
+        arr, pos = data.numpy(), 0
+        for piece in _pieces(self.regions, begin, begin + arr.size):
+            piece[:] = arr[pos:pos + piece.size]
+            pos += piece.size
+
+
 def _read_file(target: Source, step: int, manifest: Manifest, fname: str,
-               entries: list[tuple[str, dict[str, Any]]], out: dict[str, torch.Tensor], *, verify: bool,
+               entries: list[tuple[str, dict[str, Any]]], out: dict[str, torch.Tensor], *,
                dests: dict[str, torch.Tensor] | None) -> None:
     rec = manifest.files[fname]
     where = f"{target.url}: step {step}, file {fname}"
@@ -73,13 +94,11 @@ def _read_file(target: Source, step: int, manifest: Manifest, fname: str,
     if pos != rec.size:
         raise CheckpointCorruptError(f"{where}: the tensors do not fill the file ({pos} of {rec.size} bytes)")
 
-    def task(i: int, b: int, e: int) -> None:
-        pieces = _pieces(regions, b, e)
-        target.read_into(step, fname, b, pieces)
-        if verify and crc32c_hex_pieces(pieces) != rec.crc32c[i]:
-            raise CheckpointCorruptError(f"{where}: checksum mismatch in bytes [{b}, {e})")
+    def message(m: Mismatch) -> str:
+        return f"{where}: checksum mismatch in bytes [{m.begin}, {m.end})"
 
-    run_all(target.io_pool, task, [(i, b, e) for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))])
+    plan = plan_check(manifest, where, files=[fname], dests={fname: _Scatter(regions)}, message=message)
+    run(plan, PreadTransport(target, step, pool=target.io_pool, request_bytes=0))  # (one read per chunk)
     if int.from_bytes(header[:8].tobytes(), "little") + 8 != rec.header_size:
         raise CheckpointCorruptError(f"{where}: the safetensors header length does not match the manifest")
 
@@ -115,7 +134,7 @@ def view_of(base: torch.Tensor, name: str, e: dict[str, Any], where: str) -> tor
     return view
 
 
-def read_tensors(target: Source, step: int, manifest: Manifest, *, verify: bool = True,
+def read_tensors(target: Source, step: int, manifest: Manifest, *,
                  device: torch.device | None = None, dests: dict[str, torch.Tensor] | None = None
                  ) -> dict[str, torch.Tensor]:
     """Read, verify and assemble every tensor of a committed step; a tensor of ``dests`` in
@@ -133,7 +152,7 @@ def read_tensors(target: Source, step: int, manifest: Manifest, *, verify: bool 
             by_file[e["file"]].append((name, e))
     out: dict[str, torch.Tensor] = {}
     for fname, entries in by_file.items():
-        _read_file(target, step, manifest, fname, entries, out, verify=verify, dests=dests)
+        _read_file(target, step, manifest, fname, entries, out, dests=dests)
     if device is not None and device.type != "cpu":
         out = {k: v.to(device) for k, v in out.items()}
     _build_views(manifest, out, where)

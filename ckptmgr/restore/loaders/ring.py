@@ -33,12 +33,14 @@ import torch
 
 from ... import _cuda
 from ...errors import CheckpointCorruptError, CkptTimeoutError
-from ...format.checksum import chunk_ranges, crc32c_hex
+from ...format.checksum import chunk_ranges
 from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import FileRecord, Manifest
 from ...storage.aio import AioContext, open_context
 from ...storage.posix import DIRECT_ALIGN, DirectFile
-from ..preflight import Source, drain, run_all, submit_image_checks, wait_all
+from ..preflight import Source, drain, submit_image_checks, wait_all
+from ..read import Chunk, ReadPlan, run
+from ..transports.pread import Fetch, RingTransport
 from .host import _build_views
 from .landing import Entry, Landing, plan_landing
 from .window import DEPTH, Copy, Span, landing_buffers, read_window
@@ -191,8 +193,6 @@ def entries_by_file(manifest: Manifest, where: str) -> dict[str, list[Entry]]:
     return out
 
 
-# fetch(buffer index, begin, end) -> the bytes [begin, end) of the file, in host memory
-Fetch = Callable[[int, int, int], torch.Tensor]
 
 
 class _Chunk(NamedTuple):
@@ -205,37 +205,15 @@ class _Chunk(NamedTuple):
     end: int
 
 
-def _lander(chunks: list[_Chunk], device: torch.device, ring: PinnedRing,
-            where: str) -> Callable[[int, int, torch.Tensor], None]:
-    """``land(i, buffer index, bytes)``: verify the bytes of ``chunks[i]`` against its checksum,
-    copy them to their landing on the buffer's own stream and wait for that copy (the buffer
-    is free to refill on return). Made on the caller's thread (see :func:`_copier`)."""
-    copy = _copier(chunks, device, ring)
-
-    def land(i: int, slot: int, src: torch.Tensor) -> None:
-        c = chunks[i]
-        if crc32c_hex(src.numpy()) != c.rec.crc32c[c.number]:
-            raise CheckpointCorruptError(f"{where}: {c.fname}: checksum mismatch in bytes [{c.begin}, {c.end})")
-        copy([(i, c.begin, src)], slot)  # (on the leased buffer's own stream: the ring has one per buffer)
-    return land
-
-
 def _pipeline(chunks: list[_Chunk], device: torch.device, ring: PinnedRing, where: str) -> None:
-    """Each chunk (of every file, one continuous stream) is one task on the ring's threads:
-    lease a buffer, fetch the chunk into it, verify it, copy it to its landing on the
-    buffer's own stream and wait for that copy before the lease ends. Every thread reads,
-    checks and copies on its own, so the copy engine always has a copy queued and no thread
-    waits for another. The first failure (in file order) cancels what has not started and is
-    raised once every started task has given its buffer back.
+    """The chunks as one plan, run by the read driver through the ring
+    (:class:`~ckptmgr.restore.transports.pread.RingTransport`): each verified, then copied to
+    its landing on the leased buffer's own stream. The first failure (in file order) cancels
+    what has not started and is raised once every started task has given its buffer back.
     """
-    land = _lander(chunks, device, ring, where)
-
-    def task(i: int) -> None:
-        c = chunks[i]
-        with ring.lease() as slot:
-            land(i, slot, c.fetch(slot, c.begin, c.end))
-
-    run_all(ring.pool, task, [(i,) for i in range(len(chunks))])
+    plan = ReadPlan(where, tuple(Chunk(c.fname, c.number, c.begin, c.end, c.rec.crc32c[c.number], c.landing)
+                                 for c in chunks))
+    run(plan, RingTransport(ring, {c.fname: c.fetch for c in chunks}, device))
 
 
 def _copier(chunks: list[_Chunk], device: torch.device, ring: PinnedRing) -> Copy:

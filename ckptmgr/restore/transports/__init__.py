@@ -1,0 +1,8 @@
+"""Transports: how the bytes of a read plan's chunks arrive in host memory
+(:class:`~ckptmgr.restore.read.Transport`)."""
+
+from __future__ import annotations
+
+from .pread import PreadTransport, RingTransport
+
+__all__ = ["PreadTransport", "RingTransport"]
