@@ -16,20 +16,22 @@
 #              Schedule(continuous=True), Schedule(max_lost_s=$CKPTMGR_MAX_LOST_S, default 10); then the
 #              decoder (bench_training.py's default model) with a save every 10 steps
 #   staging    save stall and durable time of a G GiB state to /dev/shm and to the disk
+#              (ckptmgr overlap; other tools with CKPTMGR_STAGING_TOOLS)
 #   restore    restore of a G GiB state from /dev/shm and from a cold disk (ckptmgr against
 #              fastsafetensors, with the disk's read ceiling measured in the same run)
 #   tier       restore from the /dev/shm local tier after a SIGKILL, in a fresh process
-#   lightning  per-save cost of the Lightning plugin against TorchCheckpointIO and AsyncCheckpointIO
+#   lightning  per-save cost of the Lightning plugin (30 steps, a save every 10; the peers with
+#              CKPTMGR_LIGHTNING_PLUGINS="TorchCheckpointIO (Lightning default),AsyncCheckpointIO(TorchCheckpointIO),CkptmgrCheckpointIO")
 #   hf         per-save cost of the Hugging Face Trainer integration against the stock Trainer
 #   dist       FSDP2 save and restore against torch.distributed.checkpoint (needs 2 GPUs or more)
 #   reshard    FSDP2 saved at one world size, restored at others, against DCP (needs 2 GPUs or more)
 #
-# MODE@old runs the mode against another source tree: the package and the benchmark scripts of
-# $CKPTMGR_OLD (default .old in the working directory; make it with
-#   mkdir .old && git archive 6960b87 | tar -x -C .old
-# ), writing NAME-old.json / NAME-old.txt beside this tree's. loadfile@old runs this tree's script
-# against the old package (the old script has no --writer). budget@old runs the default options
-# only (the old package has no budget schedules).
+# MODE@old runs the mode against another source tree, $CKPTMGR_OLD (default .old in the working
+# directory; make it with `mkdir .old && git archive 6960b87 | tar -x -C .old`): the same
+# benchmark scripts (this tree's, so that both trees are measured alike) with the old tree's
+# package, writing NAME-old.json / NAME-old.txt beside this tree's. Two exceptions: tests@old runs
+# the old tree's own tests, and budget@old the old tree's own bench_training.py with the default
+# options only (the old package has no budget schedules and refuses StagingOptions(slots=None)).
 #
 # Rounds: $CKPTMGR_ROUNDS (default 3). Commit recorded: $CKPTMGR_COMMIT for this tree (the GPU copy
 # has no git HEAD), $CKPTMGR_OLD_COMMIT (default 6960b87) for the old one. Packages the GPU image
@@ -80,17 +82,17 @@ package() {  # TREE NAME -> the directory to put on PYTHONPATH
   echo "$dest"
 }
 
-# One mode, run in the tree's directory (its benchmarks/ scripts) with the tree's package.
-# $1 mode, $2 file tag ("" or "-old"), $3 1 when the tree is the old one.
+# One mode, run in this tree's directory with the package on PYTHONPATH.
+# $1 mode, $2 file tag ("" or "-old"), $3 1 when the tree is the old one, $4 the tree.
 mode() {
-  local m="$1" t="$2" is_old="$3" r="$rounds" o="$out/$1$2"
+  local m="$1" t="$2" is_old="$3" tree="$4" r="$rounds" o="$out/$1$2"
   case "$m" in
     tests)
-      python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_cuda_snapshot.py \
+      cd "$tree" && python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_cuda_snapshot.py \
         tests/test_cuda_restore_trust.py tests/test_landing.py tests/test_restore_many_small.py tests/test_window_reads.py \
         tests/test_lightning_cuda.py tests/test_tier_ram.py tests/test_hf_trainer.py 2>&1 | tee "$o.txt" ;;
     loadfile)
-      python3 "$here/benchmarks/bench_restore.py" --writer safetensors --dtype bf16 --gib "$gib" --sources shm \
+      python3 benchmarks/bench_restore.py --writer safetensors --dtype bf16 --gib "$gib" --sources shm \
         --repeat "$r" --device "$device" --shm-dir "/dev/shm/ckptmgr-suite-loadfile$t" --out "$o.json" 2>&1 | tee "$o.txt" ;;
     inplace)
       if [ -f benchmarks/bench_inplace.py ]; then
@@ -101,21 +103,23 @@ mode() {
       fi ;;
     budget)
       local modes="none,ckptmgr overlap,ckptmgr budget,ckptmgr continuous,ckptmgr lost" lin=() dec=()
-      [ "$is_old" = 1 ] && modes="none,ckptmgr overlap"
+      local script=benchmarks/bench_training.py
+      [ "$is_old" = 1 ] && modes="none,ckptmgr overlap" script="$tree/benchmarks/bench_training.py"
       [ -n "$small" ] && lin=(--dim 64 --layers 2 --batch 8 --steps 20 --every 5) \
                       && dec=(--dim 64 --layers 2 --heads 2 --vocab 128 --seq 16 --batch 2 --steps 20 --every 5)
       local extra=(); [ "$is_old" = 1 ] || extra=(--max-lost-s "${CKPTMGR_MAX_LOST_S:-10}")
-      python3 benchmarks/bench_training.py --model linear --every 25 --steps 100 --warmup 5 --modes "$modes" \
+      python3 "$script" --model linear --every 25 --steps 100 --warmup 5 --modes "$modes" \
         --repeat "$r" --device "$device" --dir "$scratch/budget" "${extra[@]}" "${lin[@]}" --out "$o.json" 2>&1 | tee "$o.txt"
-      python3 benchmarks/bench_training.py --every 10 --modes "none,ckptmgr overlap" --repeat "$r" --device "$device" \
+      [ "$is_old" = 1 ] && return 0  # the decoder: this tree only
+      python3 "$script" --every 10 --modes "none,ckptmgr overlap" --repeat "$r" --device "$device" \
         --dir "$scratch/decoder" "${dec[@]}" --out "$out/decoder$t.json" 2>&1 | tee "$out/decoder$t.txt" ;;
     staging)
       python3 benchmarks/bench_staging.py --gib "$gib" --rounds "$r" --saves 3 --device "$device" \
-        --tools "${CKPTMGR_STAGING_TOOLS:-ckptmgr block,ckptmgr overlap}" --targets shm,disk \
+        --tools "${CKPTMGR_STAGING_TOOLS:-ckptmgr overlap}" --targets shm,disk \
         --shm-dir "/dev/shm/ckptmgr-suite-staging" --disk-dir "$scratch/staging" --out "$o.json" 2>&1 | tee "$o.txt" ;;
     restore)
       python3 benchmarks/bench_restore.py --gib "$gib" --repeat "$r" --device "$device" --sources shm,disk \
-        --tools "ckptmgr restore(device),ckptmgr restore(target),fastsafetensors (nogds)" \
+        --tools "ckptmgr restore(target),fastsafetensors (nogds)" \
         --shm-dir /dev/shm/ckptmgr-suite-restore --disk-dir "$scratch/restore" --out "$o.json" 2>&1 | tee "$o.txt" ;;
     tier)
       local tg="4.5"; [ -n "$small" ] && tg="$gib"
@@ -123,8 +127,8 @@ mode() {
         --disk-dir "$scratch" --out "$o.json" 2>&1 | tee "$o.txt" ;;
     lightning)
       local q=(); [ -n "$small" ] && q=(--quick)
-      python3 benchmarks/bench_lightning.py --steps 60 --every 20 --repeat "$r" "${q[@]}" --dir "$scratch/lightning" \
-        --out "$o.json" 2>&1 | tee "$o.txt" ;;
+      python3 benchmarks/bench_lightning.py --steps 30 --every 10 --repeat "$r" "${q[@]}" --dir "$scratch/lightning" \
+        --plugins "${CKPTMGR_LIGHTNING_PLUGINS:-CkptmgrCheckpointIO}" --out "$o.json" 2>&1 | tee "$o.txt" ;;
     hf)
       local q=(); [ -n "$small" ] && q=(--tiny --cpu)
       python3 benchmarks/bench_hf_trainer.py --rounds "$r" "${q[@]}" --workdir "$scratch" --out "$o" 2>&1 | tee "$o.txt" ;;
@@ -165,8 +169,9 @@ for part in "${parts[@]}"; do
     tree="$here" pkg="$new_pkg" tag="" is_old=0 commit="$this_commit"
   fi
   start=$SECONDS
-  (cd "$tree" && export CKPTMGR_COMMIT="$commit" PYTHONPATH="${site:+$site:}$pkg${PYTHONPATH:+:$PYTHONPATH}" \
-     && mode "$name" "$tag" "$is_old")
+  mkdir -p "$scratch"
+  (export CKPTMGR_COMMIT="$commit" PYTHONPATH="${site:+$site:}$pkg${PYTHONPATH:+:$PYTHONPATH}" \
+     && mode "$name" "$tag" "$is_old" "$tree")
   rm -rf "$scratch"
   echo "$part: $((SECONDS - start)) s ($commit)" | tee -a "$out/timings.txt"
 done

@@ -124,3 +124,20 @@ def test_every_product_benchmark_answers_help():
         if p.returncode != 0 or "usage:" not in out:
             failed.append(f"{n}: rc {p.returncode}: {err.strip()[-500:]}")
     assert not failed, "\n".join(failed)
+
+
+def test_gpu_suite_runs_product_benchmarks_only():
+    """Every script gpu_suite.sh runs is a product benchmark of this tree (none from results/ or
+    probes/), and every mode its header lists has a branch."""
+    import re
+
+    with open(os.path.join(BENCH, "gpu_suite.sh"), encoding="utf-8") as f:
+        suite = f.read()
+    scripts = set(re.findall(r"benchmarks/([\w/]+\.py)", suite))
+    assert scripts and not {s for s in scripts if "/" in s}, scripts
+    assert scripts - {"bench_inplace.py"} <= set(PRODUCT), scripts - set(PRODUCT)
+    header = suite[:suite.index("set -uo pipefail")]
+    listed = set(re.findall(r"^#   (\w+)  ", header, re.M))  # "#   mode   what it measures"
+    assert {"tests", "loadfile", "budget", "staging", "restore", "tier", "lightning", "hf", "dist"} <= listed
+    branches = set(re.findall(r"^    ([\w|]+)\)", suite, re.M))
+    assert listed <= {m for b in branches for m in b.split("|")}, listed
