@@ -130,7 +130,7 @@ mode() {
       python3 benchmarks/bench_lightning.py --steps 30 --every 10 --repeat "$r" "${q[@]}" --dir "$scratch/lightning" \
         --plugins "${CKPTMGR_LIGHTNING_PLUGINS:-CkptmgrCheckpointIO}" --out "$o.json" 2>&1 | tee "$o.txt" ;;
     hf)
-      local q=(); [ -n "$small" ] && q=(--tiny --cpu)
+      local q=(); [ -n "$small" ] && q=(--tiny --cpu --steps 12 --save-steps 4)
       python3 benchmarks/bench_hf_trainer.py --rounds "$r" "${q[@]}" --workdir "$scratch" --out "$o" 2>&1 | tee "$o.txt" ;;
     dist|reshard)
       local n="$gpus" dev=cuda q=()
