@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import socket
@@ -50,10 +49,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from common import evict, global_fingerprint
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ckptmgr import CheckpointManager, PerRank
-from ckptmgr.retention import KeepLatest
+from ckptmgr import CheckpointManager, KeepLatest, PerRank
 
 SAVERS = ("ckptmgr", "DCP save", "DCP async_save")
 RESTORERS = ("ckptmgr", "DCP")
@@ -91,43 +90,6 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, width: int, d
     model(torch.randn(16, width, device=dev)).float().pow(2).mean().backward()
     opt.step()
     opt.zero_grad()
-
-
-def global_fingerprint(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, list[int]]:
-    """Per parameter and moment: (sum of the raw 32-bit words, sum weighted by global position),
-    int64 with wrap-around, reduced over the ranks for DTensors: exact and independent of the layout."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        for key, t in [(name, p), *((f"{name}.{k}", v) for k, v in opt.state[p].items())]:
-            if isinstance(t, DTensor):
-                local = t.to_local().detach()
-                _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-                start = int(offset[0]) * math.prod(t.shape[1:]) if t.dim() else 0  # FSDP2: Shard(0)
-            else:
-                local, start = t.detach(), 0
-            words = local.contiguous().reshape(-1).view(torch.int32).to(torch.int64)
-            pos = torch.arange(start, start + words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
-            s = torch.stack([words.sum(), (words * pos).sum()])
-            if isinstance(t, DTensor):
-                dist.all_reduce(s)
-            out[key] = s
-    return {k: [int(x) for x in v.cpu()] for k, v in out.items()}
-
-
-def evict(d: str) -> None:
-    """Drop the page cache of every file under ``d``: restores read from the disk, whichever
-    way the files were written (ckptmgr writes with O_DIRECT, DCP through the cache)."""
-    for base, _, names in os.walk(d):
-        for n in names:
-            fd = os.open(os.path.join(base, n), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _rng(dev: torch.device) -> torch.Tensor:

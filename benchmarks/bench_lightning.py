@@ -196,6 +196,9 @@ def main() -> None:
     default_out = os.path.join(os.environ["OUT"], "lightning.json") if os.environ.get("OUT") else \
         os.path.join(os.path.dirname(__file__), "out", "lightning.json")
     ap.add_argument("--out", default=default_out)
+    ap.add_argument("--plugins", default=None,
+                    help="comma-separated subset of the plugins to measure (default: all); "
+                         "'no checkpointing', the baseline, always runs")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
@@ -206,6 +209,12 @@ def main() -> None:
         child(args.child, args, gpu)
         return
     names = list(PLUGINS)
+    if args.plugins:
+        chosen = {n.strip() for n in args.plugins.split(",") if n.strip()}
+        unknown = chosen - set(PLUGINS)
+        if unknown:
+            raise SystemExit(f"unknown plugins {sorted(unknown)}; choose from {list(PLUGINS)}")
+        names = [n for n in PLUGINS if n == "no checkpointing" or n in chosen]
     rounds: list[dict[str, dict[str, Any]]] = []
     passthrough = [a for a in sys.argv[1:] if a != "--quick"]
     if args.quick:

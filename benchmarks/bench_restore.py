@@ -3,6 +3,7 @@
     python benchmarks/bench_restore.py --gib 4                          # /dev/shm and a cold disk
     python benchmarks/bench_restore.py --gib 4 --sources shm --repeat 5
     python benchmarks/bench_restore.py --device cpu --gib 0.25          # no GPU: loads to host memory
+    python benchmarks/bench_restore.py --writer safetensors --dtype bf16 --sources shm   # a published file
 
 ckptmgr saves one state (fp32/bf16, ``--tensors`` tensors) into ``/dev/shm`` (``shm``, warm: the
 files are in RAM) and into ``--disk-dir`` (``disk``, cold: the page cache of every file is
@@ -18,9 +19,14 @@ before the clock starts):
 * ``ckptmgr.load_file``, ``safetensors.torch.load_file``, ``torch.load`` and fastsafetensors
   (when installed; ``nogds``) on the same files.
 
+With ``--writer safetensors`` the state is one file written by ``safetensors.torch.save_file``
+(as a model is published) and only the file loaders run: ``ckptmgr.load_file``,
+``safetensors.load_file`` and fastsafetensors (skipped, with a note, where it cannot be imported).
+
 Each run reports the seconds of the load call (synchronized; on the CPU, every page of the
 result is read inside the timing, since a mapped file is not loaded until touched), the peak growth of private host
-memory (RssAnon, sampled every 2 ms) and of device memory, and whether every tensor came back
+memory (RssAnon), of resident memory (VmRSS: also the file pages a loader maps), both sampled every 2 ms, and of
+device memory, and whether every tensor came back
 bit for bit. The table gives the median and the range over the rounds. With ``disk`` the disk's
 read ceiling is measured in the same run (several request patterns, cold cache, the best
 taken). Prints the table and writes JSON (default benchmarks/out/restore.json).
@@ -43,35 +49,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from common import PeakRss, commit, drop_cache, fingerprint, make_state, nbytes, round_order
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+FILE_TOOLS = ["ckptmgr.load_file", "safetensors.load_file", "fastsafetensors (nogds)"]
 TOOLS = ["ckptmgr restore(device)", "ckptmgr restore(target)", "ckptmgr restore(loader='inplace')",
          "ckptmgr.load_file", "safetensors.load_file", "fastsafetensors (nogds)", "torch.load"]
 
 
 # ---------------------------------------------------------------------------- helpers
 
-def rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def data_files(step_dir: str) -> list[str]:
     return sorted(os.path.join(step_dir, n) for n in os.listdir(step_dir) if n.endswith(".safetensors"))
-
-
-def drop_cache(paths: list[str]) -> None:
-    """Evict ``paths`` from the page cache (written back first)."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def read_ceiling(paths: list[str], direct: bool, threads: int, block: int) -> float:
@@ -96,17 +85,6 @@ def read_ceiling(paths: list[str], direct: bool, threads: int, block: int) -> fl
     for fd in fds.values():
         os.close(fd)
     return took
-
-
-def fingerprint(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """name -> CRC32C of the tensor's bytes (moved to the host first)."""
-    from ckptmgr.format.checksum import crc32c_hex
-
-    out = {}
-    for k, v in tensors.items():
-        b = v.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        out[k] = crc32c_hex(b)
-    return out
 
 
 # ---------------------------------------------------------------------------- one run (child)
@@ -158,59 +136,28 @@ def child(tool: str, step_dir: str, torch_path: str, device: str, shapes_path: s
     if tool == "ckptmgr restore(target)":
         target = {k: torch.empty(s, dtype=getattr(torch, d), device=device) for k, (d, s) in meta["shapes"].items()}
     load = _loader(tool, step_dir, torch_path, device, target)
-    base = rss_anon()
-    peak = [base]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], rss_anon())
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
     gpu0 = torch.cuda.memory_allocated() if cuda else 0
-    t = time.perf_counter()
-    out = load()
-    if cuda:
-        torch.cuda.synchronize()
-    else:  # a lazily mapped result has not been read yet: touch every page, as using it would
-        for v in out.values():
-            b = v.detach().reshape(-1).view(torch.uint8)
-            if b.numel():
-                b[::4096].sum()
-    took = time.perf_counter() - t
-    stop.set()
-    sampler.join()
+    with PeakRss() as rss:
+        t = time.perf_counter()
+        out = load()
+        if cuda:
+            torch.cuda.synchronize()
+        else:  # a lazily mapped result has not been read yet: touch every page, as using it would
+            for v in out.values():
+                b = v.detach().reshape(-1).view(torch.uint8)
+                if b.numel():
+                    b[::4096].sum()
+        took = time.perf_counter() - t
     gpu = (torch.cuda.max_memory_allocated() - gpu0) / 2**20 if cuda else 0.0
     got = fingerprint(out)
     del out
     for fn in _after:
         fn()
-    return {"tool": tool, "s": took, "host_mib": (peak[0] - base) / 2**20, "gpu_mib": gpu,
+    return {"tool": tool, "s": took, "host_mib": rss.anon / 2**20, "rss_mib": rss.total / 2**20, "gpu_mib": gpu,
             "identical": got == meta["crc"]}
 
 
 # ---------------------------------------------------------------------------- the run (parent)
-
-def round_order(tools: list[str], r: int) -> list[str]:
-    """Round ``r``'s order of ``tools``: row ``r`` of a balanced Latin square (Williams design).
-    Each tool runs first in turn, as in a rotation, and also after a different tool each round:
-    with an even number of tools, over as many rounds every tool follows every other once (odd
-    rounds are mirrored for an odd number). A plain rotation keeps every tool behind the same
-    one, so whatever a tool leaves behind (a disk's own cache holding other files, pages being
-    freed) would always weigh on the same neighbour."""
-    n = len(tools)
-    first, lo, hi = [0], 1, n - 1
-    while len(first) < n:
-        first.append(lo)
-        lo += 1
-        if len(first) < n:
-            first.append(hi)
-            hi -= 1
-    row = [tools[(i + r) % n] for i in first]
-    return row[::-1] if n % 2 and r % 2 else row
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -221,7 +168,14 @@ def main() -> None:
     ap.add_argument("--sources", default="shm,disk", help="shm (warm, /dev/shm), disk (cold)")
     ap.add_argument("--shm-dir", default="/dev/shm/ckptmgr-bench-restore")
     ap.add_argument("--disk-dir", default=os.path.join(HERE, "out", "restore-disk"))
-    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--tools", default=None,
+                    help=f"comma-separated (default: all of {', '.join(TOOLS)}; with --writer safetensors, the "
+                         f"file loaders {', '.join(FILE_TOOLS)})")
+    ap.add_argument("--writer", choices=("ckptmgr", "safetensors"), default="ckptmgr",
+                    help="who writes the files: a ckptmgr save, or safetensors.torch.save_file (one file, as a "
+                         "model is published; only the file loaders read it)")
+    ap.add_argument("--dtype", choices=("mixed", "bf16", "fp32"), default="mixed",
+                    help="the state's tensors: every third bf16 and the rest fp32 (mixed), or all of one dtype")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "restore.json"))
     ap.add_argument("--child", nargs=5, metavar=("TOOL", "STEP_DIR", "TORCH_PATH", "DEVICE", "SHAPES"),
                     help=argparse.SUPPRESS)
@@ -229,23 +183,28 @@ def main() -> None:
     if args.child:
         print("RESULT " + json.dumps(child(*args.child)), flush=True)
         return
-    sys.path.insert(0, HERE)
-    from bench_staging import make_state, nbytes
-
     from ckptmgr import CheckpointManager, StagingOptions
 
     cuda = args.device.startswith("cuda")
-    tools = [t for t in args.tools.split(",") if t]
+    by_file = args.writer == "safetensors"
+    tools = [t for t in (args.tools or ",".join(FILE_TOOLS if by_file else TOOLS)).split(",") if t]
+    skipped: dict[str, str] = {}
+    for t in [t for t in tools if by_file and t not in FILE_TOOLS]:
+        skipped[t] = "reads ckptmgr checkpoints, not a file written by safetensors"
     if not cuda:
-        tools = [t for t in tools if "fastsafetensors" not in t]
+        skipped.update({t: "needs CUDA" for t in tools if "fastsafetensors" in t})
     if "fastsafetensors (nogds)" in tools:
         try:
             import fastsafetensors  # noqa: F401
-        except ImportError:
-            tools.remove("fastsafetensors (nogds)")
+        except ImportError as exc:
+            skipped["fastsafetensors (nogds)"] = f"not importable ({exc})"
+    for t, why in skipped.items():
+        print(f"  skipped {t}: {why}", flush=True)
+    tools = [t for t in tools if t not in skipped]
     sources = {"shm": args.shm_dir, "disk": args.disk_dir}
     sources = {k: sources[k] for k in args.sources.split(",")}
-    state = make_state(args.gib, args.device, n_tensors=args.tensors)
+    dtype = {"mixed": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    state = make_state(args.gib, args.device, n_tensors=args.tensors, dtype=dtype)
     size = nbytes(state)
     cpu_state = {k: v.cpu() for k, v in state.items()}
     layout: dict[str, dict[str, str]] = {}
@@ -254,14 +213,22 @@ def main() -> None:
     for name, d in sources.items():
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
-        with CheckpointManager(os.path.join(d, "root"), staging=StagingOptions(local_tier=False)) as m:
-            m.save(1, state).result()
+        if by_file:  # one file, as safetensors writes it
+            from safetensors.torch import save_file
+
+            step_dir = os.path.join(d, "file")
+            os.makedirs(step_dir)
+            save_file(cpu_state, os.path.join(step_dir, "model.safetensors"))
+        else:
+            with CheckpointManager(os.path.join(d, "root"), staging=StagingOptions(local_tier=False)) as m:
+                m.save(1, state).result()
+            step_dir = os.path.join(d, "root", "step_000000000001")
         torch_path = os.path.join(d, "state.pt")
-        torch.save(cpu_state, torch_path)
+        if "torch.load" in tools:
+            torch.save(cpu_state, torch_path)
         with open(os.path.join(d, "shapes.json"), "w") as f:
             json.dump(meta, f)
-        layout[name] = {"step_dir": os.path.join(d, "root", "step_000000000001"), "torch": torch_path,
-                        "shapes": os.path.join(d, "shapes.json")}
+        layout[name] = {"step_dir": step_dir, "torch": torch_path, "shapes": os.path.join(d, "shapes.json")}
     del state, cpu_state
     if cuda:
         torch.cuda.empty_cache()
@@ -285,7 +252,7 @@ def main() -> None:
             use = [t for t in tools if not ("inplace" in t and src == "disk")]
             for tool in round_order(use, r):
                 if src == "disk":
-                    drop_cache([*data_files(where["step_dir"]), where["torch"]])
+                    drop_cache([*data_files(where["step_dir"]), *[p for p in [where["torch"]] if os.path.exists(p)]])
                 p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", tool, where["step_dir"],
                                     where["torch"], args.device, where["shapes"]],
                                    capture_output=True, text=True, timeout=600)
@@ -295,42 +262,48 @@ def main() -> None:
                 else:
                     res = json.loads(line[7:])
                 runs[src][tool].append(res)
-                shown = f"{res['s']:.3f} s, +{res['host_mib']:.0f} MiB host, +{res['gpu_mib']:.0f} MiB device" \
+                shown = f"{res['s']:.3f} s, +{res['host_mib']:.0f} MiB private host (+{res['rss_mib']:.0f} MiB " \
+                        f"resident), +{res['gpu_mib']:.0f} MiB device" \
                         f"{'' if res['identical'] else ', NOT IDENTICAL'}" if "s" in res else res["error"]
                 print(f"  [{src}] {tool}: {shown}", flush=True)
     for d in sources.values():
         shutil.rmtree(d, ignore_errors=True)
     ceiling = max(ceilings.values()) if ceilings else None
-    lines = [f"{size / 2**30:.2f} GiB in {args.tensors} tensors onto {args.device}; each run a fresh process; "
+    lines = [f"{size / 2**30:.2f} GiB in {args.tensors} {args.dtype} tensors written by {args.writer}, onto "
+             f"{args.device}; each run a fresh process; "
              f"median (min-max) of {args.repeat} rounds, tool order varied (round_order)", ""]
     if ceiling:
         lines += ["disk read ceiling (cold cache, best pattern): "
                   + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in ceilings.items()), ""]
-    lines += ["| source | tool | s | GB/s | of disk ceiling | peak extra host MiB | peak extra device MiB "
-              "| identical |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["| source | tool | s | GB/s | of disk ceiling | peak extra private host MiB | peak extra resident MiB "
+              "| peak extra device MiB | identical |",
+              "|---|---|---|---|---|---|---|---|---|"]
     summary: dict[str, dict[str, Any]] = {}
     for src, by_tool in runs.items():
         for tool, rs in by_tool.items():
             ok = [x for x in rs if "s" in x]
             if not ok:
                 if rs:
-                    lines.append(f"| {src} | {tool} | failed: {rs[0].get('error', '')[:80]} | | | | | |")
+                    lines.append(f"| {src} | {tool} | failed: {rs[0].get('error', '')[:80]} | | | | | | |")
                 continue
             secs = [x["s"] for x in ok]
             med = statistics.median(secs)
             share = f"{size / med / ceiling:.0%}" if ceiling and src == "disk" else "-"
             ident = all(x["identical"] for x in ok)
             summary.setdefault(src, {})[tool] = {"median_s": med, "min_s": min(secs), "max_s": max(secs),
-                                                 "gbps": size / med / 1e9, "identical": ident}
+                                                 "gbps": size / med / 1e9, "identical": ident,
+                                                 "host_mib_max": max(x["host_mib"] for x in ok),
+                                                 "rss_mib_max": max(x["rss_mib"] for x in ok)}
             lines.append(f"| {src} | {tool} | {med:.3f} ({min(secs):.3f}-{max(secs):.3f}) | {size / med / 1e9:.1f} | "
-                         f"{share} | {max(x['host_mib'] for x in ok):.0f} | {max(x['gpu_mib'] for x in ok):.0f} | "
+                         f"{share} | {max(x['host_mib'] for x in ok):.0f} | {max(x['rss_mib'] for x in ok):.0f} | "
+                         f"{max(x['gpu_mib'] for x in ok):.0f} | "
                          f"{'yes' if ident else 'NO'} |")
     print("\n".join(lines))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d"), "bytes": size, "tensors": args.tensors,
                    "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                   "commit": commit(), "writer": args.writer, "dtype": args.dtype, "skipped": skipped,
                    "repeat": args.repeat, "disk_ceilings_bps": ceilings, "summary": summary, "runs": runs}, f, indent=1)
     print(f"wrote {args.out}")
 

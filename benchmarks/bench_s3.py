@@ -1,5 +1,5 @@
-"""S3 with request latency: ckptmgr's upload and restore paths against s3fs's, and ckptmgr's
-adaptive request window against a fixed one under throttling. Same bytes, one process.
+"""S3 with request latency, through the public API: a ckptmgr save and restore against s3fs
+moving the same bytes, and the adaptive request window against a fixed one under throttling.
 
     python benchmarks/bench_s3.py upload   --mib 256 --part-mib 8 --concurrency 16 --latency-ms 50 --jitter-ms 300
     python benchmarks/bench_s3.py restore  --mib 256 --latency-ms 50 --jitter-ms 300
@@ -10,31 +10,29 @@ tests/s3_proxy.py, which delays each request by ``latency`` plus a uniform ``jit
 (moto itself is CPU-bound at roughly 100 MB/s on 2 cores, so latency is what separates the
 tools), optionally moves each request's bytes at ``--conn-mbps`` (a store serves each
 connection at tens of MB/s) and, for ``throttle``, answers 503 SlowDown to requests arriving
-while ``capacity`` requests are being served (a store throttling past its capacity: the share
-of SlowDown answers depends on how hard the client pushes, as with S3's per-prefix rates).
+while ``capacity`` requests are being served.
 
-* ``upload``: ckptmgr's S3 writer (its figure includes ``begin()``'s claim of the step and the
-  commit's listing and manifest, as the peers' include their own set-up), s3fs's single
-  stream (``fs.open(..., "wb")``) and ``fs.pipe_file``, at the same part size and concurrency;
-* ``restore``: ckptmgr's restore reads (parallel ranged GETs of ``chunk`` bytes on the
-  target's I/O threads, listing and manifest included) against s3fs ``cat_file`` and
+* ``upload``: ``CheckpointManager(s3://...).save(step, {"data": tensor})`` to durability (a
+  fresh manager each run, its set-up included: as a job does it), s3fs's single stream
+  (``fs.open(..., "wb")``) and ``fs.pipe_file``, at the same part size and concurrency;
+* ``restore``: a fresh read-only ``CheckpointManager`` and its ``restore()`` of the newest
+  step (discovery, manifest and checksums included) against s3fs ``cat_file`` and
   ``get_file`` of the same object;
-* ``throttle``: the same save with ``adaptive_concurrency`` on and off: time, requests sent,
-  SlowDown answers.
+* ``throttle``: the same save with ``S3Options(adaptive_concurrency=...)`` on and off: time,
+  requests sent, SlowDown answers (counted by the proxy).
 
-Prints a table and writes JSON (default benchmarks/out/s3[_restore|_throttle].json). Numbers
-are medians over --repeat runs; the order of the tools rotates between runs.
+benchmarks/probes/s3_target.py measures the storage layer alone (the target's writer and
+ranged reads, its window's lowest value). Prints a table and writes JSON (default
+benchmarks/out/s3[_restore|_throttle].json): medians over --repeat runs, the tool order
+rotated between runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
-import platform
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,15 +40,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
+import torch
+from common import machine, round_order
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from s3_proxy import FaultyProxy
 
-from ckptmgr import S3Options
-from ckptmgr.storage import open_target
+from ckptmgr import CheckpointManager, S3Options, StagingOptions
 
-NAME = "data-00000.safetensors"
+KEY = {"key": "testing", "secret": "testing"}
 
 
 def start_moto_process() -> tuple[subprocess.Popen[bytes], str]:
@@ -72,6 +70,12 @@ def start_moto_process() -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError("moto's server did not start in 60 s")
 
 
+def _fs(endpoint: str) -> Any:
+    import s3fs
+
+    return s3fs.S3FileSystem(endpoint_url=endpoint, **KEY, skip_instance_cache=True)
+
+
 def _proxy(args: argparse.Namespace, endpoint: str, **kw: Any) -> FaultyProxy:
     return FaultyProxy(endpoint, latency_s=args.latency_ms / 1e3, jitter_s=args.jitter_ms / 1e3,
                        conn_mbps=args.conn_mbps, **kw)
@@ -82,155 +86,120 @@ def _net(args: argparse.Namespace) -> str:
     return f"latency {args.latency_ms:g} ms + up to {args.jitter_ms:g} ms jitter per request{cap}"
 
 
-def _manifest(size: int) -> bytes:
-    return json.dumps({"files": {NAME: {"size": size}}}).encode()
+def _manager(root: str, endpoint: str, opts: S3Options, **kw: Any) -> CheckpointManager:
+    return CheckpointManager(root, storage_options={"endpoint_url": endpoint, **KEY}, s3_options=opts,
+                             staging=StagingOptions(local_tier=False), **kw)
 
 
-def _save(target: Any, step: int, data: np.ndarray[Any, Any]) -> None:
-    """One step the way a save writes it: claim, upload, check and commit."""
-    w = target.begin(step)
-    try:
-        w.write_files([(NAME, data)], 16 << 20)
-        w.commit(_manifest(data.size))
-    except BaseException:
-        w.abort()
-        raise
+def _save(root: str, endpoint: str, opts: S3Options, step: int, data: torch.Tensor) -> None:
+    """One save to durability by a fresh manager (its set-up included)."""
+    with _manager(root, endpoint, opts) as m:
+        m.save(step, {"data": data}).result()
 
 
-def _rotate(tools: dict[str, Callable[[int], float | None]], repeat: int) -> dict[str, list[float]]:
+def _rotate(tools: dict[str, Callable[[int], None]], repeat: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {k: [] for k in tools}
     for r in range(repeat):
-        for name in list(tools)[r % len(tools):] + list(tools)[:r % len(tools)]:
+        for name in round_order(list(tools), r):
             t = time.perf_counter()
-            took = tools[name](r)
-            times[name].append(took if took is not None else time.perf_counter() - t)
+            tools[name](r)
+            times[name].append(time.perf_counter() - t)
             print(f"  {name}: {times[name][-1]:.2f} s", flush=True)
     return times
 
 
 def _table(title: str, times: dict[str, list[float]], size: int, base: str) -> list[str]:
-    ref = statistics.median(times[base])
-    lines = [title, "", "| tool | s | MB/s | vs " + base + " |", "|---|---|---|---|"]
+    ref = sorted(times[base])[len(times[base]) // 2]
+    lines = [title, "", f"| tool | s, median (min-max) | MB/s | vs {base} |", "|---|---|---|---|"]
     for name, ts in times.items():
-        m = statistics.median(ts)
-        lines.append(f"| {name} | {m:.2f} | {size / m / 1e6:.0f} | {ref / m:.2f}x |")
+        m = sorted(ts)[len(ts) // 2]
+        lines.append(f"| {name} | {m:.2f} ({min(ts):.2f}-{max(ts):.2f}) | {size / m / 1e6:.0f} | {ref / m:.2f}x |")
     return lines
 
 
-def upload(args: argparse.Namespace, endpoint: str, data: np.ndarray[Any, Any]) -> dict[str, Any]:
+def upload(args: argparse.Namespace, endpoint: str, data: torch.Tensor) -> dict[str, Any]:
     proxy = _proxy(args, endpoint)
-    so = {"endpoint_url": proxy.endpoint, "key": "testing", "secret": "testing"}
     part = args.part_mib << 20
-    target: Any = open_target("s3://bench/up", dict(so), io_threads=8,
-                              s3_options=S3Options(part_size=part, concurrency=args.concurrency))
-    fs = target.raw_fs
+    opts = S3Options(part_size=part, concurrency=args.concurrency)
+    fs = _fs(proxy.endpoint)
+    raw = data.numpy()
 
-    def ckptmgr_writer(i: int) -> None:
-        _save(target, i, data)
+    def ckptmgr_save(i: int) -> None:
+        _save("s3://bench/up", proxy.endpoint, opts, i + 1, data)
 
     def single_stream(i: int) -> None:
         with fs.open(f"bench/single/{i}", "wb", block_size=part) as f:
-            for b in range(0, data.size, part):
-                f.write(data[b:b + part].tobytes())
+            for b in range(0, raw.size, part):
+                f.write(raw[b:b + part].tobytes())
 
     def pipe_file(i: int) -> None:
-        fs.pipe_file(f"bench/pipe/{i}", data.tobytes(), chunksize=part, max_concurrency=args.concurrency)
+        fs.pipe_file(f"bench/pipe/{i}", raw.tobytes(), chunksize=part, max_concurrency=args.concurrency)
 
-    tools = {"ckptmgr S3 writer": ckptmgr_writer, "s3fs open('wb')": single_stream, "s3fs pipe_file": pipe_file}
-    times = _rotate(tools, args.repeat)  # type: ignore[arg-type]
-    target.close()
+    tools = {"ckptmgr save": ckptmgr_save, "s3fs open('wb')": single_stream, "s3fs pipe_file": pipe_file}
+    times = _rotate(tools, args.repeat)
     proxy.close()
     print("\n".join(_table(f"upload {args.mib} MiB, parts of {args.part_mib} MiB, concurrency {args.concurrency}, "
-                           f"{_net(args)}, median of {args.repeat}", times, data.size, "s3fs open('wb')")))
+                           f"{_net(args)}, {args.repeat} runs", times, raw.size, "s3fs open('wb')")))
     return {"times_s": times}
 
 
-def restore(args: argparse.Namespace, endpoint: str, data: np.ndarray[Any, Any]) -> dict[str, Any]:
-    direct = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
-    setup: Any = open_target("s3://bench/rs", dict(direct), s3_options=S3Options(part_size=8 << 20))
-    _save(setup, 1, data)  # written straight to moto, without the proxy
-    setup.close()
+def restore(args: argparse.Namespace, endpoint: str, data: torch.Tensor) -> dict[str, Any]:
+    _save("s3://bench/rs", endpoint, S3Options(part_size=8 << 20), 1, data)  # straight to moto, no proxy
+    key = next(p for p in _fs(endpoint).find("bench/rs") if p.endswith(".safetensors"))
     proxy = _proxy(args, endpoint)
-    so = {"endpoint_url": proxy.endpoint, "key": "testing", "secret": "testing"}
-    chunk = args.chunk_mib << 20
     opts = S3Options(concurrency=args.concurrency)
     tmp = tempfile.mkdtemp(prefix="bench-s3-")
-    key = "bench/rs/step_000000000001/" + NAME
 
-    def ckptmgr_reads(i: int) -> None:
-        target: Any = open_target("s3://bench/rs", dict(so), io_threads=args.io_threads, s3_options=opts,
-                                  read_only=True)
-        try:
-            step = target.list_steps()[-1]  # discovery and the manifest, as a restore does
-            json.loads(target.read_manifest(step))
-            size = target.file_size(step, NAME)
-            out = np.empty(size, dtype=np.uint8)
-            ranges = [(b, min(size, b + chunk)) for b in range(0, size, chunk)]
-            futures = [target.io_pool.submit(target.read_into, step, NAME, b, [out[b:e]]) for b, e in ranges]
-            for f in concurrent.futures.as_completed(futures):
-                f.result()
-            assert out[-1] == data[-1]
-        finally:
-            target.close()
-
-    def fresh_fs() -> Any:
-        import s3fs
-
-        return s3fs.S3FileSystem(**so, skip_instance_cache=True)
+    def ckptmgr_restore(i: int) -> None:
+        with _manager("s3://bench/rs", proxy.endpoint, opts, read_only=True) as m:
+            got = m.restore()
+        assert torch.equal(got["data"], data)
 
     def cat_file(i: int) -> None:
-        got = fresh_fs().cat_file(key)
-        assert len(got) == data.size
+        assert len(_fs(proxy.endpoint).cat_file(key)) >= data.numel()
 
     def get_file(i: int) -> None:
         dest = os.path.join(tmp, f"get-{i}")
-        fresh_fs().get_file(key, dest)
-        assert os.path.getsize(dest) == data.size
+        _fs(proxy.endpoint).get_file(key, dest)
+        assert os.path.getsize(dest) >= data.numel()
         os.unlink(dest)
 
-    tools = {"ckptmgr ranged GETs": ckptmgr_reads, "s3fs cat_file": cat_file, "s3fs get_file": get_file}
-    times = _rotate(tools, args.repeat)  # type: ignore[arg-type]
+    tools = {"ckptmgr restore": ckptmgr_restore, "s3fs cat_file": cat_file, "s3fs get_file": get_file}
+    times = _rotate(tools, args.repeat)
     proxy.close()
-    print("\n".join(_table(f"restore {args.mib} MiB, ckptmgr: {args.io_threads} threads x {args.chunk_mib} MiB "
-                           f"ranges, {_net(args)}, median of {args.repeat}", times, data.size, "s3fs cat_file")))
+    os.rmdir(tmp)
+    print("\n".join(_table(f"restore {args.mib} MiB (ckptmgr: a fresh manager, set-up included), {_net(args)}, "
+                           f"{args.repeat} runs", times, data.numel(), "s3fs cat_file")))
     return {"times_s": times}
 
 
-def throttle(args: argparse.Namespace, endpoint: str, data: np.ndarray[Any, Any]) -> dict[str, Any]:
+def throttle(args: argparse.Namespace, endpoint: str, data: torch.Tensor) -> dict[str, Any]:
     proxy = _proxy(args, endpoint, max_inflight=args.capacity)
-    so = {"endpoint_url": proxy.endpoint, "key": "testing", "secret": "testing"}
-    stats: dict[str, list[dict[str, float]]] = {"adaptive window": [], "fixed window": []}
+    runs: dict[str, list[dict[str, float]]] = {"adaptive window": [], "fixed window": []}
 
-    def run(adaptive: bool) -> Callable[[int], float]:
-        def go(i: int) -> float:
+    def run(adaptive: bool) -> Callable[[int], None]:
+        def go(i: int) -> None:
             opts = S3Options(part_size=args.part_mib << 20, concurrency=args.concurrency,
                              adaptive_concurrency=adaptive)
-            target: Any = open_target(f"s3://bench/th-{int(adaptive)}", dict(so), s3_options=opts)
             proxy.reset_counts()
             t = time.perf_counter()
-            _save(target, i, data)
-            took = time.perf_counter() - t
-            w = target.window
-            stats["adaptive window" if adaptive else "fixed window"].append(
-                {"s": took, "requests": proxy.requests, "slowdown": proxy.throttled, "retries": target.retries,
-                 "lowest_window": w.lowest, "decreases": w.decreases})
-            target.close()
-            return took
+            _save(f"s3://bench/th-{int(adaptive)}", proxy.endpoint, opts, i + 1, data)
+            runs["adaptive window" if adaptive else "fixed window"].append(
+                {"s": time.perf_counter() - t, "requests": proxy.requests, "slowdown": proxy.throttled})
         return go
 
     times = _rotate({"adaptive window": run(True), "fixed window": run(False)}, args.repeat)
     proxy.close()
     lines = [f"throttle: {args.mib} MiB save, parts of {args.part_mib} MiB, concurrency {args.concurrency}, store "
              f"capacity {args.capacity} requests in flight (503 SlowDown beyond), {_net(args)}, "
-             f"median of {args.repeat}", "",
-             "| window | s | requests | SlowDown answers | share SlowDown | smallest window |",
-             "|---|---|---|---|---|---|"]
-    for name, runs in stats.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+             f"{args.repeat} runs", "",
+             "| window | s | requests | SlowDown answers | share SlowDown |", "|---|---|---|---|---|"]
+    for name, rs in runs.items():
+        med = {k: sorted(r[k] for r in rs)[len(rs) // 2] for k in rs[0]}
         lines.append(f"| {name} | {med['s']:.2f} | {med['requests']:.0f} | {med['slowdown']:.0f} | "
-                     f"{med['slowdown'] / med['requests']:.0%} | {med['lowest_window']:.0f} |")
+                     f"{med['slowdown'] / max(1.0, med['requests']):.0%} |")
     print("\n".join(lines))
-    return {"times_s": times, "runs": stats}
+    return {"times_s": times, "runs": runs}
 
 
 def main() -> None:
@@ -238,8 +207,6 @@ def main() -> None:
     ap.add_argument("mode", nargs="?", default="upload", choices=["upload", "restore", "throttle"])
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--part-mib", type=int, default=8)
-    ap.add_argument("--chunk-mib", type=int, default=16, help="restore: bytes per ranged GET")
-    ap.add_argument("--io-threads", type=int, default=8, help="restore: ckptmgr's reader threads")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--capacity", type=int, default=10, help="throttle: requests the store serves at once")
     ap.add_argument("--latency-ms", type=float, default=50)
@@ -249,19 +216,19 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     suffix = "" if args.mode == "upload" else f"_{args.mode}"
-    out = args.out or os.path.join(os.path.dirname(__file__), "out", f"s3{suffix}.json")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", f"s3{suffix}.json")
     server, endpoint = start_moto_process()
-    data = np.random.default_rng(0).integers(0, 255, size=args.mib << 20, dtype=np.uint8)
+    data = torch.randint(0, 255, (args.mib << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     try:
+        _fs(endpoint).mkdir("bench")
         result = {"upload": upload, "restore": restore, "throttle": throttle}[args.mode](args, endpoint, data)
     finally:
         server.kill()
         server.wait(30)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"mode": args.mode, "args": vars(args), "bytes": data.size, **result,
-                   "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()}, {os.cpu_count()} cores"},
-                  f, indent=1)
+        json.dump({"mode": args.mode, "args": vars(args), "bytes": data.numel(), **result, **machine(),
+                   "machine": f"{os.uname().nodename}, {os.cpu_count()} cores"}, f, indent=1)
     print(f"wrote {out}")
 
 

@@ -18,37 +18,15 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from common import commit, fsync_tree, make_state
 
 from ckptmgr import CheckpointManager
-
-
-def make_state(gib: float, n_tensors: int = 150) -> dict[str, torch.Tensor]:
-    """fp32 and bf16 tensors of mixed sizes adding up to ``gib`` GiB."""
-    g = torch.Generator().manual_seed(0)
-    total = int(gib * (1 << 30))
-    weights = [1 + (i % 7) for i in range(n_tensors)]
-    state = {}
-    for i, w in enumerate(weights):
-        nbytes = total * w // sum(weights)
-        dtype = torch.bfloat16 if i % 3 == 0 else torch.float32
-        n = nbytes // torch.empty(0, dtype=dtype).element_size()
-        state[f"layers.{i}.weight"] = torch.randn(n, generator=g).to(dtype)
-    return state
-
-
-def fsync_tree(path: str) -> None:
-    paths = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
 
 
 def touch(tensors: dict[str, torch.Tensor]) -> None:
@@ -137,13 +115,11 @@ def main() -> None:
     os.makedirs(base, exist_ok=True)
     runs = [run_once(state, base, i) for i in range(args.repeat)]
     summary = {tool: {k: statistics.median(r[tool][k] for r in runs) for k in runs[0][tool]} for tool in runs[0]}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} {os.cpu_count()} cores",
-            "torch": torch.__version__, "commit": commit, "bytes": nbytes, "tensors": len(state),
+            "torch": torch.__version__, "commit": commit(), "bytes": nbytes, "tensors": len(state),
             "dir": base, "repeat": args.repeat}
     print(f"\n{nbytes / 2**30:.2f} GiB in {len(state)} tensors, median of {args.repeat}, {meta['machine']}, "
-          f"commit {commit}, files in {base}")
+          f"commit {meta['commit']}, files in {base}")
     print(f"| {'tool':36} | blocked s | durable s | durable GB/s | restore s | restore GB/s |")
     print(f"|{'-' * 38}|-----------|-----------|--------------|-----------|--------------|")
     for tool, r in summary.items():

@@ -38,32 +38,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_save_restore import fsync_tree
+from common import commit, fsync_tree, make_state, nbytes, sync
 
 from ckptmgr import CheckpointManager, StagingOptions
 
 Result = dict[str, Any]
-
-
-def make_state(gib: float, device: str, n_tensors: int = 150) -> dict[str, torch.Tensor]:
-    """fp32 and bf16 tensors of mixed sizes adding up to ``gib`` GiB, on ``device``."""
-    total = int(gib * (1 << 30))
-    weights = [1 + (i % 7) for i in range(n_tensors)]
-    state = {}
-    for i, w in enumerate(weights):
-        dtype = torch.bfloat16 if i % 3 == 0 else torch.float32
-        n = total * w // sum(weights) // torch.empty(0, dtype=dtype).element_size()
-        state[f"layers.{i}.weight"] = torch.randn(n, device=device).to(dtype)
-    return state
-
-
-def nbytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 class GpuPeak:
@@ -398,9 +377,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
         "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count(),
-        "commit": os.environ.get("CKPTMGR_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-            cwd=os.path.dirname(__file__) or ".").stdout.strip(),
+        "commit": commit(),
         "rounds": args.rounds, "saves_per_process": args.saves, "sizes": {},
     }
     text = []

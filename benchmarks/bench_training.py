@@ -17,6 +17,10 @@ with fused AdamW (~4.8 GB of state, ~50 ms steps at batch 1024 on an H100/H200).
   says (called every timed step) under ``Schedule(max_overhead=--max-overhead)`` (default
   0.01: at most 1% of the step time), not every ``--every`` steps; the saves made and the
   intervals the manager picked are reported;
+* ``ckptmgr continuous``: like ``budget`` under ``Schedule(continuous=True)``: the next save
+  goes to the durable target as soon as the last durable write ended;
+* ``ckptmgr lost``: like ``budget`` under ``Schedule(max_lost_s=--max-lost-s)``: a crash loses
+  at most that many seconds of training (the local interval achieved is reported);
 * ``ckptmgr coalesce``: like ``overlap`` with ``--slots`` staging slots (default 3) in the
   local tier and ``ckptmgr.Schedule(durable_every=--durable-every)`` (0: every save is meant
   for the durable target): when saves come faster than the disk absorbs them, each one still
@@ -42,8 +46,8 @@ unless the point is to checkpoint faster than the disk absorbs.
 
 Durable freshness (ckptmgr modes): at every checkpoint, the age of the newest step committed
 on the durable target (seconds since that step's ``save()``; steps behind the step being
-saved), and the steps superseded for the durable tier. ``--durable-mbps`` caps the durable
-target's write rate (emulates a slower disk, e.g. to see coalescing on a CPU machine).
+saved), and the steps superseded for the durable tier. Host memory: the peak resident set of
+the process (``VmHWM``: the staging slots it touched, /dev/shm ones included).
 
 Saves faster than the disk (a GPU machine, ~1.8 s per durable write of the 4.8 GB state)::
 
@@ -69,8 +73,11 @@ import time
 from typing import Any
 
 import torch
+from common import commit, median_range, proc_status
 
 from ckptmgr import CheckpointManager, Schedule, StagingOptions
+
+SCHEDULED = ("ckptmgr budget", "ckptmgr continuous", "ckptmgr lost")  # the manager's should_save() decides
 
 
 class Decoder(torch.nn.Module):
@@ -123,7 +130,9 @@ class Saver:
                                                                 device_buffer_bytes=buffer))
         elif mode.startswith("ckptmgr"):
             staging = StagingOptions(slots=args.slots or None, local_dir=args.local_dir, device_buffer_bytes=buffer)
-            schedule = Schedule(max_overhead=args.max_overhead) if mode == "ckptmgr budget" else None
+            schedule = {"ckptmgr budget": Schedule(max_overhead=args.max_overhead),
+                        "ckptmgr continuous": Schedule(continuous=True),
+                        "ckptmgr lost": Schedule(max_lost_s=args.max_lost_s)}.get(mode)
             self.mgr = CheckpointManager(os.path.join(directory, "root"), staging=staging, schedule=schedule)
         elif mode == "Lightning AsyncCheckpointIO":
             try:
@@ -163,7 +172,7 @@ class Saver:
     def due(self, step: int, every: int) -> bool:
         """Whether to checkpoint ``step``: the manager's budget schedule decides in the budget
         mode (asked every step), else every ``every`` steps."""
-        if self.mode == "ckptmgr budget":
+        if self.mode in SCHEDULED:
             return bool(self.mgr.should_save(step))
         return step % every == 0
 
@@ -173,7 +182,7 @@ class Saver:
         if self.mode == "ckptmgr block":
             h = self.mgr.save(step, {"model": model, "optim": opt, "step": step})
             self.handles.append((step, time.perf_counter(), h))
-        elif self.mode in ("ckptmgr overlap", "ckptmgr coalesce", "ckptmgr budget"):
+        elif self.mode in ("ckptmgr overlap", "ckptmgr coalesce", *SCHEDULED):
             self.pending = self.mgr.save(step, {"model": model, "optim": opt, "step": step}, block=False)
             self.handles.append((step, time.perf_counter(), self.pending))
         elif self.mode == "Lightning AsyncCheckpointIO":
@@ -198,7 +207,7 @@ class Saver:
     def before_step(self) -> None:
         if self.pending is None:
             return
-        if self.mode in ("ckptmgr overlap", "ckptmgr coalesce", "ckptmgr budget"):
+        if self.mode in ("ckptmgr overlap", "ckptmgr coalesce", *SCHEDULED):
             self.pending.wait_staged()
         elif self.mode == "DCP async_save":
             try:
@@ -238,8 +247,6 @@ def run(mode: str, args: argparse.Namespace, directory: str) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
-    if args.durable_mbps:
-        _throttle_durable_writes(args.durable_mbps * 1e6)
     saver = Saver(mode, directory, args) if mode != "none" else None
     amp = torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16)
 
@@ -288,40 +295,12 @@ def run(mode: str, args: argparse.Namespace, directory: str) -> dict[str, Any]:
     fresh = saver.freshness if saver else []
     ages = [f["age_s"] for f in fresh if f["age_s"] is not None]
     return {"mode": mode, "mean_step_s": total / args.steps, "step_times": times, "peak_gpu_gib": peak,
+            "peak_host_gib": proc_status("VmHWM") / 2**30,
             "teardown_s": teardown, "params": nparams, "state_bytes": state_bytes,
             "errors": saver.errors if saver else [], "freshness": fresh,
             "durable_age_s_median": statistics.median(ages) if ages else None,
             "durable_age_s_max": max(ages) if ages else None,
             "stats": getattr(saver, "stats", None)}
-
-
-def _throttle_durable_writes(bytes_per_s: float) -> None:
-    """Make the local durable target write at most ``bytes_per_s`` (a slower disk)."""
-    from ckptmgr.storage.local import LocalTarget
-
-    real_begin = LocalTarget.begin
-
-    def begin(self: Any, step: int, prefix: str = "") -> Any:
-        writer = real_begin(self, step, prefix)
-        real_write = writer.write_files
-
-        def write_files(files: Any, chunk_size: int, *, checksum: bool = True) -> Any:
-            t0 = time.perf_counter()
-            out = real_write(files, chunk_size, checksum=checksum)
-            time.sleep(max(0.0, sum(a.size for _, a in files) / bytes_per_s - (time.perf_counter() - t0)))
-            return out
-
-        writer.write_files = write_files
-        return writer
-
-    LocalTarget.begin = begin  # type: ignore[method-assign]
-
-
-def _range(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
-    med = fmt.format(statistics.median(values) * scale)
-    if len(values) == 1:
-        return med
-    return f"{med} ({fmt.format(min(values) * scale)} to {fmt.format(max(values) * scale)})"
 
 
 def _saves(stats: dict[str, Any] | None) -> str:
@@ -357,7 +336,8 @@ def main() -> None:
                     help="ckptmgr budget: Schedule(max_overhead=...), the share of step time saves may take")
     ap.add_argument("--durable-every", type=int, default=0,
                     help="ckptmgr coalesce: Schedule(durable_every=N) (0: every save meant for the durable target)")
-    ap.add_argument("--durable-mbps", type=float, default=0.0, help="cap the durable target's write rate (MB/s)")
+    ap.add_argument("--max-lost-s", type=float, default=10.0,
+                    help="ckptmgr lost: Schedule(max_lost_s=...), the seconds of training a crash may lose")
     ap.add_argument("--local-dir", default="/dev/shm", help="ckptmgr's local tier (a tmpfs)")
     ap.add_argument("--device-buffer-gib", type=float, default=64.0,
                     help="the +device modes' StagingOptions.device_buffer_bytes, in GiB "
@@ -392,6 +372,7 @@ def main() -> None:
             x = got[mode]
             print(f"round {r + 1} {mode}: {x['mean_step_s'] * 1e3:.1f} ms/step, longest "
                   f"{max(x['step_times']) * 1e3:.0f} ms, peak GPU {x['peak_gpu_gib']:.1f} GiB, "
+                  f"peak host {x.get('peak_host_gib', 0):.1f} GiB, "
                   f"teardown {x['teardown_s']:.2f} s"
                   f"{_saves(x.get('stats'))}"
                   f"{'; errors: ' + str(x['errors'][:2]) if x['errors'] else ''}", flush=True)
@@ -400,10 +381,11 @@ def main() -> None:
     lines = [f"{args.model}: {first['params'] / 1e6:.0f}M parameters ({first['state_bytes'] / 1e9:.2f} GB of state), "
              f"AdamW, batch {args.batch}, checkpoint every {args.every} steps, {args.steps} timed steps incl. the "
              f"first save; median (range) of {args.repeat} fresh-process rounds" if first else "no run succeeded", "",
-             "| mode | ms/step | overhead vs none | longest step ms | peak GPU GiB | teardown s | durable age s "
-             "(median / max) | superseded |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| mode | ms/step | overhead vs none | longest step ms | peak GPU GiB | peak host GiB | teardown s "
+             "| durable age s (median / max) | superseded | saves |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     summary: dict[str, Any] = {}
+    notes: list[str] = []
     for mode in modes:
         ok = [(g[mode], g.get("none")) for g in rounds if "mean_step_s" in g.get(mode, {})]
         if not ok:
@@ -414,23 +396,31 @@ def main() -> None:
         summary[mode] = {"mean_step_s": statistics.median(steps), "overhead_pct": over,
                          "overhead_pct_median": statistics.median(over) if over else None,
                          "longest_step_s": longest, "teardown_s": [x["teardown_s"] for x, _ in ok],
-                         "peak_gpu_gib": max(x["peak_gpu_gib"] for x, _ in ok)}
+                         "peak_gpu_gib": max(x["peak_gpu_gib"] for x, _ in ok),
+                         "peak_host_gib": max(x.get("peak_host_gib", 0.0) for x, _ in ok),
+                         "saves": [x["stats"].get("saves", 0) for x, _ in ok if x.get("stats")],
+                         "intervals": [{k.removeprefix("budget_"): v for k, v in x["stats"].items()
+                                        if k.startswith("budget_")} for x, _ in ok if x.get("stats")]}
         ages = [x["durable_age_s_median"] for x, _ in ok if x.get("durable_age_s_median") is not None]
         worst = [x["durable_age_s_max"] for x, _ in ok if x.get("durable_age_s_max") is not None]
         superseded = [x["stats"]["durable_superseded"] for x, _ in ok if x.get("stats")]
         summary[mode].update(durable_age_s_median=ages, durable_age_s_max=worst, durable_superseded=superseded)
-        lines.append(f"| {mode} | {_range(steps, 1e3)} | {_range(over, fmt='{:+.2f}%') if over else '-'} | "
-                     f"{_range(longest, 1e3, '{:.0f}')} | {summary[mode]['peak_gpu_gib']:.1f} | "
-                     f"{_range(summary[mode]['teardown_s'], fmt='{:.2f}')} | "
-                     f"{_range(ages, fmt='{:.2f}') if ages else '-'} / "
-                     f"{_range(worst, fmt='{:.2f}') if worst else '-'} | "
-                     f"{_range([float(s) for s in superseded], fmt='{:.0f}') if superseded else '-'} |")
-    print("\n".join(lines))
+        lines.append(f"| {mode} | {median_range(steps, 1e3)} | {median_range(over, fmt='{:+.2f}%') if over else '-'} | "
+                     f"{median_range(longest, 1e3, '{:.0f}')} | {summary[mode]['peak_gpu_gib']:.1f} | "
+                     f"{summary[mode]['peak_host_gib']:.1f} | "
+                     f"{median_range(summary[mode]['teardown_s'], fmt='{:.2f}')} | "
+                     f"{median_range(ages, fmt='{:.2f}') if ages else '-'} / "
+                     f"{median_range(worst, fmt='{:.2f}') if worst else '-'} | "
+                     f"{median_range([float(s) for s in superseded], fmt='{:.0f}') if superseded else '-'} | "
+                     f"{median_range([float(n) for n in summary[mode]['saves']], fmt='{:.0f}') if superseded else '-'} "
+                     "|")
+        for i, iv in enumerate(summary[mode]["intervals"]):
+            if iv:  # the budget modes: the intervals the manager planned and achieved
+                notes.append(f"{mode}, round {i + 1}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(iv.items())))
+    print("\n".join(lines + (["", *notes] if notes else [])))
     report = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-              "commit": os.environ.get("CKPTMGR_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                  cwd=os.path.dirname(__file__) or ".").stdout.strip(),
+              "commit": commit(),
               "args": vars(args), "summary": summary, "rounds": rounds}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

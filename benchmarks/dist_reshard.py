@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from bench_distributed import evict, global_fingerprint
+from common import evict, global_fingerprint
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ckptmgr import CheckpointManager

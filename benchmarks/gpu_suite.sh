@@ -1,74 +1,177 @@
 #!/usr/bin/env bash
-# The GPU machine's run: CUDA tests, then the staging and training benchmarks.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests|coldblocks|coalesce|training-device|pinning|report|dist|reshard|staging4|staging16|training|training25|restore4|restore16|restore10k|coldread|tier|timeline|parts4|lightning|hf]...
-# Packages the GPU image lacks are installed from .whl/ when present.
+# The GPU machine's run: the CUDA tests and the product benchmarks, each mode writing JSON and a
+# table under OUT_DIR (every measurement in fresh processes, the tool order rotated between
+# rounds, several rounds with their spread).
+#
+#   bash benchmarks/gpu_suite.sh [--device cpu] [--gib G] OUT_DIR MODE[@old]...
+#
+# Modes:
+#   tests      the CUDA test suite (tests marked cuda)
+#   loadfile   a G GiB (default 4) bf16 file written by safetensors in /dev/shm, loaded onto the GPU by
+#              ckptmgr.load_file, fastsafetensors (nogds; skipped with a note where it cannot be
+#              imported) and safetensors.load_file: seconds, GB/s, peak host memory growth
+#   inplace    benchmarks/bench_inplace.py where the tree has it (extra arguments: $CKPTMGR_INPLACE_ARGS)
+#   budget     24 x Linear(4096) + fused AdamW (4.83 GB of state), a save every 25 steps, 100 timed
+#              steps with the first save inside: none, the default options, Schedule(max_overhead=0.01),
+#              Schedule(continuous=True), Schedule(max_lost_s=$CKPTMGR_MAX_LOST_S, default 10); then the
+#              decoder (bench_training.py's default model) with a save every 10 steps
+#   staging    save stall and durable time of a G GiB state to /dev/shm and to the disk
+#              (ckptmgr overlap; other tools with CKPTMGR_STAGING_TOOLS)
+#   restore    restore of a G GiB state from /dev/shm and from a cold disk (ckptmgr against
+#              fastsafetensors, with the disk's read ceiling measured in the same run)
+#   tier       restore from the /dev/shm local tier after a SIGKILL, in a fresh process
+#   lightning  per-save cost of the Lightning plugin (30 steps, a save every 10; the peers with
+#              CKPTMGR_LIGHTNING_PLUGINS="TorchCheckpointIO (Lightning default),AsyncCheckpointIO(TorchCheckpointIO),CkptmgrCheckpointIO")
+#   hf         per-save cost of the Hugging Face Trainer integration against the stock Trainer
+#   dist       FSDP2 save and restore against torch.distributed.checkpoint (needs 2 GPUs or more)
+#   reshard    FSDP2 saved at one world size, restored at others, against DCP (needs 2 GPUs or more)
+#
+# MODE@old runs the mode against another source tree, $CKPTMGR_OLD (default .old in the working
+# directory; make it with `mkdir .old && git archive 6960b87 | tar -x -C .old`): the same
+# benchmark scripts (this tree's, so that both trees are measured alike) with the old tree's
+# package, writing NAME-old.json / NAME-old.txt beside this tree's. Two exceptions: tests@old runs
+# the old tree's own tests, and budget@old the old tree's own bench_training.py with the default
+# options only (the old package has no budget schedules and refuses StagingOptions(slots=None)).
+#
+# Rounds: $CKPTMGR_ROUNDS (default 3). Commit recorded: $CKPTMGR_COMMIT for this tree (the GPU copy
+# has no git HEAD), $CKPTMGR_OLD_COMMIT (default 6960b87) for the old one. Packages the GPU image
+# lacks (fastsafetensors, ...) are installed from .whl/ when present. Seconds per mode go to
+# OUT_DIR/timings.txt.
+#
+# CPU smoke test of every mode (tiny sizes, no GPU):
+#   bash benchmarks/gpu_suite.sh --device cpu --gib 0.01 /tmp/suite loadfile budget staging restore tier ...
 set -uo pipefail
+device=cuda
+gib=4
+while [[ $# -gt 0 && $1 == --* ]]; do
+  case "$1" in
+    --device) device="$2"; shift 2 ;;
+    --gib) gib="$2"; shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
 out="${1:?output directory}"; shift
-mkdir -p "$out"
+mkdir -p "$out" && out="$(cd "$out" && pwd)"
+here="$(pwd)"
+old="${CKPTMGR_OLD:-$here/.old}"
+rounds="${CKPTMGR_ROUNDS:-3}"
+scratch="${CKPTMGR_SCRATCH:-/var/tmp/ckptmgr-suite}"
 export PYTHONUNBUFFERED=1
 export KVIKIO_NTHREADS="${KVIKIO_NTHREADS:-16}"  # kvikio reads with one thread unless told
-# ckptmgr as it is installed: integrations/ becomes ckptmgr.integrations (pytest runs with -P, so
-# that the source tree in the working directory never shadows it)
-rm -rf /tmp/ckptmgr-pkg && mkdir -p /tmp/ckptmgr-pkg && cp -r ckptmgr /tmp/ckptmgr-pkg/ \
-    && cp -r integrations /tmp/ckptmgr-pkg/ckptmgr/integrations
+site=""
 if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:/tmp/ckptmgr-pkg${PYTHONPATH:+:$PYTHONPATH}"
-else
-    export PYTHONPATH="/tmp/ckptmgr-pkg${PYTHONPATH:+:$PYTHONPATH}"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  site="/tmp/site"
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/machine.txt"
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/machine.txt"
+  gpus=$(nvidia-smi -L | wc -l)
+else
+  echo "no nvidia-smi: $device" | tee "$out/machine.txt"
+  gpus=0
+fi
 df -h / /dev/shm | tee -a "$out/machine.txt"
-parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests staging4 training)
-for part in "${parts[@]}"; do
-  case "$part" in
-    tests) python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_cuda_snapshot.py tests/test_cuda_restore_trust.py tests/test_landing.py tests/test_restore_many_small.py tests/test_window_reads.py tests/test_lightning_cuda.py tests/test_tier_ram.py 2>&1 | tee "$out/tests.txt" ;;
-    staging4) python3 benchmarks/bench_staging.py --gib 4 --out "$out/staging4.json" 2>&1 | tee "$out/staging4.txt" ;;
-    staging16) python3 benchmarks/bench_staging.py --gib 16 --out "$out/staging16.json" 2>&1 | tee "$out/staging16.txt" ;;
-    training) python3 benchmarks/bench_training.py --repeat 3 --dir /var/tmp/ckptmgr-bench-train \
-              --out "$out/training.json" 2>&1 | tee "$out/training.txt" ;;
-    restore4) python3 benchmarks/bench_restore.py --gib 4 --repeat 3 --disk-dir /var/tmp/ckptmgr-bench-restore \
-              --out "$out/restore4.json" 2>&1 | tee "$out/restore4.txt" ;;
-    restore16) python3 benchmarks/bench_restore.py --gib 16 --repeat 2 --sources shm --out "$out/restore16.json" \
-              2>&1 | tee "$out/restore16.txt" ;;
-    coldread) python3 benchmarks/results/h200-2026-11-23g/cold-read/cold_window.py /var/tmp/ckptmgr-coldread "$out/coldread.json" 4 \
-              "fst,aio 16 512 sep pin,aio 16 512 sep pin rot=6,ckptmgr,ckptmgr CIF=3,land 16 512 32,land 16 512 192" \
-              2>&1 | tee "$out/coldread.txt" ;;
-    coldblocks) python3 benchmarks/results/h200-2026-11-23h/cold-read/cold_window.py /var/tmp/ckptmgr-coldread "$out/coldblocks.json" \
-              "${CKPTMGR_ROUNDS:-5}" "${CKPTMGR_MODES:-fst,aio 16 512 sep pin,ckptmgr PKG=benchmarks/out/old,ckptmgr,ckptmgr SL=24,ckptmgr SL=48,ckptmgr BA=16,ckptmgr NOWORK=1}" \
-              2>&1 | tee "$out/coldblocks.txt" ;;
-    parts4) python3 benchmarks/bench_restore_parts.py --gib 4 --out "$out/parts4.json" 2>&1 | tee "$out/parts4.txt" ;;
-    training-device) python3 benchmarks/bench_training.py --repeat 3 --modes "none,ckptmgr overlap,ckptmgr overlap+device" \
-              --dir /var/tmp/ckptmgr-bench-train --out "$out/training-device.json" 2>&1 | tee "$out/training-device.txt" ;;
-    training25) python3 benchmarks/bench_training.py --model linear --every 25 --steps 100 --warmup 5 \
-              --modes "none,ckptmgr overlap" --repeat 3 --dir /var/tmp/ckptmgr-bench-train25 \
-              --out "$out/training25.json" 2>&1 | tee "$out/training25.txt" ;;
-    hf) python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_hf_trainer.py 2>&1 | tee "$out/hf-tests.txt"
-        python3 benchmarks/bench_hf_trainer.py --workdir /var/tmp --out "$out" 2>&1 | tee "$out/hf.txt" ;;
-    coalesce) python3 benchmarks/bench_training.py --model linear --every 25 --steps 200 --warmup 5 \
-              --modes "${CKPTMGR_COALESCE_MODES:-none,ckptmgr overlap,ckptmgr coalesce,ckptmgr coalesce+device}" \
-              --repeat 3 --dir /var/tmp/ckptmgr-bench-coalesce \
-              --out "$out/coalesce.json" 2>&1 | tee "$out/coalesce.txt" ;;
-    pinning) python3 benchmarks/bench_pinning.py --dir /var/tmp --out "$out/pinning.json" 2>&1 | tee "$out/pinning.txt" ;;
-    lightning) python3 benchmarks/bench_lightning.py --steps 60 --every 20 --repeat 3 --out "$out/lightning.json" 2>&1 | tee "$out/lightning.txt"
-               python3 benchmarks/bench_torchzip.py --mib 4096 --tensors 150 --out "$out/torchzip.json" 2>&1 | tee "$out/torchzip.txt" ;;
-    report) python3 benchmarks/run.py --out "$out/report" --scratch /var/tmp/ckptmgr-bench-run \
-              --commit "${CKPTMGR_COMMIT:?set CKPTMGR_COMMIT to the commit of this tree (the GPU copy has no current git HEAD)}" 2>&1 | tee "$out/report.txt" ;;
-    # dist + reshard: under 8 minutes together on 2 or 4 H200s (rounds stop starting after 200 s)
-    dist) n=$(nvidia-smi -L | wc -l)
-              NCCL_NVLS_ENABLE=0 timeout 330 python3 benchmarks/bench_distributed.py --gpus "$n" --layers 4 --rounds 3 \
-              --saves 3 --max-wall-s 200 --commit "${CKPTMGR_COMMIT:-unknown}" --out "$out/distributed.json" \
-              2>&1 | tee "$out/distributed.txt"; rm -rf /var/tmp/ckptmgr-bench-dist ;;
-    reshard) n=$(nvidia-smi -L | wc -l); spec="${CKPTMGR_RESHARD:-$([ "$n" -ge 4 ] && echo 4:2,4 || echo 2:1,2)}"
-              NCCL_NVLS_ENABLE=0 timeout 150 python3 benchmarks/bench_distributed.py --reshard "$spec" \
-              --commit "${CKPTMGR_COMMIT:-unknown}" --out "$out/reshard.json" 2>&1 | tee "$out/reshard.txt"
-              rm -rf /var/tmp/ckptmgr-bench-dist ;;
-    tier) python3 benchmarks/bench_tier_restore.py --gib 4.5 --tensors 192 --rounds 3 --disk-dir /var/tmp \
-              --out "$out/tier_restore.json" 2>&1 | tee "$out/tier_restore.txt" ;;
-    timeline) python3 benchmarks/bench_timeline.py --dir /var/tmp --out "$out/timeline" 2>&1 | tee "$out/timeline.txt" ;;
-    restore10k) python3 benchmarks/bench_restore.py --gib 1 --tensors 10000 --sources shm --repeat 3 \
-              --tools "ckptmgr restore(device),ckptmgr restore(target),safetensors.load_file" \
-              --out "$out/restore10k.json" 2>&1 | tee "$out/restore10k.txt" ;;
+small=""  # tiny models and sizes on the CPU: a smoke test of the scripts, not a measurement
+[ "$device" = cpu ] && small=1
+
+# A tree's ckptmgr as it is installed: integrations/ becomes ckptmgr.integrations (pytest runs with
+# -P, so that the source tree in the working directory never shadows it).
+package() {  # TREE NAME -> the directory to put on PYTHONPATH
+  local dest="/tmp/ckptmgr-pkg-$2"
+  rm -rf "$dest" && mkdir -p "$dest" && cp -r "$1/ckptmgr" "$dest/" && cp -r "$1/integrations" "$dest/ckptmgr/integrations"
+  echo "$dest"
+}
+
+# One mode, run in this tree's directory with the package on PYTHONPATH.
+# $1 mode, $2 file tag ("" or "-old"), $3 1 when the tree is the old one, $4 the tree.
+mode() {
+  local m="$1" t="$2" is_old="$3" tree="$4" r="$rounds" o="$out/$1$2"
+  case "$m" in
+    tests)
+      cd "$tree" && python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_cuda_snapshot.py \
+        tests/test_cuda_restore_trust.py tests/test_landing.py tests/test_restore_many_small.py tests/test_window_reads.py \
+        tests/test_lightning_cuda.py tests/test_tier_ram.py tests/test_hf_trainer.py 2>&1 | tee "$o.txt" ;;
+    loadfile)
+      python3 benchmarks/bench_restore.py --writer safetensors --dtype bf16 --gib "$gib" --sources shm \
+        --repeat "$r" --device "$device" --shm-dir "/dev/shm/ckptmgr-suite-loadfile$t" --out "$o.json" 2>&1 | tee "$o.txt" ;;
+    inplace)
+      if [ -f benchmarks/bench_inplace.py ]; then
+        # shellcheck disable=SC2086  # the extra arguments are words
+        python3 benchmarks/bench_inplace.py ${CKPTMGR_INPLACE_ARGS:-} --out "$o.json" 2>&1 | tee "$o.txt"
+      else
+        echo "inplace: no benchmarks/bench_inplace.py in $(pwd): skipped" | tee "$o.txt"
+      fi ;;
+    budget)
+      local modes="none,ckptmgr overlap,ckptmgr budget,ckptmgr continuous,ckptmgr lost" lin=() dec=()
+      local script=benchmarks/bench_training.py
+      [ "$is_old" = 1 ] && modes="none,ckptmgr overlap" script="$tree/benchmarks/bench_training.py"
+      [ -n "$small" ] && lin=(--dim 64 --layers 2 --batch 8 --steps 20 --every 5) \
+                      && dec=(--dim 64 --layers 2 --heads 2 --vocab 128 --seq 16 --batch 2 --steps 20 --every 5)
+      local extra=(); [ "$is_old" = 1 ] || extra=(--max-lost-s "${CKPTMGR_MAX_LOST_S:-10}")
+      python3 "$script" --model linear --every 25 --steps 100 --warmup 5 --modes "$modes" \
+        --repeat "$r" --device "$device" --dir "$scratch/budget" "${extra[@]}" "${lin[@]}" --out "$o.json" 2>&1 | tee "$o.txt"
+      [ "$is_old" = 1 ] && return 0  # the decoder: this tree only
+      python3 "$script" --every 10 --modes "none,ckptmgr overlap" --repeat "$r" --device "$device" \
+        --dir "$scratch/decoder" "${dec[@]}" --out "$out/decoder$t.json" 2>&1 | tee "$out/decoder$t.txt" ;;
+    staging)
+      python3 benchmarks/bench_staging.py --gib "$gib" --rounds "$r" --saves 3 --device "$device" \
+        --tools "${CKPTMGR_STAGING_TOOLS:-ckptmgr overlap}" --targets shm,disk \
+        --shm-dir "/dev/shm/ckptmgr-suite-staging" --disk-dir "$scratch/staging" --out "$o.json" 2>&1 | tee "$o.txt" ;;
+    restore)
+      python3 benchmarks/bench_restore.py --gib "$gib" --repeat "$r" --device "$device" --sources shm,disk \
+        --tools "ckptmgr restore(target),fastsafetensors (nogds)" \
+        --shm-dir /dev/shm/ckptmgr-suite-restore --disk-dir "$scratch/restore" --out "$o.json" 2>&1 | tee "$o.txt" ;;
+    tier)
+      local tg="4.5"; [ -n "$small" ] && tg="$gib"
+      python3 benchmarks/bench_tier_restore.py --gib "$tg" --tensors 192 --rounds "$r" --device "$device" \
+        --disk-dir "$scratch" --out "$o.json" 2>&1 | tee "$o.txt" ;;
+    lightning)
+      local q=(); [ -n "$small" ] && q=(--quick)
+      python3 benchmarks/bench_lightning.py --steps 30 --every 10 --repeat "$r" "${q[@]}" --dir "$scratch/lightning" \
+        --plugins "${CKPTMGR_LIGHTNING_PLUGINS:-CkptmgrCheckpointIO}" --out "$o.json" 2>&1 | tee "$o.txt" ;;
+    hf)
+      local q=(); [ -n "$small" ] && q=(--tiny --cpu --steps 12 --save-steps 4)
+      python3 benchmarks/bench_hf_trainer.py --rounds "$r" "${q[@]}" --workdir "$scratch" --out "$o" 2>&1 | tee "$o.txt" ;;
+    dist|reshard)
+      local n="$gpus" dev=cuda q=()
+      [ -n "$small" ] && n=2 dev=cpu q=(--width 256 --layers 2)
+      if [ "$n" -lt 2 ]; then
+        echo "$m: needs 2 GPUs or more, this machine has $n: skipped" | tee "$o.txt"
+      elif [ "$m" = dist ]; then  # rounds stop starting after 200 s
+        NCCL_NVLS_ENABLE=0 timeout 330 python3 benchmarks/bench_distributed.py --gpus "$n" --modes fsdp2 --layers 4 \
+          --rounds "$r" --saves 3 --max-wall-s 200 --device "$dev" "${q[@]}" --dir "$scratch/dist" \
+          --commit "$CKPTMGR_COMMIT" --out "$o.json" 2>&1 | tee "$o.txt"
+      else
+        local spec="${CKPTMGR_RESHARD:-$([ "$n" -ge 4 ] && echo 4:2,4 || echo 2:1,2)}"
+        NCCL_NVLS_ENABLE=0 timeout 150 python3 benchmarks/bench_distributed.py --reshard "$spec" --device "$dev" \
+          "${q[@]}" --dir "$scratch/dist" --commit "$CKPTMGR_COMMIT" --out "$o.json" 2>&1 | tee "$o.txt"
+      fi
+      rm -rf "$scratch/dist" ;;
+    *) echo "unknown mode $m" >&2; return 2 ;;
   esac
+}
+
+new_pkg="$(package "$here" new)"
+old_pkg=""
+this_commit="${CKPTMGR_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests)
+for part in "${parts[@]}"; do
+  name="${part%@old}"
+  if [ "$name" != "$part" ]; then
+    if [ ! -d "$old/ckptmgr" ]; then
+      echo "$part: no old tree at $old (CKPTMGR_OLD): skipped" | tee -a "$out/timings.txt"
+      continue
+    fi
+    [ -n "$old_pkg" ] || old_pkg="$(package "$old" old)"
+    tree="$old" pkg="$old_pkg" tag="-old" is_old=1 commit="${CKPTMGR_OLD_COMMIT:-6960b87}"
+  else
+    tree="$here" pkg="$new_pkg" tag="" is_old=0 commit="$this_commit"
+  fi
+  start=$SECONDS
+  mkdir -p "$scratch"
+  (export CKPTMGR_COMMIT="$commit" PYTHONPATH="${site:+$site:}$pkg${PYTHONPATH:+:$PYTHONPATH}" \
+     && mode "$name" "$tag" "$is_old" "$tree")
+  rm -rf "$scratch"
+  echo "$part: $((SECONDS - start)) s ($commit)" | tee -a "$out/timings.txt"
 done

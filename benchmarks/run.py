@@ -74,8 +74,10 @@ def main() -> int:
     ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                           cwd=HERE).stdout.strip() or "unknown"
+    sys.path.insert(0, HERE)
+    from common import commit as head
+
+    commit = args.commit or head()
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
     run: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "commit": commit,
                            "torch": torch.__version__, "device": gpu or f"cpu ({os.cpu_count()} cores)", "parts": {}}

@@ -294,3 +294,43 @@ def test_readme_links_a_guide_per_integration_and_takes_its_figures_from_the_res
         tier = f.read()
     for what in ("## Where", "## When a step is written", "## When it is cleaned", "## How to drop it"):
         assert what in tier
+
+
+def test_readme_checkpoint_frequency_table_comes_from_its_json():
+    """The "How often can I checkpoint" table: every overhead figure is a median, minimum or
+    maximum over the rounds of the JSON it names, for the build and configuration of its row."""
+    import glob
+    import json
+    import statistics
+
+    here = os.path.dirname(README)
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("\n## How often can I checkpoint\n")
+    assert start > text.index("\n## Benchmarks\n")  # figures only after the usage sections
+    section = text[start:text.find("\n## ", start + 1) if text.find("\n## ", start + 1) != -1 else len(text)]
+    folder = os.path.join(here, "benchmarks", "results", "h100-2026-11-27-defaults")
+    assert "benchmarks/results/h100-2026-11-27-defaults/" in section and "H100" in section
+
+    def figures(build: str, mode: str) -> set[str]:
+        pct: list[float] = []
+        for p in sorted(glob.glob(os.path.join(folder, f"{build}*.json"))):
+            with open(p) as f:
+                pct += json.load(f)["summary"][mode]["overhead_pct"]
+        assert len(pct) == 3  # three fresh-process rounds
+        return {f"{v:+.1f}%" for v in (statistics.median(pct), min(pct), max(pct))}
+
+    rows = {("6960b87", "the defaults"): figures("old", "ckptmgr overlap"),
+            ("8d689b3", "the defaults"): figures("new", "ckptmgr overlap"),
+            ("8d689b3", "Schedule(max_overhead=0.01)"): figures("new", "ckptmgr budget")}
+    seen = 0
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        found = re.findall(r"[+-]\d+\.\d%", line)
+        if not line.startswith("| ") or not found:
+            continue
+        want = next(v for (build, conf), v in rows.items() if cells[0] == build and conf in cells[1])
+        assert set(found) == want, (line, want)
+        seen += 1
+    assert seen == len(rows)
+    assert "not met" in section  # says where the goals are not reached
