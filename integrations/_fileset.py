@@ -102,9 +102,10 @@ def hash_file(path: str, chunk_size: int) -> FileRecord:
 
 
 class Entry(abc.ABC):
-    """One file of the set. ``plan`` is what the stager copies into the entry's segment
-    (None: nothing to stage), after :meth:`fill` has written the rest of the segment;
-    :meth:`write` runs on the writer's thread once the copies have landed."""
+    """One file of the set, an image of the save engine. ``plan`` is what the stager copies
+    into the entry's segment (None: nothing to stage), after :meth:`fill` has written the rest
+    of the segment; :meth:`seal` and :meth:`write` run on the writer's thread once the copies
+    have landed."""
 
     name: str
     plan: FilePlan | None = None
@@ -116,6 +117,9 @@ class Entry(abc.ABC):
 
     def fill(self, segment: torch.Tensor) -> None:  # noqa: B027 (most entries have nothing to fill)
         """Write what is not copied from tensors into the segment (training thread)."""
+
+    def seal(self, buffer: np.ndarray[Any, Any], io: Executor) -> None:  # noqa: B027 (most have nothing to seal)
+        """Finish the segment once the copies have landed (writer's thread)."""
 
     @abc.abstractmethod
     def write(self, segment: np.ndarray[Any, Any] | None, path: str, pool: Executor | None,
@@ -262,12 +266,13 @@ class _TorchZip(Entry):
     def fill(self, segment: torch.Tensor) -> None:
         self.image.write_static(segment.numpy())
 
+    def seal(self, buffer: np.ndarray[Any, Any], io: Executor) -> None:
+        torchzip.seal(self.image, buffer[:self.image.size], io)
+
     def write(self, segment: np.ndarray[Any, Any] | None, path: str, pool: Executor | None,
               chunk_size: int) -> FileRecord:
         assert segment is not None
-        buf = segment[:self.image.size]
-        torchzip.seal(self.image, buf, pool)
-        return write_file(path, buf, pool, chunk_size)
+        return write_file(path, segment[:self.image.size], pool, chunk_size)
 
 
 class FileSet:

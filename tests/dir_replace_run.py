@@ -16,7 +16,7 @@ import sys
 
 import kill_points
 
-from ckptmgr.integrations._dirwriter import DirectoryWriter
+from ckptmgr.integrations._session import DirectoryWriter
 
 
 def save(writer: DirectoryWriter, parent: str, version: str) -> None:
