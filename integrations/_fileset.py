@@ -40,22 +40,15 @@ import torch
 from ckptmgr.errors import UnsupportedValueError
 from ckptmgr.format import torchzip
 from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
+from ckptmgr.format.dirrecord import FileRecord
 from ckptmgr.format.layout import DTYPE_TO_ST, FilePlan, StoredTensor, header_bytes
 
-__all__ = ["Entry", "FileRecord", "FileSet", "hash_file", "write_file"]
+__all__ = ["Entry", "FileSet", "write_file"]
 
 _ALIGN = 64  # byte alignment of each staged tensor of a torch file (any dtype can view it)
 _PAD = b"\0" * _ALIGN  # the stager copies a header into every segment; torch files get this one
 _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
               np.generic)
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    """A written file: its size and the CRC32C of each ``chunk_size`` chunk."""
-
-    size: int
-    crc32c: tuple[str, ...]
 
 
 def write_file(path: str, data: np.ndarray[Any, Any] | memoryview, pool: Executor | None,
@@ -82,23 +75,6 @@ def write_file(path: str, data: np.ndarray[Any, Any] | memoryview, pool: Executo
     finally:
         os.close(fd)
     return FileRecord(int(arr.size), tuple(crcs))
-
-
-def hash_file(path: str, chunk_size: int) -> FileRecord:
-    """Checksum (and fsync) a file the library wrote itself."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        crcs = []
-        for b, e in chunk_ranges(size, chunk_size):
-            data = os.pread(fd, e - b, b)
-            if len(data) != e - b:
-                raise OSError(f"{path} shrank while it was checksummed")
-            crcs.append(crc32c_hex(np.frombuffer(data, dtype=np.uint8)))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return FileRecord(size, tuple(crcs))
 
 
 class Entry(abc.ABC):

@@ -8,7 +8,7 @@ ckptmgr installed. What differs from Lightning's own plugin is when the work hap
 training step pays for a copy into reused host memory (no GPU clone), and the file is
 written, fsynced and renamed into place by a background thread: the save engine
 (:class:`ckptmgr.save.engine.AsyncWriter`) stages the file's image (:class:`_ZipImage`) and its
-worker commits it (:class:`ckptmgr.storage.onefile.FileCommit`). Saves and removals run in the
+worker commits it (:class:`ckptmgr.storage.commit.file.FileCommit`). Saves and removals run in the
 order they were made: a ``.ckpt`` path that exists always holds a complete file, and a removal
 never overtakes a save in flight.
 
@@ -48,7 +48,7 @@ from ckptmgr.format.layout import FilePlan, StoredTensor
 from ckptmgr.format.torchzip import TorchZipImage, plan_image, seal, verify_file
 from ckptmgr.options import S3Options, StagingOptions, WriteOptions, option_or_default
 from ckptmgr.save.engine import AsyncWriter
-from ckptmgr.storage.onefile import Destinations, FileCommit
+from ckptmgr.storage.commit.file import Destinations, FileCommit
 
 from ._fence import StagingFence
 

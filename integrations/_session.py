@@ -6,25 +6,25 @@ The writer (:class:`DirectoryWriter`) saves checkpoint directories on the save e
 makes the temporary directory and a :class:`~._fileset.FileSet` for it; the library then
 writes its checkpoint there (its big ``torch.save``/``save_file`` calls captured into the set,
 its small files written as usual); :meth:`DirectoryWriter.commit` submits the set's staged
-files as the save's images, with a :class:`_DirectoryCommit`, and returns with the copies in
-flight. On the engine's worker, in save order, the commit writes each file into the temporary
-directory (chunks in parallel, CRC32C on the way, fsync), checksums the files the library
-wrote itself, writes ``ckptmgr.json`` and puts the directory under its final name
-(:func:`._dirreplace.replace_dir`: an existing directory of that name is exchanged, never
-deleted first), then the caller's ``after`` hook runs (retention). In a multi-rank job each
-rank writes its own files into the shared temporary directory, the ranks agree over a gloo
-group that all are durable, and rank 0 alone writes the record and renames; a failure or a
-dead rank commits nothing.
+files as the save's images, with a :class:`~ckptmgr.storage.commit.directory.DirectoryCommit`,
+and returns with the copies in flight. On the engine's worker, in save order, the commit
+writes each file into the temporary directory (chunks in parallel, CRC32C on the way, fsync),
+checksums the files the library wrote itself, writes ``ckptmgr.json`` and puts the directory
+under its final name (:func:`ckptmgr.storage.commit.directory.replace_dir`: an existing
+directory of that name is exchanged, or renamed away, never deleted first), then the caller's
+``after`` hook runs (retention). In a multi-rank job each rank writes its own files into the
+shared temporary directory, the ranks agree over a gloo group that all are durable, and rank 0
+alone writes the record and renames; a failure or a dead rank commits nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import re
 import secrets
-import shutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -34,25 +34,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptmgr import __version__
 from ckptmgr.errors import CheckpointCorruptError, ConfigError, SaveError
+from ckptmgr.format.dirrecord import RECORD_NAME, FileRecord, committed_dirs, newest_verified, verify_dir
+from ckptmgr.format.naming import dir_temp_name
 from ckptmgr.retention import KeepLatest, RetentionPolicy, StepInfo
 from ckptmgr.save.engine import AsyncWriter
 from ckptmgr.save.outcome import Pending
+from ckptmgr.storage.commit.directory import DirectoryCommit, delete_dir, recover, remove_stale_temps
 
-from ._dirrecord import (
-    RECORD_NAME,
-    committed_dirs,
-    delete_dir,
-    fsync_dir,
-    newest_verified,
-    remove_stale_temps,
-    temp_name,
-    verify_dir,
-    write_record,
-)
-from ._dirreplace import recover, replace_dir
 from ._fence import StagingFence
-from ._fileset import FileRecord, FileSet, hash_file
+from ._fileset import FileSet
 
 __all__ = ["AsyncSaveOptions", "DirectoryWriter", "Pending", "Session", "apply_retention", "check_checkpoint",
            "default_policy", "latest_checkpoint"]
@@ -136,7 +128,7 @@ class DirectoryWriter:
     def begin(self, parent: str, token: str | None = None, pid: int | None = None, *,
               scratch: str | None = None) -> FileSet:
         """Make a temporary directory in ``scratch`` (default ``parent``, the checkpoints'
-        directory; see :func:`._dirreplace.scratch_dir`) and return the file set for it.
+        directory; see :func:`ckptmgr.storage.commit.directory.scratch_dir`) and return the file set for it.
 
         The first save into a scratch directory first finishes the replacements a crash
         interrupted there and removes the temporaries of writers that are gone. In a
@@ -156,7 +148,7 @@ class DirectoryWriter:
                 removed += remove_stale_temps(parent)
             if removed:
                 log.info("removed %d leftovers of interrupted saves in %s", len(removed), scratch)
-        tmp = os.path.join(scratch, temp_name(pid, token))
+        tmp = os.path.join(scratch, dir_temp_name(pid, token))
         os.makedirs(tmp, exist_ok=token is not None)
         return FileSet(tmp, _original_torch_save())
 
@@ -172,7 +164,10 @@ class DirectoryWriter:
             CkptTimeoutError: no staging slot became free within ``timeout`` seconds.
         """
         final = os.path.abspath(final)
-        commit = _DirectoryCommit(self, fs, final, step, dict(metadata or {}))
+        commit = DirectoryCommit(fs.directory, final, step=step, metadata=dict(metadata or {}),
+                                 chunk_size=self.chunk_size, write=functools.partial(_write_files, fs, self.chunk_size),
+                                 coordinator=self.coordinator, library=f"ckptmgr {__version__}",
+                                 done=functools.partial(self._done, final))
         with self._mu:
             self._in_flight[final] = step
         try:
@@ -214,66 +209,18 @@ class DirectoryWriter:
             self.engine.close(timeout)
 
 
-class _DirectoryCommit:
-    """One checkpoint directory as a save engine commit: this rank's files written into the
-    temporary directory, the ranks' agreement, the record, the rename (rank 0)."""
-
-    def __init__(self, writer: DirectoryWriter, fs: FileSet, final: str, step: int, metadata: dict[str, Any]) -> None:
-        self._writer = writer
-        self._fs = fs
-        self._final = final
-        self._step = step
-        self._metadata = metadata
-        self._records: dict[str, FileRecord] = {}
-
-    def write(self, buffers: list[np.ndarray[Any, Any]], io: Executor) -> None:
-        """This rank's files in the temporary directory, written (or, for the library's own
-        files, checksummed) and fsynced."""
-        staged = iter(buffers)
-        records: dict[str, FileRecord] = {}
-        for name, entry in self._fs.entries.items():
-            seg = next(staged) if entry.plan is not None else None
-            path = os.path.join(self._fs.directory, *name.split("/"))
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            records[name] = entry.write(seg, path, io, self._writer.chunk_size)
-        self._records = records
-
-    def commit(self, error: BaseException | None) -> str:
-        tmp, final, records = self._fs.directory, self._final, self._records
-        coord = self._writer.coordinator
-        if coord is not None:  # every rank reports; rank 0 commits only if all succeeded
-            reports = coord.all_gather((None if error is None else repr(error), records),
-                                       f"commit of {final}", group=coord.commit)
-            failed = [(r, e) for r, (e, _) in enumerate(reports) if e is not None]
-            if error is None and failed:
-                error = SaveError(f"rank {failed[0][0]} failed to write its files of {final}: {failed[0][1]}")
-            for _, recs in reports:
-                records.update(recs)
-        if error is not None:
-            if self._writer.is_leader:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise error
-        if not self._writer.is_leader:
-            return final
-        try:
-            for dirpath, dirnames, filenames in os.walk(tmp):  # files the library wrote itself
-                for fname in filenames:
-                    rel = os.path.relpath(os.path.join(dirpath, fname), tmp).replace(os.sep, "/")
-                    if rel not in records:
-                        records[rel] = hash_file(os.path.join(dirpath, fname), self._writer.chunk_size)
-                for d in dirnames:
-                    fsync_dir(os.path.join(dirpath, d))
-            write_record(tmp, step=self._step, files=records, chunk_size=self._writer.chunk_size,
-                         metadata=self._metadata)
-            fsync_dir(tmp)
-            replace_dir(tmp, final)  # the same step saved again: never leaves final missing
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return final
-
-    def close(self) -> None:
-        self._writer._done(self._final)
+def _write_files(fs: FileSet, chunk_size: int, buffers: list[np.ndarray[Any, Any]], io: Executor
+                 ) -> dict[str, FileRecord]:
+    """This rank's files in the temporary directory, written from their staged buffers (or,
+    for the library's own files, checksummed) and fsynced."""
+    staged = iter(buffers)
+    records: dict[str, FileRecord] = {}
+    for name, entry in fs.entries.items():
+        seg = next(staged) if entry.plan is not None else None
+        path = os.path.join(fs.directory, *name.split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        records[name] = entry.write(seg, path, io, chunk_size)
+    return records
 
 
 def _original_torch_save() -> Callable[[Any, Any], None]:

@@ -43,9 +43,9 @@ except ImportError as exc:  # pragma: no cover - exercised where accelerate is a
                       "pip install 'ckptmgr[accelerate]'") from exc
 
 from ckptmgr.errors import ConfigError, StepNotFoundError
+from ckptmgr.storage.commit.directory import recover, scratch_dir
 
 from ._capture import capturing
-from ._dirreplace import recover, scratch_dir
 from ._session import (
     AsyncSaveOptions,
     Pending,

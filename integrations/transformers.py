@@ -56,9 +56,9 @@ except ImportError as exc:  # pragma: no cover - exercised where transformers is
                       "pip install 'ckptmgr[transformers]'") from exc
 
 from ckptmgr.errors import ConfigError
+from ckptmgr.storage.commit.directory import recover
 
 from ._capture import capturing
-from ._dirreplace import recover
 from ._session import (
     AsyncSaveOptions,
     Session,

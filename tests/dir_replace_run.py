@@ -33,7 +33,7 @@ def main() -> None:
     parent, mode = sys.argv[1], sys.argv[2]
     if mode == "fallback":
         try:
-            from ckptmgr.integrations import _dirreplace
+            from ckptmgr.storage.commit import directory as _dirreplace
         except ImportError:  # a version without the exchange: nothing to turn off
             pass
         else:

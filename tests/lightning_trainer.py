@@ -102,7 +102,7 @@ def hold_last_write(n: int) -> None:
     the SIGKILL a test sends on reading that line."""
     import threading
 
-    from ckptmgr.storage import onefile
+    from ckptmgr.storage.commit import file as onefile
 
     write, pwrite = onefile.write_file_atomic, onefile.pwrite_all
     state = {"seen": 0, "hold": False}

@@ -18,7 +18,7 @@ import sys
 import kill_points
 import pytest
 
-from ckptmgr.integrations._dirrecord import read_record, verify_dir
+from ckptmgr.format.dirrecord import read_record, verify_dir
 from ckptmgr.integrations._session import DirectoryWriter, latest_checkpoint
 
 RUN = os.path.join(os.path.dirname(__file__), "dir_replace_run.py")

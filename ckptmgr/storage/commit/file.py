@@ -1,4 +1,4 @@
-"""One-file destinations: a complete file image committed at a path, atomically.
+"""The file commit: a complete file image committed at a user's path, atomically.
 
 A local or NFS path gets a temporary beside it (never in the system temp directory, so the
 rename never crosses filesystems), written in parallel chunks (O_DIRECT for the aligned bulk
@@ -9,7 +9,8 @@ fsynced: a path that exists always holds a complete file. Any other fsspec URL g
 
 Temporaries are named ``.ckptmgr-<pid>-<hex>.partial``: hidden, with no trace of the
 destination's name (tools that parse checkpoint names, such as Lightning's, never mistake one
-for a checkpoint), and removable once their writer process is gone (:func:`remove_stale_temps`).
+for a checkpoint; :data:`~ckptmgr.format.naming.FILE_TEMP_RE`), and removable once their
+writer process is gone (:func:`remove_stale_temps`).
 
 :class:`FileCommit` is this commit as a strategy of the save engine
 (:class:`ckptmgr.save.engine.AsyncWriter`): one file image, replacing what the path held.
@@ -19,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import secrets
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
@@ -28,37 +27,27 @@ from typing import Any
 
 import numpy as np
 
-from ..format.checksum import chunk_ranges
-from ..options import S3Options
-from . import open_target
-from .lease import process_alive
-from .posix import fsync_dir, pwrite_all
+from ...format.checksum import chunk_ranges
+from ...format.naming import FILE_TEMP_RE, file_temp_name
+from ...options import S3Options
+from .. import open_target
+from ..posix import fsync_dir, pwrite_all
+from . import dead_writers
 
-__all__ = ["TEMP_PATTERN", "Destinations", "FileCommit", "remove_stale_temps", "write_file_atomic",
+__all__ = ["Destinations", "FileCommit", "remove_stale_temps", "write_file_atomic",
            "write_s3_object", "write_url_atomic"]
 
-TEMP_PATTERN = re.compile(r"^\.ckptmgr-(\d+)-[0-9a-f]{12}\.partial$")
 _DIRECT_ALIGN = 4096
 _DIRECT_MIN = 16 << 20  # smaller files gain nothing from O_DIRECT
-
-
-def _temp_name() -> str:
-    return f".ckptmgr-{os.getpid()}-{secrets.token_hex(6)}.partial"
 
 
 def remove_stale_temps(directory: str) -> list[str]:
     """Remove the temporaries that writers which no longer run left in ``directory``."""
     removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = TEMP_PATTERN.match(name)
-        if m and int(m.group(1)) != os.getpid() and not process_alive(int(m.group(1)), -1):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
+    for path, _ in dead_writers(directory, FILE_TEMP_RE):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(os.path.basename(path))
     return removed
 
 
@@ -73,7 +62,7 @@ def write_file_atomic(path: str, data: np.ndarray[Any, Any], *, pool: Executor |
         OSError: the write failed; ``path`` is as it was and no temporary is left.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, _temp_name())
+    tmp = os.path.join(directory, file_temp_name())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     dfd = -1
     try:
