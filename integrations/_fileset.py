@@ -37,11 +37,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptmgr.errors import UnsupportedValueError
-from ckptmgr.format import torchzip
-from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
-from ckptmgr.format.dirrecord import FileRecord
-from ckptmgr.format.layout import DTYPE_TO_ST, FilePlan, StoredTensor, header_bytes
+from ckptmgr import UnsupportedValueError
+from ckptmgr.extend import (
+    DTYPE_TO_ST,
+    FilePlan,
+    FileRecord,
+    StoredTensor,
+    chunk_ranges,
+    crc32c_hex,
+    header_bytes,
+    plan_image,
+    seal,
+)
 
 __all__ = ["Entry", "FileSet", "write_file"]
 
@@ -243,7 +250,7 @@ class _TorchZip(Entry):
         self.image.write_static(segment.numpy())
 
     def seal(self, buffer: np.ndarray[Any, Any], io: Executor) -> None:
-        torchzip.seal(self.image, buffer[:self.image.size], io)
+        seal(self.image, buffer[:self.image.size], io)
 
     def write(self, segment: np.ndarray[Any, Any] | None, path: str, pool: Executor | None,
               chunk_size: int) -> FileRecord:
@@ -277,7 +284,7 @@ class FileSet:
         self._add(_Safetensors(name, tensors, metadata))
 
     def add_torch(self, name: str, obj: Any) -> None:
-        image = torchzip.plan_image(obj)
+        image = plan_image(obj)
         if image.spans:
             self._add(_TorchZip(name, image))
             return

@@ -43,12 +43,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptmgr.errors import CheckpointCorruptError, ConfigError
-from ckptmgr.format.layout import FilePlan, StoredTensor
-from ckptmgr.format.torchzip import TorchZipImage, plan_image, seal, verify_file
-from ckptmgr.options import S3Options, StagingOptions, WriteOptions, option_or_default
-from ckptmgr.save.engine import AsyncWriter
-from ckptmgr.storage.commit.file import Destinations, FileCommit
+from ckptmgr import CheckpointCorruptError, ConfigError, S3Options, StagingOptions, WriteOptions
+from ckptmgr.extend import (
+    AsyncWriter,
+    Destinations,
+    FileCommit,
+    FilePlan,
+    StoredTensor,
+    TorchZipImage,
+    option_or_default,
+    plan_image,
+    seal,
+    verify_file,
+)
 
 from ._fence import StagingFence
 

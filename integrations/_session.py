@@ -34,14 +34,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptmgr import __version__
-from ckptmgr.errors import CheckpointCorruptError, ConfigError, SaveError
-from ckptmgr.format.dirrecord import RECORD_NAME, FileRecord, committed_dirs, newest_verified, verify_dir
-from ckptmgr.format.naming import dir_temp_name
-from ckptmgr.retention import KeepLatest, RetentionPolicy, StepInfo
-from ckptmgr.save.engine import AsyncWriter
-from ckptmgr.save.outcome import Pending
-from ckptmgr.storage.commit.directory import DirectoryCommit, delete_dir, recover, remove_stale_temps
+from ckptmgr import CheckpointCorruptError, ConfigError, KeepLatest, RetentionPolicy, SaveError, StepInfo, __version__
+from ckptmgr.extend import (
+    RECORD_NAME,
+    AsyncWriter,
+    DirectoryCommit,
+    FileRecord,
+    Pending,
+    committed_dirs,
+    coordinator_for,
+    delete_dir,
+    dir_temp_name,
+    newest_verified,
+    recover,
+    remove_stale_temps,
+    verify_dir,
+)
 
 from ._fence import StagingFence
 from ._fileset import FileSet
@@ -244,8 +252,6 @@ class Session:
 
     def start(self) -> DirectoryWriter:
         if self.writer is None:
-            from ckptmgr.distributed.coordinator import coordinator_for
-
             coord = coordinator_for(None, self.options.timeout)
             o = self.options
             self.writer = DirectoryWriter(slots=o.slots, copy_threads=o.copy_threads, io_threads=o.io_threads,

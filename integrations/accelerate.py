@@ -42,8 +42,8 @@ except ImportError as exc:  # pragma: no cover - exercised where accelerate is a
     raise ImportError(f"ckptmgr.integrations.accelerate needs accelerate ({exc}): "
                       "pip install 'ckptmgr[accelerate]'") from exc
 
-from ckptmgr.errors import ConfigError, StepNotFoundError
-from ckptmgr.storage.commit.directory import recover, scratch_dir
+from ckptmgr import ConfigError, StepNotFoundError
+from ckptmgr.extend import recover, scratch_dir
 
 from ._capture import capturing
 from ._session import (

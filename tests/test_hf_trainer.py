@@ -171,7 +171,7 @@ def test_objects_that_cannot_be_staged_are_serialized_at_once(tmp_path):
     fs.add_torch("plain.pt", {"lr": 0.1})
     assert fs.entries["plain.pt"].plan is None  # nothing to stage: serialized at once
     # the torch-zip image stages tensors inside any object; without it, only plain containers
-    assert (fs.entries["o.pt"].plan is None) == (_fileset.torchzip is None)
+    assert (fs.entries["o.pt"].plan is None) == (_fileset.plan_image is None)
     with pytest.raises(Exception, match="twice"):
         fs.add_torch("o.pt", 1)
 
