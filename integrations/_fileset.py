@@ -37,25 +37,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptmgr.errors import UnsupportedValueError
-from ckptmgr.format import torchzip
-from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
-from ckptmgr.format.layout import DTYPE_TO_ST, FilePlan, StoredTensor, header_bytes
+from ckptmgr import UnsupportedValueError
+from ckptmgr.extend import (
+    DTYPE_TO_ST,
+    FilePlan,
+    FileRecord,
+    StoredTensor,
+    chunk_ranges,
+    crc32c_hex,
+    header_bytes,
+    plan_image,
+    seal,
+)
 
-__all__ = ["Entry", "FileRecord", "FileSet", "hash_file", "write_file"]
+__all__ = ["Entry", "FileSet", "write_file"]
 
 _ALIGN = 64  # byte alignment of each staged tensor of a torch file (any dtype can view it)
 _PAD = b"\0" * _ALIGN  # the stager copies a header into every segment; torch files get this one
 _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
               np.generic)
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    """A written file: its size and the CRC32C of each ``chunk_size`` chunk."""
-
-    size: int
-    crc32c: tuple[str, ...]
 
 
 def write_file(path: str, data: np.ndarray[Any, Any] | memoryview, pool: Executor | None,
@@ -84,27 +84,11 @@ def write_file(path: str, data: np.ndarray[Any, Any] | memoryview, pool: Executo
     return FileRecord(int(arr.size), tuple(crcs))
 
 
-def hash_file(path: str, chunk_size: int) -> FileRecord:
-    """Checksum (and fsync) a file the library wrote itself."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        crcs = []
-        for b, e in chunk_ranges(size, chunk_size):
-            data = os.pread(fd, e - b, b)
-            if len(data) != e - b:
-                raise OSError(f"{path} shrank while it was checksummed")
-            crcs.append(crc32c_hex(np.frombuffer(data, dtype=np.uint8)))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return FileRecord(size, tuple(crcs))
-
-
 class Entry(abc.ABC):
-    """One file of the set. ``plan`` is what the stager copies into the entry's segment
-    (None: nothing to stage), after :meth:`fill` has written the rest of the segment;
-    :meth:`write` runs on the writer's thread once the copies have landed."""
+    """One file of the set, an image of the save engine. ``plan`` is what the stager copies
+    into the entry's segment (None: nothing to stage), after :meth:`fill` has written the rest
+    of the segment; :meth:`seal` and :meth:`write` run on the writer's thread once the copies
+    have landed."""
 
     name: str
     plan: FilePlan | None = None
@@ -116,6 +100,9 @@ class Entry(abc.ABC):
 
     def fill(self, segment: torch.Tensor) -> None:  # noqa: B027 (most entries have nothing to fill)
         """Write what is not copied from tensors into the segment (training thread)."""
+
+    def seal(self, buffer: np.ndarray[Any, Any], io: Executor) -> None:  # noqa: B027 (most have nothing to seal)
+        """Finish the segment once the copies have landed (writer's thread)."""
 
     @abc.abstractmethod
     def write(self, segment: np.ndarray[Any, Any] | None, path: str, pool: Executor | None,
@@ -262,12 +249,13 @@ class _TorchZip(Entry):
     def fill(self, segment: torch.Tensor) -> None:
         self.image.write_static(segment.numpy())
 
+    def seal(self, buffer: np.ndarray[Any, Any], io: Executor) -> None:
+        seal(self.image, buffer[:self.image.size], io)
+
     def write(self, segment: np.ndarray[Any, Any] | None, path: str, pool: Executor | None,
               chunk_size: int) -> FileRecord:
         assert segment is not None
-        buf = segment[:self.image.size]
-        torchzip.seal(self.image, buf, pool)
-        return write_file(path, buf, pool, chunk_size)
+        return write_file(path, segment[:self.image.size], pool, chunk_size)
 
 
 class FileSet:
@@ -296,7 +284,7 @@ class FileSet:
         self._add(_Safetensors(name, tensors, metadata))
 
     def add_torch(self, name: str, obj: Any) -> None:
-        image = torchzip.plan_image(obj)
+        image = plan_image(obj)
         if image.spans:
             self._add(_TorchZip(name, image))
             return

@@ -6,7 +6,11 @@ for the same dict plus one record of CRC32C checksums that torch ignores: ``torc
 Lightning's ``pl_load``, ``Model.load_from_checkpoint`` and LightningCLI read it with no
 ckptmgr installed. What differs from Lightning's own plugin is when the work happens: the
 training step pays for a copy into reused host memory (no GPU clone), and the file is
-written, fsynced and renamed into place by a background thread (:mod:`._lightning_writer`).
+written, fsynced and renamed into place by a background thread: the save engine
+(:class:`ckptmgr.save.engine.AsyncWriter`) stages the file's image (:class:`_ZipImage`) and its
+worker commits it (:class:`ckptmgr.storage.commit.file.FileCommit`). Saves and removals run in the
+order they were made: a ``.ckpt`` path that exists always holds a complete file, and a removal
+never overtakes a save in flight.
 
 Which saves run in the background: those a ``Checkpoint`` callback (ModelCheckpoint) makes,
 which Lightning waits for at teardown. Any other ``trainer.save_checkpoint(path)`` returns
@@ -29,19 +33,31 @@ import io
 import logging
 import os
 import re
+import shutil
 import sys
 import threading
+from concurrent.futures import Executor
 from types import FrameType
 from typing import Any
 
+import numpy as np
 import torch
 
-from ckptmgr.errors import CheckpointCorruptError, ConfigError
-from ckptmgr.format.torchzip import verify_file
-from ckptmgr.options import S3Options, StagingOptions, WriteOptions, option_or_default
+from ckptmgr import CheckpointCorruptError, ConfigError, S3Options, StagingOptions, WriteOptions
+from ckptmgr.extend import (
+    AsyncWriter,
+    Destinations,
+    FileCommit,
+    FilePlan,
+    StoredTensor,
+    TorchZipImage,
+    option_or_default,
+    plan_image,
+    seal,
+    verify_file,
+)
 
 from ._fence import StagingFence
-from ._lightning_writer import IN_FLIGHT, Writer
 
 __all__ = ["CkptmgrIOMixin", "install_in_flight_check"]
 
@@ -98,6 +114,70 @@ def _with_protocol(p: str, listed: str) -> str:
     return listed if "://" in listed else f"{p.split('://', 1)[0]}://{listed.lstrip('/')}"
 
 
+class InFlight:
+    """Paths with a save enqueued and not yet committed, counted (one lock, any thread)."""
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self._paths: dict[str, int] = {}  # guarded by _mu
+
+    def add(self, path: str) -> None:
+        with self._mu:
+            self._paths[path] = self._paths.get(path, 0) + 1
+
+    def discard(self, path: str) -> None:
+        with self._mu:
+            n = self._paths.get(path, 0) - 1
+            if n > 0:
+                self._paths[path] = n
+            else:
+                self._paths.pop(path, None)
+
+    def __contains__(self, path: object) -> bool:
+        with self._mu:
+            return path in self._paths
+
+
+IN_FLIGHT = InFlight()  # every plugin of the process: what ModelCheckpoint must count as existing
+
+
+class _ZipImage:
+    """A torch checkpoint file's image (:mod:`ckptmgr.format.torchzip`) as the save engine
+    stages it: torch's static bytes filled in, each storage copied as a ``U8`` tensor at its
+    offset, the CRC-32 of every record sealed once the copies have landed."""
+
+    def __init__(self, image: TorchZipImage) -> None:
+        self.image = image
+        self.size = image.size
+        self.plan: FilePlan | None = None
+        if image.static:
+            head = image.static[0][1]
+            assert image.static[0][0] == 0
+            assert head
+            tensors = [StoredTensor(f"data/{s.key}", "U8", (s.nbytes,), s.offset - len(head),
+                                    s.offset - len(head) + s.nbytes, s.source) for s in image.spans]
+            self.plan = FilePlan("checkpoint", head, tensors)
+
+    def fill(self, segment: torch.Tensor) -> None:
+        self.image.write_static(segment.numpy())
+
+    def seal(self, buffer: np.ndarray[Any, Any], io: Executor) -> None:
+        seal(self.image, buffer, io)
+
+
+def _remove(path: str, fs: Any) -> None:
+    if fs is None:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            return
+        except IsADirectoryError:  # a directory Lightning's own plugin might have made
+            shutil.rmtree(path)
+        return
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
 def install_in_flight_check(model_checkpoint: Any) -> None:
     """Make ``model_checkpoint.file_exists`` count paths with a save in flight as existing."""
     original = model_checkpoint.file_exists
@@ -143,12 +223,13 @@ class CkptmgrIOMixin:
 
     def _init_runtime(self) -> None:
         self._mu = threading.Lock()  # guards _writer
-        self._writer: Writer | None = None
+        self._writer: AsyncWriter | None = None
+        self._dests: Destinations | None = None  # the writer's (its worker thread's)
         self._fence = StagingFence()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_mu", "_writer", "_fence"):
+        for name in ("_mu", "_writer", "_dests", "_fence"):
             state.pop(name, None)
         return state
 
@@ -177,19 +258,28 @@ class CkptmgrIOMixin:
         p, fs = _url_fs(path, self._storage_options)
         callback, manual = self._caller()
         background = self.async_direct_saves or callback
-        writer = self._get_writer()
+        writer, dests = self._get_writer()
         self._fence.wait()  # a previous save's copies (its tensors may be these)
-        done, staged = writer.save(checkpoint, p, fs, background=background)
+        w = self._write_options
+        image = plan_image(checkpoint, chunk_size=max(w.chunk_size, 4 << 20))
+        IN_FLIGHT.add(p)
+        try:
+            commit = FileCommit(p, fs, dests, chunk_size=max(w.chunk_size, 4 << 20), direct_io=w.direct_io,
+                                done=lambda: IN_FLIGHT.discard(p))
+            staged = writer.submit([_ZipImage(image)], commit, label=f"checkpoint {p}", report=background)
+        except BaseException:
+            IN_FLIGHT.discard(p)
+            raise
         if not background:
             try:
-                done.result()  # on disk when this returns; the error, if any, is raised here
+                staged.result()  # on disk when this returns; the error, if any, is raised here
             finally:
                 self._park_if_idle()
             return
         # Overlap the device-to-host copies with the next step only where the fence sees every
         # change to come: automatic optimization (Lightning orders the steps). CPU copies compete
         # with the training thread for memory bandwidth anyway: they are waited for here.
-        if self.overlap and not manual and any(s.source.is_cuda for s in staged.image.spans):
+        if self.overlap and not manual and any(s.source.is_cuda for s in image.spans):
             self._fence.arm(staged)
         else:
             staged.wait_staged()
@@ -262,7 +352,11 @@ class CkptmgrIOMixin:
     def remove_checkpoint(self, path: Any) -> None:
         """Remove ``path``, after every save enqueued before this call has been written."""
         p, fs = _url_fs(path, self._storage_options)
-        self._get_writer().remove(p, fs)
+        writer, _ = self._get_writer()
+        if writer.idle:  # nothing in flight: no thread needed (a failure is raised here)
+            _remove(p, fs)
+            return
+        writer.call(lambda: _remove(p, fs), label=f"checkpoint {p}")  # after the saves before it
 
     def teardown(self) -> None:
         """Wait for every save and removal; stop the threads and free the staging memory.
@@ -271,7 +365,7 @@ class CkptmgrIOMixin:
             Exception: the first error of a background save or removal not yet reported.
         """
         with self._mu:
-            writer, self._writer = self._writer, None
+            writer, self._writer, self._dests = self._writer, None, None
         try:
             self._fence.wait()
         finally:
@@ -294,16 +388,18 @@ class CkptmgrIOMixin:
 
     # ------------------------------------------------------------- internals
 
-    def _get_writer(self) -> Writer:
+    def _get_writer(self) -> tuple[AsyncWriter, Destinations]:
         with self._mu:
-            if self._writer is None:
+            if self._writer is None or self._dests is None:
                 w, s = self._write_options, self._staging
-                self._writer = Writer(slots=s.slots, copy_threads=s.copy_threads, io_threads=w.io_threads,
-                                      chunk_size=max(w.chunk_size, 4 << 20), direct_io=w.direct_io,
-                                      max_host_bytes=s.max_host_bytes, busy_timeout=s.busy_timeout,
-                                      storage_options=self._storage_options,
-                                      s3_options=self._s3_options)
-            return self._writer
+                dests = Destinations(self._storage_options, self._s3_options, io_threads=w.io_threads)
+                # (no daemon threads: teardown stops them; a plugin never torn down is closed at exit)
+                self._writer = AsyncWriter(slots=s.slots, copy_threads=s.copy_threads, io_threads=w.io_threads,
+                                           max_host_bytes=s.max_host_bytes, busy_timeout=s.busy_timeout,
+                                           daemon=False, name="ckptmgr-lightning", close_at_exit=True,
+                                           on_stop=dests.close)
+                self._dests = dests
+            return self._writer, self._dests
 
     def _park_if_idle(self) -> None:
         with self._mu:

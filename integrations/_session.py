@@ -1,25 +1,61 @@
 """What the Hugging Face integrations share: their options, one writer per process with its
 staging fence and multi-rank agreement, and retention over a library's checkpoint directories.
+
+The writer (:class:`DirectoryWriter`) saves checkpoint directories on the save engine
+(:class:`ckptmgr.save.engine.AsyncWriter`). Training thread: :meth:`DirectoryWriter.begin`
+makes the temporary directory and a :class:`~._fileset.FileSet` for it; the library then
+writes its checkpoint there (its big ``torch.save``/``save_file`` calls captured into the set,
+its small files written as usual); :meth:`DirectoryWriter.commit` submits the set's staged
+files as the save's images, with a :class:`~ckptmgr.storage.commit.directory.DirectoryCommit`,
+and returns with the copies in flight. On the engine's worker, in save order, the commit
+writes each file into the temporary directory (chunks in parallel, CRC32C on the way, fsync),
+checksums the files the library wrote itself, writes ``ckptmgr.json`` and puts the directory
+under its final name (:func:`ckptmgr.storage.commit.directory.replace_dir`: an existing
+directory of that name is exchanged, or renamed away, never deleted first), then the caller's
+``after`` hook runs (retention). In a multi-rank job each rank writes its own files into the
+shared temporary directory, the ranks agree over a gloo group that all are durable, and rank 0
+alone writes the record and renames; a failure or a dead rank commits nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import re
 import secrets
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any
 
-from ckptmgr.errors import CheckpointCorruptError, ConfigError
-from ckptmgr.retention import KeepLatest, RetentionPolicy, StepInfo
+import numpy as np
+import torch
 
-from ._dirrecord import RECORD_NAME, committed_dirs, delete_dir, newest_verified, verify_dir
-from ._dirreplace import recover
-from ._dirwriter import DirectoryWriter, Pending
+from ckptmgr import CheckpointCorruptError, ConfigError, KeepLatest, RetentionPolicy, SaveError, StepInfo, __version__
+from ckptmgr.extend import (
+    RECORD_NAME,
+    AsyncWriter,
+    DirectoryCommit,
+    FileRecord,
+    Pending,
+    committed_dirs,
+    coordinator_for,
+    delete_dir,
+    dir_temp_name,
+    newest_verified,
+    recover,
+    remove_stale_temps,
+    verify_dir,
+)
+
 from ._fence import StagingFence
+from ._fileset import FileSet
 
-__all__ = ["AsyncSaveOptions", "Session", "apply_retention", "check_checkpoint", "default_policy", "latest_checkpoint"]
+__all__ = ["AsyncSaveOptions", "DirectoryWriter", "Pending", "Session", "apply_retention", "check_checkpoint",
+           "default_policy", "latest_checkpoint"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -68,6 +104,140 @@ class AsyncSaveOptions:
             raise ConfigError(f"AsyncSaveOptions.timeout must be a positive number, got {self.timeout!r}")
 
 
+class DirectoryWriter:
+    """Saves of checkpoint directories on one save engine (see the module docstring).
+
+    Args:
+        slots: saves staged or in flight at once; a save waits for a free one.
+        copy_threads: threads for CPU tensor copies.
+        io_threads: threads that write and hash chunks in parallel.
+        chunk_size: bytes per write task and per CRC32C chunk.
+        max_host_bytes: cap on the staging memory (None: no cap).
+        coordinator: a :class:`ckptmgr.distributed.coordinator.Coordinator` in a multi-rank
+            job (every rank has a writer and saves the same steps in the same order).
+        timeout: seconds the worker waits for a save's copies to land.
+    """
+
+    def __init__(self, *, slots: int = 1, copy_threads: int = 4, io_threads: int = 8, chunk_size: int = 64 << 20,
+                 max_host_bytes: int | None = None, coordinator: Any = None, timeout: float = 600.0) -> None:
+        self.engine = AsyncWriter(slots=slots, copy_threads=copy_threads, io_threads=io_threads,
+                                  max_host_bytes=max_host_bytes, stage_timeout=timeout, name="ckptmgr-dir-writer")
+        self.chunk_size = chunk_size
+        self.coordinator = coordinator
+        self.timeout = timeout
+        self._mu = threading.Lock()  # guards the two fields below
+        self._cleaned: set[str] = set()  # scratch directories swept of stale temporaries
+        self._in_flight: dict[str, int] = {}  # final path -> step, saves not committed yet
+
+    @property
+    def is_leader(self) -> bool:
+        return self.coordinator is None or self.coordinator.is_leader
+
+    def begin(self, parent: str, token: str | None = None, pid: int | None = None, *,
+              scratch: str | None = None) -> FileSet:
+        """Make a temporary directory in ``scratch`` (default ``parent``, the checkpoints'
+        directory; see :func:`ckptmgr.storage.commit.directory.scratch_dir`) and return the file set for it.
+
+        The first save into a scratch directory first finishes the replacements a crash
+        interrupted there and removes the temporaries of writers that are gone. In a
+        multi-rank save every rank passes the same ``token`` and ``pid`` (rank 0's), so all
+        write into one directory."""
+        self.raise_errors()
+        parent = os.path.abspath(parent)
+        scratch = parent if scratch is None else os.path.abspath(scratch)
+        os.makedirs(parent, exist_ok=True)
+        with self._mu:
+            first = scratch not in self._cleaned
+            self._cleaned.add(scratch)
+        if first and self.is_leader:
+            recover(scratch)  # logs what it restores
+            removed = remove_stale_temps(scratch)
+            if scratch != parent:  # where temporaries went before they moved out of parent
+                removed += remove_stale_temps(parent)
+            if removed:
+                log.info("removed %d leftovers of interrupted saves in %s", len(removed), scratch)
+        tmp = os.path.join(scratch, dir_temp_name(pid, token))
+        os.makedirs(tmp, exist_ok=token is not None)
+        return FileSet(tmp, _original_torch_save())
+
+    def commit(self, fs: FileSet, final: str, *, step: int, metadata: dict[str, Any] | None = None,
+               after: Callable[[], None] | None = None, timeout: float | None = None) -> Pending[str]:
+        """Stage ``fs``'s tensors and enqueue its write and commit as ``final``.
+
+        Returns with the copies in flight: the staged tensors must not change before
+        :meth:`Pending.wait_staged` returns. ``after`` runs on the worker once committed
+        (on rank 0 only).
+
+        Raises:
+            CkptTimeoutError: no staging slot became free within ``timeout`` seconds.
+        """
+        final = os.path.abspath(final)
+        commit = DirectoryCommit(fs.directory, final, step=step, metadata=dict(metadata or {}),
+                                 chunk_size=self.chunk_size, write=functools.partial(_write_files, fs, self.chunk_size),
+                                 coordinator=self.coordinator, library=f"ckptmgr {__version__}",
+                                 done=functools.partial(self._done, final))
+        with self._mu:
+            self._in_flight[final] = step
+        try:
+            return self.engine.submit(fs.staged(), commit, step=step, label=f"checkpoint {final}", timeout=timeout,
+                                      after=None if after is None or not self.is_leader else lambda _: after())
+        except BaseException:
+            self._done(final)
+            raise
+
+    def in_flight(self) -> dict[str, int]:
+        """``{final path: step}`` of the saves not committed yet."""
+        with self._mu:
+            return dict(self._in_flight)
+
+    def _done(self, final: str) -> None:
+        with self._mu:
+            self._in_flight.pop(final, None)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every enqueued save has finished, then raise the first failure.
+
+        Raises:
+            CkptTimeoutError: still busy after ``timeout`` seconds.
+        """
+        self.engine.wait(timeout)
+        self.raise_errors()
+
+    def raise_errors(self) -> None:
+        """Raise the first background failure nobody has been told of."""
+        errors = self.engine.take_errors()
+        if errors:
+            raise SaveError(f"a background checkpoint save failed: {errors[0]}") from errors[0]
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for everything enqueued, stop the threads and free the staging memory."""
+        try:
+            self.wait(timeout)
+        finally:
+            self.engine.close(timeout)
+
+
+def _write_files(fs: FileSet, chunk_size: int, buffers: list[np.ndarray[Any, Any]], io: Executor
+                 ) -> dict[str, FileRecord]:
+    """This rank's files in the temporary directory, written from their staged buffers (or,
+    for the library's own files, checksummed) and fsynced."""
+    staged = iter(buffers)
+    records: dict[str, FileRecord] = {}
+    for name, entry in fs.entries.items():
+        seg = next(staged) if entry.plan is not None else None
+        path = os.path.join(fs.directory, *name.split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        records[name] = entry.write(seg, path, io, chunk_size)
+    return records
+
+
+def _original_torch_save() -> Callable[[Any, Any], None]:
+    save = torch.save
+    while hasattr(save, "__wrapped__"):  # never a captured torch.save
+        save = save.__wrapped__
+    return save
+
+
 class Session:
     """One writer, its fence and (in a multi-rank job) the ranks' agreement, made lazily on
     the first save (every rank saves the same steps, so collectives line up there)."""
@@ -82,8 +252,6 @@ class Session:
 
     def start(self) -> DirectoryWriter:
         if self.writer is None:
-            from ckptmgr.distributed.coordinator import coordinator_for
-
             coord = coordinator_for(None, self.options.timeout)
             o = self.options
             self.writer = DirectoryWriter(slots=o.slots, copy_threads=o.copy_threads, io_threads=o.io_threads,
@@ -99,7 +267,7 @@ class Session:
             return None, None
         return f"{self._nonce}{step:012x}", self._pid
 
-    def guard(self, pending: Pending) -> None:
+    def guard(self, pending: Pending[str]) -> None:
         """Hold the next optimizer step until ``pending``'s copies have landed (or wait now)."""
         if self.options.overlap:
             self.fence.arm(pending)  # the fence needs staged()/wait_staged() only

@@ -42,13 +42,13 @@ except ImportError as exc:  # pragma: no cover - exercised where accelerate is a
     raise ImportError(f"ckptmgr.integrations.accelerate needs accelerate ({exc}): "
                       "pip install 'ckptmgr[accelerate]'") from exc
 
-from ckptmgr.errors import ConfigError, StepNotFoundError
+from ckptmgr import ConfigError, StepNotFoundError
+from ckptmgr.extend import recover, scratch_dir
 
 from ._capture import capturing
-from ._dirreplace import recover, scratch_dir
-from ._dirwriter import Pending
 from ._session import (
     AsyncSaveOptions,
+    Pending,
     Session,
     apply_retention,
     check_checkpoint,
@@ -102,7 +102,7 @@ class AsyncStateSaver:
         return scratch_dir(parent, outside=auto)
 
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs: Any) -> Pending:
+                   **save_model_func_kwargs: Any) -> Pending[str]:
         """``Accelerator.save_state``, with the files written in the background.
 
         Returns once the copies are enqueued (with ``AsyncSaveOptions(overlap=True)``, they

@@ -55,10 +55,10 @@ except ImportError as exc:  # pragma: no cover - exercised where transformers is
     raise ImportError(f"ckptmgr.integrations.transformers needs transformers ({exc}): "
                       "pip install 'ckptmgr[transformers]'") from exc
 
-from ckptmgr.errors import ConfigError
+from ckptmgr import ConfigError
+from ckptmgr.extend import recover
 
 from ._capture import capturing
-from ._dirreplace import recover
 from ._session import (
     AsyncSaveOptions,
     Session,

@@ -16,7 +16,7 @@ import sys
 
 import kill_points
 
-from ckptmgr.integrations._dirwriter import DirectoryWriter
+from ckptmgr.integrations._session import DirectoryWriter
 
 
 def save(writer: DirectoryWriter, parent: str, version: str) -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     parent, mode = sys.argv[1], sys.argv[2]
     if mode == "fallback":
         try:
-            from ckptmgr.integrations import _dirreplace
+            from ckptmgr.storage.commit import directory as _dirreplace
         except ImportError:  # a version without the exchange: nothing to turn off
             pass
         else:

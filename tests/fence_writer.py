@@ -30,8 +30,8 @@ import time
 import torch
 
 from ckptmgr import CheckpointManager, KeepLatest, S3Options, StagingOptions, StepNotFoundError, WriteOptions
-from ckptmgr.storage import objects as objmod
 from ckptmgr.storage import s3 as s3mod
+from ckptmgr.storage.commit import manifest_last as objmod
 from ckptmgr.storage.fsspec import FsspecTarget
 
 

@@ -53,7 +53,7 @@ def main() -> None:
     project, mode = sys.argv[1], sys.argv[2]
     if "--no-exchange" in sys.argv[3:]:
         try:
-            from ckptmgr.integrations import _dirreplace
+            from ckptmgr.storage.commit import directory as _dirreplace
         except ImportError:  # a version without the exchange: nothing to turn off
             pass
         else:

@@ -94,7 +94,7 @@ def main() -> None:
     a = p.parse_args()
     if a.no_exchange:
         try:
-            from ckptmgr.integrations import _dirreplace
+            from ckptmgr.storage.commit import directory as _dirreplace
         except ImportError:  # a version without the exchange: nothing to turn off
             pass
         else:

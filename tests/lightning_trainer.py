@@ -102,10 +102,9 @@ def hold_last_write(n: int) -> None:
     the SIGKILL a test sends on reading that line."""
     import threading
 
-    from ckptmgr.integrations import _lightning_writer
-    from ckptmgr.storage import onefile
+    from ckptmgr.storage.commit import file as onefile
 
-    write, pwrite = _lightning_writer.write_file_atomic, onefile.pwrite_all
+    write, pwrite = onefile.write_file_atomic, onefile.pwrite_all
     state = {"seen": 0, "hold": False}
 
     def write_file_atomic(path, data, **kw):
@@ -124,7 +123,7 @@ def hold_last_write(n: int) -> None:
             threading.Event().wait(300)
         return pwrite(fd, buf, offset)
 
-    _lightning_writer.write_file_atomic = write_file_atomic
+    onefile.write_file_atomic = write_file_atomic
     onefile.pwrite_all = pwrite_all
 
 

@@ -53,7 +53,7 @@ def local_dir(tmp_path):
 @pytest.fixture
 def quick_retries(monkeypatch):
     try:
-        import ckptmgr.save.saver as saver_module
+        import ckptmgr.save.coalesce as saver_module
     except ImportError:  # (a version without retries)
         return
     monkeypatch.setattr(saver_module, "RETRY_FIRST_S", 0.05)

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from ckptmgr.integrations import _dirreplace
-from ckptmgr.integrations._dirreplace import OLD_RE, old_name, recover, replace_dir, scratch_dir
+from ckptmgr.storage.commit import directory as _dirreplace
+from ckptmgr.storage.commit.directory import OLD_RE, old_name, recover, replace_dir, scratch_dir
 
 
 def _dir(path, content):

@@ -18,9 +18,8 @@ import sys
 import kill_points
 import pytest
 
-from ckptmgr.integrations._dirrecord import read_record, verify_dir
-from ckptmgr.integrations._dirwriter import DirectoryWriter
-from ckptmgr.integrations._session import latest_checkpoint
+from ckptmgr.format.dirrecord import read_record, verify_dir
+from ckptmgr.integrations._session import DirectoryWriter, latest_checkpoint
 
 RUN = os.path.join(os.path.dirname(__file__), "dir_replace_run.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",

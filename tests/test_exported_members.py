@@ -3,6 +3,7 @@ import os
 import pytest
 
 import ckptmgr
+import ckptmgr.extend
 
 EXPECTED = [
     "AnyOf",
@@ -76,3 +77,57 @@ def test_error_tree_derives_from_builtins():
 @pytest.mark.skipif(not os.environ.get("CKPTMGR_REQUIRE_INSTALLED"), reason="only checked in CI")
 def test_tests_run_against_the_installed_package():
     assert "site-packages" in ckptmgr.__file__, ckptmgr.__file__
+
+
+EXTEND_EXPECTED = [
+    "DTYPE_TO_ST",
+    "RECORD_NAME",
+    "AsyncWriter",
+    "Commit",
+    "Destinations",
+    "DirectoryCommit",
+    "Fifo",
+    "FileCommit",
+    "FilePlan",
+    "FileRecord",
+    "Image",
+    "JobPicker",
+    "Pending",
+    "StoredTensor",
+    "TorchZipImage",
+    "chunk_ranges",
+    "committed_dirs",
+    "coordinator_for",
+    "crc32c_hex",
+    "delete_dir",
+    "dir_temp_name",
+    "header_bytes",
+    "newest_verified",
+    "option_or_default",
+    "plan_image",
+    "read_record",
+    "recover",
+    "remove_stale_temps",
+    "replace_dir",
+    "scratch_dir",
+    "seal",
+    "verify_dir",
+    "verify_file",
+    "write_record",
+]
+
+
+def test_extension_names_are_pinned():
+    assert ckptmgr.extend.__all__ == EXTEND_EXPECTED
+    for name in ckptmgr.extend.__all__:
+        assert hasattr(ckptmgr.extend, name), name
+    assert not set(ckptmgr.extend.__all__) & set(ckptmgr.__all__)  # the public API is not repeated there
+
+
+def test_extension_classes_and_functions_are_documented():
+    for name in ckptmgr.extend.__all__:
+        obj = getattr(ckptmgr.extend, name)
+        if isinstance(obj, type) or callable(obj):
+            assert obj.__module__.startswith("ckptmgr"), name
+            assert obj.__doc__, f"{name} has no docstring"
+    assert "Experimental" in (ckptmgr.extend.__doc__ or "")

@@ -18,12 +18,14 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import safe_globals
 
 from ckptmgr import CheckpointCorruptError, ConfigError, KeepEvery
-from ckptmgr.integrations import _capture, _dirrecord, _fileset
+from ckptmgr.format import dirrecord as _dirrecord
+from ckptmgr.integrations import _capture, _fileset
 from ckptmgr.integrations.transformers import (
     AsyncSaveOptions,
     CkptmgrTrainer,
     get_last_checkpoint,
 )
+from ckptmgr.storage.commit import directory as _dircommit
 
 
 def _args(out, **kw):
@@ -169,7 +171,7 @@ def test_objects_that_cannot_be_staged_are_serialized_at_once(tmp_path):
     fs.add_torch("plain.pt", {"lr": 0.1})
     assert fs.entries["plain.pt"].plan is None  # nothing to stage: serialized at once
     # the torch-zip image stages tensors inside any object; without it, only plain containers
-    assert (fs.entries["o.pt"].plan is None) == (_fileset.torchzip is None)
+    assert (fs.entries["o.pt"].plan is None) == (_fileset.plan_image is None)
     with pytest.raises(Exception, match="twice"):
         fs.add_torch("o.pt", 1)
 
@@ -208,7 +210,7 @@ def test_stale_temporaries_of_dead_writers_are_removed(tmp_path):
     foreign = tmp_path / ".partial-not-ours"
     for d in (dead, mine, foreign):
         d.mkdir()
-    assert _dirrecord.remove_stale_temps(str(tmp_path)) == [dead.name]
+    assert _dircommit.remove_stale_temps(str(tmp_path)) == [dead.name]
     assert mine.exists() and foreign.exists()
 
 

@@ -29,7 +29,7 @@ import pytest
 pytest.importorskip("transformers")
 from transformers.trainer_utils import get_last_checkpoint as stock_last_checkpoint
 
-from ckptmgr.integrations._dirrecord import read_record, verify_dir
+from ckptmgr.format.dirrecord import read_record, verify_dir
 from ckptmgr.integrations.transformers import get_last_checkpoint
 
 RUN = os.path.join(os.path.dirname(__file__), "hf_trainer_run.py")

@@ -163,3 +163,63 @@ def test_a_lazy_import_back_up_is_caught():
     node = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom))
     deps = _resolve("ckptmgr.restore.restorer", False, node)
     assert any(_under(d, "ckptmgr.distributed") for d in deps)
+
+
+# ------------------------------------------------------------ the integrations' imports
+
+INTEGRATIONS_MAY_IMPORT = ("ckptmgr", "ckptmgr.extend")  # the public API and the extension API
+
+
+def _integration_imports(root: str) -> list[tuple[str, int, str]]:
+    """``(file, line, ckptmgr module)`` for every absolute ckptmgr import in ``root``'s
+    modules, lazy ones inside functions included; ``from ckptmgr import name`` counts as
+    the module ``ckptmgr.name`` where that is a module of the package."""
+    found = []
+    for f in sorted(os.listdir(root)):
+        if not f.endswith(".py"):
+            continue
+        with open(os.path.join(root, f), encoding="utf-8") as src:
+            tree = ast.parse(src.read(), f)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+                if node.module == "ckptmgr":
+                    names += [f"ckptmgr.{a.name}" for a in node.names if _path_of(f"ckptmgr.{a.name}")]
+            else:
+                continue
+            found += [(f, node.lineno, n) for n in names if n == "ckptmgr" or n.startswith("ckptmgr.")]
+    return found
+
+
+def _not_allowed(found: list[tuple[str, int, str]]) -> list[str]:
+    return [f"{f}:{line} imports {m}" for f, line, m in found
+            if m not in INTEGRATIONS_MAY_IMPORT and not _under(m, "ckptmgr.integrations")]
+
+
+def test_integrations_import_only_the_public_and_the_extension_api():
+    import ckptmgr.integrations
+
+    found = _integration_imports(os.path.dirname(ckptmgr.integrations.__file__))
+    assert {m for _, _, m in found} >= {"ckptmgr", "ckptmgr.extend"}  # the walk sees them
+    bad = _not_allowed(found)
+    assert not bad, "integrations build on ckptmgr and ckptmgr.extend only: " + "; ".join(bad)
+
+
+def test_an_integration_importing_a_core_module_is_caught(tmp_path):
+    """The checker itself: a lazy import and a submodule named in ``from ckptmgr import`` count."""
+    (tmp_path / "x.py").write_text("import ckptmgr\nfrom ckptmgr.extend import AsyncWriter\n"
+                                    "def f():\n    from ckptmgr.save.slots import SlotPool\n"
+                                    "    from ckptmgr import _lifecycle, ConfigError\n")
+    bad = _not_allowed(_integration_imports(str(tmp_path)))
+    assert bad == ["x.py:4 imports ckptmgr.save.slots", "x.py:5 imports ckptmgr._lifecycle"]
+
+
+def test_the_core_never_imports_the_integrations():
+    found = []
+    for dirpath, _, files in os.walk(PKG):
+        found += [(os.path.relpath(os.path.join(dirpath, f), PKG), line, m)
+                  for f, line, m in _integration_imports(dirpath) if f in files]
+    bad = [f"{f}:{line} imports {m}" for f, line, m in found if _under(m, "ckptmgr.integrations")]
+    assert not bad, "; ".join(bad)

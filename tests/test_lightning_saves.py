@@ -15,9 +15,9 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
 from ckptmgr import StagingOptions
+from ckptmgr.format.naming import FILE_TEMP_RE as TEMP_PATTERN
 from ckptmgr.integrations.lightning import CkptmgrCheckpointIO
-from ckptmgr.storage import onefile
-from ckptmgr.storage.onefile import TEMP_PATTERN
+from ckptmgr.storage.commit import file as onefile
 
 _max_version = _CheckpointConnector._CheckpointConnector__max_ckpt_version_in_folder
 

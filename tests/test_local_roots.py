@@ -306,7 +306,7 @@ def test_a_lock_file_held_elsewhere_is_waited_for_within_a_bound(tmp_path):
     import fcntl
 
     from ckptmgr.errors import CkptTimeoutError
-    from ckptmgr.storage.commit import _lock_within
+    from ckptmgr.storage.commit.rename import _lock_within
 
     path = tmp_path / "lock"
     path.write_bytes(b"")

@@ -307,7 +307,7 @@ def test_a_lock_file_is_locked_and_holds_its_lease(tmp_path, monkeypatch, claim)
     import errno
     import fcntl
 
-    from ckptmgr.storage import commit
+    from ckptmgr.storage.commit import rename as commit
     from ckptmgr.storage.lease import Lease, LeaseKeeper
 
     if claim == "named":
@@ -350,7 +350,7 @@ def test_a_writer_killed_while_claiming_its_step(tmp_path, claim):
     """Killed while writing its lease: a lock file claimed whole never appeared, so the next
     start finds nothing; one created by name first is empty and unlocked, which the clean-up
     cannot tell from a live writer's, so it stays until its heartbeat is stale."""
-    from ckptmgr.storage import commit
+    from ckptmgr.storage.commit import rename as commit
     from ckptmgr.storage.lease import LEASE_STALE_S
 
     if claim == "whole" and not commit._TMPFILE:
@@ -360,7 +360,7 @@ def test_a_writer_killed_while_claiming_its_step(tmp_path, claim):
         "import sys, time\n"
         f"sys.path.insert(0, {HERE!r})\n"
         "from test_storage_trust import mgr_of, state_of\n"
-        "from ckptmgr.storage import commit\n"
+        "from ckptmgr.storage.commit import rename as commit\n"
         + ("commit._TMPFILE = 0\n" if claim == "named" else "")
         + "def stuck(*args):\n"
         "    print('claiming', flush=True)\n"

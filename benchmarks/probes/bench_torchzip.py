@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ckptmgr.format import torchzip
-from ckptmgr.storage.onefile import write_file_atomic
+from ckptmgr.storage.commit.file import write_file_atomic
 
 
 def _fsync_save(obj: Any, path: str) -> None:

@@ -1,8 +1,9 @@
 """The commit record of a checkpoint directory written in a library's own naming (the Hugging
 Face Trainer's ``checkpoint-N/``, accelerate's ``checkpoint_N/``): ``ckptmgr.json``, with the
 step, the commit time, the library version and every file's size and per-chunk CRC32C. The
-integrations write it (``ckptmgr.integrations``); reading and verifying it belongs to the
-format, so that ``ckptmgr verify`` checks such directories without the integrations.
+directory commit writes it (:mod:`ckptmgr.storage.commit.directory`); reading and verifying
+it belongs to the format, so that ``ckptmgr verify`` checks such directories without the
+integrations. Also here: finding a library's committed directories, newest verified first.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,12 +20,21 @@ import numpy as np
 from ..errors import CheckpointCorruptError
 from .checksum import chunk_ranges, crc32c_hex
 
-__all__ = ["RECORD_NAME", "read_record", "verify_dir"]
+__all__ = ["RECORD_NAME", "FileRecord", "committed_dirs", "newest_verified", "read_record", "verify_dir",
+           "write_record"]
 
 RECORD_NAME = "ckptmgr.json"
 _FORMAT = "ckptmgr-directory"
 _MAX_RECORD = 16 << 20  # a record larger than this is refused before it is parsed
 _MAX_FILES = 100_000
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A written file: its size and the CRC32C of each ``chunk_size`` chunk."""
+
+    size: int
+    crc32c: tuple[str, ...]
 
 
 def _safe_name(name: Any) -> bool:
@@ -101,3 +113,45 @@ def verify_dir(directory: str) -> bool:
         finally:
             os.close(fd)
     return True
+
+
+def write_record(directory: str, *, step: int, files: dict[str, FileRecord], chunk_size: int,
+                 metadata: dict[str, Any] | None = None, library: str = "ckptmgr") -> None:
+    """Write the commit record into ``directory`` (fsynced); ``library``: who wrote it
+    (``ckptmgr <version>``)."""
+    doc = {"format": _FORMAT, "version": 1, "step": step, "time": time.time(), "library": library,
+           "chunk_size": chunk_size, "metadata": metadata or {},
+           "files": {name: {"size": r.size, "crc32c": list(r.crc32c)} for name, r in sorted(files.items())}}
+    path = os.path.join(directory, RECORD_NAME)
+    with open(path, "x", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def committed_dirs(parent: str, pattern: re.Pattern[str]) -> dict[int, str]:
+    """``{step: path}`` of the directories in ``parent`` whose names ``pattern`` matches
+    (its first group is the step); symlinks are not followed."""
+    out: dict[int, str] = {}
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        m = pattern.fullmatch(name)
+        path = os.path.join(parent, name)
+        if m is not None and os.path.isdir(path) and not os.path.islink(path):
+            out[int(m.group(1))] = path
+    return out
+
+
+def newest_verified(candidates: dict[int, str], log: Any) -> tuple[int, str] | None:
+    """The newest ``(step, path)`` of ``candidates`` that verifies (or has no record)."""
+    for step in sorted(candidates, reverse=True):
+        try:
+            verify_dir(candidates[step])
+        except CheckpointCorruptError as exc:
+            log.warning("skipping damaged checkpoint %s: %s", candidates[step], exc)
+            continue
+        return step, candidates[step]
+    return None

@@ -12,14 +12,22 @@ objects of one writer's attempt are never overwritten by another's. The root's i
 
 Only names that match these patterns exactly are ever listed, cleaned up or deleted;
 anything else under the root is left alone.
+
+Commits at a user's path (a Lightning ``.ckpt`` file, a library's checkpoint directory) have
+temporaries of their own, named after their writer's pid (see the end of this module).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
+import urllib.parse
 
 __all__ = [
+    "DIR_OLD_RE",
+    "DIR_TEMP_RE",
+    "FILE_TEMP_RE",
     "LEASE_NAME",
     "MAX_STEP",
     "PROTECT_NAME",
@@ -27,6 +35,9 @@ __all__ = [
     "STEP_DIGITS",
     "attempt_name",
     "attempt_tag",
+    "dir_old_name",
+    "dir_temp_name",
+    "file_temp_name",
     "is_lease_name",
     "is_our_file",
     "is_root_id_temp",
@@ -144,3 +155,32 @@ def parse_root_id(data: bytes) -> str | None:
     """The identity stored in a root's ``.ckptmgr-root-id``; None when it is not one."""
     text = data[:64].decode("ascii", "replace").strip()
     return text if len(data) <= 64 and _ROOT_ID_RE.fullmatch(text) else None
+
+
+# ------------------------------------------------------------ temporaries at a user's path
+# A one-file commit (a Lightning ``.ckpt``) writes ``.ckptmgr-<pid>-<12 hex>.partial`` beside
+# its destination; a directory commit (a Hugging Face/accelerate checkpoint directory) writes
+# ``.ckptmgr-<pid>-<8..40 hex>.partial/`` and moves an existing directory of the same name
+# away to ``.ckptmgr-<pid>-<hex>.old-<final, quoted>`` while replacing it. Hidden, matching
+# no library's checkpoint pattern, and named after their writer's pid: swept once it is gone.
+
+FILE_TEMP_RE = re.compile(r"^\.ckptmgr-(\d+)-[0-9a-f]{12}\.partial$")
+DIR_TEMP_RE = re.compile(r"^\.ckptmgr-(\d+)-([0-9a-f]{8,40})\.partial$")
+DIR_OLD_RE = re.compile(r"^\.ckptmgr-(\d+)-([0-9a-f]{8,40})\.old-(.+)$")
+
+
+def file_temp_name() -> str:
+    """A fresh temporary name for a one-file commit (this process's pid)."""
+    return f".ckptmgr-{os.getpid()}-{secrets.token_hex(6)}.partial"
+
+
+def dir_temp_name(pid: int | None = None, token: str | None = None) -> str:
+    """A fresh temporary directory name (``pid`` and ``token`` fixed for multi-rank saves)."""
+    return f".ckptmgr-{os.getpid() if pid is None else pid}-{token or secrets.token_hex(8)}.partial"
+
+
+def dir_old_name(rel: str, pid: int | None = None) -> str:
+    """The name a directory ``rel`` (relative to the scratch directory) takes while a new
+    copy replaces it."""
+    pid = os.getpid() if pid is None else pid
+    return f".ckptmgr-{pid}-{secrets.token_hex(8)}.old-{urllib.parse.quote(rel, safe='')}"

@@ -1,4 +1,4 @@
-"""How a save ends: its :class:`Ticket`, and which failed durable writes are worth a retry.
+"""How a save ends: its :class:`Pending` handle, and which failed durable writes are worth a retry.
 
 A durable write that fails with an ``OSError`` is retried (with backoff, by the saver) when
 trying again can help: the target was unreachable, throttled, or failed a request. It is
@@ -13,13 +13,14 @@ import errno
 import logging
 import threading
 from concurrent.futures import Future
+from typing import Generic, TypeVar
 
 from ..errors import SaveError, SaveSkippedError
 from .persist import SaveInfo
 from .staging import StagingJob
 
-__all__ = ["PERMANENT_ERRNOS", "Ticket", "as_save_error", "permanent", "report_interrupted", "report_permanent",
-           "retryable"]
+__all__ = ["PERMANENT_ERRNOS", "Pending", "Ticket", "as_save_error", "permanent", "report_interrupted",
+           "report_permanent", "retryable"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -27,26 +28,54 @@ log = logging.getLogger("ckptmgr")
 PERMANENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
-class Ticket:
-    """The outcome of one save as the saver tracks it (:class:`~ckptmgr.SaveHandle` wraps it).
+def as_save_error(step: int, exc: BaseException) -> SaveError:
+    return SaveError(f"save of step {step} failed: {type(exc).__name__}: {exc}")
 
-    The future is completed by the persist thread, at the end of the job's settle. A failure
-    is told once: ``observed`` flips under ``_lock`` by whoever tells it.
+
+T = TypeVar("T")
+
+
+class Pending(Generic[T]):
+    """One save in flight: its copies and its outcome (a future completed by the worker).
+
+    A failure is told once: ``observed`` flips under ``_lock`` by whoever tells it (a save
+    whose caller waits for it itself is observed from the start).
+
+    Args:
+        step: the save's step (or a sequence number where there is none).
+        future: completed with the save's result.
+        staging: its copies (None: nothing staged).
+        skipped: the save was skipped (its future already holds the reason).
+        observed: nobody else needs to be told of a failure.
     """
 
-    def __init__(self, step: int, future: Future[SaveInfo], staging: StagingJob | None, *, skipped: bool = False):
+    def __init__(self, step: int, future: Future[T], staging: StagingJob | None, *, skipped: bool = False,
+                 observed: bool = False) -> None:
         self.step = step
         self.future = future
         self.staging = staging
         self.skipped = skipped
         self._lock = threading.Lock()
-        self._observed = skipped  # a skip is reported by result() only
+        self._observed = skipped or observed
 
     @classmethod
-    def skip(cls, step: int, reason: str) -> Ticket:
-        future: Future[SaveInfo] = Future()
+    def skip(cls, step: int, reason: str) -> Pending[T]:
+        future: Future[T] = Future()
         future.set_exception(SaveSkippedError(f"step {step} was not saved: {reason}"))
         return cls(step, future, None, skipped=True)
+
+    def staged(self) -> bool:
+        """True once every copy has landed (the tensors may change)."""
+        return self.staging is None or self.staging.done()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until every copy has landed (raises CkptTimeoutError after ``timeout`` s)."""
+        if self.staging is not None:
+            self.staging.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> T:
+        """The save's result; raises its error."""
+        return self.future.result(timeout)
 
     def failure(self) -> BaseException | None:
         """The save's exception once it has failed (None while pending or after success)."""
@@ -58,6 +87,11 @@ class Ticket:
             first, self._observed = not self._observed, True
         return first
 
+    @property
+    def observed(self) -> bool:
+        with self._lock:
+            return self._observed
+
     def take_error(self) -> SaveError | None:
         """The failure as a SaveError, if nobody has been told of it yet (then it is told)."""
         exc = self.failure()
@@ -68,8 +102,7 @@ class Ticket:
         return err
 
 
-def as_save_error(step: int, exc: BaseException) -> SaveError:
-    return SaveError(f"save of step {step} failed: {type(exc).__name__}: {exc}")
+Ticket = Pending[SaveInfo]  # the outcome of one save as the saver tracks it (SaveHandle wraps it)
 
 
 def permanent(exc: BaseException) -> int | None:

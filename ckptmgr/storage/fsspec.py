@@ -2,7 +2,7 @@
 
 Object stores have no atomic directory rename, so a step's files go straight to
 ``<root>/step_<n>/`` and the step exists only once its manifest does; the
-:class:`~ckptmgr.storage.objects.ManifestLastCommit` strategy claims the step with a lease,
+:class:`~ckptmgr.storage.commit.manifest_last.ManifestLastCommit` strategy claims the step with a lease,
 checks the files and writes the manifest once. A step prefix without a manifest is an
 interrupted save (or delete), removed at a later start once its writer is provably gone.
 
@@ -40,8 +40,9 @@ from ..format.naming import (
     parse_root_id,
     step_name,
 )
+from .commit.manifest_last import ManifestLastCommit, manifest_names, remove_object_leftovers
 from .lease import LEASE_STALE_S, LeaseKeeper
-from .objects import ManifestLastCommit, ObjectInfo, manifest_names, remove_object_leftovers, step_objects
+from .objects import ObjectInfo, step_objects
 
 __all__ = ["FsspecTarget", "check_step"]
 
@@ -130,7 +131,7 @@ class FsspecTarget:
     @property
     def conditional(self) -> bool:
         """False: fsspec has no conditional writes, so the claim's conditions are reads before
-        writes (see :mod:`ckptmgr.storage.objects`)."""
+        writes (see :mod:`ckptmgr.storage.commit.manifest_last`)."""
         return False
 
     def _make_root(self) -> None:

@@ -3,7 +3,7 @@
 A save writes ``.step_<n>.tmp-<hex>/`` beside the destination (never the system temp
 directory, so the rename never crosses filesystems), held by its lock file while the writer
 lives; it fsyncs every file and the directory, writes ``manifest.json`` inside it, and
-renames the directory to ``step_<n>/`` (:class:`~ckptmgr.storage.commit.RenameCommit`). A
+renames the directory to ``step_<n>/`` (:class:`~ckptmgr.storage.commit.rename.RenameCommit`). A
 crash at any moment leaves either the old state or the new step, plus a temporary that a
 later start removes once its writer is provably gone.
 
@@ -40,7 +40,7 @@ from ..format.naming import (
     parse_step_name,
     step_name,
 )
-from .commit import RenameCommit, remove_local_leftovers
+from .commit.rename import RenameCommit, remove_local_leftovers
 from .fsspec import check_step
 from .lease import LEASE_STALE_S, LeaseKeeper
 from .posix import (

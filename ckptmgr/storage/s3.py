@@ -46,8 +46,9 @@ from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import read_manifest_bytes
 from ..format.naming import ROOT_ID_NAME, is_lease_name, is_our_file, step_name
 from ..options import S3Options
+from .commit.manifest_last import ManifestLastCommit
 from .fsspec import FsspecTarget, _FsspecStepWriter
-from .objects import ConditionFailed, ManifestLastCommit, ObjectInfo
+from .objects import ConditionFailed, ObjectInfo
 from .throttle import AdaptiveWindow
 
 __all__ = ["S3Target", "is_retryable", "is_throttle", "s3_storage_options"]

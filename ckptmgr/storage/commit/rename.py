@@ -1,22 +1,11 @@
-"""Commit strategies: how the files of one step become a checkpoint, atomically.
+"""The rename commit (local and NFS roots, where a directory rename is atomic).
 
-A writer (local, fsspec, S3) only writes data files. Where they go, what claims the step
-while they are written, how the step is made visible and what an abort removes is decided by
-the strategy the target hands it:
-
-* :class:`RenameCommit` (local and NFS roots, where a directory rename is atomic): files go
-  to a fresh temporary directory ``.step_<n>.tmp-<hex>/`` beside the destination, claimed by
-  its lock file (``flock()``ed, with the writer's lease); the commit writes ``manifest.json``
-  inside, fsyncs, and renames the directory to ``step_<n>/``.
-* :class:`ManifestLastCommit` (object stores, in :mod:`ckptmgr.storage.objects`): files go
-  straight to the step's prefix, claimed by a ``writer.lease`` object; the commit checks that
-  every file is there with its size, then writes ``manifest.json`` once (``If-None-Match``).
-
-Both remove, at an abort, only what this writer created, and release their claim after the
-commit or abort (``close()``). Each also knows its leftovers: :func:`remove_local_leftovers`
-here, :func:`~ckptmgr.storage.objects.remove_object_leftovers` for object stores. (The
-multi-rank commit, which gathers every rank's files and lets one rank commit, is built on
-these in :mod:`ckptmgr.distributed.save`.)
+Files go to a fresh temporary directory ``.step_<n>.tmp-<hex>/`` beside the destination,
+claimed by its lock file (``flock()``ed, with the writer's lease); the commit writes
+``manifest.json`` inside, fsyncs, and renames the directory to ``step_<n>/``. An abort removes
+only what this writer created; the claim is released after the commit or abort (``close()``).
+:func:`remove_local_leftovers` removes what gone writers left. :class:`CommitStrategy` is the
+protocol every step commit follows (see :mod:`ckptmgr.storage.commit`).
 """
 
 from __future__ import annotations
@@ -35,9 +24,9 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import CkptTimeoutError, StepExistsError, StorageError
-from ..format.manifest import MANIFEST_NAME
-from ..format.naming import (
+from ...errors import CkptTimeoutError, StepExistsError, StorageError
+from ...format.manifest import MANIFEST_NAME
+from ...format.naming import (
     is_our_file,
     is_root_id_temp,
     is_temp_lock_name,
@@ -47,8 +36,8 @@ from ..format.naming import (
     temp_lock_name,
     temp_name,
 )
-from .lease import Lease, LeaseKeeper, current, process_alive, release, writer_gone
-from .posix import fsync_dir, open_dir, pwrite_all, remove_ours
+from ..lease import Lease, LeaseKeeper, current, process_alive, release, writer_gone
+from ..posix import fsync_dir, open_dir, pwrite_all, remove_ours
 
 __all__ = ["CommitStrategy", "RenameCommit", "manifest_sizes", "remove_local_leftovers"]
 

@@ -1,4 +1,4 @@
-"""One-file destinations: a complete file image committed at a path, atomically.
+"""The file commit: a complete file image committed at a user's path, atomically.
 
 A local or NFS path gets a temporary beside it (never in the system temp directory, so the
 rename never crosses filesystems), written in parallel chunks (O_DIRECT for the aligned bulk
@@ -9,48 +9,45 @@ fsynced: a path that exists always holds a complete file. Any other fsspec URL g
 
 Temporaries are named ``.ckptmgr-<pid>-<hex>.partial``: hidden, with no trace of the
 destination's name (tools that parse checkpoint names, such as Lightning's, never mistake one
-for a checkpoint), and removable once their writer process is gone (:func:`remove_stale_temps`).
+for a checkpoint; :data:`~ckptmgr.format.naming.FILE_TEMP_RE`), and removable once their
+writer process is gone (:func:`remove_stale_temps`).
+
+:class:`FileCommit` is this commit as a strategy of the save engine
+(:class:`ckptmgr.save.engine.AsyncWriter`): one file image, replacing what the path held.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
-import secrets
+import threading
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any
 
 import numpy as np
 
-from ..format.checksum import chunk_ranges
-from .lease import process_alive
-from .posix import fsync_dir, pwrite_all
+from ...format.checksum import chunk_ranges
+from ...format.naming import FILE_TEMP_RE, file_temp_name
+from ...options import S3Options
+from .. import open_target
+from ..posix import fsync_dir, pwrite_all
+from . import dead_writers
 
-__all__ = ["TEMP_PATTERN", "remove_stale_temps", "write_file_atomic", "write_s3_object", "write_url_atomic"]
+__all__ = ["Destinations", "FileCommit", "remove_stale_temps", "write_file_atomic",
+           "write_s3_object", "write_url_atomic"]
 
-TEMP_PATTERN = re.compile(r"^\.ckptmgr-(\d+)-[0-9a-f]{12}\.partial$")
 _DIRECT_ALIGN = 4096
 _DIRECT_MIN = 16 << 20  # smaller files gain nothing from O_DIRECT
-
-
-def _temp_name() -> str:
-    return f".ckptmgr-{os.getpid()}-{secrets.token_hex(6)}.partial"
 
 
 def remove_stale_temps(directory: str) -> list[str]:
     """Remove the temporaries that writers which no longer run left in ``directory``."""
     removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = TEMP_PATTERN.match(name)
-        if m and int(m.group(1)) != os.getpid() and not process_alive(int(m.group(1)), -1):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
+    for path, _ in dead_writers(directory, FILE_TEMP_RE):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(os.path.basename(path))
     return removed
 
 
@@ -65,7 +62,7 @@ def write_file_atomic(path: str, data: np.ndarray[Any, Any], *, pool: Executor |
         OSError: the write failed; ``path`` is as it was and no temporary is left.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, _temp_name())
+    tmp = os.path.join(directory, file_temp_name())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     dfd = -1
     try:
@@ -149,3 +146,100 @@ def write_s3_object(target: Any, key: str, data: np.ndarray[Any, Any]) -> None:
         with contextlib.suppress(Exception):
             target.call("abort_multipart_upload", Key=key, UploadId=upload_id)
         raise
+
+
+class Destinations:
+    """What the file commits of one writer share: the local directories whose stale
+    temporaries were swept (once each), and the S3 targets opened per directory.
+
+    Owned by the engine's worker thread (the commits run there); :meth:`close` runs once the
+    worker has stopped.
+
+    Args:
+        storage_options: fsspec options of remote paths (credentials, endpoints).
+        s3_options: multipart upload and retries of ``s3://`` paths.
+        io_threads: upload threads of each S3 target.
+    """
+
+    def __init__(self, storage_options: dict[str, Any] | None = None, s3_options: S3Options | None = None, *,
+                 io_threads: int = 8) -> None:
+        self._storage_options = storage_options
+        self._s3_options = s3_options
+        self._io_threads = io_threads
+        self._mu = threading.Lock()  # guards the two fields below (close() may run on another thread)
+        self._swept: set[str] = set()
+        self._s3: dict[str, Any] = {}  # directory URL -> S3Target
+
+    def sweep(self, directory: str) -> None:
+        """Remove the temporaries dead writers left in ``directory``, the first time only."""
+        with self._mu:
+            if directory in self._swept:
+                return
+            self._swept.add(directory)
+        remove_stale_temps(directory)
+
+    def s3_target(self, directory: str) -> Any:
+        with self._mu:
+            target = self._s3.get(directory)
+        if target is None:
+            target = open_target(directory, self._storage_options, io_threads=self._io_threads,
+                                 s3_options=self._s3_options)
+            with self._mu:
+                self._s3[directory] = target
+        return target
+
+    def close(self) -> None:
+        with self._mu:
+            targets, self._s3 = self._s3, {}
+        for t in targets.values():
+            t.close()
+
+
+class FileCommit:
+    """Commit one file image at ``path``, replacing what it held (a save engine strategy).
+
+    Args:
+        path: the destination (local, or a path on ``fs``).
+        fs: an fsspec filesystem; None for a local path.
+        dests: the writer's shared destination state.
+        chunk_size: bytes per write task of a local file.
+        direct_io: O_DIRECT for the aligned bulk of local files where the filesystem allows it.
+        done: called when the commit is over, whatever happened (the engine's ``close``).
+    """
+
+    def __init__(self, path: str, fs: Any, dests: Destinations, *, chunk_size: int, direct_io: bool,
+                 done: Callable[[], None] | None = None) -> None:
+        self.path = path
+        self.fs = fs
+        self._dests = dests
+        self._chunk_size = chunk_size
+        self._direct_io = direct_io
+        self._done = done
+
+    def write(self, buffers: list[np.ndarray[Any, Any]], io: Executor) -> None:
+        (buf,) = buffers
+        if self.fs is None:
+            directory = os.path.dirname(self.path)
+            os.makedirs(directory, exist_ok=True)
+            self._dests.sweep(directory)
+            write_file_atomic(self.path, buf, pool=io, chunk_size=self._chunk_size, direct_io=self._direct_io)
+        elif "s3" in _protocols(self.fs):
+            directory, name = self.path.rsplit("/", 1)
+            target = self._dests.s3_target(directory)
+            prefix = getattr(target, "prefix", "")  # an S3Target
+            write_s3_object(target, f"{prefix}/{name}" if prefix else name, buf)
+        else:
+            write_url_atomic(self.fs, self.path, buf)
+
+    def commit(self, error: BaseException | None) -> None:
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        if self._done is not None:
+            self._done()
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
