@@ -223,3 +223,28 @@ def test_the_core_never_imports_the_integrations():
                   for f, line, m in _integration_imports(dirpath) if f in files]
     bad = [f"{f}:{line} imports {m}" for f, line, m in found if _under(m, "ckptmgr.integrations")]
     assert not bad, "; ".join(bad)
+
+
+# ------------------------------------------------------------ the wheel holds every package
+
+def test_every_package_of_the_source_tree_is_listed_for_the_wheel():
+    """pyproject.toml names the packages a wheel holds: a subpackage missing there installs
+    without its modules, and only an installed run (CI) finds out."""
+    import tomllib
+
+    here = os.path.join(os.path.dirname(__file__), "..")
+    pyproject = os.path.join(here, "pyproject.toml")
+    if not os.path.isfile(pyproject):
+        pytest.skip("needs the source tree's pyproject.toml")
+    with open(pyproject, "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = set()
+    for top, name in (("ckptmgr", "ckptmgr"), ("integrations", "ckptmgr.integrations")):
+        base = os.path.join(here, top)
+        for dirpath, dirs, files in os.walk(base):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            if "__init__.py" in files:
+                rel = os.path.relpath(dirpath, base)
+                found.add(name if rel == "." else f"{name}.{rel.replace(os.sep, '.')}")
+    assert found == listed, f"missing from pyproject.toml: {sorted(found - listed)}; listed but absent: " \
+                            f"{sorted(listed - found)}"
