@@ -35,8 +35,9 @@ Threads and collectives (the rules that keep a GPU job from deadlocking):
   a copy on the default stream the training thread also uses) then waits on a kernel that
   waits on it. The shard is in host memory already, so gloo moves it without a GPU hop;
   ``PeerOptions(transport="nccl")`` is refused;
-* the background threads make no CUDA call at all: the copy thread reads the pinned staging
-  slot after :meth:`~ckptmgr.save.staging.StagingJob.wait` (the staging engine's events);
+* the background threads launch no CUDA work and allocate no GPU memory: the copy thread
+  reads the pinned staging slot with numpy after :meth:`~ckptmgr.save.staging.StagingJob.wait`
+  (which only queries the staging engine's CUDA events, as the persist thread does);
 * every wait has a timeout: rounds and copies ``PeerOptions.timeout_s`` (the gloo group's
   timeout too), :meth:`Replicator.drain` and :meth:`Replicator.close` the caller's.
 
