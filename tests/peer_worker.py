@@ -8,6 +8,10 @@ Scenarios:
   start    create the manager and close it; report the ConfigError it raised, if any
   train    train steps 1..6, saving every second step; wait until every save is committed and
            replicated; report; print "ready" and block until killed (the node is lost)
+  ddp      a DDP model over gloo trains 12 steps (an all-reduce and a barrier of the training
+           thread each step too), saving every second step without blocking, so replication
+           rounds run while the training thread runs collectives; report each rank's parameter
+           digest (DDP keeps them equal only if no collective of the job's group was stolen)
   resume   restore the newest step into fresh state, report where each shard came from and
            what was said, train on to step 8, save it, report the final state's digest
 """
@@ -93,6 +97,34 @@ def main() -> None:
             json.dump(report, f)
         return
     mgr = manager(root)
+    if scenario == "ddp":
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(rank)  # each rank its own data: DDP's all-reduce makes them agree
+        handles = []
+        for step in range(1, 13):
+            model(torch.randn(32, 64, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            seen = torch.tensor([float(step)])
+            dist.all_reduce(seen)
+            assert seen.item() == step * dist.get_world_size(), seen
+            dist.barrier()
+            if step % 2 == 0:
+                handles.append(mgr.save(step, {"model": model, "optim": opt}, block=False))
+        mgr.wait(120)
+        h = hashlib.sha256()
+        for t in model.state_dict().values():
+            h.update(t.detach().contiguous().numpy().tobytes())
+        report.update(stats=mgr.stats(), steps=mgr.steps(), digest=h.hexdigest(), said=said[:],
+                      committed=[hd.result(60).step for hd in handles])
+        mgr.close()
+        with open(out, "w") as f:
+            json.dump(report, f)
+        dist.destroy_process_group()
+        return
     state = fresh(rank)
     if scenario == "train":
         for step in range(1, SAVES[-1] + 1):

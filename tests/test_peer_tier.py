@@ -20,6 +20,7 @@ from pathlib import Path
 import peer_worker
 import pytest
 
+from ckptmgr import ConfigError, PeerOptions
 from ckptmgr.distributed.replicate import peers_of
 from ckptmgr.storage.peer_tier import PeerArea
 from ckptmgr.storage.tier import tier_dir
@@ -217,6 +218,31 @@ def test_losing_more_nodes_than_replicas_restores_from_the_durable_target_saying
         assert r["before"] == -1  # nothing in RAM
         assert r["restored"] == 6 and r["digest"] == peer_worker.reference(r["rank"])
         assert any("no node's RAM holds a shard of step 6" in w for w in r["warnings"]), r["warnings"]
+
+
+def test_replication_rounds_run_beside_a_ddp_training_loop_without_touching_its_collectives(tmp_path):
+    """DDP over gloo with the peer tier on, saving every second step without blocking: the
+    rounds run on their own group while the training thread all-reduces; a round that ran a
+    collective on the job's group would pair with the wrong call and stall or corrupt it."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "nodes").mkdir()
+    procs = _start("ddp", str(tmp_path / "ckpt"), tmp_path / "out", ["A", "B"], tmp_path / "nodes")
+    try:
+        rcs = [p.wait(timeout=240) for p in procs]
+    finally:
+        _kill(procs)
+    reports = _reports("ddp", tmp_path / "out", 2)
+    assert all(rc in (0, -6) for rc in rcs), rcs
+    assert reports[0]["digest"] == reports[1]["digest"]  # DDP kept the replicas equal
+    for r in reports:
+        assert r["committed"] == [2, 4, 6, 8, 10, 12] and r["steps"] == [2, 4, 6, 8, 10, 12]
+        assert r["stats"]["peer_failed"] == 0 and r["stats"]["peer_replicated_step"] == 12
+        assert r["stats"]["peer_rounds"] == 6 and r["stats"]["peer_bytes_sent"] > 0
+
+
+def test_the_nccl_transport_is_refused_naming_the_deadlock():
+    with pytest.raises(ConfigError, match="deadlock"):
+        PeerOptions(transport="nccl")
 
 
 def test_peers_are_on_other_nodes():

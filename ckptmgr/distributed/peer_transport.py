@@ -10,8 +10,9 @@ before anything is allocated, the record is validated, and the copy is committed
 chunk matches the record's checksums; a refused shard's bytes are drained through one reused
 buffer.
 
-:class:`Transport` carries the arrays: on the gloo group (host memory, TCP), or on an NCCL group
-through GPU buffers of one piece per peer (the bytes are staged host -> GPU -> GPU -> host).
+:class:`Transport` carries the arrays on the peer tier's gloo group (host memory, TCP): never on
+the job's group nor through NCCL or any CUDA call, since the replication thread runs while the
+training thread runs its own collectives (see :mod:`ckptmgr.distributed.replicate`).
 
 Thread ownership: a mover is used by one thread at a time (the replication thread, or the
 caller's during a restore after the rounds are drained); ``_mu`` guards only its counters.
@@ -41,36 +42,22 @@ Sends = list[tuple[int, ShardRecord | None, dict[str, np.ndarray[Any, Any]]]]
 
 
 class Transport:
-    """Point-to-point exchanges of host arrays over the replication groups."""
+    """Point-to-point exchanges of host arrays over the peer tier's gloo group."""
 
-    def __init__(self, coord: Coordinator, meta: Any, data: Any, gpu: torch.device | None) -> None:
-        self.coord, self.meta, self.data, self.gpu = coord, meta, data, gpu
+    def __init__(self, coord: Coordinator, group: Any) -> None:
+        self.coord, self.group = coord, group
 
-    def exchange(self, sends: list[tuple[int, np.ndarray[Any, Any]]], recvs: list[tuple[int, np.ndarray[Any, Any]]],
-                 *, meta: bool = False) -> None:
+    def exchange(self, sends: list[tuple[int, np.ndarray[Any, Any]]],
+                 recvs: list[tuple[int, np.ndarray[Any, Any]]]) -> None:
         """Send each (rank, bytes) and receive each (rank, buffer), all at once; every array
-        is a contiguous uint8 array (received ones writable)."""
-        group = self.meta if meta or self.gpu is None else self.data
-        staged = self.gpu is not None and not meta
-        tx = [torch.from_numpy(a).to(self.gpu) if staged else torch.from_numpy(a) for _, a in sends]
-        rx = [torch.empty(a.size, dtype=torch.uint8, device=self.gpu) if staged else torch.from_numpy(a)
-              for _, a in recvs]
+        is a contiguous uint8 array (received ones writable). Each wait is bounded by the
+        group's timeout (gloo raises when it passes)."""
         g = self.coord.global_rank
-        if staged:  # NCCL: one batch, so that a pair of ranks sending to each other cannot deadlock
-            ops = [dist.P2POp(dist.isend, t, g(r), group) for (r, _), t in zip(sends, tx, strict=True)]
-            ops += [dist.P2POp(dist.irecv, t, g(r), group) for (r, _), t in zip(recvs, rx, strict=True)]
-            works: list[Any] = dist.batch_isend_irecv(ops) if ops else []
-        else:
-            works = [dist.isend(t, dst=g(r), group=group) for (r, _), t in zip(sends, tx, strict=True)]
-            works += [dist.irecv(t, src=g(r), group=group) for (r, _), t in zip(recvs, rx, strict=True)]
+        works = [dist.isend(torch.from_numpy(a), dst=g(r), group=self.group) for r, a in sends]
+        works += [dist.irecv(torch.from_numpy(a), src=g(r), group=self.group) for r, a in recvs]
         for w in works:
             if w is not None:
                 w.wait()
-        if staged:
-            torch.cuda.current_stream(self.gpu).synchronize()
-        if staged:
-            for (_, a), t in zip(recvs, rx, strict=True):
-                torch.from_numpy(a).copy_(t.cpu())
 
 
 def _pieces(files: list[np.ndarray[Any, Any]], size: int) -> list[list[np.ndarray[Any, Any]]]:
@@ -108,9 +95,10 @@ class ShardMover:
         self.transport, self.area, self.node, self.io = transport, area, node, io
         self.chunk_bytes, self.max_bytes_per_s = chunk_bytes, max_bytes_per_s
         self._mu = threading.Lock()
-        self.counts = {"peer_bytes_sent": 0, "peer_bytes_received": 0, "peer_bad_copies": 0}  # (_mu)
+        self.counts: dict[str, float] = {"peer_bytes_sent": 0, "peer_bytes_received": 0, "peer_bad_copies": 0,
+                                         "peer_transfer_s": 0.0}  # (_mu) peer_transfer_s: seconds moving bytes
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         with self._mu:
             return dict(self.counts)
 
@@ -125,14 +113,14 @@ class ShardMover:
         heads = {s: np.zeros(3, dtype=np.int64) for s in recvs}
         t.exchange([(d, np.array([rec.step, len(rec.raw), sum(a.size for a in fs.values())] if rec is not None
                                  else [-1, 0, 0], dtype=np.int64).view(np.uint8)) for d, rec, fs in sends],
-                   [(s, h.view(np.uint8)) for s, h in heads.items()], meta=True)
+                   [(s, h.view(np.uint8)) for s, h in heads.items()])
         sends = [x for x in sends if x[1] is not None]
         for s, h in heads.items():
             if not 0 <= h[1] <= MAX_MANIFEST_BYTES or not 0 <= h[2] <= MAX_SHARD_BYTES:
                 raise CkptError(f"rank {s} announced a shard record of {h[1]} bytes and {h[2]} data bytes")
         raws = {s: np.zeros(int(h[1]), dtype=np.uint8) for s, h in heads.items() if h[1]}
         t.exchange([(d, np.frombuffer(rec.raw, dtype=np.uint8).copy()) for d, rec, _ in sends if rec is not None],
-                   list(raws.items()), meta=True)
+                   list(raws.items()))
         incoming: dict[int, tuple[ShardRecord | None, int | None, list[np.ndarray[Any, Any]]]] = {}
         for s in recvs:
             rec: ShardRecord | None = None
@@ -219,3 +207,4 @@ class ShardMover:
         with self._mu:
             self.counts["peer_bytes_sent"] += sent
             self.counts["peer_bytes_received"] += sum(b.size for _, _, bs in incoming.values() for b in bs)
+            self.counts["peer_transfer_s"] += time.monotonic() - start

@@ -17,15 +17,34 @@ Peers (:func:`peers_of`): the nodes are ordered by their lowest rank; replica j 
 goes to the rank at the same place on the j-th next node, so no replica shares a node with
 its source and each rank sends and receives about k shards per round.
 
-Transport: ``torch.distributed`` point-to-point calls on groups the replicator creates at
-manager start over the job's ranks: a gloo group for headers, records and receipts, and for
-the bytes either that group (host memory over TCP) or, with ``transport="nccl"``, an NCCL
-group, staging each piece through a GPU buffer of ``chunk_bytes`` per peer. Traffic is
-paced: pieces of ``chunk_bytes``, and at most ``max_bytes_per_s`` when set.
+Transport: ``torch.distributed`` point-to-point calls on one gloo group the replicator creates
+at manager start, from the training thread, in the same order on every rank (as every group
+must be made): headers, records, receipts and the bytes all travel on it (host memory over
+TCP). Traffic is paced: pieces of ``chunk_bytes``, and at most ``max_bytes_per_s`` when set.
+
+Threads and collectives (the rules that keep a GPU job from deadlocking):
+
+* the replication thread runs collectives on the peer tier's own gloo group only, never on
+  the job's group (the training thread's: DDP's all-reduces, the user's barriers) nor on the
+  coordinator's groups (the save's agreements run on the persist thread). Two threads issuing
+  collectives on one group interleave them in different orders on different ranks;
+* no NCCL: an NCCL communicator driven from a background thread while the training thread
+  runs its own NCCL collectives can deadlock. NCCL kernels block until the peer's kernel
+  runs, a rank may launch the two communicators' kernels in the other order than its peer,
+  and any CUDA call that synchronizes the device (a ``cudaMalloc`` of the caching allocator,
+  a copy on the default stream the training thread also uses) then waits on a kernel that
+  waits on it. The shard is in host memory already, so gloo moves it without a GPU hop;
+  ``PeerOptions(transport="nccl")`` is refused;
+* the background threads launch no CUDA work and allocate no GPU memory: the copy thread
+  reads the pinned staging slot with numpy after :meth:`~ckptmgr.save.staging.StagingJob.wait`
+  (which only queries the staging engine's CUDA events, as the persist thread does);
+* every wait has a timeout: rounds and copies ``PeerOptions.timeout_s`` (the gloo group's
+  timeout too), :meth:`Replicator.drain` and :meth:`Replicator.close` the caller's.
 
 Thread ownership: ``_mu`` guards the round queue, the copies made, the receipts and the
-counters; the replication groups are used by the replication thread only, except by
-:func:`~ckptmgr.distributed.peer_restore.restore_newest_peer` after :meth:`Replicator.drain`.
+counters; the replication group is used by the replication thread only, except by
+:func:`~ckptmgr.distributed.peer_restore.restore_newest_peer` (training thread) after
+:meth:`Replicator.drain`.
 """
 
 from __future__ import annotations
@@ -45,7 +64,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from .._threads import DaemonPool
@@ -73,10 +91,11 @@ class PeerOptions:
             None: the ``CKPTMGR_NODE`` environment variable, else the hostname.
         local_dir: the RAM directory of the node's peer area; None: ``StagingOptions.local_dir``.
         slots: copies kept per shard on a node (at least 2: the newest stays while the next lands).
-        chunk_bytes: bytes sent per piece (and, with NCCL, the GPU staging buffer per peer).
+        chunk_bytes: bytes sent per piece.
         max_bytes_per_s: the most bytes per second a rank sends (None: no limit).
-        transport: "gloo" (host bytes over TCP), "nccl" (through a GPU buffer), or "auto":
-            NCCL when the job's group is NCCL, else gloo.
+        transport: "gloo" or "auto" (the same: host bytes over TCP on the peer tier's own
+            gloo group). "nccl" is refused: NCCL driven from the replication thread while
+            training runs NCCL collectives can deadlock (see the module docstring).
         timeout_s: how long one round, or one exchange of a restore, may take.
     """
 
@@ -96,8 +115,12 @@ class PeerOptions:
             raise ConfigError(f"PeerOptions.slots must be an int >= 2, got {self.slots!r}")
         if type(self.chunk_bytes) is not int or self.chunk_bytes < 4096:
             raise ConfigError(f"PeerOptions.chunk_bytes must be an int >= 4096, got {self.chunk_bytes!r}")
-        if self.transport not in ("auto", "gloo", "nccl"):
-            raise ConfigError(f"PeerOptions.transport must be 'auto', 'gloo' or 'nccl', got {self.transport!r}")
+        if self.transport == "nccl":
+            raise ConfigError("PeerOptions.transport='nccl' is not supported: NCCL collectives from the peer "
+                              "tier's background thread can deadlock against the training loop's NCCL "
+                              "collectives; use 'gloo' (the default, 'auto', is gloo)")
+        if self.transport not in ("auto", "gloo"):
+            raise ConfigError(f"PeerOptions.transport must be 'auto' or 'gloo', got {self.transport!r}")
         if self.max_bytes_per_s is not None and not self.max_bytes_per_s > 0:
             raise ConfigError(f"PeerOptions.max_bytes_per_s must be None or > 0, got {self.max_bytes_per_s!r}")
 
@@ -141,11 +164,6 @@ class Replicator:
         ranks = [coord.global_rank(r) for r in range(coord.world)]
         self.meta = coord._run("creating the peer tier's groups", lambda: dist.new_group(ranks, backend="gloo",
                                                                                          timeout=timeout))
-        nccl = opts.transport == "nccl" or (opts.transport == "auto" and "nccl" in str(dist.get_backend(coord.group))
-                                            and torch.cuda.is_available())
-        gpu = torch.device("cuda", torch.cuda.current_device()) if nccl else None
-        data = coord._run("creating the peer tier's groups", lambda: dist.new_group(ranks, backend="nccl",
-                                                                                    timeout=timeout)) if nccl else None
         where = opts.local_dir or local_dir
         try:
             area: PeerArea | None = PeerArea(where, root_url, opts.slots)
@@ -154,17 +172,14 @@ class Replicator:
             area, problem = None, f"rank {coord.rank} (node {self.node}): {where}: {exc}"
         problems = [p for p in coord.all_gather(problem, "peer tier start-up (RAM directories)") if p]
         if problems or area is None:
-            for g in (self.meta, data):
-                if g is not None:
-                    dist.destroy_process_group(g)
+            dist.destroy_process_group(self.meta)
             if area is not None:
                 area.close()
             raise ConfigError("the peer tier cannot keep shards in RAM: " + "; ".join(problems) +
                               " (set PeerOptions(local_dir=...) to a private directory in RAM on every node)")
         self.area = area
         self.io = DaemonPool(4, thread_name_prefix="ckptmgr-peer-io")
-        self.data = data
-        self.mover = ShardMover(Transport(coord, self.meta, data, gpu), self.area, self.node, opts.chunk_bytes,
+        self.mover = ShardMover(Transport(coord, self.meta), self.area, self.node, opts.chunk_bytes,
                                 opts.max_bytes_per_s, self.io)
         self._copier = DaemonPool(1, thread_name_prefix="ckptmgr-peer-copy")
         self._mu = threading.Condition()
@@ -255,8 +270,8 @@ class Replicator:
     def _loop(self) -> None:
         while True:
             with self._mu:
-                while not self._ticks:
-                    self._mu.wait()
+                while not self._ticks:  # (idle until the next save: each wait bounded, then looked again)
+                    self._mu.wait(60.0)
                 tick = self._ticks.popleft()
                 if tick is None:
                     self._mu.notify_all()
@@ -385,12 +400,10 @@ class Replicator:
         self.io.shutdown(wait=False)
         if not self._thread.is_alive():
             self.area.close()
-            for g in (self.meta, self.data):
-                if g is not None:
-                    try:
-                        dist.destroy_process_group(g)
-                    except Exception as exc:  # the job may have torn the default group down first
-                        log.debug("destroying a peer tier group: %s", exc)
+            try:
+                dist.destroy_process_group(self.meta)
+            except Exception as exc:  # the job may have torn the default group down first
+                log.debug("destroying the peer tier's group: %s", exc)
 
 
 def start_peers(opts: PeerOptions | None, coord: Coordinator | None, local_dir: str, root_url: str, chunk_size: int,
