@@ -1,7 +1,10 @@
-"""The only module that touches CUDA: availability, pinning, streams and events.
+"""CUDA through the runtime: availability, pinning (cudaHostRegister/Unregister), and the
+checked calls around them.
 
-Everything else in ckptmgr calls these functions, so a machine without CUDA never imports
-CUDA-only code paths, and tests can count registrations by replacing them.
+Every pinning and unpinning in ckptmgr goes through these functions, so tests can count
+registrations by replacing them. Streams, events and synchronisation are used directly with
+``torch.cuda`` where the copies are queued (the stager, the restore ring and its transport, the
+landing, the in-place pieces, the snapshot buffer); docs/ARCHITECTURE.md lists them.
 """
 
 from __future__ import annotations

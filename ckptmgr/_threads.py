@@ -7,8 +7,10 @@ NFS server or a hung S3 connection would keep a finished training job alive fore
 manager bounds its own shutdown instead (``CheckpointManager.close(timeout)``): it waits for
 pending work up to a deadline, says in the log what did not finish, and lets the process go.
 
-Everything ckptmgr runs in the background (persist, storage I/O, checksums, host copies,
-retention) runs on these pools.
+The background work that may block on storage (persist, storage I/O, retention) runs on
+these pools. Restore-time readers and checksum pools (the restore ring, the read driver's
+threads, a save engine's I/O pool, the CLI's) are ordinary thread pools: their work is waited
+for by the call that started it, with a timeout. docs/ARCHITECTURE.md lists every thread.
 
 :func:`collector_paused` holds Python's cyclic garbage collector off while a restore runs.
 A restore builds tens of objects per stored tensor (the manifest, the headers, the landing

@@ -1,4 +1,5 @@
-"""The saver: owns the slot pool, the stager and the persist thread, and settles every save.
+"""The saver: the manager's policies on the save engine (which owns the slot pool, the stager
+and the worker thread): coalescing, retries, the two tiers; it settles every save.
 
 Who owns what (each piece of mutable state has one owner)::
 

@@ -5,7 +5,8 @@ already queued on the caller's current stream (so the copy sees the finished val
 step that produced them). CPU tensors are copied in pieces by a few threads; torch's copy
 releases the GIL, so those threads run in parallel with each other and with the caller.
 
-:meth:`Stager.stage` returns once every copy is *enqueued*; :meth:`StagingJob.wait_safe`
+:meth:`Stager.stage` returns once the copies are handed to the feeder thread, which enqueues
+them; :meth:`StagingJob.wait_safe`
 returns once every copy has read its source, after which the caller may change the state;
 :meth:`StagingJob.wait` returns once every byte has *landed* in the slot. The two are the same
 moment unless a device snapshot buffer is used (:mod:`ckptmgr.save.snapshot`): then the GPU

@@ -26,8 +26,8 @@ checked against the rank's naming, its sizes bounded by the file found) before a
 mapped.
 
 Thread ownership: within one job, each shard directory has one writer (its rank for its
-own node's copy; one receiving rank per other node), so a :class:`PeerArea` is used by one
-process's replication thread; ``_mu`` guards the in-memory slot table and the leases of
+own node's copy; one receiving rank per other node); in a process the replication thread,
+the copy thread and restores use a :class:`PeerArea`, and ``_mu`` guards the in-memory slot table and the leases of
 slots being read or sent, never held across I/O.
 """
 

@@ -13,7 +13,7 @@ in 32 block slots of 512 KiB in the same buffers, each block copied as it lands 
 verified from its blocks' checksums; since unverified bytes then reach the landing, that
 queue serves only landings a failed step leaves unseen (fresh memory, or spare device memory
 moved into a target after the whole step verified). Where the bytes land is a
-:mod:`~ckptmgr.loaders.landing` plan: one fresh device allocation per file, or the target's
+:mod:`~ckptmgr.restore.loaders.landing` plan: one fresh device allocation per file, or the target's
 own tensors.
 
 A step whose images are already pinned in this process (its staging slot, or a local-tier
