@@ -33,7 +33,7 @@ import mmap
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 
 import torch
 
@@ -130,10 +130,32 @@ class Pins:
             _cuda.host_unregister(self.pointers.pop())
 
 
-def _populate_ahead(data: torch.Tensor, pieces: Sequence[tuple[int, int]], pool: Executor) -> list[Future[None]]:
-    if not POPULATE:
-        return []
-    return [pool.submit(populate, data[b:e]) for b, e in pieces]
+class _Ahead(list):  # type: ignore[type-arg]
+    """The populate tasks of one mapping. They reach the mapping through ``box``, which
+    :meth:`end` empties once they are drained: a cancelled task still waiting in the pool's
+    queue then holds no view of the mapping, which goes with its last view (a failed pin
+    leaves nothing mapped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.box: list[torch.Tensor] = []
+
+    def end(self) -> None:
+        drain(self)
+        self.box.clear()
+
+
+def _populate_piece(box: list[torch.Tensor], b: int, e: int) -> None:
+    if box:  # (empty: the load is over, this task was cancelled in the queue)
+        populate(box[0][b:e])
+
+
+def _populate_ahead(data: torch.Tensor, pieces: Sequence[tuple[int, int]], pool: Executor) -> _Ahead:
+    ahead = _Ahead()
+    if POPULATE:
+        ahead.box.append(data)
+        ahead.extend(pool.submit(_populate_piece, ahead.box, b, e) for b, e in pieces)
+    return ahead
 
 
 def pin_pieces(data: torch.Tensor, pieces: Sequence[tuple[int, int]], pins: Pins, pool: Executor) -> None:
@@ -149,7 +171,7 @@ def pin_pieces(data: torch.Tensor, pieces: Sequence[tuple[int, int]], pins: Pins
                 ahead[k].result(timeout=WAIT_S)
             pins.register(data[b:e])
     finally:
-        drain(ahead)
+        ahead.end()
 
 
 def copy_in_pieces(data: torch.Tensor, landing: Landing, device: torch.device,
@@ -163,7 +185,7 @@ def copy_in_pieces(data: torch.Tensor, landing: Landing, device: torch.device,
     :data:`COPY_STREAMS` streams, ordered after the work already queued on the current stream;
     every stream is synchronised before this returns or raises.
     """
-    ahead: list[Future[None]] = []
+    ahead = _Ahead()
     streams: list[torch.cuda.Stream] = []
     try:
         if register is not None:
@@ -184,4 +206,4 @@ def copy_in_pieces(data: torch.Tensor, landing: Landing, device: torch.device,
     finally:  # the copies end before the pieces may be unpinned or the mapping go
         for s in streams:
             s.synchronize()
-        drain(ahead)
+        ahead.end()
