@@ -35,7 +35,17 @@ from typing import Any, TypeVar
 __all__ = ["DaemonPool", "collector_paused"]
 
 T = TypeVar("T")
-_Item = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+# a queued call: its future and [fn, args, kwargs], emptied when the future is cancelled, so that a
+# call cancelled while it waits in the queue holds nothing of what it was given (memory a caller
+# is about to release, such as a mapping's views)
+_Item = tuple[Future[Any], list[Any]]
+
+
+def _forget_if_cancelled(call: list[Any]) -> Callable[[Future[Any]], None]:
+    def done(f: Future[Any]) -> None:
+        if f.cancelled():
+            call.clear()
+    return done
 _serial = itertools.count()
 
 _gc_mu = threading.Lock()
@@ -101,7 +111,9 @@ class DaemonPool(Executor):
         with self._mu:
             if self._shutdown:
                 raise RuntimeError(f"cannot schedule new work: the {self._prefix} pool is shut down")
-            self._queue.put((future, fn, args, kwargs))
+            call: list[Any] = [fn, args, kwargs]
+            future.add_done_callback(_forget_if_cancelled(call))
+            self._queue.put((future, call))
             if self._idle > 0:
                 self._idle -= 1  # an idle worker takes it
             elif len(self._threads) < self._max:
@@ -116,15 +128,20 @@ class DaemonPool(Executor):
             if item is None:
                 self._queue.put(None)  # wake the next worker too
                 return
-            future, fn, args, kwargs = item
+            future, call = item
             if future.set_running_or_notify_cancel():
+                fn, args, kwargs = call
+                call.clear()
                 try:
                     result = fn(*args, **kwargs)
                 except BaseException as exc:  # the caller of result() decides what to do with it
+                    del fn, args, kwargs  # (before the caller is woken: it may release what they hold)
                     future.set_exception(exc)
                 else:
+                    del fn, args, kwargs
                     future.set_result(result)
-                del future, fn, args, kwargs, item  # no reference outlives the call
+                    del result
+            del future, call, item
             with self._mu:
                 self._idle += 1
 
