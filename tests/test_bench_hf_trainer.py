@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_hf_trainer.py")
 
 
+@pytest.mark.slow  # (the benchmark harness end to end, tiny)
 def test_smoke(tmp_path):
     out = subprocess.run([sys.executable, BENCH, "--tiny", "--cpu", "--steps", "4", "--save-steps", "2", "--seq", "16",
                           "--batch", "2", "--out", str(tmp_path), "--workdir", str(tmp_path)],

@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # (the benchmark harness end to end, tiny)
 def test_the_benchmark_runs_on_the_cpu(ram_dir, tmp_path):
     out = tmp_path / "inplace.json"
     r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_inplace.py"), "--device", "cpu",

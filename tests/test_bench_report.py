@@ -16,6 +16,7 @@ BENCH = os.path.join(REPO, "benchmarks")
 pytest.importorskip("matplotlib")
 
 
+@pytest.mark.slow  # (a minute of CPU: the report's harness end to end)
 def test_run_measures_peers_and_draws_the_chart(tmp_path):
     out = tmp_path / "report"
     r = subprocess.run([sys.executable, os.path.join(BENCH, "run.py"), "--device", "cpu", "--quick",

@@ -230,6 +230,7 @@ pl.Trainer(max_steps=6, default_root_dir={str(tmp_path)!r}, logger=False, enable
     assert all(torch.equal(exported[k], v) for k, v in orig["state_dict"].items())
 
 
+@pytest.mark.slow  # (tests/test_s3_conformance.py runs the CLI on both S3 servers in the default suite)
 def test_every_command_on_an_s3_root(s3_bucket, tmp_path):
     bucket, opts = s3_bucket
     url = f"s3://{bucket}/run"
