@@ -117,6 +117,7 @@ class TransportSuite:
     """The tests every transport passes; a subclass says how to make one (:meth:`make`)."""
 
     def make(self, source, m: Manifest, workers: int = 4):
+        """The transport under test, reading ``source`` (each subclass below says how)."""
         raise NotImplementedError
 
     def test_every_byte_lands_exactly(self, step):

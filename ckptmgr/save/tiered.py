@@ -68,7 +68,9 @@ class TierSaves:
     _root_bound: bool
 
     def _enqueue(self, job: PersistJob, ticket: Ticket) -> None:
-        raise NotImplementedError  # (the saver's)
+        """Queue ``job`` for the durable write: the hook this mixin calls and
+        :class:`~ckptmgr.save.saver.Saver` implements (its coalescing queue)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------ local-commit thread
 
