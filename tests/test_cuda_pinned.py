@@ -9,7 +9,7 @@ from test_pinned_weights import assert_same, every_dtype, mapped_paths
 
 import ckptmgr
 from ckptmgr import StateMismatchError
-from ckptmgr.restore.loaders import pieces
+from ckptmgr.restore.loaders import bounce, pieces
 
 pytestmark = [
     pytest.mark.cuda,
@@ -20,6 +20,7 @@ pytestmark = [
 @pytest.fixture
 def small_pieces(monkeypatch):
     monkeypatch.setattr(pieces, "PIECE_BYTES", 64 << 10)  # many pieces, several streams, in a small file
+    monkeypatch.setattr(bounce, "PIECE_BYTES", 64 << 10)  # (and many reads through the bounce buffers)
 
 
 def on_host(tensors):

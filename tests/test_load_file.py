@@ -4,6 +4,7 @@ GPU machine runs it for real in test_cuda.py)."""
 
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from test_fsspec_target import faulty  # noqa: F401  (fixture)
 import ckptmgr
 import ckptmgr._cuda as cuda_shim
 from ckptmgr import CheckpointCorruptError, CheckpointManager, StagingOptions
-from ckptmgr.restore.loaders.mapped import copy_pinning_pieces, open_mapped, read_tensors_inplace
+from ckptmgr.restore.loaders.mapped import open_mapped, read_tensors_inplace
 from ckptmgr.storage.tier import LocalTier
 
 
@@ -232,49 +233,110 @@ def test_bad_loader_arguments(root):
             mgr.restore(loader="ring")
 
 
-def test_a_ram_file_is_pinned_piece_by_piece_as_its_copies_go(ram_dir, tmp_path, monkeypatch):
-    """The in-place path for files in RAM: each piece registered read-only (whole pages, in
-    file order, no copy spanning two), fed to the landing, and every piece unregistered at the
-    pointer registered once the copies are done."""
-    from ckptmgr.restore.loaders import pieces
+def _bounce_landing(path):
     from ckptmgr.restore.loaders.landing import plan_landing
 
-    calls = []
-    monkeypatch.setattr(cuda_shim, "available", lambda: True)
-    monkeypatch.setattr(cuda_shim, "host_register",
-                        lambda p, n, read_only=False: calls.append(("reg", p, n, read_only)))
-    monkeypatch.setattr(cuda_shim, "host_unregister", lambda p: calls.append(("unreg", p)))
-    path = os.path.join(ram_dir, "m.safetensors")
-    want = {"a": torch.randn(70_000), "b": torch.randn(3, 1000).bfloat16(), "c": torch.arange(11, dtype=torch.int8)}
-    st_save_file(want, path)
     mf = open_mapped(path)
+    landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, torch.device("cpu"))
+    return mf, landing
+
+
+def test_a_ram_file_is_read_through_two_buffers_per_thread_piece_by_piece(ram_dir, monkeypatch):
+    """The one-shot path for files in RAM: every piece of the data region (from the page the
+    header ends in) read once, by its thread in turn, into one of that thread's two buffers,
+    and given to the landing with its file offset."""
+    from ckptmgr._threads import DaemonPool
+    from ckptmgr.restore.loaders import bounce
+
+    monkeypatch.setattr(bounce, "PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(bounce, "THREADS", 3)
+    path = os.path.join(ram_dir, "m.safetensors")
+    want = {"a": torch.randn(170_000), "b": torch.randn(3, 1000).bfloat16(), "c": torch.arange(11, dtype=torch.int8)}
+    st_save_file(want, path)
+    mf, landing = _bounce_landing(path)
     assert mf.in_ram
     landed = []
-    landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, torch.device("cpu"))
     land = landing.land
-    monkeypatch.setattr(landing, "land", lambda b, src: (landed.append((b, src.numel(), len(calls))), land(b, src)))
-    pins = pieces.Pins()
-    ranges = pieces.piece_ranges(mf.size, 64 << 10)
+    monkeypatch.setattr(landing, "land", lambda b, src: (
+        landed.append((b, src.numel(), src.data_ptr(), threading.current_thread().name)), land(b, src)))
+    first = mf.data_start - mf.data_start % 4096
+    pool = DaemonPool(3, thread_name_prefix="bounce-test")
     try:
-        pieces.copy_in_pieces(mf.bytes, landing, torch.device("cpu"), ranges, register=pins, pool=pieces.workers())
+        bounce.copy_through_bounce(mf.fd, first, mf.size, landing, torch.device("cpu"), path, pool)
     finally:
-        pins.release()
-        base = mf.bytes.data_ptr()
+        pool.shutdown()
         mf.close()
-    regs = [c for c in calls if c[0] == "reg"]
-    assert [(c[1] - base, c[1] - base + c[2]) for c in regs] == ranges and len(ranges) > 3
-    assert all(c[3] for c in regs) and all((c[1] - base) % 4096 == 0 for c in regs)
-    assert [(b, b + n) for b, n, _ in landed] == ranges
-    assert [k for _, _, k in landed] == list(range(1, len(ranges) + 1))  # each piece registered just before its copies
-    assert sorted(c[1] for c in calls if c[0] == "unreg") == sorted(c[1] for c in regs)
-    assert all(c[0] == "unreg" for c in calls[len(regs):])  # only after every copy
-    got = landing.tensors()
-    assert_tree_equal(dict(sorted(got.items())), dict(sorted(want.items())))
-    other = str(tmp_path / "m.safetensors")
-    st_save_file(want, other)
-    disk = open_mapped(other)
-    assert not disk.in_ram  # a file on disk keeps the whole-file path
-    disk.close()
+    want_ranges = [(b, min(b + (64 << 10), mf.size)) for b in range(first, mf.size, 64 << 10)]
+    assert sorted((b, b + n) for b, n, _, _ in landed) == want_ranges and len(want_ranges) > 6
+    by_thread = {}
+    for b, _, ptr, name in landed:
+        by_thread.setdefault(name, []).append((b, ptr))
+    assert len(by_thread) == 3
+    for seen in by_thread.values():
+        assert [b for b, _ in seen] == sorted(b for b, _ in seen)  # each thread reads its pieces in file order
+        assert len({p for _, p in seen}) == min(2, len(seen))  # through its two buffers, in turn
+    assert_tree_equal(dict(sorted(landing.tensors().items())), dict(sorted(want.items())))
+
+
+def test_a_file_cut_short_under_a_one_shot_load_fails_naming_it(ram_dir, monkeypatch):
+    from ckptmgr.restore.loaders import bounce
+
+    monkeypatch.setattr(bounce, "PIECE_BYTES", 64 << 10)
+    path = os.path.join(ram_dir, "m.safetensors")
+    st_save_file({"a": torch.randn(200_000)}, path)
+    mf, landing = _bounce_landing(path)
+    try:
+        os.truncate(path, mf.size // 2)  # (nothing touches the mapping past here: reads go through the descriptor)
+        with pytest.raises(CheckpointCorruptError, match=r"m.safetensors ended early, at byte \d+"):
+            bounce.copy_through_bounce(mf.fd, 0, mf.size, landing, torch.device("cpu"), path)
+        # the readers all ended: the shared pool serves the next load
+        st_save_file({"a": torch.randn(1000)}, path + "2")
+        assert ckptmgr.load_file(path + "2")["a"].numel() == 1000
+    finally:
+        mf.close()
+
+
+def test_a_failed_piece_stops_the_readers_and_raises_once(ram_dir, monkeypatch):
+    from ckptmgr.restore.loaders import bounce
+
+    monkeypatch.setattr(bounce, "PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(bounce, "THREADS", 2)
+    path = os.path.join(ram_dir, "m.safetensors")
+    st_save_file({"a": torch.randn(400_000)}, path)
+    mf, landing = _bounce_landing(path)
+    calls = []
+    mu = threading.Lock()
+
+    def land(b, src):
+        with mu:
+            calls.append(b)
+            if len(calls) == 3:
+                raise RuntimeError("copy refused")
+    monkeypatch.setattr(landing, "land", land)
+    try:
+        with pytest.raises(RuntimeError, match="copy refused"):
+            bounce.copy_through_bounce(mf.fd, 0, mf.size, landing, torch.device("cpu"), path)
+    finally:
+        mf.close()
+    assert 3 <= len(calls) < mf.size // (64 << 10)  # the other reader left at its next piece
+
+
+def test_a_mapped_file_holds_its_descriptor_until_closed_and_a_bad_header_leaves_none(ram_dir):
+    from test_pinned_weights import mapped_paths, open_fds_to
+
+    path = os.path.join(ram_dir, "m.safetensors")
+    st_save_file({"a": torch.randn(1000)}, path)
+    before = open_fds_to(path)
+    mf = open_mapped(path)
+    assert open_fds_to(path) > before  # (the mapping's own, and the one reads go through)
+    mf.close()
+    mf.close()  # (idempotent)
+    assert open_fds_to(path) == before and path not in mapped_paths()
+    with open(path, "r+b") as f:
+        f.write((10**9).to_bytes(8, "little"))  # a header longer than the file
+    with pytest.raises(CheckpointCorruptError):
+        open_mapped(path)
+    assert open_fds_to(path) == before and path not in mapped_paths()
 
 
 def test_load_file_verifies_a_step_file_against_the_manifest_beside_it(root):
@@ -300,30 +362,3 @@ def test_load_file_verifies_a_step_file_against_the_manifest_beside_it(root):
     with open(os.path.join(d, "manifest.json"), "wb") as f:
         f.write(b"{not json")
     assert ckptmgr.load_file(path)["w"].numel() == 30_000
-
-
-def test_a_piece_that_fails_to_pin_unpins_the_pieces_before_it(ram_dir, monkeypatch):
-    from ckptmgr.restore.loaders import pieces
-    from ckptmgr.restore.loaders.landing import plan_landing
-
-    calls = []
-
-    def register(p, n, read_only=False):
-        if len([c for c in calls if c[0] == "reg"]) == 2:
-            raise RuntimeError("cudaHostRegister failed with CUDA error 2")
-        calls.append(("reg", p))
-    monkeypatch.setattr(cuda_shim, "available", lambda: True)
-    monkeypatch.setattr(cuda_shim, "host_register", register)
-    monkeypatch.setattr(cuda_shim, "host_unregister", lambda p: calls.append(("unreg", p)))
-    path = os.path.join(ram_dir, "m.safetensors")
-    st_save_file({"a": torch.randn(100_000)}, path)
-    mf = open_mapped(path)
-    landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, torch.device("cpu"))
-    monkeypatch.setattr(pieces, "PIECE_BYTES", 64 << 10)
-    try:
-        with pytest.raises(RuntimeError, match="CUDA error 2"):
-            copy_pinning_pieces(mf, landing, torch.device("cpu"))
-    finally:
-        mf.close()
-    assert [c[0] for c in calls] == ["reg", "reg", "unreg", "unreg"]
-    assert sorted(c[1] for c in calls[:2]) == sorted(c[1] for c in calls[2:])

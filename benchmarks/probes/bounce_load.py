@@ -23,10 +23,113 @@ from typing import Any
 
 import torch
 
-VARIANTS = ["load_file", "fastsafetensors", "bounce 4x16", "bounce 8x8", "bounce 8x16", "bounce 16x8", "bounce 8x32"]
+VARIANTS = ["load_file", "fastsafetensors", "bounce 8x8", "bounce 8x16", "reg 8x8", "reg 8x16", "reg 12x8",
+            "hybrid 8x8", "hybrid 8x16"]
 
 
-def bounce(path: str, threads: int, mib: int) -> tuple[torch.Tensor, float]:
+def registered(nbytes: int) -> torch.Tensor:
+    """Anonymous memory, populated, pinned in place (cudaHostRegister), as a uint8 tensor."""
+    import mmap
+
+    from ckptmgr import _cuda
+
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    _cuda.host_register(t.data_ptr(), nbytes)
+    return t
+
+
+def hybrid(path: str, threads: int, mib: int) -> tuple[torch.Tensor, float]:
+    """The front of the file pinned in place piece by piece and copied by this thread, the back
+    read through registered bounce buffers by ``threads`` threads: they meet in the middle."""
+    import mmap
+    import threading
+
+    from ckptmgr import _cuda
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        json.loads(f.read(n))
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    start = 8 + n
+    size_all = os.path.getsize(path)
+    length = size_all - start
+    data = torch.frombuffer(mm, dtype=torch.uint8)
+    out = torch.empty(length, dtype=torch.uint8, device="cuda")
+    size = mib << 20
+    t = time.perf_counter()
+    pool = registered(2 * threads * size)
+    alloc = time.perf_counter() - t
+    piece = 64 << 20  # file pieces (page-aligned in the mapping), the front ones registered in place
+    begins = list(range(0, size_all, piece))
+    mu = threading.Lock()
+    nxt = [0, len(begins)]  # [front, back): pieces not yet taken
+    fd = os.open(path, os.O_RDONLY)
+    regs: list[int] = []
+
+    def take(front: bool) -> int:
+        with mu:
+            if nxt[0] >= nxt[1]:
+                return -1
+            if front:
+                nxt[0] += 1
+                return nxt[0] - 1
+            nxt[1] -= 1
+            return nxt[1]
+
+    def land(b: int, e: int, src: torch.Tensor) -> None:  # file bytes [b, e) -> out
+        lo, hi = max(b, start), e
+        if hi > lo:
+            out[lo - start:hi - start].copy_(src[lo - b:hi - b], non_blocking=True)
+
+    def back(w: int) -> None:
+        stream = torch.cuda.Stream()
+        events: list[Any] = [None, None]
+        k = 0
+        while (i := take(False)) >= 0:
+            b = begins[i]
+            e = min(b + piece, size_all)
+            for sb in range(b, e, size):
+                se = min(sb + size, e)
+                slot = k % 2
+                k += 1
+                if events[slot] is not None:
+                    events[slot].synchronize()
+                buf = pool[(2 * w + slot) * size:(2 * w + slot) * size + size]
+                got = os.preadv(fd, [memoryview(buf.numpy())[: se - sb]], sb)
+                assert got == se - sb
+                with torch.cuda.stream(stream):
+                    land(sb, se, buf)
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    events[slot] = ev
+        stream.synchronize()
+
+    streams = [torch.cuda.Stream() for _ in range(4)]
+    try:
+        with ThreadPoolExecutor(threads) as ex:
+            futs = [ex.submit(back, w) for w in range(threads)]
+            k = 0
+            while (i := take(True)) >= 0:
+                b = begins[i]
+                e = min(b + piece, size_all)
+                _cuda.host_register(data[b:e].data_ptr(), e - b, read_only=True)
+                regs.append(data[b:e].data_ptr())
+                with torch.cuda.stream(streams[k % 4]):
+                    land(b, e, data[b:e])
+                k += 1
+            for s in streams:
+                s.synchronize()
+            for fu in futs:
+                fu.result()
+    finally:
+        for p in regs:
+            _cuda.host_unregister(p)
+        os.close(fd)
+    return out, alloc
+
+
+def bounce(path: str, threads: int, mib: int, reg: bool = False) -> tuple[torch.Tensor, float]:
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         json.loads(f.read(n))
@@ -35,7 +138,11 @@ def bounce(path: str, threads: int, mib: int) -> tuple[torch.Tensor, float]:
     out = torch.empty(length, dtype=torch.uint8, device="cuda")
     size = mib << 20
     t = time.perf_counter()
-    bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2 * threads)]
+    if reg:
+        pool = registered(2 * threads * size)
+        bufs = [pool[i * size:(i + 1) * size] for i in range(2 * threads)]
+    else:
+        bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2 * threads)]
     alloc = time.perf_counter() - t
     streams = [torch.cuda.Stream() for _ in range(threads)]
     begins = list(range(0, length, size))
@@ -73,9 +180,13 @@ def child(variant: str, path: str) -> dict[str, Any]:
     torch.cuda.synchronize()
     alloc = 0.0
     t = time.perf_counter()
-    if variant == "load_file":
+    if variant.startswith("load_file"):
         import ckptmgr
+        from ckptmgr.restore.loaders import bounce as product
 
+        if " " in variant:  # "load_file TxM": the product's bounce settings
+            product.THREADS, mib = (int(x) for x in variant.split()[1].split("x"))
+            product.PIECE_BYTES = mib << 20
         res: Any = ckptmgr.load_file(path, device="cuda")
     elif variant == "fastsafetensors":
         from fastsafetensors import fastsafe_open
@@ -84,7 +195,11 @@ def child(variant: str, path: str) -> dict[str, Any]:
             res = {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118 (a handle, not a dict)
     else:
         threads, mib = (int(x) for x in variant.split()[1].split("x"))
-        res, alloc = bounce(path, threads, mib)
+        kind = variant.split()[0]
+        if kind == "hybrid":
+            res, alloc = hybrid(path, threads, mib)
+        else:
+            res, alloc = bounce(path, threads, mib, reg=kind == "reg")
     torch.cuda.synchronize()
     s = time.perf_counter() - t
     nbytes = os.path.getsize(path)

@@ -47,7 +47,7 @@ class _Pinned:
     """One mapped file and the pieces of it that are pinned."""
 
     def __init__(self, path: str) -> None:
-        self.mf = open_mapped(path)
+        self.mf = open_mapped(path, reads=False)  # (copies come from the pinned mapping)
         self.pieces = piece_ranges(self.mf.size)
         self.pins = Pins()
         self.by_name = {e.name: e for e in self.mf.entries}
@@ -167,7 +167,7 @@ class PinnedWeights:
             landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, dev,
                                    {k: v for k, v in dests.items() if v.numel()})
             if dev.type == "cuda":
-                copy_in_pieces(mf.bytes, landing, dev, cur.pieces, register=None, pool=workers())
+                copy_in_pieces(mf.bytes, landing, dev, cur.pieces)
             else:
                 landing.land(0, mf.bytes)
             got = landing.tensors()

@@ -27,7 +27,8 @@ import numpy as np
 from ..errors import CheckpointCorruptError
 
 __all__ = ["DIRECT_ALIGN", "NOT_REGULAR", "DirectFile", "fsync_dir", "makedirs_durable", "open_dir", "open_direct",
-           "open_regular", "pread_chunk", "preadv_into", "pwrite_all", "remove_ours", "sibling", "stat_regular"]
+           "open_regular", "pread_chunk", "preadv_fd", "preadv_into", "pwrite_all", "remove_ours", "sibling",
+           "stat_regular"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -199,18 +200,27 @@ def preadv_into(path: str, offset: int, out: list[np.ndarray[Any, Any]], *, dir_
     """
     fd = open_regular(path, dir_fd=dir_fd, where=path)
     try:
-        views = [memoryview(a) for a in out if a.size]  # type: ignore[arg-type]
-        while views:
-            n = os.preadv(fd, views[:_IOV_MAX], offset)  # (more buffers than IOV_MAX is EINVAL)
-            if n == 0:
-                raise CheckpointCorruptError(f"{path} ended early, at byte {offset}")
-            offset += n
-            while views and n >= len(views[0]):
-                n -= len(views.pop(0))
-            if n:
-                views[0] = views[0][n:]
+        preadv_fd(fd, offset, out, path)
     finally:
         os.close(fd)
+
+
+def preadv_fd(fd: int, offset: int, out: list[np.ndarray[Any, Any]], where: str) -> None:
+    """:func:`preadv_into` on an open descriptor (``where`` names the file in errors).
+
+    Raises:
+        CheckpointCorruptError: the file ended early.
+    """
+    views = [memoryview(a) for a in out if a.size]  # type: ignore[arg-type]
+    while views:
+        n = os.preadv(fd, views[:_IOV_MAX], offset)  # (more buffers than IOV_MAX is EINVAL; releases the GIL)
+        if n == 0:
+            raise CheckpointCorruptError(f"{where} ended early, at byte {offset}")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
 
 
 def pread_chunk(path: str, offset: int, buf: np.ndarray[Any, Any], length: int, *, dir_fd: int | None = None) -> str:

@@ -1,14 +1,16 @@
 """In-place loader: a safetensors file mapped where it lies, pinned there, copied to the GPU
-with no second copy in host memory.
+with no second copy of the file in host memory.
 
 A file in /dev/shm (the local tier, or any tmpfs) is already laid out for the GPU. It is
-mapped read-only and MAP_SHARED (never a private mapping, which would double host memory)
-and copied into one allocation per file on the device, of which the tensors are views (or
-into a target's own tensors). In a RAM filesystem the mapping is pinned in pieces, each
-registered (read-only, the exact range) while the previous one is copied, on several streams
-(:mod:`.pieces`); a file on disk is pinned whole and copied in one transfer. Host memory grows
-by nothing but the mapping of pages that already exist. Every range is unregistered before
-the mapping is dropped.
+mapped read-only and MAP_SHARED (never a private mapping, which would double host memory):
+the header is parsed and validated there, and the checksums of a ckptmgr step's file are
+verified there. Its bytes go to one allocation per file on the device, of which the tensors
+are views (or into a target's own tensors): from a RAM filesystem read through small pinned
+buffers on several threads and streams (:mod:`.bounce`: pinning a fresh mapping in place
+costs more than the copy it enables; a file loaded again and again is pinned once by
+:class:`~ckptmgr.restore.pinned.PinnedWeights`); a file on disk is pinned whole and copied in
+one transfer, unregistered before the mapping is dropped. Host memory grows by the mapping of
+pages that already exist and the bounce buffers (64 MiB).
 
 Without CUDA, or for ``device="cpu"``, the data region is copied once into memory the
 result owns (a read-only mapping must never leak out as a writable tensor).
@@ -42,11 +44,12 @@ from ...format.schema import MAX_HEADER_BYTES
 from ...format.tree import MAX_DIMS, MAX_FILE_BYTES
 from ...storage.tier import ram_filesystem
 from ..preflight import drain, verify_images
+from .bounce import copy_through_bounce
 from .host import _build_views
-from .landing import Entry, Landing, lands_in_target, plan_landing
-from .pieces import WAIT_S, Pins, checkers, copy_in_pieces, piece_ranges, workers
+from .landing import Entry, lands_in_target, plan_landing
+from .pieces import WAIT_S, checkers
 
-__all__ = ["MappedFile", "copy_pinning_pieces", "load_file", "open_mapped", "read_tensors_inplace", "sibling_record",
+__all__ = ["MappedFile", "load_file", "open_mapped", "read_tensors_inplace", "sibling_record",
            "submit_checks", "to_device", "wait_checks"]
 
 
@@ -54,10 +57,14 @@ class MappedFile:
     """A safetensors file mapped read-only; ``data`` is a uint8 view of its data region.
 
     ``identity`` is the mapped file's (device, inode, size, mtime in ns) when it was opened;
-    ``in_ram``: it lives in a RAM filesystem (tmpfs, ramfs)."""
+    ``in_ram``: it lives in a RAM filesystem (tmpfs, ramfs); ``fd``: with ``reads``, a
+    descriptor of the file mapped (reads through it meet the same file, renamed over or not),
+    open until :meth:`close`; else None."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, reads: bool = True) -> None:
         self.path = path
+        self.fd: int | None = None
+        self._registered: int | None = None
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block the open
         try:
             st = os.fstat(fd)
@@ -69,15 +76,23 @@ class MappedFile:
             self.identity = file_identity(st)
             self.in_ram = ram_filesystem(fd) is True
             self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        if reads:
+            self.fd = fd
+        else:
             os.close(fd)  # (the mapping keeps its own descriptor until it is closed)
         with warnings.catch_warnings():  # read-only by design; nothing writes through it
             warnings.simplefilter("ignore", UserWarning)
             self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.size = size
-        self.entries, self.data_start = _parse(self.bytes, size, path)
+        try:
+            self.entries, self.data_start = _parse(self.bytes, size, path)
+        except BaseException:
+            self.close()
+            raise
         self.data = self.bytes[self.data_start:]
-        self._registered: int | None = None
 
     def pin(self) -> None:
         """Pin the mapped range in place (read-only registration), once."""
@@ -98,8 +113,12 @@ class MappedFile:
         ``mmap.close()`` would unmap memory that a view (a check still running) may read; the
         views hold the mapping object itself. Idempotent."""
         self.unpin()
-        if hasattr(self, "bytes"):
-            del self.bytes, self.data, self._mm
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        for name in ("bytes", "data", "_mm"):
+            if hasattr(self, name):
+                delattr(self, name)
 
 
 def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -164,27 +183,29 @@ def _entry(name: str, e: Any, data_len: int, path: str) -> Entry:
     return Entry(name, dtype, tuple(shape), begin, end)
 
 
-def open_mapped(path: str) -> MappedFile:
-    """Map ``path`` and validate its header.
+def open_mapped(path: str, *, reads: bool = True) -> MappedFile:
+    """Map ``path`` and validate its header (``reads``: keep a descriptor to read the file
+    through, :attr:`MappedFile.fd`).
 
     Raises:
         CheckpointCorruptError: not a valid safetensors file.
         FileNotFoundError: no such file.
     """
-    return MappedFile(path)
+    return MappedFile(path, reads=reads)
 
 
 def to_device(mf: MappedFile, device: torch.device,
               dests: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of ``mf`` on ``device`` (or in the matching tensors of ``dests``): one
-    fresh allocation per file at most, the copies straight from the mapping, pinned in
-    pieces overlapped with the copies where the file is in RAM (:mod:`.pieces`), else whole."""
+    fresh allocation per file at most: from a RAM filesystem through pinned bounce buffers
+    (:mod:`.bounce`), else straight from the mapping, pinned whole."""
     landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, device, dests)
     if device.type != "cuda":
         landing.land(0, mf.bytes)
         return landing.tensors()
-    if mf.in_ram:
-        copy_pinning_pieces(mf, landing, device)
+    if mf.in_ram and mf.fd is not None:
+        first = mf.data_start - mf.data_start % mmap.PAGESIZE  # (the header is not read again)
+        copy_through_bounce(mf.fd, first, mf.size, landing, device, mf.path)
         return landing.tensors()
     mf.pin()
     try:
@@ -193,17 +214,6 @@ def to_device(mf: MappedFile, device: torch.device,
     finally:
         mf.unpin()
     return landing.tensors()
-
-
-def copy_pinning_pieces(mf: MappedFile, landing: Landing, device: torch.device) -> None:
-    """Copy ``mf`` where ``landing`` says, pinning it piece by piece as the copies go
-    (:func:`.pieces.copy_in_pieces`); every piece pinned is unpinned before this returns or
-    raises."""
-    pins = Pins()
-    try:
-        copy_in_pieces(mf.bytes, landing, device, piece_ranges(mf.size), register=pins, pool=workers())
-    finally:
-        pins.release()
 
 
 def sibling_record(mf: MappedFile) -> FileRecord | None:
@@ -276,12 +286,15 @@ def wait_checks(checks: list[Future[str | None]]) -> None:
 def load_file(path: str | os.PathLike[str], device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
     """Load every tensor of a safetensors file (written by ckptmgr or by anyone).
 
-    On a CUDA device the file is mapped and copied to the GPU straight from the mapping, with
-    no second copy in host memory: from /dev/shm (any RAM filesystem) pinned in pieces, each
-    registered while the previous one is copied, on several streams; from disk pinned whole,
-    in one transfer. Without CUDA or for the CPU the data is copied once. A data file of a
-    ckptmgr step (listed in the ``manifest.json`` beside it) is verified against its
-    checksums while the copies run; any other safetensors file has none to check.
+    The file is mapped and its header validated before anything is allocated. On a CUDA
+    device the bytes go to one allocation on the GPU, of which the tensors are views: from
+    /dev/shm (any RAM filesystem) read on several threads through small reusable pinned
+    buffers, each copied on a stream of its own while the next is read (no second copy of
+    the file in host memory); from disk pinned whole, in one transfer. To load one file
+    many times, pin it once with :func:`ckptmgr.pin_file`. Without CUDA or for the CPU the
+    data is copied once. A data file of a ckptmgr step (listed in the ``manifest.json``
+    beside it) is verified against its checksums while the copies run; any other
+    safetensors file has none to check.
 
     Args:
         path: the ``.safetensors`` file.

@@ -1,28 +1,28 @@
-"""Pinning a mapped file in pieces, overlapped with the copies out of it.
+"""Pinning a mapped file in pieces, and copying out of the pinned pieces.
 
-A file in a RAM filesystem (/dev/shm, any tmpfs or ramfs) is mapped where it lies
-(:mod:`.mapped`). To reach the GPU at the link's speed its pages must be pinned
-(cudaHostRegister), and pinning a whole fresh mapping in one call costs about as long as the
-copy itself, with the copy engine idle meanwhile. So the file goes in pieces of
-:data:`PIECE_BYTES` (from the start of the mapping, page-aligned):
+A :class:`~ckptmgr.restore.pinned.PinnedWeights` handle pins a file of a RAM filesystem
+(/dev/shm, any tmpfs or ramfs) where it lies, once, and copies from it at link speed at every
+load. The file goes in pieces of :data:`PIECE_BYTES` (from the start of the mapping,
+page-aligned):
 
 1. **populate**: worker threads fault each piece's pages into this process's page tables
    (``madvise(MADV_POPULATE_READ)``; one read per page on kernels without it), in file
    order, ahead of the thread that registers: the page-table work leaves the serial path;
-2. **register**: the calling thread pins piece k (read-only registration, the exact range);
-3. **copy**: and queues piece k's copies on stream ``k % COPY_STREAMS``, then goes on to
-   register piece k + 1 while the copy engine moves piece k;
-4. at the end every stream is synchronised, and only then is every piece unregistered, at
-   the exact pointer registered.
+2. **register**: the calling thread pins each piece (read-only registration, the exact
+   range), :func:`pin_pieces`;
+3. **copy**: each load queues every piece's copies on stream ``k % COPY_STREAMS`` and
+   synchronises them, :func:`copy_in_pieces`;
+4. when the handle closes, every piece is unregistered at the exact pointer registered.
 
 No copy spans two pieces (a copy across two separately registered ranges fails with
 ``cudaErrorInvalidValue``): the landing plan is fed one piece at a time.
 
-A :class:`~ckptmgr.restore.pinned.PinnedWeights` handle registers its pieces once
-(:func:`pin_pieces`) and copies from them at every load without registering again.
+A single load of a file does not pin it (registering costs more than the copy it enables):
+:mod:`.bounce` reads it through small pinned buffers.
 
 Checksums, where the file carries them, are verified by the caller where the bytes lie, on
-threads of their own (:func:`checkers`), while the copies run.
+threads of their own (:func:`checkers`), while the copies run. The daemon pools are the
+process's, made at first use (:func:`shared_pool`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from ..preflight import drain
 from .landing import Landing
 
 __all__ = ["COPY_STREAMS", "PIECE_BYTES", "POPULATE", "WAIT_S", "Pins", "checkers", "copy_in_pieces", "piece_ranges",
-           "pin_pieces", "populate", "workers"]
+           "pin_pieces", "populate", "shared_pool", "workers"]
 
 # One registration and one group of copies. Registering populated pages took ~3 ms per 64 MiB on an
 # H200 (save/buffers.py), about twice a 64 MiB copy at the link's speed: the registrations set the
@@ -73,21 +73,23 @@ def _c() -> ctypes.CDLL:
 def workers() -> DaemonPool:
     """The threads that populate pieces ahead of their registration (daemon threads, made at
     first use, shared by the process)."""
-    return _shared("populate")
+    return shared_pool("populate")
 
 
 def checkers() -> DaemonPool:
     """The threads that verify checksums where the bytes lie for :func:`ckptmgr.load_file`
     and pinned-weights handles: apart from :func:`workers`, so that no populate ever waits
     behind a file's checks."""
-    return _shared("verify")
+    return shared_pool("verify")
 
 
-def _shared(name: str) -> DaemonPool:
+def shared_pool(name: str, threads: int = 0) -> DaemonPool:
+    """The process's pool ``name`` of daemon threads (made at first use with ``threads``
+    threads; 0: as many as CPUs, from 2 to 8)."""
     with _pool_mu:
         pool = _pools.get(name)
         if pool is None:
-            pool = _pools[name] = DaemonPool(max(2, min(8, os.cpu_count() or 1)),
+            pool = _pools[name] = DaemonPool(threads or max(2, min(8, os.cpu_count() or 1)),
                                              thread_name_prefix=f"ckptmgr-inplace-{name}")
         return pool
 
@@ -175,35 +177,23 @@ def pin_pieces(data: torch.Tensor, pieces: Sequence[tuple[int, int]], pins: Pins
 
 
 def copy_in_pieces(data: torch.Tensor, landing: Landing, device: torch.device,
-                   pieces: Sequence[tuple[int, int]], *, register: Pins | None, pool: Executor) -> None:
-    """Copy every byte of ``data`` (a whole mapping: ``data[b:e]`` are the file's bytes
-    ``[b, e)``) that ``landing`` wants, one piece at a time, and wait for the copies.
-
-    With ``register``, each piece is populated ahead on ``pool`` and pinned into ``register``
-    just before its copies are queued (the caller releases it after this returns); without,
-    the pieces are already pinned (or the device is not a GPU). On a GPU the copies run on
-    :data:`COPY_STREAMS` streams, ordered after the work already queued on the current stream;
-    every stream is synchronised before this returns or raises.
+                   pieces: Sequence[tuple[int, int]]) -> None:
+    """Copy every byte of ``data`` (a whole mapping, its pieces pinned by :func:`pin_pieces`:
+    ``data[b:e]`` are the file's bytes ``[b, e)``) that ``landing`` wants, one piece at a
+    time, and wait for the copies. On a GPU the copies run on :data:`COPY_STREAMS` streams,
+    ordered after the work already queued on the current stream; every stream is
+    synchronised before this returns or raises.
     """
-    ahead = _Ahead()
     streams: list[torch.cuda.Stream] = []
     try:
-        if register is not None:
-            ahead = _populate_ahead(data, pieces, pool)
         if device.type == "cuda":
             ready = _cuda.ready_event(device)
             streams = [_cuda.staging_stream(device) for _ in range(max(1, min(COPY_STREAMS, len(pieces))))]
             for s in streams:
                 s.wait_event(ready)
         for k, (b, e) in enumerate(pieces):
-            piece = data[b:e]
-            if register is not None:
-                if ahead:
-                    ahead[k].result(timeout=WAIT_S)
-                register.register(piece)
             with torch.cuda.stream(streams[k % len(streams)]) if streams else contextlib.nullcontext():
-                landing.land(b, piece)
+                landing.land(b, data[b:e])
     finally:  # the copies end before the pieces may be unpinned or the mapping go
         for s in streams:
             s.synchronize()
-        ahead.end()

@@ -1,0 +1,105 @@
+"""A file in a RAM filesystem copied to the GPU through small reusable pinned buffers.
+
+Pinning a fresh mapping where it lies (cudaHostRegister) runs at 11-17 GB/s on an H100,
+slower than the copy it enables (about 50 GB/s): for a single load of a file the
+registration sets the pace (``load_file`` took 0.40-0.54 s for 4 GiB that way). Here
+:data:`THREADS` threads each read the file (``pread``: the kernel copies from the page
+cache, with no page-table work on a mapping) into one of their two pinned buffers of
+:data:`PIECE_BYTES` and copy it to the GPU on a stream of their own while they read the
+next piece into the other buffer: 0.26 s for the same 4 GiB, fastsafetensors' time, in a
+fresh process (``benchmarks/probes/bounce_load.py``). Host memory grows by the buffers
+only (``THREADS x 2 x PIECE_BYTES``: 64 MiB), which come from PyTorch's pinned host
+allocator and serve later loads in the process again. Repeated loads of one file pin it
+once instead (:class:`~ckptmgr.restore.pinned.PinnedWeights`).
+
+Each piece's bytes go to the file's :class:`~.landing.Landing` (which copies the parts of
+the piece that tensors want, ``non_blocking``); a buffer is read into again only once the
+copies queued from it have run. Every stream is synchronised before :func:`copy_through_bounce`
+returns or raises, so no copy outlives the buffers or the call.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Executor, Future
+from typing import Any
+
+import torch
+
+from ... import _cuda
+from ...storage.posix import preadv_fd
+from ..preflight import drain
+from .landing import Landing
+from .pieces import WAIT_S, shared_pool
+
+__all__ = ["PIECE_BYTES", "THREADS", "copy_through_bounce", "readers"]
+
+THREADS = 8  # threads reading the file, each with two buffers and a stream
+PIECE_BYTES = 4 << 20  # one read and one group of copies (a power of two: the pinned allocator rounds up to one)
+
+
+def readers() -> Executor:
+    """The threads that read files through the bounce buffers (daemon threads, made at first
+    use, shared by the process)."""
+    return shared_pool("bounce", THREADS)
+
+
+def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device: torch.device, path: str,
+                        pool: Executor | None = None) -> None:
+    """Read bytes ``[begin, end)`` of the open file ``fd`` (named ``path`` in errors) and give
+    each piece to ``landing`` (file offsets), through pinned buffers, copies on ``device``'s
+    side streams ordered after the work already queued on its current stream. Returns once
+    every copy has run.
+
+    Raises:
+        CheckpointCorruptError: the file ended before ``end`` (cut short under the load).
+        TimeoutError: a reader still busy after :data:`.pieces.WAIT_S` seconds.
+    """
+    pieces = [(b, min(b + PIECE_BYTES, end)) for b in range(begin, end, PIECE_BYTES)]
+    if not pieces:
+        return
+    threads = max(1, min(THREADS, len(pieces)))
+    gpu = device.type == "cuda"
+    ready = _cuda.ready_event(device) if gpu else None
+    streams = [_cuda.staging_stream(device) for _ in range(threads)] if gpu else []  # (made on this thread)
+    stop = threading.Event()  # set by the first failure: the other readers leave at their next piece
+
+    def read(w: int) -> None:
+        stream = streams[w] if gpu else None
+        bufs = [_cuda.pinned_empty(PIECE_BYTES) if gpu else torch.empty(PIECE_BYTES, dtype=torch.uint8)
+                for _ in range(2)]
+        done: list[Any] = [None, None]  # the event after each buffer's copies (owned by this thread)
+        try:
+            if stream is not None:
+                stream.wait_event(ready)
+            for k, i in enumerate(range(w, len(pieces), threads)):
+                if stop.is_set():
+                    return
+                b, e = pieces[i]
+                slot = k % 2
+                if done[slot] is not None:
+                    done[slot].synchronize()  # the copies from this buffer have run
+                buf = bufs[slot][:e - b]
+                preadv_fd(fd, b, [buf.numpy()], path)
+                if stream is None:
+                    landing.land(b, buf)
+                    continue
+                with torch.cuda.stream(stream):
+                    landing.land(b, buf)
+                    done[slot] = _cuda.CopyDone([stream])
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            if stream is not None:
+                stream.synchronize()  # no copy from the buffers outlives them
+
+    runs: list[Future[None]] = []
+    try:
+        runs = [(pool or readers()).submit(read, w) for w in range(threads)]
+        for f in runs:
+            f.result(timeout=WAIT_S)
+    except BaseException:
+        stop.set()
+        drain(runs)
+        raise
