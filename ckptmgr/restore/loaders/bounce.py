@@ -2,14 +2,15 @@
 
 Pinning a fresh mapping where it lies (cudaHostRegister) runs at 11-17 GB/s on an H100,
 slower than the copy it enables (about 50 GB/s): for a single load of a file the
-registration sets the pace (``load_file`` took 0.40-0.54 s for 4 GiB that way). Here
-:data:`THREADS` threads each read the file (``pread``: the kernel copies from the page
-cache, with no page-table work on a mapping) into one of their two pinned buffers of
-:data:`PIECE_BYTES` and copy it to the GPU on a stream of their own while they read the
-next piece into the other buffer: 0.26 s for the same 4 GiB, fastsafetensors' time, in a
-fresh process (``benchmarks/probes/bounce_load.py``). Host memory grows by the buffers
-only (``THREADS x 2 x PIECE_BYTES``: 64 MiB), which come from PyTorch's pinned host
-allocator and serve later loads in the process again. Repeated loads of one file pin it
+registration sets the pace (``load_file`` took 0.27-0.34 s for 4 GiB that way, fresh
+processes on an H100). Here :data:`THREADS` threads each read the file (``pread``: the
+kernel copies from the page cache, with no page-table work on a mapping) into one of their
+two pinned buffers of :data:`PIECE_BYTES` and copy it to the GPU on a stream of their own
+while they read the next piece into the other buffer: 0.24-0.26 s in the same runs
+(``benchmarks/probes/bounce_load.py``, where 4 MiB pieces took 0.37 s and 16 MiB 0.30 s,
+and 4 or 8 threads about as long as 6). Host memory grows by the buffers only
+(``THREADS x 2 x PIECE_BYTES``: 96 MiB), which come from PyTorch's pinned host allocator
+and serve later loads in the process again. Repeated loads of one file pin it
 once instead (:class:`~ckptmgr.restore.pinned.PinnedWeights`).
 
 Each piece's bytes go to the file's :class:`~.landing.Landing` (which copies the parts of
@@ -34,8 +35,8 @@ from .pieces import WAIT_S, shared_pool
 
 __all__ = ["PIECE_BYTES", "THREADS", "copy_through_bounce", "readers"]
 
-THREADS = 8  # threads reading the file, each with two buffers and a stream
-PIECE_BYTES = 4 << 20  # one read and one group of copies (a power of two: the pinned allocator rounds up to one)
+THREADS = 6  # threads reading the file, each with two buffers and a stream
+PIECE_BYTES = 8 << 20  # one read and one group of copies (a power of two: the pinned allocator rounds up to one)
 
 
 def readers() -> Executor:
