@@ -2,13 +2,13 @@
 
 Pinning a fresh mapping where it lies (cudaHostRegister) runs at 11-17 GB/s on an H100,
 slower than the copy it enables (about 50 GB/s): for a single load of a file the
-registration sets the pace (``load_file`` took 0.27-0.34 s for 4 GiB that way, fresh
-processes on an H100). Here :data:`THREADS` threads each read the file (``pread``: the
+registration sets the pace (``load_file`` took 0.47-0.59 s, median, for 4 GiB that way,
+fresh processes on H100s). Here :data:`THREADS` threads each read the file (``pread``: the
 kernel copies from the page cache, with no page-table work on a mapping) into one of their
 two pinned buffers of :data:`PIECE_BYTES` and copy it to the GPU on a stream of their own
-while they read the next piece into the other buffer: 0.24-0.26 s in the same runs
-(``benchmarks/probes/bounce_load.py``, where 4 MiB pieces took 0.37 s and 16 MiB 0.30 s,
-and 4 or 8 threads about as long as 6). Host memory grows by the buffers only
+while they read the next piece into the other buffer: 0.247 s (0.240-0.262) for the same
+4 GiB (``benchmarks/probes/bounce_load.py``; in that call 4 MiB pieces took 0.37 s, 16 MiB
+0.30 s, 4 or 8 threads about as long as 6, and fastsafetensors 0.174 s). Host memory grows by the buffers only
 (``THREADS x 2 x PIECE_BYTES``: 96 MiB), which come from PyTorch's pinned host allocator
 and serve later loads in the process again. Repeated loads of one file pin it
 once instead (:class:`~ckptmgr.restore.pinned.PinnedWeights`).
