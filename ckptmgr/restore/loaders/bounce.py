@@ -8,10 +8,10 @@ kernel copies from the page cache, with no page-table work on a mapping) into on
 two pinned buffers of :data:`PIECE_BYTES` and copy it to the GPU on a stream of their own
 while they read the next piece into the other buffer: 0.247 s (0.240-0.262) for the same
 4 GiB (``benchmarks/probes/bounce_load.py``; in that call 4 MiB pieces took 0.37 s, 16 MiB
-0.30 s, 4 or 8 threads about as long as 6, and fastsafetensors 0.174 s). Host memory grows by the buffers only
-(``THREADS x 2 x PIECE_BYTES``: 96 MiB), which come from PyTorch's pinned host allocator
-and serve later loads in the process again. Repeated loads of one file pin it
-once instead (:class:`~ckptmgr.restore.pinned.PinnedWeights`).
+0.30 s, 4 or 8 threads about as long as 6, and fastsafetensors 0.174 s). Host memory
+grows by the buffers only (``THREADS x 2 x PIECE_BYTES``: 96 MiB), which come from
+PyTorch's pinned host allocator and serve later loads in the process again. Repeated loads
+of one file pin it once instead (:class:`~ckptmgr.restore.pinned.PinnedWeights`).
 
 Each piece's bytes go to the file's :class:`~.landing.Landing` (which copies the parts of
 the piece that tensors want, ``non_blocking``); a buffer is read into again only once the
