@@ -24,11 +24,11 @@ import torch
 from . import __version__
 from . import _lifecycle as lifecycle
 from ._threads import collector_paused
-from .distributed.coordinator import coordinator_for, rank_file_prefix, rank_prefix
+from .distributed.coordinator import Coordinator, coordinator_for, rank_file_prefix, rank_prefix
 from .distributed.peer_restore import restore_newest_peer
 from .distributed.replicate import PeerOptions, start_peers
 from .distributed.restore import RankRestore
-from .distributed.save import coordinate, fingerprints, share_of
+from .distributed.save import CoordinatedCommit, fingerprints, share_of
 from .errors import CkptTimeoutError, ConfigError, StepNotFoundError
 from .format.layout import Plan, plan_layout
 from .format.manifest import Manifest
@@ -41,7 +41,7 @@ from .restore.restorer import LOADERS, Restorer
 from .retention import KeepAll, RetentionPolicy
 from .retention.deleter import Deleter, StepGuard
 from .save.budget import BudgetPlanner
-from .save.persist import SaveInfo
+from .save.persist import PersistJob, SaveInfo, StepCommit
 from .save.saver import Saver
 from .save.slots import AUTO_MAX_SLOTS
 from .storage import Target, open_target
@@ -291,14 +291,12 @@ class CheckpointManager:
         manifest = Manifest(step=step, state=skeleton, tensors=plan.tensor_index(), files={},
                             metadata=meta_json, library_version=__version__)
         coord = self._coord
-        join = None if coord is None else (lambda job: coordinate(job, coord, self._target, fps))
-        if self._peers is not None and join is not None:  # the shard is also copied to RAM and sent to peers
-            join = self._peers.joined(join)
+        join = None if coord is None else self._commit_for(coord, fps)
         if self._budget is None:
-            return SaveHandle(self._saver.save(manifest, plan, sizes, block=block, t0=t0, coordinate=join,
+            return SaveHandle(self._saver.save(manifest, plan, sizes, block=block, t0=t0, commit=join,
                                                schedule=self._schedule, durable=durable))
         made = self._saver.pool.allocations
-        ticket = self._saver.save(manifest, plan, sizes, block=block, t0=t0, coordinate=join, schedule=self._budget,
+        ticket = self._saver.save(manifest, plan, sizes, block=block, t0=t0, commit=join, schedule=self._budget,
                                   durable=durable)
         if ticket.skipped:  # (nothing staged: no cost to measure, no write to wait for)
             return SaveHandle(ticket)
@@ -346,6 +344,16 @@ class CheckpointManager:
         if self._budget is not None:
             return self._budget.should_save(step)
         return self._schedule.should_save(step)
+
+    def _commit_for(self, coord: Coordinator, fps: dict[str, str]) -> Callable[[PersistJob], StepCommit]:
+        """How a multi-rank save's job is committed: every rank's agreement, after the peer
+        tier's RAM copy where there is one."""
+        peers, target = self._peers, self._target
+
+        def make(job: PersistJob) -> StepCommit:
+            commit: StepCommit = CoordinatedCommit(coord, target, fps, job)
+            return commit if peers is None else peers.track(job, commit)
+        return make
 
     def _plan(self, state: Any) -> tuple[Any, Plan, list[int], dict[str, str]]:
         """Skeleton, this rank's file plan, file sizes, and (multi-rank) the fingerprints of

@@ -58,7 +58,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -69,8 +68,9 @@ import torch.distributed as dist
 from .._threads import DaemonPool
 from ..errors import CkptError, CkptTimeoutError, ConfigError
 from ..format.checksum import chunk_ranges, crc32c_hex
-from ..format.manifest import FileRecord
-from ..save.persist import PersistJob
+from ..format.manifest import FileRecord, Manifest
+from ..save.persist import PersistJob, StepCommit
+from ..storage import StepWriter, Target
 from ..storage.peer_tier import Copy, PeerArea, ShardRecord
 from .coordinator import Coordinator
 from .peer_transport import ShardMover, Transport
@@ -199,32 +199,16 @@ class Replicator:
 
     # ------------------------------------------------------------ save side (training thread)
 
-    def joined(self, join: Callable[[PersistJob], None]) -> Callable[[PersistJob], None]:
-        """``join`` (which makes a job this rank's share of a multi-rank save), then :meth:`track`."""
-        def both(job: PersistJob) -> None:
-            join(job)
-            self.track(job)
-        return both
-
-    def track(self, job: PersistJob) -> None:
-        """Copy ``job``'s shard into the peer area once staged, and replicate it; the durable
-        commit (which releases the staging slot) waits for the copy, training does not."""
+    def track(self, job: PersistJob, inner: StepCommit) -> StepCommit:
+        """Copy ``job``'s shard into the peer area once staged, and replicate it; return
+        ``inner`` wrapped so that the durable commit (which releases the staging slot) waits
+        for the copy, which training does not."""
         copied = self._copier.submit(self._copy, job)
-        inner = job.coordinate
-
-        def coordinate(writer: Any, m: Any, error: BaseException | None) -> Any:
-            try:
-                copied.result(timeout=self.opts.timeout_s)
-            except Exception as exc:  # logged by _copy; the durable save goes on
-                log.debug("peer tier: copy of step %d: %s", job.step, exc)
-            assert inner is not None
-            return inner(writer, m, error)
-
-        job.coordinate = coordinate
         with self._mu:
             self._ticks.append((job.step, copied, job.t0))
             self._saved_at[job.step] = job.t0
             self._mu.notify_all()
+        return _AfterCopy(inner, copied, self.opts.timeout_s)
 
     def _copy(self, job: PersistJob) -> None:
         """(copy thread) The staged shard into this rank's slot of the node's peer area."""
@@ -421,3 +405,32 @@ def start_peers(opts: PeerOptions | None, coord: Coordinator | None, local_dir: 
         raise ConfigError("PeerOptions: the peer tier replicates the shards of a multi-rank job; initialize "
                           "torch.distributed with more than one rank (or pass peers=None)")
     return Replicator(opts, coord, local_dir, root_url, chunk_size)
+
+
+class _AfterCopy(StepCommit):
+    """``inner``, once the peer tier's copy of the job's shard has ended (or failed: logged by
+    the copy, and the durable save goes on)."""
+
+    def __init__(self, inner: StepCommit, copied: Future[None], timeout_s: float) -> None:
+        self._inner = inner
+        self._copied = copied
+        self._timeout_s = timeout_s
+        self.prefix = inner.prefix
+        self.retryable = inner.retryable
+
+    def _wait(self) -> None:
+        try:
+            self._copied.result(timeout=self._timeout_s)
+        except Exception as exc:
+            log.debug("peer tier: copy: %s", exc)
+
+    def begin(self, target: Target, step: int) -> StepWriter:
+        return self._inner.begin(target, step)
+
+    def commit(self, writer: StepWriter, m: Manifest) -> None:
+        self._wait()
+        self._inner.commit(writer, m)
+
+    def failed(self, writer: StepWriter | None, m: Manifest, error: BaseException) -> None:
+        self._wait()
+        self._inner.failed(writer, m, error)

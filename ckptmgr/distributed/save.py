@@ -33,12 +33,12 @@ from ..errors import CkptError, SaveError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import FileRecord, Manifest
 from ..format.tree import Leaf
-from ..save.persist import PersistJob
+from ..save.persist import PersistJob, StepCommit
 from ..storage import StepWriter, Target
 from .coordinator import Coordinator, rank_file_prefix
 from .ranged import sub_chunk_size
 
-__all__ = ["RankPart", "coordinate", "coordinated_commit", "fingerprints", "share_of", "sub_checksums"]
+__all__ = ["CoordinatedCommit", "RankPart", "coordinated_commit", "fingerprints", "share_of", "sub_checksums"]
 
 log = logging.getLogger("ckptmgr")
 _FINGERPRINT_MAX = 1 << 20  # CPU tensors up to this size are compared across ranks at commit
@@ -146,14 +146,47 @@ def _merge(parts: list[RankPart], template: Manifest) -> Manifest:
                                rank_states=[p.state for p in parts])
 
 
-def coordinate(job: PersistJob, coord: Coordinator, target: Target, fps: dict[str, str]) -> None:
-    """Make ``job`` this rank's share of a multi-rank save."""
-    job.prefix = rank_file_prefix(coord.rank)
+class CoordinatedCommit(StepCommit):
+    """This rank's share of a multi-rank save, committed by every rank's agreement: its files
+    carry the rank's prefix; its commit is :func:`coordinated_commit` (rank 0 writes the
+    manifest once every rank's files are durable); a failure is told to the other ranks once,
+    and what this rank wrote is removed unless the step was committed meanwhile. Never
+    retried alone (the other ranks have moved on)."""
 
-    def images() -> dict[str, np.ndarray[Any, Any]]:  # the files as written, still in the staging slot
+    retryable = False
+
+    def __init__(self, coord: Coordinator, target: Target, fps: dict[str, str], job: PersistJob) -> None:
+        self.prefix = rank_file_prefix(coord.rank)
+        self._coord = coord
+        self._target = target
+        self._fps = fps
+        self._job = job
+        self._told = False  # the other ranks heard how this save went (persist thread only)
+
+    def _images(self) -> dict[str, np.ndarray[Any, Any]]:  # the files as written, still in the staging slot
+        job = self._job
         return {name: seg.numpy() for name, seg in zip(job.names, job.slot.segments, strict=True)}
 
-    job.coordinate = lambda w, m, e: coordinated_commit(coord, target, w, m, fps, e, images)
+    def commit(self, writer: StepWriter, m: Manifest) -> None:
+        self._told = True
+        coordinated_commit(self._coord, self._target, writer, m, self._fps, None, self._images)
+
+    def failed(self, writer: StepWriter | None, m: Manifest, error: BaseException) -> None:
+        if not self._told:
+            self._told = True
+            try:
+                coordinated_commit(self._coord, self._target, writer, m, self._fps, error)
+            except BaseException:
+                pass  # (the caller raises ``error``)
+        if writer is not None and not _committed(self._target, m.step):
+            writer.abort()  # (another rank's commit of this step is never undone)
+
+
+def _committed(target: Target, step: int) -> bool:
+    try:
+        return step in target.list_steps()
+    except Exception:
+        return False
 
 
 def sub_checksums(target: Target, files: dict[str, FileRecord],

@@ -16,6 +16,11 @@ A job is data, not a closure: the saver's persist thread *picks* jobs (see
 :meth:`ckptmgr.save.saver.Saver._next_job`): when saves come faster than the durable target
 absorbs them it picks the newest locally committed step and the older ones are superseded
 for the durable tier. A failed durable write is retried by running the same job again.
+
+How the durable write is claimed and committed is the job's :class:`StepCommit`: the target's
+own claim and manifest-last commit (:data:`PLAIN`), or, for a multi-rank save, the agreement
+of every rank around it (:class:`ckptmgr.distributed.save.CoordinatedCommit`, which wraps it
+and is not retried alone); the peer tier wraps either to wait for its RAM copy first.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +43,7 @@ from ..storage.tier import LocalTier
 from .slots import Slot
 from .staging import StagingJob
 
-__all__ = ["PersistJob", "SaveInfo", "persist"]
+__all__ = ["PLAIN", "PersistJob", "SaveInfo", "StepCommit", "persist"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -93,6 +97,33 @@ class SaveInfo:
         return self.bytes / self.persist_s / 1e9 if self.persist_s > 0 else float("inf")
 
 
+class StepCommit:
+    """How one persisted step is claimed and committed on the durable target: here, the
+    target's own writer (its claim at :meth:`begin`, its commit of the manifest, its abort).
+    Subclasses wrap it (a multi-rank agreement, the peer tier's copy); one instance serves
+    one job, on the persist thread."""
+
+    prefix = ""  # the data files' name prefix (a rank's own in multi-rank saves)
+    retryable = True  # a failed write may be tried again by this process alone
+
+    def begin(self, target: Target, step: int) -> StepWriter:
+        """Claim ``step`` on ``target`` and return its writer."""
+        return target.begin(step, self.prefix)
+
+    def commit(self, writer: StepWriter, m: Manifest) -> None:
+        """Make the step visible: its manifest, written last."""
+        writer.commit(m.to_bytes())
+
+    def failed(self, writer: StepWriter | None, m: Manifest, error: BaseException) -> None:
+        """The write or the commit failed with ``error``: remove what this writer wrote (never
+        raises; ``writer`` is None when the claim itself failed)."""
+        if writer is not None:
+            writer.abort()
+
+
+PLAIN = StepCommit()  # (stateless: shared by every single-rank job)
+
+
 @dataclass
 class PersistJob:
     """Everything the persist thread needs to write one staged step (owned by that thread
@@ -106,9 +137,7 @@ class PersistJob:
     t0: float  # perf_counter() at save()
     blocked_s: float
     busy_wait_s: float
-    # multi-rank saves: this rank's file prefix, and the agreement that replaces the commit
-    prefix: str = ""
-    coordinate: Callable[[StepWriter | None, Manifest, BaseException | None], Manifest] | None = None
+    commit: StepCommit = PLAIN  # how the durable write is claimed and committed (set once, by the saver)
     attempts: int = 0  # durable writes tried so far
     local_s: float | None = None  # when the local tier listed the step
     nbytes: int = 0  # the files' bytes, all together
@@ -158,9 +187,8 @@ def persist(job: PersistJob, *, target: Target, chunk_size: int) -> SaveInfo:
     files = slot_files(job)
     local = job.local_commit if not m.files else None
     writer: StepWriter | None = None
-    told = False  # the other ranks heard how this save went
     try:
-        writer = target.begin(m.step, job.prefix)
+        writer = job.commit.begin(target, m.step)
         chunk = next(iter(m.files.values())).chunk_size if m.files else chunk_size
         known_ahead = bool(m.files) or local is not None  # checksums computed once, not twice
         written = writer.write_files(files, chunk, checksum=not known_ahead or job.adopted)
@@ -177,19 +205,9 @@ def persist(job: PersistJob, *, target: Target, chunk_size: int) -> SaveInfo:
         if not m.files:
             m.files = {name: FileRecord(arr.size, chunk, crcs, hs)
                        for (name, arr), crcs, hs in zip(files, written, job.header_sizes, strict=True)}
-        if job.coordinate is None:
-            writer.commit(m.to_bytes())
-        else:
-            told = True
-            job.coordinate(writer, m, None)
+        job.commit.commit(writer, m)
     except BaseException as exc:
-        if job.coordinate is not None and not told:
-            try:
-                job.coordinate(writer, m, exc)
-            except BaseException:
-                pass  # raising ``exc`` below
-        if writer is not None and not (job.coordinate is not None and _committed(target, m.step)):
-            writer.abort()  # (another rank's commit of this step is never undone)
+        job.commit.failed(writer, m, exc)
         if local is not None:  # never leave it running on a slot about to be released
             concurrent.futures.wait([local])
             if not local.cancelled() and local.exception() is None and not m.files:
@@ -219,10 +237,3 @@ def _check_adopted(m: Manifest, files: list[tuple[str, np.ndarray[Any, Any]]], w
         if tuple(crcs) != tuple(m.files[name].crc32c):
             raise CheckpointCorruptError(f"step {m.step}: {name} in the local tier no longer matches its manifest "
                                          f"(damaged since it was committed there); not written to {url}")
-
-
-def _committed(target: Target, step: int) -> bool:
-    try:
-        return step in target.list_steps()
-    except Exception:
-        return False

@@ -68,7 +68,7 @@ from ..storage.tier import LocalTier
 from .coalesce import RETRY_FIRST_S, RETRY_MAX_S, Coalescing
 from .engine import AsyncWriter
 from .outcome import Ticket, permanent, report_interrupted, report_permanent, retryable
-from .persist import PersistJob, SaveInfo, persist
+from .persist import PersistJob, SaveInfo, StepCommit, persist
 from .slots import Slot
 from .tiered import TierSaves
 
@@ -152,12 +152,14 @@ class Saver(TierSaves):
                                   "checkpoints are never overwritten")
 
     def save(self, manifest: Manifest, plan: Plan, sizes: list[int], *, block: bool, t0: float,
-             coordinate: Callable[[PersistJob], None] | None = None, schedule: DurablePolicy | None = None,
+             commit: Callable[[PersistJob], StepCommit] | None = None, schedule: DurablePolicy | None = None,
              durable: bool | None = None) -> Ticket:
         """Stage ``plan`` into a slot and queue its persist job; return its ticket (skipped
         when every slot is busy and ``on_busy="skip"``). ``schedule`` says whether the step
         goes to the durable target too, or to the local tier only (every step goes durable
-        when there is no local tier); ``durable`` (True/False) overrides it for this save."""
+        when there is no local tier); ``durable`` (True/False) overrides it for this save.
+        ``commit`` makes the job's :class:`~.persist.StepCommit` (a multi-rank save's
+        agreement); default: the target's own."""
         step = manifest.step
         with self._mu:
             if self._closing:
@@ -207,8 +209,8 @@ class Saver(TierSaves):
         pjob = PersistJob(manifest, [f.name for f in plan.files], [len(f.header) for f in plan.files],
                           slot, job, t0, 0.0, waited, nbytes=sum(sizes), durable=durable or not local,
                           local_commit=Future() if local else None)
-        if coordinate is not None:
-            coordinate(pjob)
+        if commit is not None:
+            pjob.commit = commit(pjob)
         ticket = Ticket(step, Future(), job)
         pjob.blocked_s = time.perf_counter() - t0
         self._enqueue(pjob, ticket)
@@ -326,7 +328,7 @@ class Saver(TierSaves):
         the parts before it did, and the accounting always runs last."""
         step = job.step
         staged = job.staging.finished_at is not None
-        retry = error is not None and staged and job.coordinate is None and retryable(error)
+        retry = error is not None and staged and job.commit.retryable and retryable(error)
         damaged = job.adopted and isinstance(error, CheckpointCorruptError)
         protect = False
         try:
