@@ -30,12 +30,22 @@ from ..errors import CheckpointCorruptError, CkptError
 from ..format.checksum import chunk_ranges, crc32c_hex, crc32c_hex_pieces
 from ..format.manifest import Manifest
 
-__all__ = ["Bytes", "ChecksumMismatchError", "Chunk", "Dest", "Land", "Mismatch", "ReadCancelledError", "ReadPlan",
-           "Transport", "plan_check", "run", "verify"]
+__all__ = ["Bytes", "ChecksumMismatchError", "Chunk", "Dest", "Land", "Landed", "Mismatch", "ReadCancelledError",
+           "ReadPlan", "Transport", "plan_check", "run", "verify"]
 
 
-# the bytes of one chunk: a uint8 host tensor, or the destination's own arrays (see Dest.into)
-Bytes = torch.Tensor | list[np.ndarray[Any, Any]]
+class Landed(NamedTuple):
+    """A chunk whose bytes a transport moved to the chunk's destination itself, piece by piece
+    as they came and before they verified (the direct reads of cold files), with the CRC32C
+    and length it computed over them. Only for chunks without sub-chunk checksums."""
+
+    crc: int
+    size: int
+
+
+# the bytes of one chunk: a uint8 host tensor, the destination's own arrays (see Dest.into), or
+# what a transport that landed the bytes itself computed over them (Landed)
+Bytes = torch.Tensor | list[np.ndarray[Any, Any]] | Landed
 
 
 class Dest(Protocol):
@@ -151,7 +161,9 @@ class Transport(Protocol):
        destination offers ``into`` and the transport can, straight into the arrays that
        gives (exactly ``chunk.size`` bytes, or an error: a file that ends early is a
        :class:`~ckptmgr.errors.CheckpointCorruptError` naming the file and offset), then
-       calls ``land(chunk, data)`` once (``data``: a uint8 tensor, or that list of arrays).
+       calls ``land(chunk, data)`` once (``data``: a uint8 tensor, or that list of arrays;
+       or, from a transport that moves the bytes to the destination itself as they come,
+       :class:`Landed`: their CRC32C, which ``land`` checks against the chunk's).
        ``land`` verifies the bytes and copies a tensor to the chunk's destination; the
        transport keeps ``data`` unchanged until ``land`` returns, and may reuse it after.
        A fetch that fails (an ``Exception``) is handed to ``land(chunk, exc)`` instead,
@@ -173,13 +185,20 @@ class ReadCancelledError(CkptError):
 
 
 def _size(data: Bytes) -> int:
+    if isinstance(data, Landed):
+        return data.size
     return data.numel() if isinstance(data, torch.Tensor) else sum(a.size for a in data)
 
 
 def verify(plan: ReadPlan, chunk: Chunk, data: Bytes) -> list[ChecksumMismatchError]:
     """The checksum failures of ``chunk``'s bytes ``data`` (its CRC32C, then each sub-chunk's)."""
     out = []
-    got = crc32c_hex(data.numpy()) if isinstance(data, torch.Tensor) else crc32c_hex_pieces(data)
+    if isinstance(data, Landed):
+        if chunk.subs:  # (a transport's bug: it takes no such chunks)
+            raise RuntimeError(f"{plan.where}: {chunk.file}: sub-chunk checksums cannot be checked from a CRC32C")
+        got = f"{data.crc:08x}"
+    else:
+        got = crc32c_hex(data.numpy()) if isinstance(data, torch.Tensor) else crc32c_hex_pieces(data)
     if got != chunk.crc:
         out.append(plan.mismatch(Mismatch(chunk.file, chunk.begin, chunk.end, got, chunk.crc, False)))
     if not chunk.subs:
@@ -225,7 +244,7 @@ def run(plan: ReadPlan, transport: Transport, *, cancel: threading.Event | None 
             for fault in faults:
                 on_fault(chunk, fault)
             return
-        if chunk.dest is not None and isinstance(data, torch.Tensor):  # (else read in place: see Dest)
+        if chunk.dest is not None and isinstance(data, torch.Tensor):  # (else in place: see Dest, Landed)
             chunk.dest.land(chunk.begin, data)
 
     if on_fault is None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from .direct import DirectTransport
 from .pread import PreadTransport, RingTransport
 
-__all__ = ["PreadTransport", "RingTransport"]
+__all__ = ["DirectTransport", "PreadTransport", "RingTransport"]
