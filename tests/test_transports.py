@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 from concurrent.futures import wait as futures_wait
 
@@ -23,9 +24,10 @@ from conftest import evict
 
 from ckptmgr import CheckpointCorruptError, CheckpointManager, StagingOptions, WriteOptions
 from ckptmgr.format.manifest import Manifest
-from ckptmgr.restore.loaders.ring import PinnedRing
+from ckptmgr.restore.loaders.landing import plan_landing
+from ckptmgr.restore.loaders.ring import PinnedRing, entries_by_file
 from ckptmgr.restore.read import Chunk, ReadCancelledError, ReadPlan, plan_check, run
-from ckptmgr.restore.transports import DirectTransport, PreadTransport, RingTransport
+from ckptmgr.restore.transports import DirectTransport, GdsTransport, PreadTransport, RingTransport
 from ckptmgr.restore.transports.direct import landing_buffers
 from ckptmgr.storage import open_target
 from ckptmgr.storage.aio import open_context
@@ -465,3 +467,133 @@ class TestDirect(TransportSuite):
         plan = ReadPlan(root, (Chunk(fname, 0, 0, CHUNK, "00000000", None, ((0, 1024, "00000000"),)),))
         with pytest.raises(ValueError, match="sub-chunk checksums"):
             run(plan, self.make(target, m))
+
+
+FAKE_KVIKIO = os.path.join(os.path.dirname(__file__), "fake_kvikio")
+
+
+class _CountingCuFile:
+    """A file open with (the stand-in) kvikio whose reads are reported to a :class:`_Counting`
+    source as its own: in flight from ``pread`` until the future's ``get()``, then a read,
+    followed by ``after_read``."""
+
+    def __init__(self, f, counting, opened: list) -> None:
+        self.f = f
+        self.counting = counting
+        self.closed = False
+        opened.append(self)
+
+    def pread(self, buf, size, offset):
+        counting = self.counting
+        if counting is not None:
+            with counting._mu:
+                counting.active += 1
+                counting.reads += 1
+        return _CountedRead(self.f.pread(buf, size, offset), counting)
+
+    def close(self) -> None:
+        self.f.close()
+        self.closed = True
+
+
+class _CountedRead:
+    def __init__(self, fut, counting) -> None:
+        self.fut = fut
+        self.counting = counting
+
+    def get(self):
+        try:
+            return self.fut.get()
+        finally:
+            if self.counting is not None:
+                with self.counting._mu:
+                    self.counting.active -= 1
+                if self.counting.after_read is not None:
+                    self.counting.after_read()
+
+
+class TestGds(TransportSuite):
+    """kvikio reads, with the stand-in kvikio of tests/fake_kvikio (POSIX reads, as kvikio's
+    compatibility mode does; test_cuda.py runs the real one on the GPU machine): into scratch
+    host buffers for destinations of their own, and straight into a restore's landing, read
+    back and verified (the tests below the suite's)."""
+
+    @pytest.fixture(autouse=True)
+    def _kvikio(self, monkeypatch, step):
+        monkeypatch.syspath_prepend(FAKE_KVIKIO)
+        monkeypatch.delenv("CKPTMGR_FAKE_KVIKIO", raising=False)
+        for name in [m for m in sys.modules if m == "kvikio" or m.startswith("kvikio.")]:
+            monkeypatch.delitem(sys.modules, name)
+        import kvikio
+
+        self.kvikio = kvikio
+        self.root = step[0]
+        self.opened: list[_CountingCuFile] = []
+        yield
+        for name in [m for m in sys.modules if m == "kvikio" or m.startswith("kvikio.")]:
+            del sys.modules[name]
+
+    def make(self, source, m, workers=4):
+        counting = source if isinstance(source, _Counting) else None
+        paths = {f: _file(self.root, m, f) for f in m.files}
+        return GdsTransport(paths, workers=workers,
+                            opener=lambda p: _CountingCuFile(self.kvikio.CuFile(p, "r"), counting, self.opened))
+
+    def assert_released(self, transport) -> None:
+        assert self.opened and all(f.closed for f in self.opened)  # every file closed
+
+    def _landings(self, m):
+        entries = entries_by_file(m, self.root)
+        return {f: plan_landing(entries[f], rec.header_size, rec.size - rec.header_size, torch.device("cpu"), None)
+                for f, rec in m.files.items()}
+
+    def test_a_landing_is_read_into_whole_then_read_back_and_verified(self, step):
+        root, target, m = step
+        source = _Counting(target)
+        landings = self._landings(m)
+        plan = plan_check(m, root, dests=landings)
+        run(plan, self.make(source, m))
+        for f, rec in m.files.items():
+            with open(_file(root, m, f), "rb") as fh:
+                data = fh.read()
+            landed = torch.zeros(rec.size - rec.header_size, dtype=torch.uint8)
+            landings[f].gather(rec.header_size, landed)
+            assert bytes(landed.numpy()) == data[rec.header_size:]
+        spans = sum(len(landing.spans) for landing in landings.values())
+        heads = sum(1 for c in plan.chunks if c.begin < m.files[c.file].header_size)
+        assert source.reads == spans + heads and source.active == 0  # the data once, into the landing
+        self.assert_released(None)
+
+    @pytest.mark.parametrize("where", ["header", "data"])
+    def test_a_flipped_byte_where_it_landed_or_in_the_header_is_named(self, step, where):
+        root, target, m = step
+        fname = sorted(m.files)[1]
+        rec = m.files[fname]
+        at = rec.header_size - 5 if where == "header" else rec.size - 7
+        path = _file(root, m, fname)
+        with open(path, "r+b") as fh:
+            fh.seek(at)
+            b = fh.read(1)
+            fh.seek(at)
+            fh.write(bytes([b[0] ^ 0x20]))
+        plan = plan_check(m, root, dests=self._landings(m))
+        chunk = next(c for c in plan.chunks if c.file == fname and c.begin <= at < c.end)
+        with pytest.raises(CheckpointCorruptError,
+                           match=rf"{fname}: checksum mismatch in bytes \[{chunk.begin}, {chunk.end}\)"):
+            run(plan, self.make(target, m, workers=1))
+        self.assert_released(None)
+
+    def test_a_landing_of_a_file_that_ended_early_fails_or_lists_its_chunks(self, step):
+        root, target, m = step
+        fname = sorted(m.files)[0]
+        cut = m.files[fname].size - CHUNK - 100
+        os.truncate(_file(root, m, fname), cut)
+        with pytest.raises(CheckpointCorruptError, match=f"{fname} ended early"):
+            run(plan_check(m, root, dests=self._landings(m)), self.make(target, m))
+        faults: list[tuple[str, int]] = []
+        plan = plan_check(m, root, dests=self._landings(m))
+        run(plan, self.make(target, m), on_fault=lambda c, exc: faults.append((c.file, c.begin)))
+        short = [(b, e) for b, e, _ in next(c.dest for c in plan.chunks if c.file == fname).spans if e > cut]
+        want = [(c.file, c.begin) for c in plan.chunks
+                if c.file == fname and any(b < c.end and c.begin < e for b, e in short)]  # (a span read short
+        assert short and sorted(faults) == want  # fails every chunk it holds bytes of)

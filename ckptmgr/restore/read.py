@@ -19,7 +19,7 @@ of its file, so that each byte read is verified before it is used.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -263,7 +263,7 @@ def run(plan: ReadPlan, transport: Transport, *, cancel: threading.Event | None 
 
 
 def plan_check(manifest: Manifest, where: str, *, files: Sequence[str] | None = None, subs: bool = False,
-               dests: dict[str, Dest] | None = None, message: Callable[[Mismatch], str] | None = None) -> ReadPlan:
+               dests: Mapping[str, Dest] | None = None, message: Callable[[Mismatch], str] | None = None) -> ReadPlan:
     """A plan of every checksum chunk of ``manifest``'s data files (or of ``files``), in file
     order: a check when nothing lands (``dests`` None), else each file's chunks go to
     ``dests[file]`` where there is one. ``subs``: check the finer sub-chunk checksums too."""

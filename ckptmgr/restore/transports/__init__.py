@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from .direct import DirectTransport
+from .gds import GdsTransport
 from .pread import PreadTransport, RingTransport
 
-__all__ = ["DirectTransport", "PreadTransport", "RingTransport"]
+__all__ = ["DirectTransport", "GdsTransport", "PreadTransport", "RingTransport"]
