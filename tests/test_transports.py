@@ -597,3 +597,18 @@ class TestGds(TransportSuite):
         want = [(c.file, c.begin) for c in plan.chunks
                 if c.file == fname and any(b < c.end and c.begin < e for b, e in short)]  # (a span read short
         assert short and sorted(faults) == want  # fails every chunk it holds bytes of)
+
+    @pytest.mark.parametrize("into", ["scratch", "landing"])
+    def test_a_kvikio_that_cannot_read_fails_the_run_and_closes_every_file(self, step, monkeypatch, into):
+        """Every kvikio read fails (no NVIDIA driver): the run raises kvikio's error once every
+        read started has ended, with nothing landed and every file closed."""
+        root, target, m = step
+        monkeypatch.setenv("CKPTMGR_FAKE_KVIKIO", "nodriver")
+        source = _Counting(target)
+        dests = {f: _Collect(rec.size) for f, rec in m.files.items()} if into == "scratch" else self._landings(m)
+        with pytest.raises(RuntimeError, match="libcuda"):
+            run(plan_check(m, root, dests=dests), self.make(source, m))
+        assert source.reads >= 1 and source.active == 0
+        if into == "scratch":
+            assert sum(len(d.landed) for d in dests.values()) == 0
+        self.assert_released(None)

@@ -57,6 +57,11 @@ class Dest(Protocol):
     once verified there, is in place: :meth:`land` is not called for it. Such a destination
     accepts unverified bytes: it must not be used before the run has returned, and a run
     that fails leaves it holding whatever was read.
+
+    A destination that lays the file out in device memory of its own (``spans`` and
+    ``gather``: :class:`~ckptmgr.restore.transports.gds.DeviceDest`, as a restore's landing
+    does) may be read straight into by GDS, and what landed read back to be verified; it
+    too holds unverified bytes until the run has returned.
     """
 
     def land(self, begin: int, data: torch.Tensor) -> None:
