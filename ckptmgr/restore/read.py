@@ -4,16 +4,20 @@ A :class:`ReadPlan` lists the :class:`Chunk` s of a read: which bytes of which f
 CRC32C they must have (and the finer sub-chunk checksums of multi-rank saves, where a check
 wants them), and where their bytes go once verified (a :class:`Dest`), or nowhere: a plan
 with no destinations is a check (``ckptmgr verify``, the check before a restore lands in a
-target's own tensors). A :class:`Transport` says how the bytes of the chunks arrive in host
-memory (threaded reads into scratch buffers, the pinned ring, ...); :func:`run` is the one
-driver: it hands the plan's chunks to the transport and, as each chunk's bytes come in,
-verifies them and moves them to their destination.
+target's own tensors). A :class:`Transport` says how the bytes of the chunks arrive
+(:mod:`~ckptmgr.restore.transports`: threaded reads into scratch buffers, the pinned ring,
+direct reads of cold files block by block, GDS reads into device memory); :func:`run` is the
+one driver: it hands the plan's chunks to the transport and, as each chunk's bytes come in,
+verifies them and moves them to their destination. Where a transport puts the bytes in the
+destination itself (a destination's own memory, direct blocks, GDS), the driver verifies
+them there, and the destination holds unverified bytes until the run has returned.
 
 Plans are made by :func:`plan_check` (every checksum chunk of a step's files, each file's to
-one destination or none: the checks, the CLI's export, the CPU restore's scatter reads) and
-by readers that pick chunks of their own (the pinned ring's, the verifiable pieces a
-resharded restore needs); every chunk a plan holds is a whole checksum chunk (or sub-chunk)
-of its file, so that each byte read is verified before it is used.
+one destination or none: the checks, the CLI's export, the CPU restore's scatter reads, the
+GDS restore) and by readers that pick chunks of their own (the pinned ring's and its cold
+files', the verifiable pieces a resharded restore needs); every chunk a plan holds is a whole
+checksum chunk (or sub-chunk) of its file, so that each byte read is verified before it is
+used.
 """
 
 from __future__ import annotations
