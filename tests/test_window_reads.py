@@ -19,7 +19,7 @@ import ckptmgr.restore.restorer as restorer_mod
 from ckptmgr import CheckpointCorruptError, CheckpointManager, CkptTimeoutError, StagingOptions, WriteOptions
 from ckptmgr.restore.loaders import PinnedRing
 from ckptmgr.restore.loaders import ring as ring_mod
-from ckptmgr.restore.loaders.window import BLOCK, _check_read
+from ckptmgr.restore.transports.direct import BLOCK, _check_read
 from ckptmgr.storage.posix import DIRECT_ALIGN, open_direct
 
 NO_TIER = StagingOptions(local_tier=False)
@@ -347,7 +347,7 @@ def test_a_cold_step_lands_exactly_on_the_gpu_and_a_bad_one_leaves_the_target(tm
 def test_a_refused_submit_closes_the_aio_context(tmp_path):
     """Where the verifier threads refuse work (their pool shut down by a closing manager),
     the queue reads nothing, and the kernel AIO context is still given back."""
-    from ckptmgr.restore.loaders.window import Span, read_window
+    from ckptmgr.restore.transports.direct import Span, read_window
 
     f, aio = _cold_file_and_aio(tmp_path, bytes(4 * DIRECT_ALIGN), 4)
     closed: list[bool] = []
@@ -442,7 +442,7 @@ def test_blocks_in_slots_of_abutting_buffers_are_checked_apart(tmp_path, monkeyp
     from concurrent.futures import ThreadPoolExecutor
 
     from ckptmgr.format.checksum import crc32c_hex
-    from ckptmgr.restore.loaders import window as window_mod
+    from ckptmgr.restore.transports import direct as window_mod
 
     chunk = 4 * BLOCK
     data = np.random.default_rng(9).integers(0, 256, 6 * chunk + 3 * DIRECT_ALIGN, dtype=np.uint8)
@@ -476,7 +476,7 @@ def test_an_interrupt_while_the_reads_end_still_waits_for_the_verifiers(tmp_path
     from concurrent.futures import ThreadPoolExecutor
 
     from ckptmgr.format.checksum import crc32c_hex
-    from ckptmgr.restore.loaders import window as window_mod
+    from ckptmgr.restore.transports import direct as window_mod
 
     data = np.random.default_rng(12).integers(0, 256, 4 * BLOCK, dtype=np.uint8)
     f, aio = _cold_file_and_aio(tmp_path, data.tobytes(), 4)
@@ -550,7 +550,7 @@ def test_a_reap_asks_the_kernel_for_at_least_as_many_reads_as_asked(tmp_path):
 def test_the_queue_reaps_half_its_reads_at_a_time_or_all_in_flight(tmp_path, monkeypatch):
     """Every reap of a cold step's queue waits for :data:`_REAP_AT_LEAST` reads, or for all
     those in flight where fewer are, never more; and the step restores exactly."""
-    from ckptmgr.restore.loaders import window as window_mod
+    from ckptmgr.restore.transports import direct as window_mod
     from ckptmgr.storage.aio import AioContext
 
     asks: list[tuple[int, int]] = []  # (at_least, reads in flight)

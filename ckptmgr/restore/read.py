@@ -4,22 +4,26 @@ A :class:`ReadPlan` lists the :class:`Chunk` s of a read: which bytes of which f
 CRC32C they must have (and the finer sub-chunk checksums of multi-rank saves, where a check
 wants them), and where their bytes go once verified (a :class:`Dest`), or nowhere: a plan
 with no destinations is a check (``ckptmgr verify``, the check before a restore lands in a
-target's own tensors). A :class:`Transport` says how the bytes of the chunks arrive in host
-memory (threaded reads into scratch buffers, the pinned ring, ...); :func:`run` is the one
-driver: it hands the plan's chunks to the transport and, as each chunk's bytes come in,
-verifies them and moves them to their destination.
+target's own tensors). A :class:`Transport` says how the bytes of the chunks arrive
+(:mod:`~ckptmgr.restore.transports`: threaded reads into scratch buffers, the pinned ring,
+direct reads of cold files block by block, GDS reads into device memory); :func:`run` is the
+one driver: it hands the plan's chunks to the transport and, as each chunk's bytes come in,
+verifies them and moves them to their destination. Where a transport puts the bytes in the
+destination itself (a destination's own memory, direct blocks, GDS), the driver verifies
+them there, and the destination holds unverified bytes until the run has returned.
 
 Plans are made by :func:`plan_check` (every checksum chunk of a step's files, each file's to
-one destination or none: the checks, the CLI's export, the CPU restore's scatter reads) and
-by readers that pick chunks of their own (the pinned ring's, the verifiable pieces a
-resharded restore needs); every chunk a plan holds is a whole checksum chunk (or sub-chunk)
-of its file, so that each byte read is verified before it is used.
+one destination or none: the checks, the CLI's export, the CPU restore's scatter reads, the
+GDS restore) and by readers that pick chunks of their own (the pinned ring's and its cold
+files', the verifiable pieces a resharded restore needs); every chunk a plan holds is a whole
+checksum chunk (or sub-chunk) of its file, so that each byte read is verified before it is
+used.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -30,12 +34,22 @@ from ..errors import CheckpointCorruptError, CkptError
 from ..format.checksum import chunk_ranges, crc32c_hex, crc32c_hex_pieces
 from ..format.manifest import Manifest
 
-__all__ = ["Bytes", "ChecksumMismatchError", "Chunk", "Dest", "Land", "Mismatch", "ReadCancelledError", "ReadPlan",
-           "Transport", "plan_check", "run", "verify"]
+__all__ = ["Bytes", "ChecksumMismatchError", "Chunk", "Dest", "Land", "Landed", "Mismatch", "ReadCancelledError",
+           "ReadPlan", "Transport", "plan_check", "run", "verify"]
 
 
-# the bytes of one chunk: a uint8 host tensor, or the destination's own arrays (see Dest.into)
-Bytes = torch.Tensor | list[np.ndarray[Any, Any]]
+class Landed(NamedTuple):
+    """A chunk whose bytes a transport moved to the chunk's destination itself, piece by piece
+    as they came and before they verified (the direct reads of cold files), with the CRC32C
+    and length it computed over them. Only for chunks without sub-chunk checksums."""
+
+    crc: int
+    size: int
+
+
+# the bytes of one chunk: a uint8 host tensor, the destination's own arrays (see Dest.into), or
+# what a transport that landed the bytes itself computed over them (Landed)
+Bytes = torch.Tensor | list[np.ndarray[Any, Any]] | Landed
 
 
 class Dest(Protocol):
@@ -47,6 +61,11 @@ class Dest(Protocol):
     once verified there, is in place: :meth:`land` is not called for it. Such a destination
     accepts unverified bytes: it must not be used before the run has returned, and a run
     that fails leaves it holding whatever was read.
+
+    A destination that lays the file out in device memory of its own (``spans`` and
+    ``gather``: :class:`~ckptmgr.restore.transports.gds.DeviceDest`, as a restore's landing
+    does) may be read straight into by GDS, and what landed read back to be verified; it
+    too holds unverified bytes until the run has returned.
     """
 
     def land(self, begin: int, data: torch.Tensor) -> None:
@@ -151,7 +170,9 @@ class Transport(Protocol):
        destination offers ``into`` and the transport can, straight into the arrays that
        gives (exactly ``chunk.size`` bytes, or an error: a file that ends early is a
        :class:`~ckptmgr.errors.CheckpointCorruptError` naming the file and offset), then
-       calls ``land(chunk, data)`` once (``data``: a uint8 tensor, or that list of arrays).
+       calls ``land(chunk, data)`` once (``data``: a uint8 tensor, or that list of arrays;
+       or, from a transport that moves the bytes to the destination itself as they come,
+       :class:`Landed`: their CRC32C, which ``land`` checks against the chunk's).
        ``land`` verifies the bytes and copies a tensor to the chunk's destination; the
        transport keeps ``data`` unchanged until ``land`` returns, and may reuse it after.
        A fetch that fails (an ``Exception``) is handed to ``land(chunk, exc)`` instead,
@@ -173,13 +194,20 @@ class ReadCancelledError(CkptError):
 
 
 def _size(data: Bytes) -> int:
+    if isinstance(data, Landed):
+        return data.size
     return data.numel() if isinstance(data, torch.Tensor) else sum(a.size for a in data)
 
 
 def verify(plan: ReadPlan, chunk: Chunk, data: Bytes) -> list[ChecksumMismatchError]:
     """The checksum failures of ``chunk``'s bytes ``data`` (its CRC32C, then each sub-chunk's)."""
     out = []
-    got = crc32c_hex(data.numpy()) if isinstance(data, torch.Tensor) else crc32c_hex_pieces(data)
+    if isinstance(data, Landed):
+        if chunk.subs:  # (a transport's bug: it takes no such chunks)
+            raise RuntimeError(f"{plan.where}: {chunk.file}: sub-chunk checksums cannot be checked from a CRC32C")
+        got = f"{data.crc:08x}"
+    else:
+        got = crc32c_hex(data.numpy()) if isinstance(data, torch.Tensor) else crc32c_hex_pieces(data)
     if got != chunk.crc:
         out.append(plan.mismatch(Mismatch(chunk.file, chunk.begin, chunk.end, got, chunk.crc, False)))
     if not chunk.subs:
@@ -225,7 +253,7 @@ def run(plan: ReadPlan, transport: Transport, *, cancel: threading.Event | None 
             for fault in faults:
                 on_fault(chunk, fault)
             return
-        if chunk.dest is not None and isinstance(data, torch.Tensor):  # (else read in place: see Dest)
+        if chunk.dest is not None and isinstance(data, torch.Tensor):  # (else in place: see Dest, Landed)
             chunk.dest.land(chunk.begin, data)
 
     if on_fault is None:
@@ -244,7 +272,7 @@ def run(plan: ReadPlan, transport: Transport, *, cancel: threading.Event | None 
 
 
 def plan_check(manifest: Manifest, where: str, *, files: Sequence[str] | None = None, subs: bool = False,
-               dests: dict[str, Dest] | None = None, message: Callable[[Mismatch], str] | None = None) -> ReadPlan:
+               dests: Mapping[str, Dest] | None = None, message: Callable[[Mismatch], str] | None = None) -> ReadPlan:
     """A plan of every checksum chunk of ``manifest``'s data files (or of ``files``), in file
     order: a check when nothing lands (``dests`` None), else each file's chunks go to
     ``dests[file]`` where there is one. ``subs``: check the finer sub-chunk checksums too."""

@@ -72,7 +72,7 @@ class AioContext:
     read loop would wait to get it back, once per read. On H200 machines, submitting a 4 GiB
     step's 8196 reads took 0.149 s (0.121-0.190) holding it, 0.297 s (0.191-0.429) releasing it,
     in 32 and 20 restores (``benchmarks/results/h200-2026-11-23i/cold-read``); the restore as a
-    whole gained from that only with the reaps kept in bunches (:mod:`~ckptmgr.restore.loaders.window`).
+    whole gained from that only with the reaps kept in bunches (:mod:`~ckptmgr.restore.transports.direct`).
     An ``O_DIRECT`` submission to a local disk only queues the read (about 18 us each, there),
     but it can sleep: for a request slot while other processes load the device, for extent
     blocks of a file not yet mapped, or for the whole read where a filesystem does direct I/O

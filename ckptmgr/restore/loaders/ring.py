@@ -8,7 +8,8 @@ per manager and reused), read the chunk into it, compute its CRC32C, copy it to 
 lands on the buffer's own stream, and wait for the copy before giving the buffer back. With
 a dozen buffers the reads, the checksums and the copies all overlap; host memory stays at
 the ring's size (12 x 16 MiB) whatever the checkpoint's. Local files not in the page cache
-are read another way, as one queue of direct reads in file order (:mod:`.window`), landing
+are read another way, as one queue of direct reads in file order
+(:mod:`~ckptmgr.restore.transports.direct`), landing
 in 32 block slots of 512 KiB in the same buffers, each block copied as it lands and each chunk
 verified from its blocks' checksums; since unverified bytes then reach the landing, that
 queue serves only landings a failed step leaves unseen (fresh memory, or spare device memory
@@ -40,10 +41,10 @@ from ...storage.aio import AioContext, open_context
 from ...storage.posix import DIRECT_ALIGN, DirectFile
 from ..preflight import Source, drain, submit_image_checks, wait_all
 from ..read import Chunk, ReadPlan, run
+from ..transports.direct import DEPTH, Copy, Span, landing_buffers, read_window
 from ..transports.pread import Fetch, RingTransport
 from .host import _build_views
 from .landing import Entry, Landing, plan_landing
-from .window import DEPTH, Copy, Span, landing_buffers, read_window
 
 __all__ = ["NoDeviceRoom", "PinnedRing", "entries_by_file", "read_tensors_pinned", "read_tensors_ring"]
 
@@ -59,8 +60,8 @@ class NoDeviceRoom(Exception):
 class PinnedRing:
     """``threads`` host buffers of ``slot_bytes`` each (pinned with CUDA, plain without), a
     copy stream per buffer, the reader threads, and the threads that checksum and copy the
-    blocks of direct reads (:mod:`.window`), made at first use and shared by every restore
-    of one manager.
+    blocks of direct reads (:mod:`~ckptmgr.restore.transports.direct`), made at first use and
+    shared by every restore of one manager.
 
     Restores may run at once (several threads of the caller): a buffer is *leased* by one
     task at a time (:meth:`lease`), or by one step's queue of direct reads (:meth:`lease_many`),
@@ -243,7 +244,8 @@ def _copier(chunks: list[_Chunk], device: torch.device, ring: PinnedRing) -> Cop
 
 
 def _windowed(chunks: list[_Chunk], cold: Cold, device: torch.device, ring: PinnedRing, where: str) -> None:
-    """The chunks of cold local files: read as one queue of direct reads (see :mod:`.window`)."""
+    """The chunks of cold local files: read as one queue of direct reads
+    (:class:`~ckptmgr.restore.transports.direct.DirectTransport`)."""
     copy = _copier(chunks, device, ring)
     with ring.lease_many(landing_buffers(ring.slot_bytes)) as held:
         read_window([Span(c.fname, c.begin, c.end, c.rec.crc32c[c.number]) for c in chunks], cold.files, held,

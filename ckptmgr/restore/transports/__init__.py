@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from .direct import DirectTransport
+from .gds import GdsTransport
 from .pread import PreadTransport, RingTransport
 
-__all__ = ["PreadTransport", "RingTransport"]
+__all__ = ["DirectTransport", "GdsTransport", "PreadTransport", "RingTransport"]

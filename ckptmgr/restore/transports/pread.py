@@ -25,14 +25,25 @@ import numpy as np
 import torch
 
 from ...errors import CkptTimeoutError
-from ..preflight import Source, drain, run_all, wait_all
+from ..preflight import drain, run_all, wait_all
 from ..read import Chunk, Land
 
-__all__ = ["REQUEST_BYTES", "SCRATCH_BYTES", "Fetch", "PreadTransport", "Ring", "RingTransport"]
+__all__ = ["REQUEST_BYTES", "SCRATCH_BYTES", "Fetch", "PreadTransport", "Reader", "Ring", "RingTransport"]
 
 REQUEST_BYTES = 16 << 20  # bytes per read request of chunks read straight into their destination
 SCRATCH_BYTES = 256 << 20  # host memory one read's scratch buffers may take, whatever the chunk size
 _SCRATCH_WAIT = 600.0  # seconds a task waits for a scratch buffer (one chunk read of another task)
+
+
+class Reader(Protocol):
+    """What :class:`PreadTransport` reads from: a :class:`~ckptmgr.restore.preflight.Source`,
+    or the files of a GDS read (:mod:`.gds`)."""
+
+    def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
+        """Fill ``out`` (arrays in file order) with the bytes of file ``name`` of ``step`` from
+        ``offset``, from any thread; a file that ends first raises
+        :class:`~ckptmgr.errors.CheckpointCorruptError`."""
+        ...
 
 
 class PreadTransport:
@@ -40,7 +51,7 @@ class PreadTransport:
     threads of its own, made for each :meth:`read`), at most ``workers`` chunks at once.
     Serves several reads at once: each has its own scratch buffers."""
 
-    def __init__(self, source: Source, step: int, *, pool: Executor | None = None, workers: int = 8,
+    def __init__(self, source: Reader, step: int, *, pool: Executor | None = None, workers: int = 8,
                  scratch_bytes: int = SCRATCH_BYTES, request_bytes: int = REQUEST_BYTES) -> None:
         self.source = source
         self.step = step

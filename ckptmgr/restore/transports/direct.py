@@ -1,6 +1,6 @@
-"""Cold files read as the disk reads fastest: a queue of 512 KiB direct reads, in file order,
-kept sixteen deep by the kernel and each submitted on its own, landing in a small ring of
-block slots.
+"""Direct reads (:class:`DirectTransport`): cold files read as the disk reads fastest, a queue
+of 512 KiB direct reads in file order, kept sixteen deep by the kernel and each submitted on
+its own, landing in a small ring of block slots.
 
 A step restored from a local disk whose files are not in the page cache is read with
 ``O_DIRECT``, and how the reads reach the device decides the restore's speed. Sixteen reads
@@ -19,10 +19,12 @@ So each read lands in a *block slot* of a few leased ring buffers, and a block i
 as soon as it lands: a verifier thread computes its CRC32C and copies it to where it lands,
 and the slot serves the next read once that copy has finished. A chunk's checksum is its
 blocks' CRCs combined in file order (:func:`~ckptmgr.format.checksum.crc32c_combine`),
-checked once its last block is in. Blocks thus reach their landing before their chunk has
-verified: the caller uses this loader only where a failed step's bytes land nowhere they
-could be seen (fresh memory, or spare device memory that moves into a target only after the
-whole step verified).
+checked once its last block is in, by the read driver (:func:`~ckptmgr.restore.read.run`),
+which is handed the chunk as :class:`~ckptmgr.restore.read.Landed`: its bytes already where
+they go, with their CRC32C. Blocks thus reach their landing before their chunk has verified:
+the caller uses this transport only where a failed step's bytes land nowhere they could be
+seen (fresh memory, or spare device memory that moves into a target only after the whole
+step verified).
 
 The reads are kept going in bunches: a reap waits until :data:`_REAP_AT_LEAST` reads (half
 the queue) are in, or every read in flight where fewer are, and they are resubmitted
@@ -39,14 +41,18 @@ result is only compared with its length (the slow paths, a refused direct read o
 one, are taken only then), and the landed blocks of one reap go to the verifier threads in a
 few batches.
 Only the calling thread touches the queue's state.
+
+:func:`read_window` runs a plan of bare :class:`Span` s through the transport, for callers that
+lease the buffers themselves (the pinned ring's restore of cold files).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures import wait as futures_wait
@@ -59,8 +65,9 @@ from ...format.checksum import crc32c_combine, crc32c_value
 from ...storage.aio import AioContext
 from ...storage.posix import DIRECT_ALIGN, DirectFile
 from ..preflight import drain
+from ..read import Chunk, Land, Landed, ReadPlan, run
 
-__all__ = ["BLOCK", "DEPTH", "LANDING_SLOTS", "Copy", "Span", "landing_buffers", "read_window"]
+__all__ = ["BLOCK", "DEPTH", "LANDING_SLOTS", "Copy", "DirectTransport", "Span", "landing_buffers", "read_window"]
 
 BLOCK = 512 << 10  # bytes per read; a multiple of the direct-I/O alignment
 DEPTH = 16  # reads in flight
@@ -88,8 +95,61 @@ def landing_buffers(buffer_bytes: int) -> int:
 
 
 # copy(blocks, key): copy each (chunk index, file offset, bytes) to where it lands and wait for
-# the copies (on a stream chosen by ``key``, where there are streams); the bytes may then change
+# the copies (on a stream chosen by ``key``, where there are streams); the bytes may then change.
+# The chunk index is the chunk's place in the chunks of the read.
 Copy = Callable[[list[tuple[int, int, torch.Tensor]], int], None]
+
+
+class DirectTransport:
+    """Reads a plan's chunks (:class:`~ckptmgr.restore.read.Transport`) as one queue of direct
+    reads of ``files`` in the order given, through the kernel AIO context ``aio()`` gives for
+    each read (the read destroys it at its end, which waits for the reads in flight), landing
+    in the block slots of the ring buffers ``lease()`` holds for the read (``buffer(i)`` makes
+    or gives buffer ``i``'s memory, all of one size). ``submit`` runs the verifier tasks (each
+    checksums a few landed blocks and has ``copy`` move them to where they land) and makes the
+    buffers. Without ``copy``, each block lands on its chunk's destination on the verifier
+    thread.
+
+    Each block reaches its chunk's destination before the chunk has verified (see the module's
+    docstring): a run that fails leaves unverified bytes there, and the caller gives this
+    transport only destinations that a failed run leaves unseen. The driver is handed each
+    chunk as :class:`~ckptmgr.restore.read.Landed` once all its blocks are in; a chunk with
+    sub-chunk checksums cannot be checked so and is refused. Serves one read at a time.
+    """
+
+    def __init__(self, files: dict[str, DirectFile], aio: Callable[[], AioContext],
+                 lease: Callable[[], contextlib.AbstractContextManager[list[int]]],
+                 buffer: Callable[[int], torch.Tensor], submit: Callable[..., Future[Any]],
+                 copy: Copy | None = None) -> None:
+        self.files = files
+        self.aio = aio
+        self.lease = lease
+        self.buffer = buffer
+        self.submit = submit
+        self.copy = copy
+
+    def read(self, chunks: Sequence[Chunk], land: Land) -> None:
+        """Fetch and land every chunk (see :class:`~ckptmgr.restore.read.Transport`).
+
+        Raises:
+            ValueError: a chunk has sub-chunk checksums, or lies in a file not open here.
+        """
+        for c in chunks:
+            if c.subs or c.file not in self.files:
+                raise ValueError(f"{c.file}: bytes [{c.begin}, {c.end}) cannot be read as direct blocks "
+                                 f"({'sub-chunk checksums' if c.subs else 'the file is not open for direct reads'})")
+        copy = self.copy if self.copy is not None else _land_here(chunks)
+        with self.lease() as held:
+            _queue(chunks, self.files, held, self.buffer, copy, self.submit, self.aio(), land)
+
+
+def _land_here(chunks: Sequence[Chunk]) -> Copy:
+    def copy(blocks: list[tuple[int, int, torch.Tensor]], key: int) -> None:
+        for ci, begin, src in blocks:
+            dest = chunks[ci].dest
+            if dest is not None:
+                dest.land(begin, src)
+    return copy
 
 
 def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[int],
@@ -98,7 +158,8 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
     """Read every chunk ``spans[i]`` of ``files`` through ``aio`` into block slots of the ring
     ``buffers`` (leased by the caller; ``buffer(i)`` makes or gives buffer ``i``'s memory, all
     of one size), and have ``submit`` check each landed block and ``copy`` it (``submit`` also
-    makes the buffers, beside the first reads). A chunk verifies once all its blocks are in.
+    makes the buffers, beside the first reads): the spans as a plan, run by the read driver
+    through a :class:`DirectTransport`. A chunk verifies once all its blocks are in.
 
     Returns once every read and every block's task has ended, ``aio`` closed; raises the failure
     of the earliest chunk that failed (no read is submitted after a failure is seen), or what
@@ -108,15 +169,29 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
         CheckpointCorruptError: a file ended early, or a chunk failed its checksum.
         CkptTimeoutError: nothing completed for :data:`_STALL` seconds.
     """
+    plan = ReadPlan(where, tuple(Chunk(s.fname, i, s.begin, s.end, s.crc) for i, s in enumerate(spans)))
+    run(plan, DirectTransport(files, lambda: aio, lambda: contextlib.nullcontext(buffers), buffer, submit, copy))
+
+
+def _queue(chunks: Sequence[Chunk], files: dict[str, DirectFile], buffers: list[int],
+           buffer: Callable[[int], torch.Tensor], copy: Copy, submit: Callable[..., Future[Any]],
+           aio: AioContext, land: Land) -> None:
+    """The queue of direct reads of :class:`DirectTransport`: every chunk of ``files`` read
+    through ``aio`` into block slots of ``buffers``, each block checked and copied on a task of
+    ``submit``'s, and each chunk handed to ``land`` once all its blocks are in (a read that
+    failed: the failure instead). Returns once every read and every block's task has ended,
+    ``aio`` closed; raises the failure of the earliest chunk that failed (no read is submitted
+    after a failure is seen), or what interrupted.
+    """
     # Owned by the calling thread: everything below but ``blocks`` and ``slots``, which the
     # verifier threads only read, and which are complete before the first of them starts.
-    blocks = [(ci, off, min(off + BLOCK, span.end)) for ci, span in enumerate(spans)
-              for off in range(span.begin, span.end, BLOCK)]
-    fds = [files[span.fname].direct_fd for span in spans]  # per chunk
-    unread = [0] * len(spans)  # per chunk: blocks not yet checked
+    blocks = [(ci, off, min(off + BLOCK, chunk.end)) for ci, chunk in enumerate(chunks)
+              for off in range(chunk.begin, chunk.end, BLOCK)]
+    fds = [files[chunk.file].direct_fd for chunk in chunks]  # per chunk
+    unread = [0] * len(chunks)  # per chunk: blocks not yet checked (or dropped)
     for ci, _, _ in blocks:
         unread[ci] += 1
-    crcs: list[dict[int, tuple[int, int]]] = [{} for _ in spans]  # per chunk: file offset -> (CRC, length)
+    crcs: list[dict[int, tuple[int, int]]] = [{} for _ in chunks]  # per chunk: file offset -> (CRC, length)
     made: list[Future[torch.Tensor]] = []  # the buffers' making, on the verifier threads
     slots: list[tuple[torch.Tensor, int, int]] = []  # block slot -> (its buffer, its offset there, its address)
     # Block slots no read or copy uses: a stack, so that the slots used last (still in cache) go
@@ -127,6 +202,7 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
     # a verifier task -> the (block, slot)s it checks and copies
     checking: dict[Future[list[tuple[int, int, int, int]]], list[tuple[int, int]]] = {}
     failed: dict[int, BaseException] = {}
+    dropped: set[int] = set()  # chunks whose read failed and that ``land`` listed as a fault: never verified
     tasks = 0
     nxt = 0
 
@@ -164,6 +240,27 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
             i = j
         copy(moves, key)
         return out
+
+    def finished(ci: int) -> None:
+        """One more block of chunk ``ci`` checked (or dropped); the chunk to ``land`` once all are."""
+        unread[ci] -= 1
+        if unread[ci] == 0:
+            if ci in dropped:
+                crcs[ci].clear()
+            else:
+                _verify(chunks[ci], crcs[ci], land, failed, ci)
+
+    def fault(ci: int, exc: Exception) -> None:
+        """Chunk ``ci``'s read failed with ``exc``: to ``land``, which raises it again (the chunk
+        failed: no further reads are submitted) unless the run lists faults (the chunk is dropped)."""
+        if ci not in dropped:
+            try:
+                land(chunks[ci], exc)
+            except Exception as raised:
+                failed.setdefault(ci, raised)
+                return
+            dropped.add(ci)
+        finished(ci)
 
     idle = list(range(aio.depth))  # aio tags free; the others have a read in flight
     last_progress = time.monotonic()
@@ -203,19 +300,16 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
                 for ci, begin, crc, length in fut.result():
                     crcs[ci][begin] = crc, length
                 for bi, _ in batch:
-                    ci = blocks[bi][0]
-                    unread[ci] -= 1
-                    if unread[ci] == 0:
-                        _verify(spans[ci], crcs[ci], where, failed, ci)
+                    finished(blocks[bi][0])
             for tag, result in done:
                 bi, slot = reading[tag]
                 ci, begin, end = blocks[bi]
                 if result < end - begin:  # refused direct, failed, or short: see _check_read
                     try:
                         whole, at, _ = slots[slot]
-                        _check_read(files[spans[ci].fname], result, begin, end, whole[at:at + end - begin])
-                    except Exception as exc:  # the chunk failed: no further reads are submitted
-                        failed.setdefault(ci, exc)
+                        _check_read(files[chunks[ci].file], result, begin, end, whole[at:at + end - begin])
+                    except Exception as exc:  # see fault()
+                        fault(ci, exc)
                         free.append(slot)
                         idle.append(tag)
                         continue
@@ -247,17 +341,20 @@ def read_window(spans: list[Span], files: dict[str, DirectFile], buffers: list[i
         raise RuntimeError(f"the read queue stopped with {len(blocks) - nxt} blocks unread")  # (a bug, not bad data)
 
 
-def _verify(span: Span, crcs: dict[int, tuple[int, int]], where: str, failed: dict[int, BaseException],
+def _verify(chunk: Chunk, crcs: dict[int, tuple[int, int]], land: Land, failed: dict[int, BaseException],
             ci: int) -> None:
-    """Chunk ``ci``'s CRC32C, combined from its blocks' in file order, against the manifest's."""
-    value = -1
+    """Chunk ``ci``'s CRC32C, combined from its blocks' in file order, to ``land`` (which checks
+    it against the plan's)."""
+    value, length = -1, 0
     for begin in sorted(crcs):
-        crc, length = crcs[begin]
-        value = crc if value < 0 else crc32c_combine(value, crc, length)
+        crc, n = crcs[begin]
+        value = crc if value < 0 else crc32c_combine(value, crc, n)
+        length += n
     crcs.clear()
-    if f"{value:08x}" != span.crc:
-        failed.setdefault(ci, CheckpointCorruptError(
-            f"{where}: {span.fname}: checksum mismatch in bytes [{span.begin}, {span.end})"))
+    try:
+        land(chunk, Landed(value, length))
+    except Exception as exc:
+        failed.setdefault(ci, exc)
 
 
 def _check_read(file: DirectFile, result: int, begin: int, end: int, landed: torch.Tensor) -> None:
