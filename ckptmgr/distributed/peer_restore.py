@@ -34,13 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointCorruptError, CkptError, SaveError, StepNotFoundError
+from ..errors import CheckpointCorruptError, SaveError, StepNotFoundError
 from ..format.manifest import Manifest
 from ..storage.peer_tier import Copy, ShardRecord
 from ..storage.posix import preadv_into
 from .coordinator import Coordinator
 from .replicate import Replicator
 from .restore import RankMap, Restorer
+from .restore import _manifest as durable_manifest  # rank 0 reads it, every rank gets it
 from .restore import _restore as restore_from  # the multi-rank restore of a step, from a given source
 from .save import RankPart
 from .save import _merge as merge_parts  # the commit's merge of every rank's part into the step's manifest
@@ -197,16 +198,7 @@ def _manifest(restorer: Restorer, coord: Coordinator, s: int, raws: dict[int, by
     if not on_durable:
         raise CheckpointCorruptError(f"step {s}: shard records missing for ranks "
                                      f"{sorted(set(range(coord.world)) - set(raws))}")
-    raw, err = None, ""
-    if coord.is_leader:
-        try:
-            raw = restorer.target.read_manifest(s)
-        except CkptError as exc:
-            err = f"{type(exc).__name__}: {exc}"
-    raw, err = coord.broadcast((raw, err), f"the manifest of step {s}")
-    if raw is None:
-        raise CheckpointCorruptError(err)
-    return Manifest.from_bytes(raw, where=f"{restorer.target.url}: step {s}")
+    return durable_manifest(restorer, coord, s)
 
 
 def _fetch(rep: Replicator, coord: Coordinator, s: int, shards: dict[int, list[int]], *, need: bool,
