@@ -35,9 +35,7 @@ import concurrent.futures
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
-from s3_proxy import FaultyProxy
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_s3 import _net, _proxy, _table, start_moto_process  # the server, the proxy and the table, as measured there
 
 from ckptmgr import S3Options
 from ckptmgr.storage import open_target
@@ -55,45 +53,24 @@ from ckptmgr.storage import open_target
 NAME = "data-00000.safetensors"
 
 
-def start_moto_process() -> tuple[subprocess.Popen[bytes], str]:
-    """moto's server in a child process (it would otherwise share this process's GIL with the
-    tools being measured); returns (process, endpoint)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("moto's server did not start in 60 s")
+def _manifest(step: int, size: int, crcs: Any, chunk: int) -> bytes:
+    """A manifest that lists the one file (its first 4096 bytes taken as the header) as a byte
+    tensor: the commit checks what a manifest names, not the bytes."""
+    from ckptmgr.format.manifest import FileRecord, Manifest
 
-
-def _proxy(args: argparse.Namespace, endpoint: str, **kw: Any) -> FaultyProxy:
-    return FaultyProxy(endpoint, latency_s=args.latency_ms / 1e3, jitter_s=args.jitter_ms / 1e3,
-                       conn_mbps=args.conn_mbps, **kw)
-
-
-def _net(args: argparse.Namespace) -> str:
-    cap = f", {args.conn_mbps:g} MB/s per connection" if args.conn_mbps else ""
-    return f"latency {args.latency_ms:g} ms + up to {args.jitter_ms:g} ms jitter per request{cap}"
-
-
-def _manifest(size: int) -> bytes:
-    return json.dumps({"files": {NAME: {"size": size}}}).encode()
+    n = size - 4096
+    tensors = {"data": {"file": NAME, "dtype": "U8", "shape": [n], "offsets": [0, n]}}
+    state = {"$dict": {"data": {"$tensor": "data"}}}  # (the typed skeleton of {"data": tensor})
+    return Manifest(step=step, state=state, tensors=tensors, files={NAME: FileRecord(size, chunk, crcs, 4096)}
+                    ).to_bytes()
 
 
 def _save(target: Any, step: int, data: np.ndarray[Any, Any]) -> None:
     """One step the way a save writes it: claim, upload, check and commit."""
     w = target.begin(step)
     try:
-        w.write_files([(NAME, data)], 16 << 20)
-        w.commit(_manifest(data.size))
+        crcs = w.write_files([(NAME, data)], 16 << 20, checksum=True)[0]
+        w.commit(_manifest(step, data.size, crcs, 16 << 20))
     except BaseException:
         w.abort()
         raise
@@ -108,15 +85,6 @@ def _rotate(tools: dict[str, Callable[[int], float | None]], repeat: int) -> dic
             times[name].append(took if took is not None else time.perf_counter() - t)
             print(f"  {name}: {times[name][-1]:.2f} s", flush=True)
     return times
-
-
-def _table(title: str, times: dict[str, list[float]], size: int, base: str) -> list[str]:
-    ref = statistics.median(times[base])
-    lines = [title, "", "| tool | s | MB/s | vs " + base + " |", "|---|---|---|---|"]
-    for name, ts in times.items():
-        m = statistics.median(ts)
-        lines.append(f"| {name} | {m:.2f} | {size / m / 1e6:.0f} | {ref / m:.2f}x |")
-    return lines
 
 
 def upload(args: argparse.Namespace, endpoint: str, data: np.ndarray[Any, Any]) -> dict[str, Any]:
@@ -151,24 +119,25 @@ def restore(args: argparse.Namespace, endpoint: str, data: np.ndarray[Any, Any])
     direct = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
     setup: Any = open_target("s3://bench/rs", dict(direct), s3_options=S3Options(part_size=8 << 20))
     _save(setup, 1, data)  # written straight to moto, without the proxy
+    # the file's object: data objects carry the writer's claim token in their names
+    key = next(k for k in setup.raw_fs.ls("bench/rs/step_000000000001/") if NAME.split(".")[0] in k)
     setup.close()
     proxy = _proxy(args, endpoint)
     so = {"endpoint_url": proxy.endpoint, "key": "testing", "secret": "testing"}
     chunk = args.chunk_mib << 20
     opts = S3Options(concurrency=args.concurrency)
     tmp = tempfile.mkdtemp(prefix="bench-s3-")
-    key = "bench/rs/step_000000000001/" + NAME
 
     def ckptmgr_reads(i: int) -> None:
         target: Any = open_target("s3://bench/rs", dict(so), io_threads=args.io_threads, s3_options=opts,
                                   read_only=True)
         try:
             step = target.list_steps()[-1]  # discovery and the manifest, as a restore does
-            json.loads(target.read_manifest(step))
-            size = target.file_size(step, NAME)
+            name = next(iter(json.loads(target.read_manifest(step))["files"]))  # (the committed object's name)
+            size = target.file_size(step, name)
             out = np.empty(size, dtype=np.uint8)
             ranges = [(b, min(size, b + chunk)) for b in range(0, size, chunk)]
-            futures = [target.io_pool.submit(target.read_into, step, NAME, b, [out[b:e]]) for b, e in ranges]
+            futures = [target.io_pool.submit(target.read_into, step, name, b, [out[b:e]]) for b, e in ranges]
             for f in concurrent.futures.as_completed(futures):
                 f.result()
             assert out[-1] == data[-1]
