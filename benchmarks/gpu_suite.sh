@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_suite.sh [--device cpu] [--gib G] OUT_DIR MODE[@old]...
 #
 # Modes:
-#   tests      the CUDA test suite (tests marked cuda)
+#   tests      the CUDA test suite (the tests marked cuda, in every test file that has some)
 #   loadfile   a G GiB (default 4) bf16 file written by safetensors in /dev/shm, loaded onto the GPU by
 #              ckptmgr.load_file, fastsafetensors (nogds; skipped with a note where it cannot be
 #              imported) and safetensors.load_file: seconds, GB/s, peak host memory growth
@@ -88,9 +88,9 @@ mode() {
   local m="$1" t="$2" is_old="$3" tree="$4" r="$rounds" o="$out/$1$2"
   case "$m" in
     tests)
-      cd "$tree" && python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_cuda_snapshot.py \
-        tests/test_cuda_restore_trust.py tests/test_landing.py tests/test_restore_many_small.py tests/test_window_reads.py \
-        tests/test_lightning_cuda.py tests/test_tier_ram.py tests/test_hf_trainer.py 2>&1 | tee "$o.txt" ;;
+      # every test file with CUDA tests (marked cuda), found by their mark
+      cd "$tree" && python3 -P -m pytest -q -p no:cacheprovider -m cuda $(grep -l "mark.cuda" tests/test_*.py) 2>&1 \
+        | tee "$o.txt" ;;
     loadfile)
       python3 benchmarks/bench_restore.py --writer safetensors --dtype bf16 --gib "$gib" --sources shm \
         --repeat "$r" --device "$device" --shm-dir "/dev/shm/ckptmgr-suite-loadfile$t" --out "$o.json" 2>&1 | tee "$o.txt" ;;
