@@ -296,11 +296,16 @@ class CheckpointManager:
             return SaveHandle(self._saver.save(manifest, plan, sizes, block=block, t0=t0, commit=join,
                                                schedule=self._schedule, durable=durable))
         made = self._saver.pool.allocations
+        t_call = time.perf_counter()
         ticket = self._saver.save(manifest, plan, sizes, block=block, t0=t0, commit=join, schedule=self._budget,
                                   durable=durable)
         if ticket.skipped:  # (nothing staged: no cost to measure, no write to wait for)
             return SaveHandle(ticket)
-        self._budget.saved(step, allocated=self._saver.pool.allocations != made)
+        allocated = self._saver.pool.allocations != made
+        # a save that made its slot: the call was the allocation (the copies run on), paid once; with
+        # block=True the call also waited for the copies, so it tells nothing apart
+        self._budget.saved(step, allocated=allocated,
+                           one_time_s=time.perf_counter() - t_call if allocated and not block else None)
         if durable:  # (asked for, past the planner: its durable interval counts from here too)
             self._budget.durable_asked(step)
         ticket.future.add_done_callback(lambda f: self._budget_done(step, t0, f))

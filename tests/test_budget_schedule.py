@@ -83,7 +83,7 @@ class Loop:
 
     def __init__(self, schedule: Schedule, *, step_s: Callable[[int], float], cost_s: Callable[[int], float],
                  bandwidth: Callable[[int], float] = lambda k: 1 * GB, nbytes: int = 5 * GB,
-                 tiered: bool = True) -> None:
+                 tiered: bool = True, one_time_s: float | None = None) -> None:
         self.t = 0.0
         self.p = BudgetPlanner(schedule, clock=lambda: self.t, tiered=tiered)
         self.step_s, self.cost_s, self.bandwidth, self.nbytes = step_s, cost_s, bandwidth, nbytes
@@ -94,6 +94,7 @@ class Loop:
         self.superseded: list[int] = []
         self.extra = 0.0  # cost the next step pays
         self.cost_total = 0.0
+        self.one_time_s = one_time_s  # what the first save's allocation took, as the manager reports it
 
     def _deliver(self) -> None:
         while self.writing is not None and self.writing[2] <= self.t:
@@ -114,7 +115,8 @@ class Loop:
             if self.p.should_save(k):
                 self.saves.append(k)
                 durable = self.p.durable(k, None)  # as the saver asks, inside save()
-                self.p.saved(k, allocated=len(self.saves) == 1)  # the first save makes its slot
+                first = len(self.saves) == 1  # the first save makes its slot
+                self.p.saved(k, allocated=first, one_time_s=self.one_time_s if first else None)
                 self.extra = self.cost_s(k)
                 if durable and self.writing is None:
                     self.writing = (k, self.t, self.t + self.nbytes / self.bandwidth(k))
@@ -146,6 +148,17 @@ def test_the_first_save_allocating_is_not_charged_and_cost_is_probed_one_window_
     loop.run(range(WARMUP + 3 * (WINDOW + 1)))
     assert loop.saves[:2] == [WARMUP, WARMUP + WINDOW]  # the second save measures the cost
     assert loop.p.save_cost_s == pytest.approx(0.03)
+
+
+def test_a_first_save_whose_allocation_time_is_known_measures_the_cost_without_a_probe():
+    """The manager times a save that makes its staging slot: that time comes off the save's
+    window, the rest is what a save costs, and the plan follows from the first save."""
+    loop = Loop(Schedule(max_overhead=0.01), step_s=lambda k: 0.05,
+                cost_s=lambda k: 5.03 if k == WARMUP else 0.03, one_time_s=5.0)  # 5 s allocation + 0.03 s copy
+    loop.run(range(WARMUP + 200))
+    assert loop.saves[:2] == [WARMUP, WARMUP + 60]  # no probing save: the next at the planned interval
+    assert loop.p.save_cost_s == pytest.approx(0.03)
+    assert loop.p.stats()["overhead"] * (loop.t - 0.05) == pytest.approx(loop.cost_total, rel=0.02)  # all of it told
 
 
 def test_the_interval_follows_a_step_time_that_changes_mid_run():

@@ -19,7 +19,10 @@ What is measured, and how:
 * the cost of a save to the loop: what the :data:`WINDOW` step intervals after a save took
   beyond the step time (the ``save()`` call itself, ``wait_staged()``, and the copies'
   contention with the next steps). A save that allocated its staging slot (the first one,
-  a slot added) is not counted: that cost is paid once;
+  a slot added) pays a cost once: the seconds it spent making the slot are taken off its
+  window when the caller knows them (the manager does: a save that allocates is timed), so
+  the first save measures what a save costs; a save whose one-time part is not known is
+  not counted, and the next save measures;
 * the durable write time: from a step's end of staging (or the previous durable commit,
   whichever is later: one writer) to its durable commit, and its bytes per second. A write
   slower than the estimate replaces it at once (a bandwidth that drops must not break the
@@ -190,7 +193,7 @@ class BudgetPlanner:
         self._prev: tuple[int, float] | None = None  # the last should_save step and its time
         self._intervals = 0  # step intervals measured
         self._warm: list[float] = []  # the first WARMUP of them
-        self._window: list[float] | None = None  # [intervals left, extra seconds so far, count it]
+        self._window: list[float] | None = None  # see saved()
         self._last_save: tuple[int, float] | None = None
         self._first_save_t: float | None = None
         self._saves = 0
@@ -297,17 +300,22 @@ class BudgetPlanner:
         w, self._window = self._window, None
         if w is None:
             return
-        self._cost_total += w[1]
+        self._cost_total += w[1] + w[3]
         if w[2]:
-            self.save_cost_s = w[1] if self.save_cost_s is None else (1 - ALPHA) * self.save_cost_s + ALPHA * w[1]
+            cost = max(0.0, w[1])
+            self.save_cost_s = cost if self.save_cost_s is None else (1 - ALPHA) * self.save_cost_s + ALPHA * cost
 
-    def saved(self, step: int, *, allocated: bool = False) -> None:
+    def saved(self, step: int, *, allocated: bool = False, one_time_s: float | None = None) -> None:
         """A save of ``step`` was made (after the should_save call of its step).
-        ``allocated``: it made staging memory (a one-time cost: not charged to saves)."""
+        ``allocated``: it made staging memory, a one-time cost that is not charged to saves:
+        ``one_time_s``, the seconds that took, is taken off what the save's window measures;
+        None (not known): the save is not counted at all."""
         now = self._clock()
+        one_time = max(0.0, one_time_s or 0.0) if allocated else 0.0
         with self._lock:
             self._close_window()
-            self._window = [float(WINDOW), 0.0, 0.0 if allocated else 1.0]
+            # [intervals left, extra seconds so far less the one-time part, count it, the one-time part]
+            self._window = [float(WINDOW), -one_time, 0.0 if allocated and one_time_s is None else 1.0, one_time]
             self._last_save = (step, now)
             self._saves += 1
             if self._first_save_t is None:
