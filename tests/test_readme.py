@@ -282,6 +282,7 @@ def test_readme_links_a_guide_per_integration_and_takes_its_figures_from_the_res
     usage = text[:text.index("\n## Benchmarks\n")]
     assert not re.findall(r"\d+(?:\.\d+)?\s?(?:%|GB/s)", usage)
     assert not re.findall(r"\b\d+\.\d+ s\b", usage)  # (timeouts such as "60 s" are not figures)
+    assert not re.findall(r"\b\d+(?:\.\d+)?\s?ms\b", usage)  # step and copy times
     with open(os.path.join(here, "benchmarks", "results", "h200-2026-11-23i", "report", "summary.json")) as f:
         metrics = json.load(f)["metrics"]
     values = [v for m in metrics.values() for v in m.values() if isinstance(v, (int, float))]
