@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from ckptmgr import CheckpointManager
+
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 README_ROOT = "/data/run1/checkpoints"
 
@@ -215,6 +217,82 @@ def test_readme_accelerate_snippet_runs_on_a_first_and_a_second_run(tmp_path):
     assert same(str(tmp_path / "ref.pt"), str(tmp_path / "second.pt"))
 
 
+
+CALLBACK_PRELUDE = """
+import sys
+import torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+forwards = 0
+
+class Out:
+    def __init__(self, loss):
+        self.loss = loss
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        global forwards
+        forwards += 1
+        print("forward", forwards, flush=True)
+        if forwards == pause_at:  # hold here until the test has signalled
+            sys.stdin.readline()
+        return Out((self.lin(x) - x[:, :1]).pow(2).mean())
+
+model = Net()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
+state = {"model": model, "optim": opt, "sched": sched}
+batch = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+total_steps = int(sys.argv[1])
+pause_at = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+"""
+CALLBACK_POSTLUDE = """
+torch.save(model.state_dict(), sys.argv[2])
+print("done", ckpt.resumed_step, forwards, flush=True)
+"""
+
+
+def callback_snippet(tmp_path, root: str) -> str:
+    """The README's plain-loop block, saving into ``root`` every 5 steps instead of every 500."""
+    block = readme_block("### Plain loops: `CheckpointCallback`")
+    assert README_ROOT in block and "every_n_steps=500" in block
+    block = block.replace(README_ROOT, root).replace("every_n_steps=500", "every_n_steps=5")
+    path = tmp_path / f"callback-{os.path.basename(root)}.py"
+    path.write_text(CALLBACK_PRELUDE + block + CALLBACK_POSTLUDE)
+    return str(path)
+
+
+def test_readme_callback_snippet_stops_on_sigterm_and_resumes_after_the_step_it_saved(tmp_path):
+    """The plain-loop block as written: a first run (nothing to resume) stopped by a SIGTERM
+    saves the step it is in and ends cleanly; the second run resumes after it and ends where a
+    run never interrupted ends."""
+    ref = str(tmp_path / "ref.pt")
+    assert run_snippet(callback_snippet(tmp_path, str(tmp_path / "ref")), 23, ref).split()[-3:] == [
+        "done", "None", "23"]  # one run, never interrupted
+    root = str(tmp_path / "preempted")
+    path = callback_snippet(tmp_path, root)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen([sys.executable, path, "23", str(tmp_path / "unused.pt"), "8"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdin is not None and proc.stdout is not None
+    for line in proc.stdout:
+        if line == "forward 8\n":  # step 7's forward, held until the signal is sent
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(input="go\n", timeout=300)
+    assert proc.returncode == 0, out
+    assert out.split()[-3:] == ["done", "None", "8"]  # a first run: nothing resumed; stopped after step 7
+    with CheckpointManager(root, read_only=True) as mgr:
+        assert mgr.latest_step() == 7  # the step it was in, durable before it stopped (5 may be superseded)
+    resumed = run_snippet(path, 23, str(tmp_path / "resumed.pt"))
+    assert resumed.split()[-3:] == ["done", "7", "15"]  # steps 8-22
+    assert same(ref, str(tmp_path / "resumed.pt"))
+
+
 # --- what the examples and the README tell users to install ---
 
 def _dists(extras: dict, names: list[str]) -> set[str]:
@@ -282,6 +360,7 @@ def test_readme_links_a_guide_per_integration_and_takes_its_figures_from_the_res
     usage = text[:text.index("\n## Benchmarks\n")]
     assert not re.findall(r"\d+(?:\.\d+)?\s?(?:%|GB/s)", usage)
     assert not re.findall(r"\b\d+\.\d+ s\b", usage)  # (timeouts such as "60 s" are not figures)
+    assert not re.findall(r"\b\d+(?:\.\d+)?\s?ms\b", usage)  # step and copy times
     with open(os.path.join(here, "benchmarks", "results", "h200-2026-11-23i", "report", "summary.json")) as f:
         metrics = json.load(f)["metrics"]
     values = [v for m in metrics.values() for v in m.values() if isinstance(v, (int, float))]
