@@ -1,6 +1,7 @@
 """Restore into a target through the skeleton matcher (``match_target``): the same checks,
 messages and results as checking the tree rebuilt with placeholders (``check_target``) and
-applying the loaded tree (``apply_target``), which a multi-rank restore still uses.
+applying the loaded tree (``apply_target``): the rules the walk applies to the parts it
+rebuilds, applied to the whole tree.
 
 A differential test compares the two on random states and random targets derived from
 them (changed dtypes and shapes, missing and extra keys, other kinds of values, empty
@@ -32,9 +33,9 @@ from manifest_tools import signed_bytes
 from ckptmgr import CheckpointCorruptError, CheckpointManager, PerRank, StagingOptions, StateMismatchError
 from ckptmgr.format.layout import DTYPE_TO_ST, ST_TO_DTYPE
 from ckptmgr.format.tree import flatten, unflatten
-from ckptmgr.restore.apply import apply_target, check_target
 from ckptmgr.restore.loaders.landing import Entry, usable_dest
-from ckptmgr.restore.match import match_target
+from ckptmgr.restore.target import match_target
+from ckptmgr.restore.values import apply_target, check_target
 
 NO_TIER = StagingOptions(local_tier=False)
 CI = settings(max_examples=300, deadline=None, derandomize=True, database=None,
