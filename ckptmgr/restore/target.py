@@ -103,7 +103,7 @@ class TargetPlan:
 
     def finish(self, tensors: Mapping[str, torch.Tensor]) -> Any:
         """Copy into the target what did not land there, call ``load_state_dict`` on its
-        Stateful objects, and return the target-shaped result (as :func:`apply_target`).
+        Stateful objects, and return the target-shaped result (as :func:`~ckptmgr.restore.values.apply_target`).
         Call once, after every byte verified.
 
         The loaders may already have written into the target, so nothing here may fail on
@@ -401,7 +401,7 @@ def match_target(target: Any, skeleton: Any, index: Mapping[str, Any], *, allow_
     """Match ``target`` against a checkpoint's typed ``skeleton`` and tensor ``index`` (the
     manifest's ``state`` and ``tensors``, validated), before a single byte is read.
 
-    Checks and messages are those of :func:`check_target` over the skeleton rebuilt with
+    Checks and messages are those of :func:`~ckptmgr.restore.values.check_target` over the skeleton rebuilt with
     placeholders, in one walk that builds no placeholder for a tensor the target holds.
 
     Raises:
