@@ -1,64 +1,43 @@
-"""CheckpointManager: the one object users hold. It orchestrates; it owns no I/O.
+"""CheckpointManager: the one object users hold. It validates and orchestrates; it owns no I/O.
 
-save:    validate -> flatten -> plan -> Saver (stage; the persist thread writes and commits)
-restore: discover -> manifest -> read + verify -> assemble -> unflatten -> apply to target
+save:    validate -> save_request (flatten, plan, manifest) -> Saver (stage; the persist thread commits)
+restore: validate -> discover (which step, which route) -> Restorer (read + verify) -> the target walk
 
-What each part owns is in docs/ARCHITECTURE.md: the :class:`~ckptmgr.save.saver.Saver` the
-slots, the staging and the persist thread; the :class:`~ckptmgr.restore.restorer.Restorer`
-the read side; the :class:`~ckptmgr.retention.deleter.Deleter` retention. The manager holds
-no lock of its own.
+Its parts are opened in :mod:`ckptmgr.parts` and closed in :mod:`ckptmgr.shutdown`. What each
+owns is in docs/ARCHITECTURE.md: the :class:`~ckptmgr.save.saver.Saver` the slots, the staging
+and the persist thread; the :class:`~ckptmgr.restore.restorer.Restorer` the read side; the
+:class:`~ckptmgr.retention.deleter.Deleter` retention. The manager holds no lock of its own.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from . import __version__
 from . import _lifecycle as lifecycle
-from ._threads import collector_paused
-from .distributed.coordinator import Coordinator, coordinator_for, rank_file_prefix, rank_prefix
-from .distributed.peer_restore import restore_newest_peer
-from .distributed.replicate import PeerOptions, start_peers
-from .distributed.restore import RankRestore
-from .distributed.save import CoordinatedCommit, fingerprints, share_of
-from .errors import CkptTimeoutError, ConfigError, StepNotFoundError
-from .format.layout import Plan, plan_layout
+from .discover import check_step, listed_steps, resolve_step, restore_device, route_restore
+from .distributed.replicate import PeerOptions
+from .errors import ConfigError, StepNotFoundError
 from .format.manifest import Manifest
-from .format.naming import MAX_STEP
-from .format.tree import decode_plain, encode_plain, flatten
+from .format.tree import decode_plain
 from .handle import SaveHandle
-from .options import S3Options, Schedule, StagingOptions, WriteOptions, option_or_default
-from .restore.loaders import PinnedRing
-from .restore.restorer import LOADERS, Restorer
-from .retention import KeepAll, RetentionPolicy
-from .retention.deleter import Deleter, StepGuard
-from .save.budget import BudgetPlanner
-from .save.persist import PersistJob, SaveInfo, StepCommit
-from .save.saver import Saver
-from .save.slots import AUTO_MAX_SLOTS
-from .storage import Target, open_target
-from .storage.cufile import enable_writer
-from .storage.tier import LocalTier, open_local_tier
+from .options import S3Options, Schedule, StagingOptions, WriteOptions
+from .parts import Parts, adopt_leftovers, open_parts
+from .retention import RetentionPolicy
+from .save_request import plan_state, submit
+from .shutdown import begin_close, close_parts, raise_unobserved, wait_pending
+from .storage import Target
+from .storage.tier import LocalTier
 
 __all__ = ["CLOSE_TIMEOUT_S", "CheckpointManager"]
 
 log = logging.getLogger("ckptmgr")
 
 CLOSE_TIMEOUT_S = 600.0  # how long close(), ``with`` and the exit hook wait for pending writes by default
-
-
-def _check_step(step: object, what: str = "step") -> None:
-    if type(step) is not int or not 0 <= step < MAX_STEP:
-        raise ConfigError(f"{what} must be an int in [0, 10**12) (what 12-digit step directory names order), "
-                          f"got {step!r:.60} ({type(step).__name__})")
 
 
 class CheckpointManager:
@@ -132,70 +111,19 @@ class CheckpointManager:
         schedule: Schedule | None = None,
         peers: PeerOptions | None = None,
     ) -> None:
-        retention = option_or_default(retention, RetentionPolicy, "retention", KeepAll)
-        write_options = option_or_default(write_options, WriteOptions, "write_options", WriteOptions)
-        staging = option_or_default(staging, StagingOptions, "staging", StagingOptions)
-        s3_options = option_or_default(s3_options, S3Options, "s3_options", None)
-        storage_options = option_or_default(storage_options, dict, "storage_options", None)
-        if close_timeout is not None and (not isinstance(close_timeout, (int, float)) or isinstance(close_timeout, bool)
-                                          or math.isnan(close_timeout) or close_timeout < 0):
-            raise ConfigError(f"close_timeout must be None or a number >= 0, got {close_timeout!r}")
-        self._opts = write_options
-        self._allow_pickle = bool(allow_pickle)
-        self._close_timeout = close_timeout
+        self._p: Parts = open_parts(root, retention=retention, storage_options=storage_options,
+                                    write_options=write_options, staging=staging, s3_options=s3_options,
+                                    allow_pickle=allow_pickle, process_group=process_group,
+                                    coordination_timeout=coordination_timeout, close_timeout=close_timeout,
+                                    read_only=read_only, schedule=schedule, peers=peers)
         self._closed = False
-        self._target = open_target(str(root) if hasattr(root, "__fspath__") else root,
-                                   storage_options, io_threads=write_options.io_threads,
-                                   direct_io=write_options.direct_io, s3_options=s3_options,
-                                   read_only=read_only)
-        self.root = self._target.url
-        self.read_only = self._target.read_only
-        if write_options.gds and not self.read_only:
-            enable_writer(self._target, self.root)
-        self._coord = coordinator_for(process_group, coordination_timeout)
-        self._peers = start_peers(peers, self._coord, staging.local_dir, self.root, write_options.chunk_size,
-                                  self.read_only)
-        if self._coord is not None or self.read_only:
-            # one tier per node would be shared by its ranks; a reader writes nothing: none
-            staging = dataclasses.replace(staging, local_tier=False)
-        durable = self._start_up()  # the last listing save() relies on (it lists nothing)
-        self._staging_opts = staging
-        self._schedule: Schedule = option_or_default(schedule, Schedule, "schedule", Schedule)
-        self._guard = StepGuard()
-        self._deleter = Deleter(self._target, retention, self._guard, on_deleted=lambda s: self._saver.forget(s))
-        self._tier = open_local_tier(staging, self.root)
-        self._budget = BudgetPlanner(self._schedule, tiered=self._tier is not None) if self._schedule.budget else None
-        self._saver = Saver(self._target, self._tier, staging, chunk_size=write_options.chunk_size,
-                            deleter=self._deleter, guard=self._guard, durable=durable,
-                            retention=self._coord is None or self._coord.is_leader)  # rank 0 decides retention
-        # restore onto a GPU: up to 12 readers (16 read slower on an H200), each pinning a 16 MiB buffer
-        # at its first use
-        self._ring = PinnedRing(min(12, os.cpu_count() or 1), max(write_options.chunk_size, 16 << 20))
-        self._restorer = Restorer(self._target, self._tier, self._guard, self._ring, self._allow_pickle,
-                                  RankRestore(self._coord))
+        self.root = self._p.root
+        self.read_only = self._p.target.read_only
+        # (the parts the rest of the package and its tests reach through the manager)
+        self._target, self._tier, self._saver = self._p.target, self._p.tier, self._p.saver
+        self._ring, self._restorer = self._p.ring, self._p.restorer
         lifecycle.close_at_exit(self)
-        if self._tier is not None:  # slots an earlier process left committed: adopt, write out the newer
-            root_id = self._target.root_id()  # (read only: a root gets its identity with its first commit)
-            # (a step the listing skipped, unreadable now, is not "deleted from the root": its tier copy stays)
-            unreadable = set(getattr(self._target, "skipped", {}))
-            found = self._tier.scan(staging.slots or AUTO_MAX_SLOTS, root_id=root_id, root_is_empty=not durable,
-                                    durable=set(durable) | unreadable)
-            self._saver.adopt(found, set(durable), root_id, on_mapped=self._restorer.check_adopted)
-
-    def _start_up(self) -> list[int]:
-        """Remove leftovers of interrupted saves whose writers are gone, then list the
-        committed steps; in a multi-rank job rank 0 does both and the others receive the
-        listing (one LIST per start, whatever the number of ranks)."""
-        c = self._coord
-        durable: list[int] = []
-        if c is None or c.is_leader:
-            removed = self._target.cleanup()
-            if removed:
-                log.info("removed %d leftovers of interrupted saves under %s", len(removed), self.root)
-            durable = self._target.list_steps()
-        if c is not None:
-            durable = c.broadcast(durable, "start-up (leftover cleanup and listing)")
-        return durable
+        adopt_leftovers(self._p)
 
     def _check_writable(self, what: str) -> None:
         if self.read_only:
@@ -221,9 +149,10 @@ class CheckpointManager:
         (achieved: the share of the loop's time saves added), ``budget_step_s``,
         ``budget_save_cost_s``, ``budget_durable_write_s``, ``budget_durable_bytes_per_s``.
         """
-        budget = {} if self._budget is None else {f"budget_{k}": v for k, v in self._budget.stats().items()}
-        peers = self._peers.stats() if self._peers is not None else {}
-        return {**self._saver.stats(), "slots": len(self._saver.pool.slots), "deleted": len(self._deleter.deleted),
+        p = self._p
+        budget = {} if p.budget is None else {f"budget_{k}": v for k, v in p.budget.stats().items()}
+        peers = p.peers.stats() if p.peers is not None else {}
+        return {**p.saver.stats(), "slots": len(p.saver.pool.slots), "deleted": len(p.deleter.deleted),
                 "skipped_steps": len(self.skipped_steps()), **budget, **peers}
 
     def skipped_steps(self) -> dict[int, str]:
@@ -231,7 +160,7 @@ class CheckpointManager:
         (another user's, mode 000), and those retention could not judge or delete in its
         last attempt. Each is logged once as a warning; the other steps are listed,
         restored and deleted as usual."""
-        return {**getattr(self._target, "skipped", {}), **self._deleter.skipped}
+        return {**getattr(self._target, "skipped", {}), **self._p.deleter.skipped}
 
     # ---------------------------------------------------------------- save
 
@@ -277,59 +206,22 @@ class CheckpointManager:
         t0 = time.perf_counter()  # SaveInfo.blocked_s counts everything from here
         self._check_open()
         self._check_writable(f"save step {step!r}")
-        _check_step(step)
+        check_step(step)
         if metadata is not None and not isinstance(metadata, dict):
             raise ConfigError(f"metadata must be a dict, got {type(metadata).__name__}")
         if not isinstance(block, bool):
             raise ConfigError(f"block must be a bool, got {block!r}")
         if durable is not None and not isinstance(durable, bool):
             raise ConfigError(f"durable must be None or a bool, got {durable!r}")
-        self._raise_unobserved()
+        raise_unobserved(self._p)
         self._saver.check_new(step)
-        meta_json = encode_plain(metadata or {}, what="metadata")
-        skeleton, plan, sizes, fps = self._plan(state)
-        manifest = Manifest(step=step, state=skeleton, tensors=plan.tensor_index(), files={},
-                            metadata=meta_json, library_version=__version__)
-        coord = self._coord
-        join = None if coord is None else self._commit_for(coord, fps)
-        if self._budget is None:
-            return SaveHandle(self._saver.save(manifest, plan, sizes, block=block, t0=t0, commit=join,
-                                               schedule=self._schedule, durable=durable))
-        made = self._saver.pool.allocations
-        t_call = time.perf_counter()
-        ticket = self._saver.save(manifest, plan, sizes, block=block, t0=t0, commit=join, schedule=self._budget,
-                                  durable=durable)
-        if ticket.skipped:  # (nothing staged: no cost to measure, no write to wait for)
-            return SaveHandle(ticket)
-        allocated = self._saver.pool.allocations != made
-        # a save that made its slot: the call was the allocation (the copies run on), paid once; with
-        # block=True the call also waited for the copies, so it tells nothing apart
-        self._budget.saved(step, allocated=allocated,
-                           one_time_s=time.perf_counter() - t_call if allocated and not block else None)
-        if durable:  # (asked for, past the planner: its durable interval counts from here too)
-            self._budget.durable_asked(step)
-        ticket.future.add_done_callback(lambda f: self._budget_done(step, t0, f))
-        return SaveHandle(ticket)
-
-    def _budget_done(self, step: int, t0: float, future: Any) -> None:
-        """(the persist or local-commit thread, or the caller for a skip) Feed a save's outcome
-        to the budget schedule; never raises."""
-        try:
-            info = None if future.cancelled() or future.exception() is not None else future.result()
-            if self._budget is not None:
-                if isinstance(info, SaveInfo):
-                    self._budget.finished(step, durable=info.durable, nbytes=info.bytes, staged_at=t0 + info.staging_s,
-                                          committed_at=t0 + info.total_s, local_s=info.local_s)
-                else:
-                    self._budget.finished(step, durable=False)
-        except Exception as exc:  # bookkeeping only: the save's outcome is told on its handle
-            log.debug("budget schedule: step %d: %s", step, exc)
+        return SaveHandle(submit(self._p, step, state, metadata, block=block, durable=durable, t0=t0))
 
     @property
     def schedule(self) -> Schedule:
         """The manager's :class:`Schedule` (``schedule.budget``: :meth:`should_save` measures
         and decides)."""
-        return self._schedule
+        return self._p.schedule
 
     def should_save(self, step: int) -> bool:
         """Whether the manager's :class:`Schedule` saves ``step`` (every step without one).
@@ -345,36 +237,10 @@ class CheckpointManager:
             ...     if mgr.should_save(step):
             ...         mgr.save(step, state, block=False).wait_staged()
         """
-        _check_step(step)
-        if self._budget is not None:
-            return self._budget.should_save(step)
-        return self._schedule.should_save(step)
-
-    def _commit_for(self, coord: Coordinator, fps: dict[str, str]) -> Callable[[PersistJob], StepCommit]:
-        """How a multi-rank save's job is committed: every rank's agreement, after the peer
-        tier's RAM copy where there is one."""
-        peers, target = self._peers, self._target
-
-        def make(job: PersistJob) -> StepCommit:
-            commit: StepCommit = CoordinatedCommit(coord, target, fps, job)
-            return commit if peers is None else peers.track(job, commit)
-        return make
-
-    def _plan(self, state: Any) -> tuple[Any, Plan, list[int], dict[str, str]]:
-        """Skeleton, this rank's file plan, file sizes, and (multi-rank) the fingerprints of
-        small replicated tensors that the commit compares across ranks."""
-        c = self._coord
-        skeleton, leaves = flatten(state, allow_pickle=self._allow_pickle, rank_prefix=rank_prefix(c.rank) if c else "")
-        fps: dict[str, str] = {}
-        if c is not None:  # this rank writes its own tensors and its share of the replicated ones
-            fps = fingerprints(leaves)
-            leaves = share_of(leaves, c.rank, c.world)
-        plan = plan_layout(leaves, max_file_bytes=self._opts.max_file_bytes, files_hint=self._opts.io_threads,
-                           metadata={"format": "pt", "ckptmgr_format_version": "1"},
-                           file_prefix=rank_file_prefix(c.rank) if c else "data-")
-        sizes = [f.size for f in plan.files]
-        self._saver.pool.check_capacity(sizes)
-        return skeleton, plan, sizes, fps
+        check_step(step)
+        if self._p.budget is not None:
+            return self._p.budget.should_save(step)
+        return self._p.schedule.should_save(step)
 
     def prepare(self, state: Any) -> None:
         """Reserve and pin the staging slots for ``state`` now, in the background, so that
@@ -390,16 +256,8 @@ class CheckpointManager:
             CapacityError: the state does not fit ``StagingOptions.max_host_bytes``.
         """
         self._check_open()
-        _, plan, sizes, _ = self._plan(state)
+        _, plan, sizes, _ = plan_state(self._p, state)
         self._saver.prepare(sizes, plan)
-
-    def _raise_unobserved(self) -> None:
-        deletion_error = self._deleter.take_error()
-        if deletion_error is not None:
-            raise deletion_error
-        err = self._saver.take_failure()
-        if err is not None:
-            raise err
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save has committed (or failed), every :meth:`prepare`
@@ -411,12 +269,7 @@ class CheckpointManager:
             StorageError: a retention deletion failed and nobody has been told yet.
             CkptTimeoutError: still pending after ``timeout`` seconds.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._saver.wait(timeout)
-        if self._peers is not None:  # (and their copies in the peer tier)
-            self._peers.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self._deleter.drain(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self._raise_unobserved()
+        wait_pending(self._p, timeout)
 
     def flush(self, timeout: float | None = None) -> int | None:
         """Make the newest committed step durable now, if the local tier holds its only copy
@@ -449,20 +302,20 @@ class CheckpointManager:
         """
         self._check_open()
         self._check_writable("apply the retention policy")
-        if self._coord is None or self._coord.is_leader:  # rank 0 decides retention
-            self._deleter.schedule()
-            self._deleter.drain(None)
-        self._raise_unobserved()
+        if self._p.coord is None or self._p.coord.is_leader:  # rank 0 decides retention
+            self._p.deleter.schedule()
+            self._p.deleter.drain(None)
+        raise_unobserved(self._p)
 
     # ---------------------------------------------------------- protection
 
     def _set_protection(self, step: int, protected: bool) -> None:
         self._check_open()
         self._check_writable(f"{'protect' if protected else 'unprotect'} step {step!r}")
-        _check_step(step)
+        check_step(step)
         if self._saver.defer_protection(step, protected):  # applied when it commits
             return
-        with self._guard.marking(step) as ok:
+        with self._p.guard.marking(step) as ok:
             if not ok:
                 raise StepNotFoundError(f"step {step} under {self.root} is being deleted by the retention policy")
             self._target.set_protected(step, protected)
@@ -492,7 +345,7 @@ class CheckpointManager:
     def is_protected(self, step: int) -> bool:
         """Whether ``step`` is protected from retention."""
         self._check_open()
-        _check_step(step)
+        check_step(step)
         return self._saver.protection_pending(step) or self._target.is_protected(step)
 
     # ------------------------------------------------------------- discover
@@ -501,16 +354,7 @@ class CheckpointManager:
         """Committed steps, ascending, as the storage shows them now: the durable target's
         and, when there is one, the local tier's. In a multi-rank job, rank 0's listing."""
         self._check_open()
-        if self._coord is not None:
-            return self._coord.broadcast(sorted(self._committed_steps()) if self._coord.is_leader else [], "steps()")
-        return sorted(self._committed_steps())
-
-    def _committed_steps(self) -> set[int]:
-        # the tier first: a step leaves it only once durable or superseded by a newer commit,
-        # so the newest step listed never goes back while a save moves it between the two
-        local = set(self._tier.steps()) if self._tier is not None else set()
-        peers = set(self._peers.replicated()) if self._peers is not None else set()
-        return set(self._target.list_steps()) | local | peers
+        return listed_steps(self._p)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none."""
@@ -532,13 +376,7 @@ class CheckpointManager:
 
     def _resolve_step(self, step: int | None) -> int:
         self._check_open()
-        if step is None:
-            latest = self.latest_step()
-            if latest is None:
-                raise StepNotFoundError(f"no committed checkpoint under {self.root}")
-            return latest
-        _check_step(step, "step (or None)")
-        return step
+        return resolve_step(self._p, step)
 
     # -------------------------------------------------------------- restore
 
@@ -589,23 +427,9 @@ class CheckpointManager:
             StateMismatchError: ``target`` does not match; it has not been modified.
             ConfigError: PerRank values at another world size without ``rank_map``.
         """
-        dev = torch.device(device) if device is not None else None
-        if loader not in LOADERS:
-            raise ConfigError(f"loader must be one of {', '.join(map(repr, LOADERS))}, got {loader!r}")
-        if loader in ("inplace", "ring", "gds") and dev is None and target is None:
-            raise ConfigError(f"loader={loader!r} loads onto a device: pass device= or a target")
-        with collector_paused():  # (see _threads: the collector finds nothing to free in what a restore builds)
-            if self._peers is not None and self._coord is not None:  # each rank's shard from the nearest tier
-                self._check_open()
-                durable = self._coord.broadcast(sorted(self._target.list_steps()) if self._coord.is_leader else [],
-                                                "restore (the durable listing)")
-                return restore_newest_peer(self._peers, self._restorer, self._coord, durable, target, dev, loader,
-                                           rank_map, None if step is None else self._resolve_step(step))
-            if step is not None:
-                return self._restorer.restore_step(self._resolve_step(step), target, dev, loader, rank_map)
-            if self._coord is None:
-                self._check_open()
-            return self._restorer.restore_newest(self.steps(), target, dev, loader, rank_map)
+        dev = restore_device(target, device, loader)
+        self._check_open()
+        return route_restore(self._p, step, target, dev, loader, rank_map)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -644,56 +468,18 @@ class CheckpointManager:
         """
         if self._closed:
             return
-        if timeout is None:
-            timeout = self._close_timeout
-        if timeout is not None and math.isinf(timeout):
-            timeout = None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if flush and not self.read_only:
-            try:
-                self._saver.flush(failed_too=False)  # (a failed write was told already, and is kept)
-            except Exception as exc:  # (the newest step stays in the local tier: said below)
-                log.warning("could not make the newest step durable before closing: %s: %s", type(exc).__name__, exc)
+        timeout, deadline = begin_close(self._p, self._p.close_timeout if timeout is None else timeout,
+                                        flush and not self.read_only)
         self._closed = True
         lifecycle.forget(self)
         self._restorer.cancel_checks()  # (of adopted slots: not needed any more)
         try:
-            lost, kept = self._saver.close(timeout)  # (lost: still being written; kept: failed, in the tier)
+            close_parts(self._p, timeout, deadline)
         except BaseException:
             if not self._saver.closing:  # interrupted while waiting for the writes (logged): still open
                 self._closed = False
                 lifecycle.close_at_exit(self)
             raise
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            self._deleter.drain(left)
-        except CkptTimeoutError:
-            left = 0
-        deleting = not self._deleter.close(left)
-        hung = self._saver.hung
-        if not hung:
-            self._ring.close()
-        if self._tier is not None:
-            if kept:
-                log.warning("steps %s were never written to %s; they stay only in the local tier %s (RAM: a reboot "
-                            "loses them, another node does not see them) until the next start on this root, on "
-                            "this node, writes them. To write them now: mgr.flush() or close(flush=True) before "
-                            "closing, or `ckptmgr flush %s` on this node", kept, self.root, self._tier.path, self.root)
-            self._tier.close(remove=not kept and not hung, wait=not hung)
-        if not hung and not deleting:
-            self._target.close()
-        if self._peers is not None:
-            self._peers.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if self._coord is not None:
-            self._coord.destroy()
-        for step, fate in lost.items():
-            log.error("gave up waiting for the write of step %d to %s after %s s: it %s",
-                      step, self.root, timeout, fate)
-        self._raise_unobserved()
-        if lost or deleting:
-            what = [f"step {s} {fate}" for s, fate in lost.items()] + (["a retention deletion"] if deleting else [])
-            raise CkptTimeoutError(f"closed the manager for {self.root} after {timeout} s with work unfinished: "
-                                   + "; ".join(what))
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -153,11 +153,11 @@ def _model_state(seed):
 
 @pytest.mark.parametrize("loader", ["ring", "inplace", "host"])
 def test_restore_into_a_target_writes_its_own_tensors(root, loader, monkeypatch):
-    import ckptmgr.restore.apply as restore_mod
+    import ckptmgr.restore.values as restore_mod
 
     copies = []  # second copies from a loaded tensor into the target
-    real_copy = restore_mod._copy
-    monkeypatch.setattr(restore_mod, "_copy", lambda d, s: (copies.append(d) if s is not d else None,
+    real_copy = restore_mod.copy_into
+    monkeypatch.setattr(restore_mod, "copy_into", lambda d, s: (copies.append(d) if s is not d else None,
                                                            real_copy(d, s)))
     saved = _model_state(1)
     with CheckpointManager(root, staging=StagingOptions(local_tier=False),

@@ -1,6 +1,7 @@
 """Restore into a target through the skeleton matcher (``match_target``): the same checks,
 messages and results as checking the tree rebuilt with placeholders (``check_target``) and
-applying the loaded tree (``apply_target``), which a multi-rank restore still uses.
+applying the loaded tree (``apply_target``): the rules the walk applies to the parts it
+rebuilds, applied to the whole tree.
 
 A differential test compares the two on random states and random targets derived from
 them (changed dtypes and shapes, missing and extra keys, other kinds of values, empty
@@ -32,9 +33,9 @@ from manifest_tools import signed_bytes
 from ckptmgr import CheckpointCorruptError, CheckpointManager, PerRank, StagingOptions, StateMismatchError
 from ckptmgr.format.layout import DTYPE_TO_ST, ST_TO_DTYPE
 from ckptmgr.format.tree import flatten, unflatten
-from ckptmgr.restore.apply import apply_target, check_target
 from ckptmgr.restore.loaders.landing import Entry, usable_dest
-from ckptmgr.restore.match import match_target
+from ckptmgr.restore.target import match_target, survey_target
+from ckptmgr.restore.values import apply_target, check_target
 
 NO_TIER = StagingOptions(local_tier=False)
 CI = settings(max_examples=300, deadline=None, derandomize=True, database=None,
@@ -459,3 +460,36 @@ def test_dtensors_restore_through_their_local_shard_and_stay_dtensors(root, worl
     assert info.value.problems == [
         "state['w']: the target is torch.float32 [4, 5], the checkpoint torch.float32 [4, 6]"]
     assert not wrong["b"].to_local().any()
+
+
+def test_the_survey_finds_the_targets_tensors_and_each_saved_moments_parameter():
+    """What a multi-rank restore plans with: the target's tensor at each stored name (through
+    Stateful objects), and, for a fresh optimizer whose state is still empty, the parameter
+    each saved DTensor moment belongs to (by the optimizer's parameter index)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    skeleton, _ = flatten({"model": model, "optim": opt}, allow_pickle=False)
+    node = skeleton["$dict"]["optim"]["state"]["$dict"]["state"]["$dict"]
+    for index, (_, moments) in enumerate(node):  # the moments saved as DTensors, under keys
+        for name in ("exp_avg", "exp_avg_sq"):
+            moments["$dict"][name] = {"$dtensor": f"~dtensor/{index}/{name}", "shape": [], "placements": [],
+                                      "mesh": []}
+    fresh = torch.nn.Linear(3, 2)
+    target = {"model": fresh, "optim": torch.optim.AdamW(fresh.parameters())}
+    survey = survey_target(target, skeleton)
+    assert survey.tensors.keys() == {"model/weight", "model/bias"}  # (state_dict(): views of the parameters)
+    assert all(survey.tensors[n].data_ptr() == t.data_ptr() for n, t in (("model/weight", fresh.weight),
+                                                                         ("model/bias", fresh.bias)))
+    assert survey.params.keys() == {f"~dtensor/{i}/{n}" for i in (0, 1) for n in ("exp_avg", "exp_avg_sq")}
+    assert all(survey.params[f"~dtensor/0/{n}"] is fresh.weight for n in ("exp_avg", "exp_avg_sq"))
+    assert all(survey.params[f"~dtensor/1/{n}"] is fresh.bias for n in ("exp_avg", "exp_avg_sq"))
+    assert survey.dtensors == {} and survey.device is None  # no tensor of the target is on a GPU or a DTensor
+    # a target that holds the moments already: they are where the saved ones land
+    target = {"model": model, "optim": opt}
+    survey = survey_target(target, skeleton)
+    moments = opt.state_dict()["state"]
+    assert survey.dtensors.keys() == survey.params.keys()
+    assert all(survey.dtensors[f"~dtensor/{i}/{n}"] is moments[i][n] for i in (0, 1) for n in ("exp_avg", "exp_avg_sq"))

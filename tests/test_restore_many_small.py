@@ -13,7 +13,7 @@ import torch
 from ckptmgr import CheckpointManager, StagingOptions, WriteOptions
 from ckptmgr.restore.loaders import read_tensors_ring
 from ckptmgr.restore.loaders.landing import Dests, Entry, plan_landing
-from ckptmgr.restore.match import match_target
+from ckptmgr.restore.target import match_target
 
 N = 10_000
 NO_TIER = StagingOptions(local_tier=False)

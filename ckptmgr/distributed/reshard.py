@@ -21,8 +21,8 @@ import torch
 from ..errors import CheckpointCorruptError, ConfigError
 from ..format.layout import ST_TO_DTYPE, contiguous_stride
 from ..format.manifest import Manifest
-from ..restore.apply import local_tensor
 from ..restore.loaders.host import view_of
+from ..restore.values import local_tensor
 from .ranged import RangedReads
 from .shards import Box, byte_runs, derive_offsets, intersect, parse_placement, volume
 from .skeletons import SavedDTensor

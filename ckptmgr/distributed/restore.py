@@ -32,17 +32,18 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointCorruptError, CkptError, ConfigError, StateMismatchError, StepNotFoundError
-from ..format.layout import ST_TO_DTYPE, contiguous_stride
+from ..format.layout import DTYPE_TO_ST, contiguous_stride
 from ..format.manifest import Manifest
 from ..format.tree import unflatten
-from ..restore.apply import apply_target, check_target, local_tensor, target_tensors
 from ..restore.loaders.host import view_of
 from ..restore.preflight import Source, preflight
+from ..restore.target import TargetPlan, match_target, survey_target
+from ..restore.values import local_tensor
 from ..restore.verify import verify_files
 from .coordinator import Coordinator, owner_of
 from .ranged import RangedReads
 from .reshard import Dest, box_for, box_of, fill, parse_placements, plan_dtensor, saved_boxes, stored, whole
-from .skeletons import optimizer_params, rank_view, tensor_names
+from .skeletons import rank_view, tensor_names
 
 __all__ = ["RankMap", "RankRestore"]
 
@@ -116,8 +117,11 @@ class _Plan:
     per_rank: list[str]  # stored names of the PerRank tensors this rank takes
     views: list[str]  # names the tree refers to that are views of stored tensors
     dests: dict[str, Dest]  # DTensor key -> what this rank holds of it
-    landing: dict[str, torch.Tensor] = field(default_factory=dict)  # stored name -> the target's tensor there
+    landing: dict[str, torch.Tensor] = field(default_factory=dict)  # stored name -> the target's tensor it lands in
     aligned: bool = False  # every box is the one this rank saved: read its own files as they are
+    target: TargetPlan | None = None  # the match of the target: what finish() copies and loads
+    touches: bool = False  # the target holds tensors where the checkpoint does: bytes land in it
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this rank loads
 
 
 def _rank_source(me: int, world: int, saved: int, rank_map: RankMap | None, paths: list[str], step: int) -> int:
@@ -138,8 +142,8 @@ def _rank_source(me: int, world: int, saved: int, rank_map: RankMap | None, path
     return src
 
 
-def _plan(m: Manifest, coord: Coordinator | None, target: Any, device: torch.device, rank_map: RankMap | None,
-          allow_pickle: bool, where: str) -> _Plan:
+def _plan(m: Manifest, coord: Coordinator | None, target: Any, device: torch.device | None,
+          rank_map: RankMap | None, allow_pickle: bool, where: str) -> _Plan:
     me, world = (coord.rank, coord.world) if coord is not None else (0, 1)
     states = m.rank_states if m.rank_states is not None else [m.state]
     saved = len(states)
@@ -154,9 +158,11 @@ def _plan(m: Manifest, coord: Coordinator | None, target: Any, device: torch.dev
     per_rank = sorted({bases[n] for n in own_names})
     for n in sorted(names | set(replicated) | set(per_rank)):
         stored(m, n, where)  # every name the tree needs is in the index, inside its file
-    originals: dict[str, torch.Tensor] = {}
-    landing = target_tensors(target, skel, originals) if target is not None else {}
-    params = optimizer_params(target, skel) if target is not None else {}
+    survey = survey_target(target, skel) if target is not None else None  # what the target holds where
+    originals = survey.dtensors if survey is not None else {}
+    params = survey.params if survey is not None else {}
+    if device is None:  # where the target's tensors are (the first on a GPU), else the host
+        device = (survey.device if survey is not None else None) or torch.device("cpu")
     meshes: dict[tuple[int, ...], Any] = {}
     problems: list[str] = []
     dests: dict[str, Dest] = {}
@@ -169,25 +175,25 @@ def _plan(m: Manifest, coord: Coordinator | None, target: Any, device: torch.dev
             plan_dtensor(d, shards, me, world == saved, sd.nodes[0]["placements"], where)
         dests[key] = d
     plan = _Plan(skel, replicated, {n: owner_of(m.tensors[n]["file"]) % world for n in replicated}, per_rank,
-                 sorted(n for n in names if "view_of" in m.tensors[n]), dests, landing)
+                 sorted(n for n in names if "view_of" in m.tensors[n]), dests, device=device)
     plan.aligned = world == saved and src == me and all(d.own for d in dests.values())
-    if target is not None:
-        placeholders = {n: _placeholder(m.tensors[n]) for n in names | set(replicated) | set(per_rank)}
+    if survey is not None:
+        # the index the skeleton refers to: the stored tensors, and each DTensor key as the local
+        # shape this rank restores of it
+        index: dict[str, Any] = {n: m.tensors[n] for n in names | set(replicated) | set(per_rank)}
         for key, d in dests.items():
             local = d.local_shape if d.box is not None else tuple(local_tensor(d.target).shape)  # type: ignore[arg-type]
-            placeholders[key] = torch.zeros((), dtype=d.dtype).expand(local)
+            index[key] = {"dtype": DTYPE_TO_ST[d.dtype], "shape": list(local)}
         try:
-            check_target(target, unflatten(skel, placeholders, allow_pickle=allow_pickle, keep_per_rank=True))
+            plan.target = match_target(target, skel, index, allow_pickle=allow_pickle)
         except StateMismatchError as exc:
             problems += [p for p in exc.problems if p not in problems]
         if problems:
             raise StateMismatchError(problems)
+        assert plan.target is not None
+        plan.landing = plan.target.dests
+        plan.touches = bool(survey.tensors)
     return plan
-
-
-def _placeholder(e: dict[str, Any]) -> torch.Tensor:
-    """A stand-in with the stored tensor's dtype and shape and no memory behind it."""
-    return torch.zeros((), dtype=ST_TO_DTYPE[e["dtype"]]).expand([int(x) for x in e["shape"]])
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -258,14 +264,12 @@ def _restore(restorer: Restorer, source: Source, step: int, m: Manifest, target:
     plan: _Plan | None = None
     error: CkptError | None = None
     try:
-        if device is None and target is not None:
-            device = next((t.device for t in target_tensors(target, m.state).values() if t.device.type == "cuda"), None)
-        plan = _plan(m, coord, target, device or torch.device("cpu"), rank_map, restorer.allow_pickle, where)
+        plan = _plan(m, coord, target, device, rank_map, restorer.allow_pickle, where)
     except CkptError as exc:
         error = exc
     _agree(coord, error, f"the target check of step {step}")
     assert plan is not None
-    dev = device or torch.device("cpu")
+    dev = plan.device
     if str(dev) == "cuda":  # no index: the current device
         dev = torch.device("cuda", torch.cuda.current_device())
     loaded: dict[str, torch.Tensor] = {}
@@ -313,8 +317,9 @@ def _restore(restorer: Restorer, source: Source, step: int, m: Manifest, target:
             loaded[name] = view_of(loaded[e["view_of"]], name, e, where)
     for key, d in plan.dests.items():
         loaded[key] = _wrap(d, outs[key])
-    tree = unflatten(plan.skeleton, loaded, allow_pickle=restorer.allow_pickle, keep_per_rank=target is not None)
-    return tree if target is None else apply_target(target, tree)
+    if plan.target is not None:  # copy what did not land in the target, load its Stateful objects
+        return plan.target.finish(loaded)
+    return unflatten(plan.skeleton, loaded, allow_pickle=restorer.allow_pickle)
 
 
 def _vanished(source: Source, step: int, where: str, exc: FileNotFoundError) -> CkptError:
@@ -361,7 +366,7 @@ def _verify_own(restorer: Restorer, source: Source, step: int, own: Manifest, pl
     """This rank's own files: preflight, and when tensors will land in the target, every
     checksum (so that no rank's target changes unless every rank's files verify)."""
     preflight(source, step, own, where)
-    if plan.landing or any(d.target is not None for d in plan.dests.values()):
+    if plan.touches or any(d.target is not None for d in plan.dests.values()):
         verify_files(source, step, own, source.io_pool, int(getattr(source.io_pool, "_max_workers", 8)), where)
 
 

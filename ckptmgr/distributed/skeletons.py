@@ -7,6 +7,9 @@ in step and gives the tree a restoring rank unflattens: the replicated parts, th
 values of the saved rank it takes them from, and each DTensor node renamed to a key
 (``~dtensor/3``) under which the restore puts the assembled tensor. It also lists, per key,
 every saved rank's node, so that the restore knows where each shard lies.
+
+These walks read the saved trees only; the restore's target is walked against the tree by
+:mod:`ckptmgr.restore.target`.
 """
 
 from __future__ import annotations
@@ -14,13 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointCorruptError
-from ..format.tree import PerRank, decode_plain, is_stateful
+from ..format.tree import decode_plain
 
-__all__ = ["RankView", "SavedDTensor", "dict_values", "optimizer_params", "per_rank_paths", "rank_view",
-           "tensor_names"]
+__all__ = ["RankView", "SavedDTensor", "dict_values", "per_rank_paths", "rank_view", "tensor_names"]
 
 _LEAVES = ("$tensor", "$ndarray", "$npscalar")
 
@@ -153,75 +153,4 @@ def tensor_names(node: Any, *, per_rank: bool) -> set[str]:
                 walk(v, inside)
 
     walk(node, False)
-    return out
-
-
-def optimizer_params(target: Any, skeleton: Any) -> dict[str, torch.Tensor]:
-    """DTensor key -> the parameter its optimizer state belongs to, for the state of every
-    ``torch.optim.Optimizer`` in ``target`` (so that moments restored into a fresh optimizer,
-    whose state is still empty, take their parameter's layout)."""
-    out: dict[str, torch.Tensor] = {}
-
-    def keys_under(n: Any) -> list[str]:
-        found: list[str] = []
-        if isinstance(n, list):
-            for v in n:
-                found += keys_under(v)
-        elif isinstance(n, dict) and n:
-            tag, val = next(iter(n.items()))
-            if tag == "$dtensor":
-                found.append(val)
-            elif tag == "$dict":
-                for v in dict_values(val):
-                    found += keys_under(v)
-            elif tag == "$tuple":
-                found += keys_under(val)
-        return found
-
-    def optimizer(opt: torch.optim.Optimizer, node: Any) -> None:
-        if type(opt).state_dict is not torch.optim.Optimizer.state_dict:  # its own format (torchtitan's
-            walk(opt.state_dict(), node.get("state") if isinstance(node, dict) else None)  # container): as a dict
-            return
-        groups = opt.state_dict()["param_groups"]
-        index = {i: p for g_sd, g in zip(groups, opt.param_groups, strict=False)
-                 for i, p in zip(g_sd["params"], g["params"], strict=False)}
-        sd = node.get("state") if isinstance(node, dict) else None
-        body = sd.get("$dict") if isinstance(sd, dict) else None
-        state = body.get("state") if isinstance(body, dict) else None
-        for k, v in _dict_items(state.get("$dict") if isinstance(state, dict) else None):
-            try:
-                param = index.get(decode_plain(k))
-            except Exception:  # a key of no parameter
-                param = None
-            if param is not None:
-                out.update(dict.fromkeys(keys_under(v), param))
-
-    def walk(t: Any, n: Any) -> None:
-        if isinstance(t, PerRank):
-            t = t.value
-        if isinstance(n, list):
-            if isinstance(t, (list, tuple)) and len(t) == len(n):
-                for a, b in zip(t, n, strict=True):
-                    walk(a, b)
-            return
-        if not isinstance(n, dict) or not n:
-            return
-        tag, val = next(iter(n.items()))
-        if tag == "$stateful" and isinstance(t, torch.optim.Optimizer):
-            optimizer(t, n)
-        elif tag == "$stateful" and is_stateful(t):
-            walk(t.state_dict(), n.get("state"))
-        elif tag == "$tuple":
-            walk(t, val)
-        elif tag == "$dict" and isinstance(t, dict):
-            for k, v in _dict_items(val):
-                try:
-                    key = k if isinstance(val, dict) else decode_plain(k)
-                    found = key in t
-                except Exception:  # a key this target cannot hold
-                    continue
-                if found:
-                    walk(t[key], v)
-
-    walk(target, skeleton)
     return out

@@ -42,8 +42,8 @@ from .loaders import PinnedRing, read_tensors, read_tensors_inplace, read_tensor
 from .loaders.gds import read_tensors_gds
 from .loaders.landing import lands_in_target
 from .loaders.ring import NoDeviceRoom, entries_by_file
-from .match import match_target
 from .preflight import check_regular, local_path, preflight, submit_image_checks, verify_images, wait_all
+from .target import match_target
 from .verify import verify_files
 
 __all__ = ["LOADERS", "MultiRank", "Restorer"]

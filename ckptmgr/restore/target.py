@@ -1,68 +1,42 @@
-"""Restore into an existing target in one walk, before a byte is read.
+"""The one walk of a restore's target against the saved skeleton, before a byte is read.
 
 :func:`match_target` walks the target against the checkpoint's typed skeleton and tensor
 index (Stateful objects through their current ``state_dict()``), collects *every* difference
 and raises ``StateMismatchError``; in the same walk it finds the target tensor each stored
 tensor lands in and builds the target-shaped result, so that :meth:`TargetPlan.finish` only
-copies what did not land in place and calls ``load_state_dict``. The rare parts it does not
-walk itself (numpy arrays, mismatched kinds, what an empty container accepts) are rebuilt
-with stand-in tensors and checked by :mod:`ckptmgr.restore.apply`'s walker, so both share one
-set of rules and messages.
+copies what did not land in place and calls ``load_state_dict``. The parts it cannot judge
+without decoding them (numpy arrays, mismatched kinds, what an empty container accepts) are
+rebuilt with stand-in tensors and judged by the rules of :mod:`ckptmgr.restore.values`, so
+that every restore shares one set of rules and messages.
+
+Every restore into a target goes through it: a single-process one with the manifest's
+index, a multi-rank one (:mod:`ckptmgr.distributed.restore`) with an index that also gives,
+for each DTensor, the local shape this rank restores. Before that, a multi-rank restore
+needs to know what the target holds where the checkpoint holds a DTensor, and which
+optimizer parameter each saved moment belongs to, to choose the layouts it reads into:
+:func:`survey_target` is the same walk, without an index and without checks.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointCorruptError, StateMismatchError
+from ..errors import StateMismatchError
 from ..format.layout import ST_TO_DTYPE
 from ..format.tree import PerRank, decode_plain, is_stateful, unflatten
-from . import apply as _apply
+from . import values as _values
 from .loaders.landing import Dests
 
-__all__ = ["TargetPlan", "match_target"]
+__all__ = ["TargetPlan", "TargetSurvey", "match_target", "survey_target"]
 
-_PLAIN_TENSORS = _apply._PLAIN_TENSORS
-_ABSENT = _apply._ABSENT
-
-
-class _StandIns(Mapping[str, torch.Tensor]):
-    """Placeholders made on demand from the tensor index: each stored tensor's dtype and
-    shape and no memory behind them (one zero-dim tensor per dtype, expanded)."""
-
-    def __init__(self, index: Mapping[str, Any]) -> None:
-        self.index = index
-        self.names: dict[int, str] = {}  # id of a placeholder made -> its stored name
-        self._made: dict[str, torch.Tensor] = {}  # (keeps them alive: ids stay unique)
-        self._zeros: dict[torch.dtype, torch.Tensor] = {}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        t = self._made.get(name)
-        if t is None:
-            e = self.index[name]
-            dtype = ST_TO_DTYPE.get(str(e.get("dtype")))
-            if dtype is None:
-                raise CheckpointCorruptError(f"tensor {name!r} has unknown dtype {e.get('dtype')!r}")
-            zero = self._zeros.get(dtype)
-            if zero is None:
-                zero = self._zeros[dtype] = torch.zeros((), dtype=dtype)
-            t = self._made[name] = zero.expand(e["shape"])  # the schema checked the shape
-            self.names[id(t)] = name
-        return t
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.index
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.index)
-
-    def __len__(self) -> int:
-        return len(self.index)
+_PLAIN_TENSORS = _values._PLAIN_TENSORS
+_ABSENT = _values._ABSENT
 
 
 class _Pending:
@@ -129,7 +103,7 @@ class TargetPlan:
 
     def finish(self, tensors: Mapping[str, torch.Tensor]) -> Any:
         """Copy into the target what did not land there, call ``load_state_dict`` on its
-        Stateful objects, and return the target-shaped result (as :func:`apply_target`).
+        Stateful objects, and return the target-shaped result (as :func:`~ckptmgr.restore.values.apply_target`).
         Call once, after every byte verified.
 
         The loaders may already have written into the target, so nothing here may fail on
@@ -143,7 +117,7 @@ class TargetPlan:
                 ready[i] = unflatten(b, tensors, allow_pickle=self._allow_pickle)
             elif kind == _APPLY:
                 target, node, path = a
-                applier = _apply._Applier()
+                applier = _values._Applier()
                 b.value = applier.walk(target, unflatten(node, tensors, allow_pickle=self._allow_pickle,
                                                          keep_per_rank=True), path)
                 if applier.problems:  # (the match saw the same shapes: not expected)
@@ -152,8 +126,10 @@ class TargetPlan:
         for i, (kind, a, b) in enumerate(self._steps):
             if kind == _COPY:
                 src = tensors[b]
+                if type(src) not in _PLAIN_TENSORS:  # a DTensor: copied through its local shard
+                    src = _values.local_tensor(src)
                 if src is not a:  # a loader landed it in place: nothing to copy
-                    _apply._copy(a, src)
+                    _values.copy_into(a, src)
             elif kind == _LOAD:
                 a.load_state_dict(ready[i])
             elif kind == _APPLY:
@@ -164,43 +140,77 @@ class TargetPlan:
         return _resolve(self._result)
 
 
-class _Matcher:
-    """One walk of the target against the skeleton: the same checks and messages as
-    :class:`_Applier` over a tree of placeholders (which it uses itself for the rare parts
-    it does not walk: numpy arrays, mismatched kinds, what an empty container accepts)."""
+@dataclass
+class TargetSurvey:
+    """What a target holds where the checkpoint holds tensors (:func:`survey_target`).
 
-    def __init__(self, index: Mapping[str, Any], allow_pickle: bool) -> None:
-        # Owned by one match_target() call on the caller's thread: ``problems`` and ``dests``
-        # are shared on purpose with the walkers below, which add to the same lists.
+    Attributes:
+        tensors: stored name (or DTensor key) -> the target's tensor there (a DTensor's
+            local shard), wherever the target holds a tensor.
+        dtensors: DTensor key -> the target's tensor there, as it is (a DTensor or a plain
+            tensor).
+        params: DTensor key -> the parameter its optimizer state belongs to, for the state of
+            every ``torch.optim.Optimizer`` in the target (moments restored into a fresh
+            optimizer, whose state is still empty, take their parameter's layout).
+        device: the first CUDA device among the target's tensors (None: none is on a GPU).
+    """
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    dtensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    device: torch.device | None = None
+
+
+class _Matcher:
+    """The one walk of the target against the skeleton: the same checks and messages as
+    :class:`~ckptmgr.restore.values._Applier` over a tree of placeholders (which it uses
+    itself for the parts it cannot judge undecoded: numpy arrays, mismatched kinds, what an
+    empty container accepts). With ``survey``, it only notes what the target holds where
+    (no index: nothing is checked, nothing is rebuilt)."""
+
+    def __init__(self, index: Mapping[str, Any], allow_pickle: bool, survey: TargetSurvey | None = None) -> None:
+        # Owned by one match_target() or survey_target() call on the caller's thread:
+        # ``problems`` and ``dests`` are shared on purpose with the value walkers below,
+        # which add to the same lists.
+        self.survey = survey
         self.index = index
         self.allow_pickle = allow_pickle
-        self.stand_ins = _StandIns(index)
-        self.checker = _apply._Applier(self.stand_ins.names)  # checks a rebuilt part; records where tensors land
+        self.stand_ins = _values.StandIns(index)
+        self.checker = _values._Applier(self.stand_ins.names)  # checks a rebuilt part; records where tensors land
         self.problems = self.checker.problems
         # Where each stored tensor goes: ``spans`` holds (first byte, end, name, device, tensor)
         # of each target tensor that can take the stored bytes as they are (contiguous, plain
         # values, writable, not empty: the candidates to land in place), ``dests`` the others
         self.spans: list[_Span] = []
         self.dests = self.checker.dests
-        self.plain = _apply._Applier()  # walks parts without stored tensors (plain values) for good
+        self.plain = _values._Applier()  # walks parts without stored tensors (plain values) for good
         self.plain.problems = self.problems
         self.steps: list[tuple[int, Any, Any]] = []
         self.pending = 0  # pending parts made so far
 
     def _mismatch(self, path: tuple[Any, ...], target: torch.Tensor, entry: dict[str, Any]) -> None:
-        self.problems.append(f"{_apply._p(path)}: the target is {target.dtype} {list(target.shape)}, "
+        self.problems.append(f"{_values._p(path)}: the target is {target.dtype} {list(target.shape)}, "
                              f"the checkpoint {ST_TO_DTYPE.get(entry['dtype'])} {list(entry['shape'])}")
+
+    def _note(self, name: str, target: torch.Tensor, local: torch.Tensor, dtensor: bool) -> None:
+        """(survey) The target holds ``target`` where the skeleton holds ``name``."""
+        assert self.survey is not None
+        self.survey.tensors[name] = local
+        if dtensor:
+            self.survey.dtensors[name] = target
+        if self.survey.device is None and local.device.type == "cuda":
+            self.survey.device = local.device
 
     def _leaf(self, path: tuple[Any, ...], t: torch.Tensor, name: str, apply: bool) -> None:
         """``t`` matches stored tensor ``name``: note it as where the bytes land (in place when
         it takes them as they are), or refuse it now when it cannot be written at all, so that
         the failure comes before any byte lands. (:meth:`_dict` inlines the common case.)"""
         if t.is_inference() and not torch.is_inference_mode_enabled():
-            self.problems.append(f"{_apply._p(path)}: the target is an inference tensor (made under "
+            self.problems.append(f"{_values._p(path)}: the target is an inference tensor (made under "
                                  "torch.inference_mode()) and cannot be written outside it")
             return
         if torch._debug_has_internal_overlap(t) == 1:  # (1: MemOverlap.Yes; never for a contiguous one)
-            self.problems.append(f"{_apply._p(path)}: the target has elements that share memory (an expanded "
+            self.problems.append(f"{_values._p(path)}: the target has elements that share memory (an expanded "
                                  "tensor) and cannot be written")
             return
         if t.is_contiguous() and not (t.is_conj() or t.is_neg()) and t.nbytes:
@@ -217,6 +227,8 @@ class _Matcher:
 
     def _deferred(self, target: Any, node: Any, path: tuple[Any, ...], apply: bool) -> Any:
         """Check ``node`` rebuilt with placeholders; walk it for real once loaded."""
+        if self.survey is not None:
+            return None  # (a tensor the target does not hold: nothing to note)
         self.checker.walk(target, self._rebuilt(node), path, apply=False)
         if not apply:
             return None  # (inside a Stateful object: nothing to do, the result is discarded)
@@ -227,6 +239,8 @@ class _Matcher:
 
     def _concrete(self, target: Any, node: Any, path: tuple[Any, ...], apply: bool) -> Any:
         """A node without stored tensors: decoded and walked now, its actions queued."""
+        if self.survey is not None:
+            return None
         value = node if type(node) in _SCALARS else unflatten(node, {}, allow_pickle=self.allow_pickle,
                                                               keep_per_rank=True)
         out = self.plain.walk(target, value, path, apply)
@@ -255,15 +269,20 @@ class _Matcher:
 
     def _match(self, target: Any, node: Any, path: tuple[Any, ...], apply: bool) -> Any:
         tag = None
+        saved_stateful = False
         if type(node) is dict:
             tag = next(iter(node), None)
             while tag == "$per_rank" or tag == "$stateful":  # rebuilt as what they hold
+                saved_stateful = saved_stateful or tag == "$stateful"
                 node = node[tag] if tag == "$per_rank" else node["state"]
                 if type(node) is not dict:
                     tag = None
                     break
                 tag = next(iter(node), None)
         if is_stateful(target):
+            if self.survey is not None and saved_stateful and isinstance(target, torch.optim.Optimizer) and \
+                    type(target).state_dict is torch.optim.Optimizer.state_dict:  # (not its own format)
+                _moments(target, node, self.survey.params)
             # Check against what the object holds now; load_state_dict does the copying.
             self.match(target.state_dict(), node, path, apply=False)
             if apply:
@@ -272,8 +291,11 @@ class _Matcher:
         if tag == "$tensor" or tag == "$dtensor":
             if not isinstance(target, torch.Tensor):
                 return self._deferred(target, node, path, apply)
-            local = _apply.local_tensor(target)  # a DTensor is restored through its local shard
+            local = _values.local_tensor(target)  # a DTensor is restored through its local shard
             name = node[tag]
+            if self.survey is not None:
+                self._note(name, target, local, tag == "$dtensor")
+                return target
             e = self.index[name]
             if local.dtype != ST_TO_DTYPE.get(e["dtype"]) or local.shape != tuple(e["shape"]):
                 self._mismatch(path, local, e)
@@ -293,6 +315,16 @@ class _Matcher:
         return self._concrete(target, node, path, apply)  # plain values, torch.Size, pickled values
 
     def _dict(self, target: dict[Any, Any], node: dict[str, Any], path: tuple[Any, ...], apply: bool) -> Any:
+        if self.survey is not None:
+            body = node["$dict"]
+            for k, v in body.items() if type(body) is dict else body:
+                try:
+                    t = target.get(k if type(body) is dict or type(k) in _SCALARS else decode_plain(k), _ABSENT)
+                except Exception:  # a key this target cannot hold: nothing lands there (the match says why)
+                    continue
+                if t is not _ABSENT:
+                    self.match(t, v, path, apply=False)
+            return None
         if "metadata" in node:
             unflatten(node["metadata"], {}, allow_pickle=self.allow_pickle)  # checked; not in the result
         body = node["$dict"]
@@ -308,8 +340,8 @@ class _Matcher:
                 items[key] = v
         missing = [k for k in target if k not in items]
         unexpected = [k for k in items if k not in target]
-        self.problems += [f"{_apply._p((*path, k))}: missing from the checkpoint" for k in missing]
-        self.problems += [f"{_apply._p((*path, k))}: in the checkpoint but not in the target" for k in unexpected]
+        self.problems += [f"{_values._p((*path, k))}: missing from the checkpoint" for k in missing]
+        self.problems += [f"{_values._p((*path, k))}: in the checkpoint but not in the target" for k in unexpected]
         out: dict[Any, Any] = OrderedDict() if node.get("type") == "OrderedDict" else {}
         pending = self.pending
         index, steps, spans = self.index, self.steps, self.spans
@@ -342,8 +374,10 @@ class _Matcher:
     def _seq(self, target: list[Any] | tuple[Any, ...], node: Any, path: tuple[Any, ...], apply: bool) -> Any:
         body = node if type(node) is list else node["$tuple"]
         if len(target) != len(body):
+            if self.survey is not None:
+                return None
             self._rebuilt(node)
-            self.problems.append(f"{_apply._p(path)}: the target has {len(target)} items, the checkpoint {len(body)}")
+            self.problems.append(f"{_values._p(path)}: the target has {len(target)} items, the checkpoint {len(body)}")
             return target
         pending = self.pending
         items = [self.match(t, c, (*path, i), apply) for i, (t, c) in enumerate(zip(target, body, strict=True))]
@@ -354,11 +388,20 @@ class _Matcher:
         return items if kind is list else tuple(items)
 
 
+def survey_target(target: Any, skeleton: Any) -> TargetSurvey:
+    """What ``target`` holds where the ``skeleton`` holds tensors, and the parameters its
+    optimizers' saved state belongs to: the walk of :func:`match_target`, without an index
+    and without checks (a difference is reported by the match that follows)."""
+    survey = TargetSurvey()
+    _Matcher({}, allow_pickle=False, survey=survey).match(target, skeleton, (), apply=False)
+    return survey
+
+
 def match_target(target: Any, skeleton: Any, index: Mapping[str, Any], *, allow_pickle: bool) -> TargetPlan:
     """Match ``target`` against a checkpoint's typed ``skeleton`` and tensor ``index`` (the
     manifest's ``state`` and ``tensors``, validated), before a single byte is read.
 
-    Checks and messages are those of :func:`check_target` over the skeleton rebuilt with
+    Checks and messages are those of :func:`~ckptmgr.restore.values.check_target` over the skeleton rebuilt with
     placeholders, in one walk that builds no placeholder for a tensor the target holds.
 
     Raises:
@@ -414,3 +457,43 @@ def _in_place(spans: list[_Span], rest: dict[str, torch.Tensor]) -> tuple[Dests,
 
 
 _FIRST = itemgetter(0)
+
+
+def _moments(opt: torch.optim.Optimizer, node: Any, out: dict[str, torch.Tensor]) -> None:
+    """Add to ``out``, for the saved state ``node`` of optimizer ``opt`` (its ``state_dict()``
+    as saved), DTensor key -> the parameter the state under that key belongs to. (Reads the
+    skeleton only: any part that is not as a ``torch.optim.Optimizer`` saves it is skipped.)"""
+    groups = opt.state_dict()["param_groups"]
+    index = {i: p for g_sd, g in zip(groups, opt.param_groups, strict=False)
+             for i, p in zip(g_sd["params"], g["params"], strict=False)}
+    body = node.get("$dict") if isinstance(node, dict) else None
+    state = body.get("state") if isinstance(body, dict) else None
+    items = state.get("$dict") if isinstance(state, dict) else None
+    pairs = items.items() if isinstance(items, dict) else \
+        [p for p in items if isinstance(p, list) and len(p) == 2] if isinstance(items, list) else []
+    for k, v in pairs:
+        try:
+            param = index.get(decode_plain(k))
+        except Exception:  # a key of no parameter
+            param = None
+        if param is not None:
+            out.update(dict.fromkeys(_dtensor_keys(v), param))
+
+
+def _dtensor_keys(node: Any) -> list[str]:
+    """The DTensor keys a skeleton node holds (through dicts, lists and tuples)."""
+    found: list[str] = []
+    if isinstance(node, list):
+        for v in node:
+            found += _dtensor_keys(v)
+    elif isinstance(node, dict) and node:
+        tag, val = next(iter(node.items()))
+        if tag == "$dtensor":
+            found.append(val)
+        elif tag == "$dict":
+            for v in val.values() if isinstance(val, dict) else \
+                    [p[1] for p in val if isinstance(p, list) and len(p) == 2] if isinstance(val, list) else []:
+                found += _dtensor_keys(v)
+        elif tag == "$tuple":
+            found += _dtensor_keys(val)
+    return found

@@ -1,11 +1,13 @@
-"""Restore into an existing target: check everything first, then copy in place.
+"""The rules for a decoded value of the checkpoint against a restore's target.
 
-:func:`check_target` walks the target against a rebuilt checkpoint tree (stand-in tensors in
-place of the stored ones), collects *every* difference and raises ``StateMismatchError``;
-:func:`apply_target` then copies in place and calls ``load_state_dict``. A single-process
-restore goes through :mod:`ckptmgr.restore.match`, which walks the skeleton directly and
-defers to the walker here for the rare parts it does not walk itself; a multi-rank restore
-uses these functions.
+:mod:`ckptmgr.restore.target` walks the target against the saved skeleton; the parts of the
+skeleton it cannot judge without decoding them (numpy arrays, pickled and plain values, a
+stored tensor where the target holds something else, what an empty container accepts) are
+rebuilt and judged here, by :class:`_Applier`: with stand-in tensors before a byte is read,
+with the loaded tensors once they are. One set of rules and messages for every restore.
+
+:func:`check_target` and :func:`apply_target` apply the same rules to a whole rebuilt tree:
+the reference the skeleton walk is held to (tests/test_match_target.py compares the two).
 
 An empty dict or list in the target accepts whatever the checkpoint holds there: optimizer
 state is created lazily, so a fresh optimizer's ``state`` is ``{}``.
@@ -13,26 +15,60 @@ state is created lazily, so a fresh optimizer's ``state`` is ``{}``.
 A value that is :class:`~ckptmgr.PerRank` in the target, or in the checkpoint (a tree rebuilt
 with ``keep_per_rank=True``), is a ``PerRank`` in the result: the restored tree saves again
 as it was saved, each rank its own value.
-
-:mod:`ckptmgr.restore.match` uses this module's private walker and helpers (``_Applier``,
-``_p``, ``_copy``, ``_PLAIN_TENSORS``, ``_ABSENT``): one set of rules and messages for both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import StateMismatchError
-from ..format.tree import PerRank, decode_plain, is_stateful
+from ..errors import CheckpointCorruptError, StateMismatchError
+from ..format.layout import ST_TO_DTYPE
+from ..format.tree import PerRank, is_stateful
 
-__all__ = ["apply_target", "check_target", "local_tensor", "target_tensors"]
+__all__ = ["StandIns", "apply_target", "check_target", "copy_into", "local_tensor"]
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # exact types: no DTensor, no subclass to unwrap
 _ABSENT = object()
+
+
+class StandIns(Mapping[str, torch.Tensor]):
+    """Stand-ins for the stored tensors, made on demand from the tensor index: each stored
+    tensor's dtype and shape and no memory behind them (one zero-dim tensor per dtype,
+    expanded), so that a part of the checkpoint can be rebuilt and judged before a byte is
+    read."""
+
+    def __init__(self, index: Mapping[str, Any]) -> None:
+        self.index = index
+        self.names: dict[int, str] = {}  # id of a placeholder made -> its stored name
+        self._made: dict[str, torch.Tensor] = {}  # (keeps them alive: ids stay unique)
+        self._zeros: dict[torch.dtype, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._made.get(name)
+        if t is None:
+            e = self.index[name]
+            dtype = ST_TO_DTYPE.get(str(e.get("dtype")))
+            if dtype is None:
+                raise CheckpointCorruptError(f"tensor {name!r} has unknown dtype {e.get('dtype')!r}")
+            zero = self._zeros.get(dtype)
+            if zero is None:
+                zero = self._zeros[dtype] = torch.zeros((), dtype=dtype)
+            t = self._made[name] = zero.expand(e["shape"])  # the schema checked the shape
+            self.names[id(t)] = name
+        return t
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
 
 
 def _p(path: tuple[Any, ...]) -> str:
@@ -60,7 +96,7 @@ class _Applier:
             if name is not None:
                 self.dests[name] = target
         elif apply and ckpt is not target:
-            self.actions.append(lambda: _copy(target, ckpt))
+            self.actions.append(lambda: copy_into(target, ckpt))
 
     def walk(self, target: Any, ckpt: Any, path: tuple[Any, ...], apply: bool = True) -> Any:
         """Check ``ckpt`` against ``target``; queue the copies; return the result node."""
@@ -167,8 +203,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if src is not dst:  # a loader may have landed the bytes in ``dst`` already
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``dst`` (nothing to do when a loader landed the bytes there: ``src``
+    is ``dst``)."""
+    if src is not dst:
         dst.copy_(src)
 
 
@@ -178,58 +216,14 @@ def check_target(target: Any, ckpt: Any, placeholders: dict[str, torch.Tensor] |
 
     ``ckpt`` may hold placeholder tensors (only their shapes and dtypes are compared), so
     this runs before a single byte is read. With ``placeholders`` (stored name -> the
-    placeholder in ``ckpt``), returns what :func:`target_tensors` would, from the same walk.
+    placeholder in ``ckpt``), returns, for each placeholder that fits, the target's tensor (its
+    local shard) where it lands.
     """
     a = _Applier({id(t): name for name, t in placeholders.items()} if placeholders is not None else None)
     a.walk(target, ckpt, (), apply=False)
     if a.problems:
         raise StateMismatchError(a.problems)
     return a.dests
-
-
-def target_tensors(target: Any, skeleton: Any, originals: dict[str, torch.Tensor] | None = None
-                   ) -> dict[str, torch.Tensor]:
-    """Stored tensor name -> the target's tensor at the same place in the tree, for every
-    place where the target holds a tensor (through ``state_dict()`` for Stateful objects,
-    whose tensors share storage with the object's own)."""
-    out: dict[str, torch.Tensor] = {}
-
-    def walk(t: Any, node: Any) -> None:
-        if isinstance(node, list):
-            if isinstance(t, (list, tuple)) and len(t) == len(node):
-                for a, b in zip(t, node, strict=True):
-                    walk(a, b)
-            return
-        if not isinstance(node, dict) or not node:
-            return
-        tag = next(iter(node))
-        val = node[tag]
-        if isinstance(t, PerRank):
-            t = t.value
-        if tag in ("$tensor", "$dtensor"):
-            if isinstance(t, torch.Tensor):
-                out[val] = local_tensor(t)
-                if originals is not None and tag == "$dtensor":
-                    originals[val] = t
-        elif tag == "$per_rank":
-            walk(t, val)
-        elif tag == "$stateful":
-            if is_stateful(t):
-                walk(t.state_dict(), node["state"])
-        elif tag == "$tuple":
-            walk(t, val)
-        elif tag == "$dict" and isinstance(t, dict):
-            for k, v in (val.items() if isinstance(val, dict) else val):
-                try:
-                    key = k if isinstance(val, dict) else decode_plain(k)
-                    found = key in t
-                except Exception:  # a key this target cannot hold: nothing lands there directly
-                    continue
-                if found:
-                    walk(t[key], v)
-
-    walk(target, skeleton)
-    return out
 
 
 def apply_target(target: Any, ckpt: Any) -> Any:
