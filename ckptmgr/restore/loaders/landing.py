@@ -60,7 +60,7 @@ class Entry(NamedTuple):
 
 class Dests(dict[str, torch.Tensor]):
     """Target tensors by stored tensor name, each already checked (by
-    :func:`ckptmgr.restore.match.match_target`) to take its stored tensor's bytes as they are:
+    :func:`ckptmgr.restore.target.match_target`) to take its stored tensor's bytes as they are:
     the stored dtype and shape, contiguous, not a conjugate or negative view, writable, not
     empty, sharing memory with no other target tensor. ``device`` is the one device they are
     all on (None: several), where the loaders land them with no second check (of ten thousand
