@@ -1,15 +1,7 @@
 """The local tier: a target in tmpfs whose files are the staging slots themselves.
 
-Layout, one private directory per checkpoint root and user::
-
-    <local_dir>/ckptmgr-<uid>-<hash of the root URL>/     mode 0700, owned by this user
-        lock                 flock()ed by the one manager that owns the tier
-        root                 the root URL, for people looking around
-        root-id              the identity of the root these slots belong to
-        slot-00/             one staging slot
-            data-00000.safetensors ...   mapped MAP_SHARED and pinned in place by the saver
-            manifest.json                present only while the slot holds a complete step
-            durable                      the step, once it is committed on the durable root too
+The directory's layout and the read-only listing of its steps are in
+:mod:`ckptmgr.storage.tier_layout`.
 
 The device-to-host copy writes a slot's data files. Once the copy has ended the tier's
 writer (:meth:`LocalTier.begin`) checksums them and writes ``manifest.json`` (temporary
@@ -35,10 +27,8 @@ restores call :meth:`reading`.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import stat
@@ -62,25 +52,16 @@ from ..options import StagingOptions
 from .posix import preadv_into
 from .private import NOFOLLOW as _NOFOLLOW
 from .private import UnsafePathError as TierUnsafeError
-from .private import check_private_dir, open_private_dir, read_small, write_small
+from .private import open_private_dir, read_small, write_small
+from .tier_layout import DURABLE_MARK, ROOT_ID, TMP_MANIFEST, marked_durable, ram_filesystem, read_tier, tier_dir
 
-__all__ = ["LocalTier", "TierBusyError", "TierUnsafeError", "open_local_tier", "read_tier", "tier_dir"]
+__all__ = ["LocalTier", "TierBusyError", "TierUnsafeError", "open_local_tier", "ram_filesystem", "read_tier",
+           "tier_dir"]
 
 log = logging.getLogger("ckptmgr")
 
-_TMP_MANIFEST = ".manifest.json.tmp"
-_DURABLE = "durable"  # the slot's step, written once the step is committed on the durable root
-_ROOT_ID = "root-id"
-
-
 class TierBusyError(OSError):
     """Another live process owns the local tier of this root."""
-
-
-def tier_dir(local_dir: str, root_url: str) -> str:
-    """The tier directory of ``root_url`` for the current user."""
-    key = hashlib.sha256(root_url.encode("utf-8")).hexdigest()[:16]
-    return os.path.join(local_dir, f"ckptmgr-{os.getuid()}-{key}")
 
 
 class _TierWriter:
@@ -208,7 +189,7 @@ class LocalTier:
         with self._mu:
             if self._root_id == root_id:
                 return
-        write_small(_ROOT_ID, self._fd, root_id.encode("ascii"))
+        write_small(ROOT_ID, self._fd, root_id.encode("ascii"))
         with self._mu:
             self._root_id = root_id
 
@@ -219,7 +200,7 @@ class LocalTier:
 
     def _recorded_root_id(self) -> str | None:
         try:
-            return read_small(_ROOT_ID, self._fd, 256).decode("ascii").strip() or None
+            return read_small(ROOT_ID, self._fd, 256).decode("ascii").strip() or None
         except (OSError, UnicodeDecodeError, CkptError):
             return None
 
@@ -292,7 +273,7 @@ class LocalTier:
 
     def _durable_step(self, index: int) -> int | None:
         try:
-            return _marked_durable(self._slot_fd(index))
+            return marked_durable(self._slot_fd(index))
         except OSError:
             return None
 
@@ -301,7 +282,7 @@ class LocalTier:
         then never writes it back there if it is deleted from there). A failure is logged: the
         step would only be written back, as before."""
         try:
-            write_small(_DURABLE, self._slot_fd(index), str(step).encode("ascii"))
+            write_small(DURABLE_MARK, self._slot_fd(index), str(step).encode("ascii"))
         except OSError as exc:
             log.warning("local tier %s: could not record that step %d is durable: %s", self.path, step, exc)
 
@@ -332,7 +313,7 @@ class LocalTier:
         with self._mu:
             self._steps = {s: i for s, i in self._steps.items() if i != index}
         d = self._slot_fd(index)
-        for name in (MANIFEST_NAME, _TMP_MANIFEST, _DURABLE):
+        for name in (MANIFEST_NAME, TMP_MANIFEST, DURABLE_MARK):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=d)
 
@@ -343,8 +324,8 @@ class LocalTier:
     def commit(self, index: int, step: int, manifest: bytes) -> None:
         """Record the slot's content as committed ``step`` (manifest written, then renamed)."""
         d = self._slot_fd(index)
-        write_small(_TMP_MANIFEST, d, manifest)
-        os.rename(_TMP_MANIFEST, MANIFEST_NAME, src_dir_fd=d, dst_dir_fd=d)
+        write_small(TMP_MANIFEST, d, manifest)
+        os.rename(TMP_MANIFEST, MANIFEST_NAME, src_dir_fd=d, dst_dir_fd=d)
         with self._mu:
             self._steps[step] = index
 
@@ -419,7 +400,7 @@ class LocalTier:
         for fd in fds:
             os.close(fd)
         if remove and not any(n.startswith("slot-") for n in os.listdir(self._fd)):
-            for name in ("root", _ROOT_ID, "lock"):
+            for name in ("root", ROOT_ID, "lock"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=self._fd)
             with contextlib.suppress(OSError):
@@ -454,67 +435,6 @@ class LocalTier:
 
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
         preadv_into(name, offset, out, dir_fd=self._slot_fd(self._slot_of(step)))
-
-
-def read_tier(local_dir: str, root_url: str, *, written_out: bool = True) -> dict[int, Manifest]:
-    """The steps committed in this user's tier of ``root_url``, read only (the tier may belong
-    to a running job), by step. Empty when there is no tier, or it is not a private directory
-    of this user: another user's planted tier is never listed. ``written_out=False`` leaves out
-    the steps whose slot records that they were committed on the root (since deleted there, by
-    retention or by hand: never to be written back)."""
-    path = tier_dir(local_dir, root_url)
-    found: dict[int, Manifest] = {}
-    try:
-        check_private_dir(os.lstat(path), path)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
-    except OSError:
-        return found
-    try:
-        check_private_dir(os.fstat(fd), path)
-        for name in sorted(os.listdir(fd)):
-            if not (name.startswith("slot-") and name[5:].isdigit()):
-                continue
-            try:
-                check_private_dir(os.lstat(name, dir_fd=fd), name)
-                slot = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
-                try:
-                    m = Manifest.from_bytes(read_small(MANIFEST_NAME, slot, MAX_MANIFEST_BYTES),
-                                            where=f"{path}/{name}/{MANIFEST_NAME}")
-                    if not written_out and _marked_durable(slot) == m.step:
-                        continue
-                finally:
-                    os.close(slot)
-            except (OSError, CkptError, ValueError):
-                continue  # a slot being written, or reset: not a committed step
-            found[m.step] = m
-    finally:
-        os.close(fd)
-    return found
-
-
-def _marked_durable(slot_fd: int) -> int | None:
-    """The step a slot's durable mark names (None: none, or unreadable)."""
-    try:
-        text = read_small(_DURABLE, slot_fd, 32).decode("ascii").strip()
-    except (OSError, ValueError, CkptError):
-        return None
-    return int(text) if text.isdigit() else None
-
-
-_RAM_FS_MAGIC = frozenset({0x01021994, 0x858458F6, 0x958458F6})  # tmpfs, ramfs, hugetlbfs (linux/magic.h)
-
-
-def ram_filesystem(path: str | int) -> bool | None:
-    """True when ``path`` (or the open file descriptor ``path``) lies on a filesystem kept in
-    RAM, False when on another, None when this cannot be told (not Linux, or statfs failed)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    buf = ctypes.create_string_buffer(256)  # struct statfs; its first field is f_type
-    libc = ctypes.CDLL(None, use_errno=True)
-    rc = libc.fstatfs(path, buf) if isinstance(path, int) else libc.statfs(os.fsencode(path), buf)
-    if rc != 0:
-        return None
-    return (ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF) in _RAM_FS_MAGIC
 
 
 def open_local_tier(opts: StagingOptions, root: str) -> LocalTier | None:
