@@ -18,10 +18,13 @@ start-up only when ``root-id`` matches the root's own identity
 (:meth:`~ckptmgr.storage.Target.root_id`): a root deleted (``rm -rf``) or replaced since is
 never resurrected from RAM.
 
-Thread ownership: the commit map, the readers and the attached images are guarded by
-``_mu``, which is never held across I/O. The saver calls :meth:`claim`, :meth:`attach` and
-:meth:`detach` (its slot pool's lock may be held: pool -> tier is the only lock order);
-restores call :meth:`reading`.
+Thread ownership: the commit map, the readers, the attached images and the adoptions in
+progress are guarded by ``_mu``, which is never held across I/O nor across a wait. The
+saver calls :meth:`claim`, :meth:`attach` and :meth:`detach` (its slot pool's lock may be
+held: pool -> tier is the only lock order) and, for a slot adopted from an earlier process,
+:meth:`adopting` then, from its adoption thread, :meth:`adopted`; restores call
+:meth:`reading`, which waits (bounded) for a slot's adoption to end before it yields the
+slot's pinned images. The start-up scan is :mod:`ckptmgr.storage.tier_scan`.
 """
 
 from __future__ import annotations
@@ -44,21 +47,25 @@ import torch
 
 from .. import _cuda
 from .._threads import DaemonPool
-from ..errors import CheckpointCorruptError, CkptError, ConfigError, StepNotFoundError
+from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError
 from ..format.checksum import chunk_ranges, crc32c_hex
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.manifest import MANIFEST_NAME
 from ..format.schema import MAX_MANIFEST_BYTES
 from ..options import StagingOptions
 from .posix import preadv_into
 from .private import NOFOLLOW as _NOFOLLOW
 from .private import UnsafePathError as TierUnsafeError
 from .private import open_private_dir, read_small, write_small
-from .tier_layout import DURABLE_MARK, ROOT_ID, TMP_MANIFEST, marked_durable, ram_filesystem, read_tier, tier_dir
+from .tier_layout import DURABLE_MARK, ROOT_ID, TMP_MANIFEST, ram_filesystem, read_tier, tier_dir
+from .tier_scan import TierScan
 
 __all__ = ["LocalTier", "TierBusyError", "TierUnsafeError", "open_local_tier", "ram_filesystem", "read_tier",
            "tier_dir"]
 
 log = logging.getLogger("ckptmgr")
+
+ADOPTION_WAIT_S = 600.0  # at most this long, a read of a slot waits for its adoption (see LocalTier.reading)
+
 
 class TierBusyError(OSError):
     """Another live process owns the local tier of this root."""
@@ -98,7 +105,7 @@ class _TierWriter:
         """Nothing to release: the slot is this process's own (its flock covers the tier)."""
 
 
-class LocalTier:
+class LocalTier(TierScan):
     """The tmpfs directory holding the slots of one checkpoint root: a target whose writes
     are already in place and whose reads may be served from this process's pinned mappings."""
 
@@ -130,6 +137,7 @@ class LocalTier:
         self._images: dict[int, dict[str, torch.Tensor]] = {}  # pinned mappings  (_mu)
         self._slot_fds: dict[int, int] = {}  # slot index -> directory fd          (_mu)
         self._root_id: str | None = None  # the root the slots belong to            (_mu)
+        self._adopting: dict[int, threading.Event] = {}  # slot index -> set when its adoption ends  (_mu)
         self.on_read_done: Callable[[], None] | None = None  # told when a read lease ends (no lock held)
         self.io_pool: Executor = DaemonPool(4, thread_name_prefix="ckptmgr-local")  # checksums and reads
 
@@ -181,123 +189,7 @@ class LocalTier:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=self._slot_fd(index))
 
-    # ----------------------------------------------------------- the root's identity
-
-    def bind(self, root_id: str) -> None:
-        """Record that the slots belong to the root with identity ``root_id`` (before the
-        first commit of this process)."""
-        with self._mu:
-            if self._root_id == root_id:
-                return
-        write_small(ROOT_ID, self._fd, root_id.encode("ascii"))
-        with self._mu:
-            self._root_id = root_id
-
-    @property
-    def bound(self) -> bool:
-        with self._mu:
-            return self._root_id is not None
-
-    def _recorded_root_id(self) -> str | None:
-        try:
-            return read_small(ROOT_ID, self._fd, 256).decode("ascii").strip() or None
-        except (OSError, UnicodeDecodeError, CkptError):
-            return None
-
     # ----------------------------------------------------------- commit state
-
-    def scan(self, slots: int, root_id: str | None, *, root_is_empty: bool = False,
-             durable: set[int] | None = None) -> dict[int, Manifest]:
-        """Committed steps left by an earlier process, by slot index (< ``slots``), when they
-        belong to the root whose identity is ``root_id``; everything else is reset.
-
-        The slots belong to the root when the identity recorded at their commit matches
-        ``root_id``. A tier that never recorded one (the root's identity could not be written
-        at its first commit) belongs only to a root that has no identity and no committed
-        step (``root_is_empty``): a root that was deleted or replaced since has one or the
-        other as soon as anything was committed to it.
-
-        A slot that is not a private directory of this user, or has an unreadable manifest,
-        or files that do not match it, is removed. So are slots beyond ``slots``, and, given
-        ``durable`` (the root's committed steps), slots whose step was committed on the root
-        once and is gone from it since: someone deleted it there, and it is not brought back.
-        """
-        recorded = self._recorded_root_id()
-        adopt = (root_id is not None and recorded == root_id) or (recorded is None and root_id is None
-                                                                  and root_is_empty)
-        if recorded is not None and not adopt:
-            log.info("local tier %s: its slots belong to another root (deleted or replaced since); "
-                     "discarding them", self.path)
-        found: dict[int, Manifest] = {}
-        for name in sorted(os.listdir(self._fd)):
-            if not name.startswith("slot-"):
-                continue
-            index = int(name[5:]) if name[5:].isdigit() and len(name) == 7 else -1
-            try:
-                if index < 0 or index >= slots or not adopt:
-                    raise TierUnsafeError("not adopted")
-                m = self._check_slot(index)
-            except FileNotFoundError:
-                continue
-            except (OSError, CkptError, ValueError):
-                self._discard(name, index)
-                continue
-            if m is None:
-                continue
-            if durable is not None and m.step not in durable and self._durable_step(index) == m.step:
-                log.info("local tier %s: step %d was deleted from the root since it was written there; its copy "
-                         "here is dropped, not written back", self.path, m.step)
-                self._discard(name, index)
-                continue
-            found[index] = m
-            with self._mu:
-                self._steps[m.step] = index
-        if adopt and root_id is not None:
-            with self._mu:
-                self._root_id = root_id
-        return found
-
-    def _check_slot(self, index: int) -> Manifest | None:
-        d = self._slot_fd(index)
-        try:
-            raw = read_small(MANIFEST_NAME, d, MAX_MANIFEST_BYTES)
-        except FileNotFoundError:
-            return None
-        where = f"{self.path}/slot-{index:02d}/{MANIFEST_NAME}"
-        m = Manifest.from_bytes(raw, where=where)
-        for fname, rec in m.files.items():
-            st = os.stat(fname, dir_fd=d, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != rec.size:
-                raise CheckpointCorruptError(f"{self.path}/slot-{index:02d}/{fname} does not match its manifest")
-        return m
-
-    def _durable_step(self, index: int) -> int | None:
-        try:
-            return marked_durable(self._slot_fd(index))
-        except OSError:
-            return None
-
-    def mark_durable(self, index: int, step: int) -> None:
-        """Record that slot ``index``'s step is committed on the durable root (a later start
-        then never writes it back there if it is deleted from there). A failure is logged: the
-        step would only be written back, as before."""
-        try:
-            write_small(DURABLE_MARK, self._slot_fd(index), str(step).encode("ascii"))
-        except OSError as exc:
-            log.warning("local tier %s: could not record that step %d is durable: %s", self.path, step, exc)
-
-    def _discard(self, name: str, index: int) -> None:
-        """Remove slot entry ``name`` (whatever it is; a symlink is removed, never followed)."""
-        try:
-            st = os.lstat(name, dir_fd=self._fd)
-        except FileNotFoundError:
-            return
-        if stat.S_ISDIR(st.st_mode) and index >= 0:
-            with contextlib.suppress(OSError):
-                self.remove_slot(index)
-            return
-        with contextlib.suppress(OSError):
-            os.unlink(name, dir_fd=self._fd)
 
     def claim(self, index: int) -> bool:
         """Make slot ``index``'s step invisible before the slot is reused; False while a
@@ -348,14 +240,29 @@ class LocalTier:
         with self._mu:
             self._images.pop(index, None)
 
+    def adopting(self, index: int) -> None:
+        """Slot ``index``, adopted from an earlier process, is being pinned in the background:
+        :meth:`reading` waits for :meth:`adopted` before it looks for the slot's images."""
+        with self._mu:
+            self._adopting[index] = threading.Event()
+
+    def adopted(self, index: int) -> None:
+        """The background adoption of slot ``index`` ended (pinned and attached, or not)."""
+        with self._mu:
+            ended = self._adopting.pop(index, None)
+        if ended is not None:
+            ended.set()
+
     @contextlib.contextmanager
-    def reading(self, step: int) -> Iterator[dict[str, torch.Tensor] | None]:
+    def reading(self, step: int, *, adoption_wait: float = ADOPTION_WAIT_S) -> Iterator[dict[str, torch.Tensor] | None]:
         """Hold ``step``'s slot against reuse while it is read.
 
         Yields the slot's file images (file name -> uint8 CPU tensor of the whole file) when
         this process has them mapped and pinned, else None (then read through
         :meth:`read_into`). Pinned images are registered in pieces that are whole numbers of
-        the manifest's checksum chunks: copy them chunk by chunk (never across a chunk).
+        the manifest's checksum chunks: copy them chunk by chunk (never across a chunk). A slot
+        still being adopted in the background is waited for first, up to ``adoption_wait``
+        seconds (then None: the caller reads the files, and verifies them).
 
         Raises:
             StepNotFoundError: the tier does not hold ``step``.
@@ -365,8 +272,13 @@ class LocalTier:
             if index is None:
                 raise StepNotFoundError(f"step {step} is not in the {self.url}")
             self._readers[index] += 1
-            images = self._images.get(index)
+            adopting = self._adopting.get(index)
         try:
+            if adopting is not None and not adopting.wait(adoption_wait):
+                log.warning("%s: the adoption of slot %d did not end within %s s; step %d is read from its files",
+                            self.url, index, adoption_wait, step)
+            with self._mu:
+                images = self._images.get(index) if index not in self._adopting else None
             yield dict(images) if images is not None else None
         finally:
             with self._mu:
@@ -393,6 +305,10 @@ class LocalTier:
         ``wait=False`` (a write is still hung on a slot): only stop the threads; the files,
         descriptors and lock stay as they are until the process ends."""
         self.io_pool.shutdown(wait=wait, cancel_futures=True)
+        with self._mu:
+            adopting, self._adopting = list(self._adopting.values()), {}
+        for ended in adopting:  # (no read waits for an adoption of a closed tier)
+            ended.set()
         if not wait:
             return
         with self._mu:
