@@ -20,6 +20,7 @@ from test_restore_atomic import _damage_last_chunk, _state, _target
 
 import ckptmgr._cuda as cuda_shim
 import ckptmgr.restore.restorer as restorer_mod
+import ckptmgr.storage.tier as tier_mod
 from ckptmgr import CheckpointManager, Schedule, StagingOptions, WriteOptions
 from ckptmgr.storage.tier import tier_dir
 
@@ -144,6 +145,24 @@ def test_a_restore_waits_for_the_adoption_and_gets_verified_bytes(root, ram_dir,
         for k in ("a", "b", "c"):
             assert torch.equal(target[k], _state(3)[k]), k
         assert gate.checks == ["at adoption"]  # verified by the adoption's checks, not a second pass
+        mgr.wait(timeout=60)
+
+
+def test_a_restore_whose_adoption_does_not_end_in_time_reads_and_verifies_the_files(root, ram_dir, gate,
+                                                                                    monkeypatch, caplog):
+    _leave_step_3_in_the_tier(root, ram_dir)
+    monkeypatch.setattr(tier_mod, "ADOPTION_WAIT_S", 0.2)
+    gate.armed = True
+    with _open(root, ram_dir) as mgr:
+        assert gate.entered.wait(60)
+        target = _target()
+        with caplog.at_level(logging.WARNING, logger="ckptmgr"):
+            mgr.restore(3, target=target, loader="inplace")  # with the adoption still held
+        assert "the adoption of slot 0 did not end within 0.2 s; step 3 is read from its files" in caplog.text
+        for k in ("a", "b", "c"):
+            assert torch.equal(target[k], _state(3)[k]), k
+        assert gate.checks == ["at adoption"] and mgr._saver.pool.adopting() == [0]  # (its checks unused)
+        gate.go.set()
         mgr.wait(timeout=60)
 
 

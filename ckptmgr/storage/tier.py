@@ -254,7 +254,7 @@ class LocalTier(TierScan):
             ended.set()
 
     @contextlib.contextmanager
-    def reading(self, step: int, *, adoption_wait: float = ADOPTION_WAIT_S) -> Iterator[dict[str, torch.Tensor] | None]:
+    def reading(self, step: int, *, adoption_wait: float | None = None) -> Iterator[dict[str, torch.Tensor] | None]:
         """Hold ``step``'s slot against reuse while it is read.
 
         Yields the slot's file images (file name -> uint8 CPU tensor of the whole file) when
@@ -262,7 +262,8 @@ class LocalTier(TierScan):
         :meth:`read_into`). Pinned images are registered in pieces that are whole numbers of
         the manifest's checksum chunks: copy them chunk by chunk (never across a chunk). A slot
         still being adopted in the background is waited for first, up to ``adoption_wait``
-        seconds (then None: the caller reads the files, and verifies them).
+        seconds (None: :data:`ADOPTION_WAIT_S`); then None: the caller reads the files, and
+        verifies them.
 
         Raises:
             StepNotFoundError: the tier does not hold ``step``.
@@ -273,6 +274,7 @@ class LocalTier(TierScan):
                 raise StepNotFoundError(f"step {step} is not in the {self.url}")
             self._readers[index] += 1
             adopting = self._adopting.get(index)
+        adoption_wait = ADOPTION_WAIT_S if adoption_wait is None else adoption_wait
         try:
             if adopting is not None and not adopting.wait(adoption_wait):
                 log.warning("%s: the adoption of slot %d did not end within %s s; step %d is read from its files",
