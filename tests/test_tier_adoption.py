@@ -75,11 +75,11 @@ def _open(root: str, local: str) -> CheckpointManager:
 def test_an_adopted_slot_is_verified_at_start_up_and_its_restore_only_copies(root, ram_dir, pinned):
     _leave_step_3_in_the_tier(root, ram_dir)
     with _open(root, ram_dir) as mgr:
-        assert [when for when, _ in pinned] == ["at adoption"]  # started by the constructor
-        assert "step 3" in pinned[0][1] and ram_dir in pinned[0][1]
         target = _target()
         a = target["a"]
-        out = mgr.restore(3, target=target, loader="inplace")
+        out = mgr.restore(3, target=target, loader="inplace")  # (waits for the adoption, started by the constructor)
+        assert [when for when, _ in pinned] == ["at adoption"]
+        assert "step 3" in pinned[0][1] and ram_dir in pinned[0][1]
         assert out["n"] == 3 and target["a"] is a
         for k in ("a", "b", "c"):
             assert torch.equal(target[k], _state(3)[k]), k
@@ -177,10 +177,10 @@ def test_checks_of_an_adopted_slot_that_do_not_end_in_time_are_done_again_by_the
                         lambda *a: stuck.append(Future()) or stuck)  # checks that never end
     monkeypatch.setattr(restorer_mod, "_ADOPTED_CHECK_WAIT", 0.2)
     with _open(root, ram_dir) as mgr:
-        assert len(stuck) == 1
         target = _target()
         with caplog.at_level(logging.WARNING, logger="ckptmgr"):
-            mgr.restore(3, target=target, loader="inplace")
+            mgr.restore(3, target=target, loader="inplace")  # (after the adoption, which started the checks)
+        assert len(stuck) == 1
         assert "did not end within 0.2 s; verifying again" in caplog.text
         assert [when for when, _ in pinned] == ["at restore"] and stuck[0].cancelled()
         for k in ("a", "b", "c"):

@@ -423,7 +423,7 @@ class Saver(TierSaves):
         self.pool.stop.set()
         if ended:
             self._side.stop(timeout=left)
-        kept, _ = self.pool.close()
+        kept, _ = self.pool.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return given_up, kept
 
     @property

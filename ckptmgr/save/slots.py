@@ -21,73 +21,43 @@ else, as a last resort. A tmpfs slot holding the only copy of the newest committ
 never handed out: the saver writes it (retrying a failed write) while the slot holds it,
 and the slot becomes free once that write succeeds or a newer step commits.
 
+The pool is built from parts, one module each: :mod:`.slot_capacity` (how many slots fit the
+host memory, and the default's growth), :mod:`.slot_buffers` (the :class:`Slot` row, and
+making, pinning and freeing a slot's buffers) and :mod:`.slot_adoption` (taking over the
+slots an earlier process left in the local tier, pinned in the background).
+
 Ownership: the slot table (every ``Slot`` field but the buffers) is guarded by ``_cond``. A
 slot's buffers and segments belong to whoever holds the slot busy (one save or the persist
-job after it) or is preparing it (the prepare thread); nobody else touches them. ``_cond``
-is never held across I/O; it may be held while calling the tier (lock order pool -> tier).
+job after it) or is preparing it (the prepare thread, or the adoption thread for an adopted
+slot, whose committed bytes the persist job may read meanwhile); nobody else touches them.
+``_cond`` is never held across I/O; it may be held while calling the tier (lock order pool
+-> tier).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 
-import torch
-
-from .. import _cuda
 from .._threads import DaemonPool
-from ..errors import CapacityError, CkptTimeoutError
-from ..format.layout import DATA_ALIGN, file_name
+from ..errors import CkptTimeoutError
 from ..storage.tier import LocalTier
-from .buffers import HostBuffer, anonymous_buffer, file_buffer
-from .memory import DEFAULT_HOST_SHARE, MAX_HOST_SHARE, HostMemory, MemoryProbe, allowed_bytes, read_host_memory
+from .memory import MemoryProbe, read_host_memory
+from .slot_adoption import SlotAdoption
+from .slot_buffers import Slot, SlotBuffers
+from .slot_capacity import SlotCapacity, slot_bytes
 
-__all__ = ["AUTO_MAX_SLOTS", "Slot", "SlotPool", "slot_bytes"]
+__all__ = ["AUTO_MAX_SLOTS", "Slot", "SlotPool", "slot_bytes"]  # (Slot and slot_bytes: from their modules)
 
 AUTO_MAX_SLOTS = 3  # slots the default options may grow to: one being written, one holding the newest, one filling
 
 log = logging.getLogger("ckptmgr")
-_NOW = threading.Event()  # always set: pin without pauses (the caller itself waits for it)
-_NOW.set()
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 1 << 28 else f"{n / 2**20:.1f} MiB"
-
-
-def slot_bytes(sizes: list[int]) -> int:
-    """Host bytes one slot needs for files of ``sizes`` (each image starts page-aligned)."""
-    return sum(-(-s // DATA_ALIGN) * DATA_ALIGN for s in sizes)
-
-
-@dataclass
-class Slot:
-    """One staging buffer set and what it holds (fields guarded by the pool's lock)."""
-
-    index: int
-    kind: str = "none"  # "none" (no buffers yet) | "tmpfs" | "memory"
-    buffers: list[HostBuffer] = field(default_factory=list)  # one per data file (owner: the holder)
-    segments: list[torch.Tensor] = field(default_factory=list)  # the buffers' tensors
-    step: int | None = None  # the step whose image the slot holds (None: nothing valid)
-    durable: bool = False  # ``step`` is committed on the durable target
-    busy: bool = False  # held by a save, its persist job, or a retry of its durable write
-    preparing: bool = False  # reserved by prepare(): the next save waits for it, never skips it
-    replaced: int | None = None  # the step the slot held before acquire() handed it to a save
-    wanted: bool = False  # ``step`` waits for its durable write (only a newer such step supersedes it)
-    local_only: bool = False  # the schedule keeps ``step`` in the local tier only: a newer save may take the slot
-    since: float = 0.0  # monotonic time the slot was last handed to a save (for messages)
-
-    @property
-    def piece(self) -> int:
-        """Copies into this slot's images must not cross multiples of this (0: no limit)."""
-        return max((b.boundaries() for b in self.buffers), default=0)
-
-
-class SlotPool:
+class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
     """``count`` slots, created lazily, reused for the life of the manager. ``chunk_size``: the
     checksum chunk of the images (pinning pieces are whole numbers of it).
 
@@ -119,6 +89,9 @@ class SlotPool:
         self.registrations = 0
         self.counts: dict[str, float] = {"saves": 0, "skips": 0, "busy_waits": 0, "busy_wait_s": 0.0}
         self.newest_durable: int | None = None
+        self._adopter: DaemonPool | None = None  # (see .slot_adoption; guarded by _cond)
+        self._adopting: dict[int, Future[None]] = {}
+        self._abandoned: set[int] = set()
         if tier is not None:
             tier.on_read_done = self._wake
 
@@ -127,92 +100,6 @@ class SlotPool:
             self._cond.notify_all()
 
     # ------------------------------------------------------------ capacity
-
-    def check_capacity(self, sizes: list[int]) -> None:
-        """Raise CapacityError, before anything is allocated, when the slots of this state
-        exceed ``max_host_bytes`` or the host memory the guard allows (see
-        :mod:`ckptmgr.save.memory`): the share of what the node and this process's cgroup
-        have available. The memory is read only when the slots would grow."""
-        per = slot_bytes(sizes)
-        with self._cond:
-            count = 1 if self.auto else len(self.slots)  # (the default's other slots are checked as they are added)
-            held = self._held()
-            self._sizes = list(sizes)
-        need = per * count
-        if self.max_host_bytes is not None and need > self.max_host_bytes:
-            raise CapacityError(
-                f"staging this state needs {need / 2**30:.2f} GiB of host memory ({count} slot(s) of "
-                f"{per / 2**30:.2f} GiB), over StagingOptions.max_host_bytes="
-                f"{self.max_host_bytes / 2**30:.2f} GiB; raise the cap or use fewer slots")
-        if need <= held or self.memory is None:
-            return  # nothing to allocate: what the slots hold is theirs
-        mem = self.memory()
-        allowed = allowed_bytes(mem, held, default=self.auto, max_host_bytes=self.max_host_bytes)
-        if mem is None or allowed is None or need <= allowed:
-            return
-        if self.auto and self.max_host_bytes is None:
-            raise CapacityError(
-                f"staging this state needs {per / 2**30:.2f} GiB of host memory for one slot, over the "
-                f"{DEFAULT_HOST_SHARE:.0%} of host memory the default options may use "
-                f"({self._memory_text(mem, held)}); "
-                f"set StagingOptions(slots=1) or max_host_bytes to allow up to {MAX_HOST_SHARE:.0%}, or save less "
-                f"per process (more ranks, a smaller state)")
-        raise CapacityError(
-            f"staging this state needs {need / 2**30:.2f} GiB of host memory ({count} slot(s) of {per / 2**30:.2f} "
-            f"GiB), over the {allowed / 2**30:.2f} GiB this process may use ({MAX_HOST_SHARE:.0%} of "
-            f"{self._memory_text(mem, held)}); nothing was allocated. Use fewer StagingOptions.slots (or leave "
-            f"slots unset: the manager then uses as many as fit), or save less per process")
-
-    def _held(self) -> int:
-        return sum(b.nbytes for s in self.slots for b in s.buffers)
-
-    @staticmethod
-    def _memory_text(mem: HostMemory, held: int) -> str:
-        extra = f" + {held / 2**30:.2f} GiB the slots hold" if held else ""
-        return mem.describe() + extra
-
-    def _grow(self, now: float) -> Slot | None:
-        """(lock held, default options only) A new slot for a save that would otherwise wait,
-        when one more fits the share of host memory the default may use; told once each."""
-        if not self.auto or len(self.slots) >= self.max_slots or self._sizes is None:
-            return None
-        per = slot_bytes(self._sizes)
-        count = len(self.slots)
-        held = self._held()
-        mem = self.memory() if self.memory is not None else None
-        allowed = allowed_bytes(mem, held, default=True, max_host_bytes=self.max_host_bytes)
-        busy = [s for s in self.slots if s.busy]
-        oldest = min(busy, key=lambda s: s.since, default=None)
-        spacing = "" if self._last_save is None else f" {now - self._last_save:.2f} s after the previous one"
-        why = (f"a save came{spacing} while {len(busy)} earlier save(s) were still being staged or written "
-               f"(the oldest since {now - oldest.since:.2f} s)" if oldest is not None else
-               f"a save came{spacing} while all {count} staging slot(s) held steps not yet durable")
-        if allowed is not None and per * (count + 1) > allowed:
-            if not self._told_no_room:
-                self._told_no_room = True
-                limit = (f"StagingOptions.max_host_bytes={self.max_host_bytes / 2**30:.2f} GiB"
-                         if self.max_host_bytes is not None else "the host memory available" if mem is None else
-                         f"{DEFAULT_HOST_SHARE:.0%} of {self._memory_text(mem, held)}")
-                log.warning("%s; it waits: another staging slot of %s would exceed %s. Save less often "
-                            "(Schedule(max_overhead=...) picks the interval), or set StagingOptions(slots=%d) "
-                            "to allow up to %.0f%% of available memory", why, _size(per), limit, count + 1,
-                            MAX_HOST_SHARE * 100)
-            return None
-        slot = Slot(count)
-        self.slots.append(slot)
-        # Saves outpace the durable target: the next one will want another slot too. When it fits, a spare
-        # (never filled yet) is added as well; the saver makes it in the background after this save.
-        spare = count + 2 <= self.max_slots and (allowed is None or per * (count + 2) <= allowed)
-        if spare:
-            self.slots.append(Slot(count + 1))
-        total = len(self.slots)
-        room = "" if allowed is None else f"; all slots {_size(per * total)} of {_size(allowed)} allowed"
-        log.warning("%s; added staging slot %d%s of at most %d (%s of host memory each%s) rather than wait. "
-                    "StagingOptions(slots=%d) makes them up front; Schedule(max_overhead=...) saves only as often "
-                    "as the durable target absorbs", why, count + 1,
-                    f" (and slot {total}, made in the background)" if spare else "", self.max_slots, _size(per),
-                    room, total)
-        return slot
 
     # ------------------------------------------------------ acquire/release
 
@@ -379,160 +266,13 @@ class SlotPool:
             newest = self._newest_committed()
             return newest is not None and step < newest
 
-    # -------------------------------------------------------------- buffers
-
-    def fit(self, slot: Slot, sizes: list[int], *, hurry: bool = True) -> None:
-        """Make ``slot`` hold files of exactly ``sizes`` bytes, pinned; allocate only what changed.
-        The caller holds the slot (busy or preparing)."""
-        if self.tier is not None and slot.kind in ("none", "tmpfs"):
-            try:
-                self._fit(slot, sizes, "tmpfs", hurry)
-                return
-            except OSError as exc:
-                log.warning("staging slot %d cannot live in %s (%s); using host memory instead",
-                            slot.index, self.tier.path, exc)
-                self._free(slot)
-                self.tier.remove_slot(slot.index)
-        self._fit(slot, sizes, "memory", hurry)
-
-    def prepare(self, sizes: list[int]) -> None:
-        """Make the buffers of every slot never filled yet, pinned with pauses between pieces
-        (run on a helper thread; a save that needs one of these slots waits for it)."""
-        with self._cond:
-            fresh = [s for s in self.slots if s.kind == "none" and not s.busy and not s.preparing]
-            for s in fresh:
-                s.preparing = True
-        try:
-            for s in fresh:
-                try:
-                    if not self.stop.is_set():
-                        self.fit(s, sizes, hurry=False)
-                except Exception as exc:  # the next save() fits again and raises there
-                    log.warning("preparing staging slot %d failed: %s", s.index, exc)
-                finally:
-                    with self._cond:
-                        s.preparing = False
-                        self._cond.notify_all()
-        finally:
-            with self._cond:
-                for s in fresh:
-                    s.preparing = False
-                self._cond.notify_all()
-
-    def _fit(self, slot: Slot, sizes: list[int], kind: str, hurry: bool) -> None:
-        same = slot.kind == kind and [b.nbytes for b in slot.buffers] == sizes
-        if same and (all(b.pinned for b in slot.buffers) or not _cuda.available()):
-            return
-        if kind == "tmpfs":
-            assert self.tier is not None
-            grow = sum(sizes) - sum(b.nbytes for b in slot.buffers)
-            if grow > 0 and grow > self.tier.free_bytes():
-                raise OSError(f"{grow} more bytes are needed and only {self.tier.free_bytes()} are free")
-            self.tier.detach(slot.index)
-        keep: dict[int, HostBuffer] = {}
-        for i, old in enumerate(slot.buffers):
-            if slot.kind == kind and i < len(sizes) and old.nbytes == sizes[i]:
-                keep[i] = old
-            else:
-                self._drop(slot, old)
-        slot.kind = kind
-        make = [i for i in range(len(sizes)) if i not in keep]
-        # Made in parallel: reserving and populating pages is ~0.1-0.3 s per GiB for one thread.
-        with DaemonPool(min(8, max(1, len(make))), thread_name_prefix="ckptmgr-alloc") as pool:
-            futures = [pool.submit(self._make, slot.index, file_name(i), sizes[i], kind) for i in make]
-        failed = next((f.exception() for f in futures if f.exception() is not None), None)
-        made = [f.result() for f in futures if f.exception() is None]
-        if failed is not None:
-            for b in made:
-                self._drop(slot, b)
-            for b in keep.values():
-                self._drop(slot, b)
-            slot.buffers, slot.segments, slot.kind = [], [], "none"
-            raise failed
-        keep.update(zip(make, made, strict=True))
-        slot.buffers = [keep[i] for i in range(len(sizes))]
-        slot.segments = [b.tensor for b in slot.buffers]
-        self._pin(slot, hurry)
-
-    def _make(self, index: int, name: str, nbytes: int, kind: str) -> HostBuffer:
-        if kind == "tmpfs":
-            assert self.tier is not None
-            fd = self.tier.open_file(index, name, nbytes, create=True)
-            try:
-                buf = file_buffer(fd, nbytes, name)
-            finally:
-                os.close(fd)
-        else:
-            buf = anonymous_buffer(nbytes)
-        buf.populate()  # on this helper thread, with no CUDA lock held
-        with self._cond:
-            self.allocations += 1
-        return buf
-
-    def _pin(self, slot: Slot, hurry: bool) -> None:
-        """Pin each buffer in pieces (one at a time: the driver serializes them anyway)."""
-        for b in slot.buffers:
-            if b.registered:
-                continue
-            done = b.pin(self.chunk_size, hurry=_NOW if hurry else self.hurry, stop=self.stop)
-            if not done:
-                b.unpin()
-                return
-            if b.registered:
-                with self._cond:
-                    self.registrations += 1
-        if slot.kind == "tmpfs" and self.tier is not None and all(b.pinned for b in slot.buffers):
-            self.tier.attach(slot.index, {file_name(i): b.tensor for i, b in enumerate(slot.buffers)})
-
-    def _drop(self, slot: Slot, buf: HostBuffer) -> None:
-        buf.unpin()  # before the mapping goes
-        if buf.path is not None and self.tier is not None:
-            self.tier.remove_file(slot.index, buf.path)
-            buf.path = None
-
-    def _free(self, slot: Slot) -> None:
-        if slot.kind == "tmpfs" and self.tier is not None:
-            self.tier.detach(slot.index)
-        for b in slot.buffers:
-            self._drop(slot, b)
-        slot.buffers, slot.segments = [], []
-
-    def adopt(self, index: int, step: int, sizes: list[int], chunk_size: int, *, durable: bool,
-              on_mapped: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Slot:
-        """Take over the committed tmpfs slot ``index`` an earlier process left (at start-up).
-        ``on_mapped``: told the file images once mapped, before they are pinned (only with
-        CUDA), so that they can be verified meanwhile."""
-        assert self.tier is not None
-        with self._cond:
-            while self.auto and len(self.slots) <= index < self.max_slots:
-                self.slots.append(Slot(len(self.slots)))
-        slot = self.slots[index]
-        slot.kind = "tmpfs"
-        for i, n in enumerate(sizes):
-            fd = self.tier.open_file(index, file_name(i), n, create=False)
-            try:
-                slot.buffers.append(file_buffer(fd, n, file_name(i)))
-            finally:
-                os.close(fd)
-        slot.segments = [b.tensor for b in slot.buffers]
-        if on_mapped is not None and _cuda.available():
-            on_mapped({file_name(i): b.tensor for i, b in enumerate(slot.buffers)})
-        saved, self.chunk_size = self.chunk_size, chunk_size  # pinned in pieces of its own chunks
-        try:
-            self._pin(slot, hurry=True)
-        finally:
-            self.chunk_size = saved
-        with self._cond:
-            slot.step, slot.durable = step, durable
-            if durable:
-                self._note_durable(step)
-        return slot
-
-    def close(self) -> tuple[list[int], list[int]]:
+    def close(self, timeout: float | None = None) -> tuple[list[int], list[int]]:
         """Free every idle slot whose step is durable, superseded or not committed; return the
         committed steps kept in the tier for the next start, and the steps of slots still busy
-        (left alone: a writer may still read them)."""
+        (left alone: a writer may still read them). Adoptions still running are stopped and
+        waited for up to ``timeout`` seconds (see :meth:`stop_adoptions`)."""
         self.stop.set()
+        abandoned = self.stop_adoptions(timeout)
         kept: list[int] = []
         busy: list[int] = []
         free: list[tuple[Slot, bool]] = []  # (slot, keep its files)
@@ -541,6 +281,8 @@ class SlotPool:
             for s in self.slots:
                 if s.busy or s.preparing:
                     busy.append(s.step if s.step is not None else -1)
+                    if s.index in abandoned and s.step is not None and not s.durable:
+                        kept.append(s.step)  # (its adoption leaves its files for the next start)
                     continue
                 local = (self.tier is not None and s.kind == "tmpfs" and s.step is not None
                          and self.tier.holds(s.index) == s.step)

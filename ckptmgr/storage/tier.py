@@ -1,15 +1,7 @@
 """The local tier: a target in tmpfs whose files are the staging slots themselves.
 
-Layout, one private directory per checkpoint root and user::
-
-    <local_dir>/ckptmgr-<uid>-<hash of the root URL>/     mode 0700, owned by this user
-        lock                 flock()ed by the one manager that owns the tier
-        root                 the root URL, for people looking around
-        root-id              the identity of the root these slots belong to
-        slot-00/             one staging slot
-            data-00000.safetensors ...   mapped MAP_SHARED and pinned in place by the saver
-            manifest.json                present only while the slot holds a complete step
-            durable                      the step, once it is committed on the durable root too
+The directory's layout and the read-only listing of its steps are in
+:mod:`ckptmgr.storage.tier_layout`.
 
 The device-to-host copy writes a slot's data files. Once the copy has ended the tier's
 writer (:meth:`LocalTier.begin`) checksums them and writes ``manifest.json`` (temporary
@@ -26,19 +18,20 @@ start-up only when ``root-id`` matches the root's own identity
 (:meth:`~ckptmgr.storage.Target.root_id`): a root deleted (``rm -rf``) or replaced since is
 never resurrected from RAM.
 
-Thread ownership: the commit map, the readers and the attached images are guarded by
-``_mu``, which is never held across I/O. The saver calls :meth:`claim`, :meth:`attach` and
-:meth:`detach` (its slot pool's lock may be held: pool -> tier is the only lock order);
-restores call :meth:`reading`.
+Thread ownership: the commit map, the readers, the attached images and the adoptions in
+progress are guarded by ``_mu``, which is never held across I/O nor across a wait. The
+saver calls :meth:`claim`, :meth:`attach` and :meth:`detach` (its slot pool's lock may be
+held: pool -> tier is the only lock order) and, for a slot adopted from an earlier process,
+:meth:`adopting` then, from its adoption thread, :meth:`adopted`; restores call
+:meth:`reading`, which waits (bounded) for a slot's adoption to end before it yields the
+slot's pinned images. The start-up scan is :mod:`ckptmgr.storage.tier_scan`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import stat
@@ -54,33 +47,28 @@ import torch
 
 from .. import _cuda
 from .._threads import DaemonPool
-from ..errors import CheckpointCorruptError, CkptError, ConfigError, StepNotFoundError
+from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError
 from ..format.checksum import chunk_ranges, crc32c_hex
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.manifest import MANIFEST_NAME
 from ..format.schema import MAX_MANIFEST_BYTES
 from ..options import StagingOptions
 from .posix import preadv_into
 from .private import NOFOLLOW as _NOFOLLOW
 from .private import UnsafePathError as TierUnsafeError
-from .private import check_private_dir, open_private_dir, read_small, write_small
+from .private import open_private_dir, read_small, write_small
+from .tier_layout import DURABLE_MARK, ROOT_ID, TMP_MANIFEST, ram_filesystem, read_tier, tier_dir
+from .tier_scan import TierScan
 
-__all__ = ["LocalTier", "TierBusyError", "TierUnsafeError", "open_local_tier", "read_tier", "tier_dir"]
+__all__ = ["LocalTier", "TierBusyError", "TierUnsafeError", "open_local_tier", "ram_filesystem", "read_tier",
+           "tier_dir"]
 
 log = logging.getLogger("ckptmgr")
 
-_TMP_MANIFEST = ".manifest.json.tmp"
-_DURABLE = "durable"  # the slot's step, written once the step is committed on the durable root
-_ROOT_ID = "root-id"
+ADOPTION_WAIT_S = 600.0  # at most this long, a read of a slot waits for its adoption (see LocalTier.reading)
 
 
 class TierBusyError(OSError):
     """Another live process owns the local tier of this root."""
-
-
-def tier_dir(local_dir: str, root_url: str) -> str:
-    """The tier directory of ``root_url`` for the current user."""
-    key = hashlib.sha256(root_url.encode("utf-8")).hexdigest()[:16]
-    return os.path.join(local_dir, f"ckptmgr-{os.getuid()}-{key}")
 
 
 class _TierWriter:
@@ -117,7 +105,7 @@ class _TierWriter:
         """Nothing to release: the slot is this process's own (its flock covers the tier)."""
 
 
-class LocalTier:
+class LocalTier(TierScan):
     """The tmpfs directory holding the slots of one checkpoint root: a target whose writes
     are already in place and whose reads may be served from this process's pinned mappings."""
 
@@ -149,6 +137,7 @@ class LocalTier:
         self._images: dict[int, dict[str, torch.Tensor]] = {}  # pinned mappings  (_mu)
         self._slot_fds: dict[int, int] = {}  # slot index -> directory fd          (_mu)
         self._root_id: str | None = None  # the root the slots belong to            (_mu)
+        self._adopting: dict[int, threading.Event] = {}  # slot index -> set when its adoption ends  (_mu)
         self.on_read_done: Callable[[], None] | None = None  # told when a read lease ends (no lock held)
         self.io_pool: Executor = DaemonPool(4, thread_name_prefix="ckptmgr-local")  # checksums and reads
 
@@ -200,123 +189,7 @@ class LocalTier:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=self._slot_fd(index))
 
-    # ----------------------------------------------------------- the root's identity
-
-    def bind(self, root_id: str) -> None:
-        """Record that the slots belong to the root with identity ``root_id`` (before the
-        first commit of this process)."""
-        with self._mu:
-            if self._root_id == root_id:
-                return
-        write_small(_ROOT_ID, self._fd, root_id.encode("ascii"))
-        with self._mu:
-            self._root_id = root_id
-
-    @property
-    def bound(self) -> bool:
-        with self._mu:
-            return self._root_id is not None
-
-    def _recorded_root_id(self) -> str | None:
-        try:
-            return read_small(_ROOT_ID, self._fd, 256).decode("ascii").strip() or None
-        except (OSError, UnicodeDecodeError, CkptError):
-            return None
-
     # ----------------------------------------------------------- commit state
-
-    def scan(self, slots: int, root_id: str | None, *, root_is_empty: bool = False,
-             durable: set[int] | None = None) -> dict[int, Manifest]:
-        """Committed steps left by an earlier process, by slot index (< ``slots``), when they
-        belong to the root whose identity is ``root_id``; everything else is reset.
-
-        The slots belong to the root when the identity recorded at their commit matches
-        ``root_id``. A tier that never recorded one (the root's identity could not be written
-        at its first commit) belongs only to a root that has no identity and no committed
-        step (``root_is_empty``): a root that was deleted or replaced since has one or the
-        other as soon as anything was committed to it.
-
-        A slot that is not a private directory of this user, or has an unreadable manifest,
-        or files that do not match it, is removed. So are slots beyond ``slots``, and, given
-        ``durable`` (the root's committed steps), slots whose step was committed on the root
-        once and is gone from it since: someone deleted it there, and it is not brought back.
-        """
-        recorded = self._recorded_root_id()
-        adopt = (root_id is not None and recorded == root_id) or (recorded is None and root_id is None
-                                                                  and root_is_empty)
-        if recorded is not None and not adopt:
-            log.info("local tier %s: its slots belong to another root (deleted or replaced since); "
-                     "discarding them", self.path)
-        found: dict[int, Manifest] = {}
-        for name in sorted(os.listdir(self._fd)):
-            if not name.startswith("slot-"):
-                continue
-            index = int(name[5:]) if name[5:].isdigit() and len(name) == 7 else -1
-            try:
-                if index < 0 or index >= slots or not adopt:
-                    raise TierUnsafeError("not adopted")
-                m = self._check_slot(index)
-            except FileNotFoundError:
-                continue
-            except (OSError, CkptError, ValueError):
-                self._discard(name, index)
-                continue
-            if m is None:
-                continue
-            if durable is not None and m.step not in durable and self._durable_step(index) == m.step:
-                log.info("local tier %s: step %d was deleted from the root since it was written there; its copy "
-                         "here is dropped, not written back", self.path, m.step)
-                self._discard(name, index)
-                continue
-            found[index] = m
-            with self._mu:
-                self._steps[m.step] = index
-        if adopt and root_id is not None:
-            with self._mu:
-                self._root_id = root_id
-        return found
-
-    def _check_slot(self, index: int) -> Manifest | None:
-        d = self._slot_fd(index)
-        try:
-            raw = read_small(MANIFEST_NAME, d, MAX_MANIFEST_BYTES)
-        except FileNotFoundError:
-            return None
-        where = f"{self.path}/slot-{index:02d}/{MANIFEST_NAME}"
-        m = Manifest.from_bytes(raw, where=where)
-        for fname, rec in m.files.items():
-            st = os.stat(fname, dir_fd=d, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != rec.size:
-                raise CheckpointCorruptError(f"{self.path}/slot-{index:02d}/{fname} does not match its manifest")
-        return m
-
-    def _durable_step(self, index: int) -> int | None:
-        try:
-            return _marked_durable(self._slot_fd(index))
-        except OSError:
-            return None
-
-    def mark_durable(self, index: int, step: int) -> None:
-        """Record that slot ``index``'s step is committed on the durable root (a later start
-        then never writes it back there if it is deleted from there). A failure is logged: the
-        step would only be written back, as before."""
-        try:
-            write_small(_DURABLE, self._slot_fd(index), str(step).encode("ascii"))
-        except OSError as exc:
-            log.warning("local tier %s: could not record that step %d is durable: %s", self.path, step, exc)
-
-    def _discard(self, name: str, index: int) -> None:
-        """Remove slot entry ``name`` (whatever it is; a symlink is removed, never followed)."""
-        try:
-            st = os.lstat(name, dir_fd=self._fd)
-        except FileNotFoundError:
-            return
-        if stat.S_ISDIR(st.st_mode) and index >= 0:
-            with contextlib.suppress(OSError):
-                self.remove_slot(index)
-            return
-        with contextlib.suppress(OSError):
-            os.unlink(name, dir_fd=self._fd)
 
     def claim(self, index: int) -> bool:
         """Make slot ``index``'s step invisible before the slot is reused; False while a
@@ -332,7 +205,7 @@ class LocalTier:
         with self._mu:
             self._steps = {s: i for s, i in self._steps.items() if i != index}
         d = self._slot_fd(index)
-        for name in (MANIFEST_NAME, _TMP_MANIFEST, _DURABLE):
+        for name in (MANIFEST_NAME, TMP_MANIFEST, DURABLE_MARK):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=d)
 
@@ -343,8 +216,8 @@ class LocalTier:
     def commit(self, index: int, step: int, manifest: bytes) -> None:
         """Record the slot's content as committed ``step`` (manifest written, then renamed)."""
         d = self._slot_fd(index)
-        write_small(_TMP_MANIFEST, d, manifest)
-        os.rename(_TMP_MANIFEST, MANIFEST_NAME, src_dir_fd=d, dst_dir_fd=d)
+        write_small(TMP_MANIFEST, d, manifest)
+        os.rename(TMP_MANIFEST, MANIFEST_NAME, src_dir_fd=d, dst_dir_fd=d)
         with self._mu:
             self._steps[step] = index
 
@@ -367,14 +240,30 @@ class LocalTier:
         with self._mu:
             self._images.pop(index, None)
 
+    def adopting(self, index: int) -> None:
+        """Slot ``index``, adopted from an earlier process, is being pinned in the background:
+        :meth:`reading` waits for :meth:`adopted` before it looks for the slot's images."""
+        with self._mu:
+            self._adopting[index] = threading.Event()
+
+    def adopted(self, index: int) -> None:
+        """The background adoption of slot ``index`` ended (pinned and attached, or not)."""
+        with self._mu:
+            ended = self._adopting.pop(index, None)
+        if ended is not None:
+            ended.set()
+
     @contextlib.contextmanager
-    def reading(self, step: int) -> Iterator[dict[str, torch.Tensor] | None]:
+    def reading(self, step: int, *, adoption_wait: float | None = None) -> Iterator[dict[str, torch.Tensor] | None]:
         """Hold ``step``'s slot against reuse while it is read.
 
         Yields the slot's file images (file name -> uint8 CPU tensor of the whole file) when
         this process has them mapped and pinned, else None (then read through
         :meth:`read_into`). Pinned images are registered in pieces that are whole numbers of
-        the manifest's checksum chunks: copy them chunk by chunk (never across a chunk).
+        the manifest's checksum chunks: copy them chunk by chunk (never across a chunk). A slot
+        still being adopted in the background is waited for first, up to ``adoption_wait``
+        seconds (None: :data:`ADOPTION_WAIT_S`); then None: the caller reads the files, and
+        verifies them.
 
         Raises:
             StepNotFoundError: the tier does not hold ``step``.
@@ -384,8 +273,14 @@ class LocalTier:
             if index is None:
                 raise StepNotFoundError(f"step {step} is not in the {self.url}")
             self._readers[index] += 1
-            images = self._images.get(index)
+            adopting = self._adopting.get(index)
+        adoption_wait = ADOPTION_WAIT_S if adoption_wait is None else adoption_wait
         try:
+            if adopting is not None and not adopting.wait(adoption_wait):
+                log.warning("%s: the adoption of slot %d did not end within %s s; step %d is read from its files",
+                            self.url, index, adoption_wait, step)
+            with self._mu:
+                images = self._images.get(index) if index not in self._adopting else None
             yield dict(images) if images is not None else None
         finally:
             with self._mu:
@@ -412,6 +307,10 @@ class LocalTier:
         ``wait=False`` (a write is still hung on a slot): only stop the threads; the files,
         descriptors and lock stay as they are until the process ends."""
         self.io_pool.shutdown(wait=wait, cancel_futures=True)
+        with self._mu:
+            adopting, self._adopting = list(self._adopting.values()), {}
+        for ended in adopting:  # (no read waits for an adoption of a closed tier)
+            ended.set()
         if not wait:
             return
         with self._mu:
@@ -419,7 +318,7 @@ class LocalTier:
         for fd in fds:
             os.close(fd)
         if remove and not any(n.startswith("slot-") for n in os.listdir(self._fd)):
-            for name in ("root", _ROOT_ID, "lock"):
+            for name in ("root", ROOT_ID, "lock"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=self._fd)
             with contextlib.suppress(OSError):
@@ -454,67 +353,6 @@ class LocalTier:
 
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
         preadv_into(name, offset, out, dir_fd=self._slot_fd(self._slot_of(step)))
-
-
-def read_tier(local_dir: str, root_url: str, *, written_out: bool = True) -> dict[int, Manifest]:
-    """The steps committed in this user's tier of ``root_url``, read only (the tier may belong
-    to a running job), by step. Empty when there is no tier, or it is not a private directory
-    of this user: another user's planted tier is never listed. ``written_out=False`` leaves out
-    the steps whose slot records that they were committed on the root (since deleted there, by
-    retention or by hand: never to be written back)."""
-    path = tier_dir(local_dir, root_url)
-    found: dict[int, Manifest] = {}
-    try:
-        check_private_dir(os.lstat(path), path)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
-    except OSError:
-        return found
-    try:
-        check_private_dir(os.fstat(fd), path)
-        for name in sorted(os.listdir(fd)):
-            if not (name.startswith("slot-") and name[5:].isdigit()):
-                continue
-            try:
-                check_private_dir(os.lstat(name, dir_fd=fd), name)
-                slot = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)
-                try:
-                    m = Manifest.from_bytes(read_small(MANIFEST_NAME, slot, MAX_MANIFEST_BYTES),
-                                            where=f"{path}/{name}/{MANIFEST_NAME}")
-                    if not written_out and _marked_durable(slot) == m.step:
-                        continue
-                finally:
-                    os.close(slot)
-            except (OSError, CkptError, ValueError):
-                continue  # a slot being written, or reset: not a committed step
-            found[m.step] = m
-    finally:
-        os.close(fd)
-    return found
-
-
-def _marked_durable(slot_fd: int) -> int | None:
-    """The step a slot's durable mark names (None: none, or unreadable)."""
-    try:
-        text = read_small(_DURABLE, slot_fd, 32).decode("ascii").strip()
-    except (OSError, ValueError, CkptError):
-        return None
-    return int(text) if text.isdigit() else None
-
-
-_RAM_FS_MAGIC = frozenset({0x01021994, 0x858458F6, 0x958458F6})  # tmpfs, ramfs, hugetlbfs (linux/magic.h)
-
-
-def ram_filesystem(path: str | int) -> bool | None:
-    """True when ``path`` (or the open file descriptor ``path``) lies on a filesystem kept in
-    RAM, False when on another, None when this cannot be told (not Linux, or statfs failed)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    buf = ctypes.create_string_buffer(256)  # struct statfs; its first field is f_type
-    libc = ctypes.CDLL(None, use_errno=True)
-    rc = libc.fstatfs(path, buf) if isinstance(path, int) else libc.statfs(os.fsencode(path), buf)
-    if rc != 0:
-        return None
-    return (ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF) in _RAM_FS_MAGIC
 
 
 def open_local_tier(opts: StagingOptions, root: str) -> LocalTier | None:

@@ -1,0 +1,185 @@
+"""A staging slot's buffers: what a slot holds, and how its buffers are made, pinned and freed.
+
+:class:`Slot` is one row of the slot pool's table (see :mod:`ckptmgr.save.slots`, which also
+says who owns what). :class:`SlotBuffers` is the part of :class:`~ckptmgr.save.slots.SlotPool`
+that gives a slot its buffers: tmpfs files of the local tier or anonymous memory (see
+:mod:`ckptmgr.save.buffers`), made in parallel, populated and pinned in pieces; made when a
+state first needs them (:meth:`SlotBuffers.prepare` on a helper thread, or the first save) and
+again only when the state changes size, never per save. Its state is the pool's, guarded as
+:mod:`ckptmgr.save.slots` says: the buffers belong to whoever holds the slot busy or preparing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import _cuda
+from .._threads import DaemonPool
+from ..format.layout import file_name
+from ..storage.tier import LocalTier
+from .buffers import HostBuffer, anonymous_buffer, file_buffer
+
+__all__ = ["Slot", "SlotBuffers"]
+
+log = logging.getLogger("ckptmgr")
+_NOW = threading.Event()  # always set: pin without pauses (the caller itself waits for it)
+_NOW.set()
+
+
+@dataclass
+class Slot:
+    """One staging buffer set and what it holds (fields guarded by the pool's lock)."""
+
+    index: int
+    kind: str = "none"  # "none" (no buffers yet) | "tmpfs" | "memory"
+    buffers: list[HostBuffer] = field(default_factory=list)  # one per data file (owner: the holder)
+    segments: list[torch.Tensor] = field(default_factory=list)  # the buffers' tensors
+    step: int | None = None  # the step whose image the slot holds (None: nothing valid)
+    durable: bool = False  # ``step`` is committed on the durable target
+    busy: bool = False  # held by a save, its persist job, or a retry of its durable write
+    preparing: bool = False  # reserved by prepare() or being adopted: a save waits for it, never skips it
+    replaced: int | None = None  # the step the slot held before acquire() handed it to a save
+    wanted: bool = False  # ``step`` waits for its durable write (only a newer such step supersedes it)
+    local_only: bool = False  # the schedule keeps ``step`` in the local tier only: a newer save may take the slot
+    since: float = 0.0  # monotonic time the slot was last handed to a save (for messages)
+
+    @property
+    def piece(self) -> int:
+        """Copies into this slot's images must not cross multiples of this (0: no limit)."""
+        return max((b.boundaries() for b in self.buffers), default=0)
+
+
+class SlotBuffers:
+    """The pool's buffer making (see the module docstring); a base of
+    :class:`~ckptmgr.save.slots.SlotPool`, not used on its own."""
+
+    tier: LocalTier | None
+    chunk_size: int
+    slots: list[Slot]
+    stop: threading.Event
+    hurry: threading.Event
+    allocations: int
+    registrations: int
+    _cond: threading.Condition
+
+    def fit(self, slot: Slot, sizes: list[int], *, hurry: bool = True) -> None:
+        """Make ``slot`` hold files of exactly ``sizes`` bytes, pinned; allocate only what changed.
+        The caller holds the slot (busy or preparing)."""
+        if self.tier is not None and slot.kind in ("none", "tmpfs"):
+            try:
+                self._fit(slot, sizes, "tmpfs", hurry)
+                return
+            except OSError as exc:
+                log.warning("staging slot %d cannot live in %s (%s); using host memory instead",
+                            slot.index, self.tier.path, exc)
+                self._free(slot)
+                self.tier.remove_slot(slot.index)
+        self._fit(slot, sizes, "memory", hurry)
+
+    def prepare(self, sizes: list[int]) -> None:
+        """Make the buffers of every slot never filled yet, pinned with pauses between pieces
+        (run on a helper thread; a save that needs one of these slots waits for it)."""
+        with self._cond:
+            fresh = [s for s in self.slots if s.kind == "none" and not s.busy and not s.preparing]
+            for s in fresh:
+                s.preparing = True
+        try:
+            for s in fresh:
+                try:
+                    if not self.stop.is_set():
+                        self.fit(s, sizes, hurry=False)
+                except Exception as exc:  # the next save() fits again and raises there
+                    log.warning("preparing staging slot %d failed: %s", s.index, exc)
+                finally:
+                    with self._cond:
+                        s.preparing = False
+                        self._cond.notify_all()
+        finally:
+            with self._cond:
+                for s in fresh:
+                    s.preparing = False
+                self._cond.notify_all()
+
+    def _fit(self, slot: Slot, sizes: list[int], kind: str, hurry: bool) -> None:
+        same = slot.kind == kind and [b.nbytes for b in slot.buffers] == sizes
+        if same and (all(b.pinned for b in slot.buffers) or not _cuda.available()):
+            return
+        if kind == "tmpfs":
+            assert self.tier is not None
+            grow = sum(sizes) - sum(b.nbytes for b in slot.buffers)
+            if grow > 0 and grow > self.tier.free_bytes():
+                raise OSError(f"{grow} more bytes are needed and only {self.tier.free_bytes()} are free")
+            self.tier.detach(slot.index)
+        keep: dict[int, HostBuffer] = {}
+        for i, old in enumerate(slot.buffers):
+            if slot.kind == kind and i < len(sizes) and old.nbytes == sizes[i]:
+                keep[i] = old
+            else:
+                self._drop(slot, old)
+        slot.kind = kind
+        make = [i for i in range(len(sizes)) if i not in keep]
+        # Made in parallel: reserving and populating pages is ~0.1-0.3 s per GiB for one thread.
+        with DaemonPool(min(8, max(1, len(make))), thread_name_prefix="ckptmgr-alloc") as pool:
+            futures = [pool.submit(self._make, slot.index, file_name(i), sizes[i], kind) for i in make]
+        failed = next((f.exception() for f in futures if f.exception() is not None), None)
+        made = [f.result() for f in futures if f.exception() is None]
+        if failed is not None:
+            for b in made:
+                self._drop(slot, b)
+            for b in keep.values():
+                self._drop(slot, b)
+            slot.buffers, slot.segments, slot.kind = [], [], "none"
+            raise failed
+        keep.update(zip(make, made, strict=True))
+        slot.buffers = [keep[i] for i in range(len(sizes))]
+        slot.segments = [b.tensor for b in slot.buffers]
+        self._pin(slot, hurry)
+
+    def _make(self, index: int, name: str, nbytes: int, kind: str) -> HostBuffer:
+        if kind == "tmpfs":
+            assert self.tier is not None
+            fd = self.tier.open_file(index, name, nbytes, create=True)
+            try:
+                buf = file_buffer(fd, nbytes, name)
+            finally:
+                os.close(fd)
+        else:
+            buf = anonymous_buffer(nbytes)
+        buf.populate()  # on this helper thread, with no CUDA lock held
+        with self._cond:
+            self.allocations += 1
+        return buf
+
+    def _pin(self, slot: Slot, hurry: bool, chunk_size: int | None = None) -> None:
+        """Pin each buffer in pieces (one at a time: the driver serializes them anyway), of
+        whole ``chunk_size`` chunks (default: the pool's)."""
+        for b in slot.buffers:
+            if b.registered:
+                continue
+            done = b.pin(chunk_size or self.chunk_size, hurry=_NOW if hurry else self.hurry, stop=self.stop)
+            if not done:
+                b.unpin()
+                return
+            if b.registered:
+                with self._cond:
+                    self.registrations += 1
+        if slot.kind == "tmpfs" and self.tier is not None and all(b.pinned for b in slot.buffers):
+            self.tier.attach(slot.index, {file_name(i): b.tensor for i, b in enumerate(slot.buffers)})
+
+    def _drop(self, slot: Slot, buf: HostBuffer) -> None:
+        buf.unpin()  # before the mapping goes
+        if buf.path is not None and self.tier is not None:
+            self.tier.remove_file(slot.index, buf.path)
+            buf.path = None
+
+    def _free(self, slot: Slot) -> None:
+        if slot.kind == "tmpfs" and self.tier is not None:
+            self.tier.detach(slot.index)
+        for b in slot.buffers:
+            self._drop(slot, b)
+        slot.buffers, slot.segments = [], []

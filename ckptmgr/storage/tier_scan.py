@@ -1,0 +1,162 @@
+"""What a local tier holds at start-up: which root its slots belong to, and which of them are
+committed steps for the restarted job to adopt.
+
+:class:`TierScan` is the part of :class:`~ckptmgr.storage.tier.LocalTier` that reads a tier an
+earlier process left (:meth:`TierScan.scan`, once, in the manager's constructor) and records
+what a later start must know: the identity of the root the slots belong to
+(:meth:`TierScan.bind`) and which steps are durable on the root too
+(:meth:`TierScan.mark_durable`). A slot is adopted only when it belongs to this very root and
+its manifest and files verify; anything else found there is removed, never followed through a
+symlink. Its state is the tier's, guarded by the tier's ``_mu`` (never held across I/O).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import threading
+
+from ..errors import CheckpointCorruptError, CkptError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.schema import MAX_MANIFEST_BYTES
+from .private import UnsafePathError, read_small, write_small
+from .tier_layout import DURABLE_MARK, ROOT_ID, marked_durable
+
+__all__ = ["TierScan"]
+
+log = logging.getLogger("ckptmgr")
+
+
+class TierScan:
+    """The tier's start-up scan and its records of the root (see the module docstring); a
+    base of :class:`~ckptmgr.storage.tier.LocalTier`, not used on its own."""
+
+    path: str
+    _fd: int
+    _mu: threading.Lock
+    _steps: dict[int, int]
+    _root_id: str | None
+
+    def _slot_fd(self, index: int) -> int:
+        raise NotImplementedError  # (LocalTier's)
+
+    def remove_slot(self, index: int) -> None:
+        raise NotImplementedError  # (LocalTier's)
+
+    # ----------------------------------------------------------- the root's identity
+
+    def bind(self, root_id: str) -> None:
+        """Record that the slots belong to the root with identity ``root_id`` (before the
+        first commit of this process)."""
+        with self._mu:
+            if self._root_id == root_id:
+                return
+        write_small(ROOT_ID, self._fd, root_id.encode("ascii"))
+        with self._mu:
+            self._root_id = root_id
+
+    @property
+    def bound(self) -> bool:
+        with self._mu:
+            return self._root_id is not None
+
+    def _recorded_root_id(self) -> str | None:
+        try:
+            return read_small(ROOT_ID, self._fd, 256).decode("ascii").strip() or None
+        except (OSError, UnicodeDecodeError, CkptError):
+            return None
+
+    def scan(self, slots: int, root_id: str | None, *, root_is_empty: bool = False,
+             durable: set[int] | None = None) -> dict[int, Manifest]:
+        """Committed steps left by an earlier process, by slot index (< ``slots``), when they
+        belong to the root whose identity is ``root_id``; everything else is reset.
+
+        The slots belong to the root when the identity recorded at their commit matches
+        ``root_id``. A tier that never recorded one (the root's identity could not be written
+        at its first commit) belongs only to a root that has no identity and no committed
+        step (``root_is_empty``): a root that was deleted or replaced since has one or the
+        other as soon as anything was committed to it.
+
+        A slot that is not a private directory of this user, or has an unreadable manifest,
+        or files that do not match it, is removed. So are slots beyond ``slots``, and, given
+        ``durable`` (the root's committed steps), slots whose step was committed on the root
+        once and is gone from it since: someone deleted it there, and it is not brought back.
+        """
+        recorded = self._recorded_root_id()
+        adopt = (root_id is not None and recorded == root_id) or (recorded is None and root_id is None
+                                                                  and root_is_empty)
+        if recorded is not None and not adopt:
+            log.info("local tier %s: its slots belong to another root (deleted or replaced since); "
+                     "discarding them", self.path)
+        found: dict[int, Manifest] = {}
+        for name in sorted(os.listdir(self._fd)):
+            if not name.startswith("slot-"):
+                continue
+            index = int(name[5:]) if name[5:].isdigit() and len(name) == 7 else -1
+            try:
+                if index < 0 or index >= slots or not adopt:
+                    raise UnsafePathError("not adopted")
+                m = self._check_slot(index)
+            except FileNotFoundError:
+                continue
+            except (OSError, CkptError, ValueError):
+                self._discard(name, index)
+                continue
+            if m is None:
+                continue
+            if durable is not None and m.step not in durable and self._durable_step(index) == m.step:
+                log.info("local tier %s: step %d was deleted from the root since it was written there; its copy "
+                         "here is dropped, not written back", self.path, m.step)
+                self._discard(name, index)
+                continue
+            found[index] = m
+            with self._mu:
+                self._steps[m.step] = index
+        if adopt and root_id is not None:
+            with self._mu:
+                self._root_id = root_id
+        return found
+
+    def _check_slot(self, index: int) -> Manifest | None:
+        d = self._slot_fd(index)
+        try:
+            raw = read_small(MANIFEST_NAME, d, MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
+            return None
+        where = f"{self.path}/slot-{index:02d}/{MANIFEST_NAME}"
+        m = Manifest.from_bytes(raw, where=where)
+        for fname, rec in m.files.items():
+            st = os.stat(fname, dir_fd=d, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != rec.size:
+                raise CheckpointCorruptError(f"{self.path}/slot-{index:02d}/{fname} does not match its manifest")
+        return m
+
+    def _durable_step(self, index: int) -> int | None:
+        try:
+            return marked_durable(self._slot_fd(index))
+        except OSError:
+            return None
+
+    def mark_durable(self, index: int, step: int) -> None:
+        """Record that slot ``index``'s step is committed on the durable root (a later start
+        then never writes it back there if it is deleted from there). A failure is logged: the
+        step would only be written back, as before."""
+        try:
+            write_small(DURABLE_MARK, self._slot_fd(index), str(step).encode("ascii"))
+        except OSError as exc:
+            log.warning("local tier %s: could not record that step %d is durable: %s", self.path, step, exc)
+
+    def _discard(self, name: str, index: int) -> None:
+        """Remove slot entry ``name`` (whatever it is; a symlink is removed, never followed)."""
+        try:
+            st = os.lstat(name, dir_fd=self._fd)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode) and index >= 0:
+            with contextlib.suppress(OSError):
+                self.remove_slot(index)
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=self._fd)
