@@ -183,7 +183,8 @@ class TierSaves:
                 self._tier.mark_durable(index, m.step)
                 continue
             log.warning("step %d exists only in the local tier %s (the last run stopped before writing it); "
-                        "it is written to %s unless a newer one is", m.step, self._tier.path, self._target.url)
+                        "it is written to %s unless a newer one is written first", m.step, self._tier.path,
+                        self._target.url)
             adopted.append(self._tier_job(m, slot, adopted=True))
         with self._mu:  # (re-entrant) queued together: the persist thread picks the newest of them
             for job, ticket in adopted:
