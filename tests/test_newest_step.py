@@ -175,6 +175,54 @@ def test_a_step_whose_write_failed_for_good_does_not_hold_the_only_slot(small_fs
         mgr.close()
 
 
+def _refuse_writes(how: str, small_fs: str, root: str) -> tuple[int, list[str]]:
+    """Make the root refuse writes for real: the filesystem remounted read-only (EROFS), or the
+    root directory made immutable (``chattr +i``: EPERM, for root too). Returns the errno a
+    write then gets and the command that undoes it."""
+    if how == "read-only":
+        cmd, undo, code = ["mount", "-o", "remount,ro", small_fs], ["mount", "-o", "remount,rw", small_fs], errno.EROFS
+    else:
+        if shutil.which("chattr") is None:
+            pytest.skip("chattr is not installed")
+        cmd, undo, code = ["chattr", "+i", root], ["chattr", "-i", root], errno.EPERM
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip(f"{' '.join(cmd)} failed here: {r.stderr.strip()}")
+    return code, undo
+
+
+@pytest.mark.parametrize("how", ["read-only", "immutable"])
+def test_a_root_that_refuses_writes_fails_the_save_at_once_is_reported_once_and_keeps_the_tier_copy(
+        small_fs, local_dir, caplog, how):
+    """A read-only filesystem (EROFS) and a root this process may not change (EPERM) are not
+    transient either: the save's handle raises SaveError at once, the failure is logged once,
+    never tried again, and the step stays restorable from the local tier, which keeps it for
+    the next start."""
+    caplog.set_level(logging.INFO, logger="ckptmgr")
+    root = os.path.join(small_fs, "ckpt")
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    mgr = CheckpointManager(root, staging=StagingOptions(local_dir=local_dir, local_tier=True))
+    code, undo = _refuse_writes(how, small_fs, root)
+    try:
+        handle = mgr.save(1, state)
+        with pytest.raises(SaveError, match=os.strerror(code)) as raised:
+            handle.result(timeout=60)
+        assert isinstance(raised.value.__cause__, OSError) and raised.value.__cause__.errno == code
+        told = [r.getMessage() for r in caplog.records if "step 1" in r.getMessage()]
+        failures = [m for m in told if "failed" in m]
+        assert len(failures) == 1 and "not retried" in failures[0] and errno.errorcode[code] in failures[0], told
+        assert not [m for m in told if "tried again" in m], told
+        assert mgr.steps() == [1]  # the local-tier copy stays, restorable
+        assert_tree_equal(mgr.restore(), state)
+    finally:
+        try:
+            mgr.close()  # nothing raised again (told once), no retry to wait for
+        finally:
+            subprocess.run(undo, capture_output=True, timeout=30)
+    assert 1 in read_tier(local_dir, mgr.root)  # kept for the next start
+    assert not os.path.exists(os.path.join(root, step_name(1)))
+
+
 # ------------------------------------------------------------ 9: retention after a roll-back
 
 def test_a_step_saved_after_a_roll_back_survives_its_own_retention_run(root):

@@ -13,7 +13,7 @@ stalled writer's claim going stale, which the other writer polls for (bounded).
    removes.
 2. A writer stalled between its commit check and its manifest write is not told durable=True
    for a step it does not own: its manifest is withdrawn (or replaced by the live writer's),
-   and the live writer commits.
+   and the live writer commits; with retention on, it deletes nothing.
 3. A stalled writer's heartbeat cannot replace the live writer's lease, nor delete it: the
    live writer commits.
 
@@ -303,6 +303,32 @@ def test_a_manifest_written_without_the_claim_is_replaced_by_the_live_writer(ser
     assert not late["durable"] and "taken over" in late["error"], late
     assert restored_writer(server, root, 5) == 2
     only_the_committed_objects_are_left(server, bucket, "run/step_000000000005/")
+
+
+@needs_pidns
+def test_a_writer_stalled_before_its_manifest_write_runs_no_retention(server, bucket, writers):
+    """The rest of defect 2: the stalled writer, with retention on (KeepLatest(1)), deletes
+    nothing on the strength of a step it did not commit; the older step stays restorable."""
+    from ckptmgr import CheckpointManager, StagingOptions
+
+    root = f"s3://{bucket}/run"
+    [older] = writers(config(server, root, 3, steps=[3])).finish()
+    assert older["durable"], older
+    stale = writers(config(server, root, 1, stop="manifest", keep=1), ns=True)
+    stale.expect("stopped")
+    live = writers(config(server, root, 2, takeover=True, gate="commit"))
+    live.expect("gate")
+    stale.signal(signal.SIGCONT)  # it writes its manifest now, past its check, then ends (retention included)
+    [late] = stale.finish()
+    live.go()
+    [committed] = live.finish()
+    with CheckpointManager(root, storage_options=server.options(), staging=StagingOptions(local_tier=False),
+                           read_only=True) as mgr:
+        assert mgr.steps() == [3, 5]
+    assert restored_writer(server, root, 3) == 3
+    assert not late["durable"] and "taken over" in late["error"], late
+    assert committed["durable"] and committed["error"] is None, committed
+    assert restored_writer(server, root, 5) == 2
 
 
 # ----------------------------------------------------------------------------- defect 3
