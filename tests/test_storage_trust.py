@@ -249,9 +249,8 @@ def test_a_second_manager_starting_never_removes_a_live_writers_temporary(tmp_pa
 
 def test_a_second_process_starting_never_removes_a_live_writers_temporary(tmp_path):
     root = str(tmp_path / "run")
-    gate = tmp_path / "go"
     code = (
-        "import os, sys, time\n"
+        "import sys\n"
         f"sys.path.insert(0, {HERE!r})\n"
         "from test_storage_trust import mgr_of, state_of\n"
         "from ckptmgr.storage import local\n"
@@ -259,19 +258,19 @@ def test_a_second_process_starting_never_removes_a_live_writers_temporary(tmp_pa
         "def held(self, *a, **k):\n"
         "    out = real(self, *a, **k)\n"
         "    print('writing', flush=True)\n"
-        f"    while not os.path.exists({str(gate)!r}):\n"
-        "        time.sleep(0.01)\n"
+        "    sys.stdin.readline()  # the test's gate: a line on the pipe\n"
         "    return out\n"
         "local._LocalStepWriter._write_file = held\n"
         f"with mgr_of({root!r}) as m:\n"
         "    m.save(4, state_of(4)).result()\n"
         "print('committed', flush=True)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "writing"
         with mgr_of(root) as second:
             assert second.steps() == []
-        gate.touch()
+        proc.stdin.write("go\n")
+        proc.stdin.close()  # (a later wait would see the end of the pipe at once)
         assert proc.stdout.readline().strip() == "committed"
         assert proc.wait(timeout=60) == 0
     finally:
