@@ -21,10 +21,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # (a check lands no tensor: this driver runs without torch imported)
+    import torch
 
 from ..errors import CheckpointCorruptError, CkptError
 from ..format.checksum import chunk_ranges, crc32c_hex, crc32c_hex_pieces
@@ -35,7 +37,7 @@ __all__ = ["Bytes", "ChecksumMismatchError", "Chunk", "Dest", "Land", "Mismatch"
 
 
 # the bytes of one chunk: a uint8 host tensor, or the destination's own arrays (see Dest.into)
-Bytes = torch.Tensor | list[np.ndarray[Any, Any]]
+Bytes: TypeAlias = "torch.Tensor | list[np.ndarray[Any, Any]]"
 
 
 class Dest(Protocol):
@@ -173,18 +175,18 @@ class ReadCancelledError(CkptError):
 
 
 def _size(data: Bytes) -> int:
-    return data.numel() if isinstance(data, torch.Tensor) else sum(a.size for a in data)
+    return sum(a.size for a in data) if isinstance(data, list) else data.numel()
 
 
 def verify(plan: ReadPlan, chunk: Chunk, data: Bytes) -> list[ChecksumMismatchError]:
     """The checksum failures of ``chunk``'s bytes ``data`` (its CRC32C, then each sub-chunk's)."""
     out = []
-    got = crc32c_hex(data.numpy()) if isinstance(data, torch.Tensor) else crc32c_hex_pieces(data)
+    got = crc32c_hex_pieces(data) if isinstance(data, list) else crc32c_hex(data.numpy())
     if got != chunk.crc:
         out.append(plan.mismatch(Mismatch(chunk.file, chunk.begin, chunk.end, got, chunk.crc, False)))
     if not chunk.subs:
         return out
-    arr = data.numpy() if isinstance(data, torch.Tensor) else np.concatenate(data)
+    arr = np.concatenate(data) if isinstance(data, list) else data.numpy()
     for b, e, want in chunk.subs:
         got = crc32c_hex(arr[b - chunk.begin:e - chunk.begin])
         if got != want:
@@ -225,7 +227,7 @@ def run(plan: ReadPlan, transport: Transport, *, cancel: threading.Event | None 
             for fault in faults:
                 on_fault(chunk, fault)
             return
-        if chunk.dest is not None and isinstance(data, torch.Tensor):  # (else read in place: see Dest)
+        if chunk.dest is not None and not isinstance(data, list):  # (else read in place: see Dest)
             chunk.dest.land(chunk.begin, data)
 
     if on_fault is None:
