@@ -309,3 +309,15 @@ def test_the_cli_looks_for_the_local_tier_where_the_tier_is(tmp_path):
     assert not _has_tier(str(tmp_path), url)
     os.mkdir(tier_dir(str(tmp_path), url), 0o700)
     assert _has_tier(str(tmp_path), url) and not _has_tier(str(tmp_path), url + "2")
+
+
+def test_the_dtype_table_read_without_torch_is_torch_s():
+    """Manifests are checked with the stored dtypes' names and item sizes, without torch:
+    they must be torch's, and the torch tables are made from them."""
+    from ckptmgr.format.layout import DTYPE_TO_ST, ST_DTYPES, ST_TO_DTYPE
+
+    for code, (name, size) in ST_DTYPES.items():
+        dtype = getattr(torch, name)
+        assert isinstance(dtype, torch.dtype) and dtype.itemsize == size, code
+        assert ST_TO_DTYPE[code] is dtype and DTYPE_TO_ST[dtype] == code
+    assert len(DTYPE_TO_ST) == len(ST_TO_DTYPE) == len(ST_DTYPES)

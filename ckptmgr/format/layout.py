@@ -74,7 +74,8 @@ if TYPE_CHECKING:
 
 
 def _dtype_table(name: str) -> Any:
-    """``DTYPE_TO_ST`` or ``ST_TO_DTYPE``, both built from :data:`ST_DTYPES` on first use."""
+    """``DTYPE_TO_ST`` or ``ST_TO_DTYPE``, both built from :data:`ST_DTYPES` on first use
+    (threads that get there at once each build the same tables; the last one stays)."""
     if name not in globals():
         import torch
 
