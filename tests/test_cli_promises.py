@@ -239,3 +239,85 @@ print(before, "torch" in sys.modules, CheckpointManager.__module__, ckptmgr.Keep
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert r.stdout.split() == ["False", "True", "ckptmgr.manager", "True"], r.stdout + r.stderr
 
+
+
+# 38.9: the commands that read manifests, list steps, check CRCs or decide retention import no torch
+
+_MAIN_AND_REPORT = """
+import json, sys
+from ckptmgr.cli import main
+code = main(sys.argv[1:])
+print("\\n" + json.dumps({"exit": code, "torch": "torch" in sys.modules}), file=sys.stderr)
+"""
+
+def _without_torch(command: str, root: str, *rest: str, env: dict[str, str] = ENV) -> tuple[int, str]:
+    """Run ``ckptmgr COMMAND ROOT REST`` in a fresh process; its exit code and stdout, after
+    checking that torch was not imported by the time it returned."""
+    r = subprocess.run([sys.executable, "-c", _MAIN_AND_REPORT, command, root, *rest], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr
+    report = json.loads(r.stderr.strip().splitlines()[-1])
+    assert report["torch"] is False, f"ckptmgr {command} {' '.join(rest)} imported torch"
+    return report["exit"], r.stdout
+
+
+def _read_without_torch(root: str, env: dict[str, str] = ENV) -> None:
+    """``ls``, ``inspect``, ``verify`` and ``prune --dry-run`` of the ``saved`` steps, each
+    in a fresh process that does not import torch."""
+    code, out = _without_torch("ls", root, "--json", env=env)
+    assert code == 0 and [(s["step"], s["metadata"]["loss"]) for s in json.loads(out)["steps"]] == [
+        (10, 0.1), (20, 0.05), (30, 1 / 30)]
+    code, out = _without_torch("inspect", root, "20", "--json", env=env)
+    assert code == 0 and [(t["name"], t["dtype"], t["shape"]) for t in json.loads(out)["tensors"]] == [
+        ("w", "F32", [8])]
+    code, out = _without_torch("verify", root, "--json", env=env)
+    assert code == 0 and [(s["step"], s["ok"], s["files"]) for s in json.loads(out)["steps"]] == [
+        (10, True, 1), (20, True, 1), (30, True, 1)]
+    code, out = _without_torch("prune", root, "--keep-latest", "2", "--dry-run", "--json", env=env)
+    assert code == 0 and json.loads(out)["would_delete"] == [10]
+
+
+def test_reading_commands_import_no_torch_on_a_local_root(saved):
+    _read_without_torch(saved)
+    for rest, code in ((["ls"], 0), (["inspect", "latest", "--tensors"], 0), (["verify", "20"], 0),
+                       (["prune", "--keep-best", "los:1"], 2)):  # text output, and a refusal
+        assert _without_torch(rest[0], saved, *rest[1:])[0] == code, rest
+    assert _without_torch("prune", saved, "--keep-latest", "2")[0] == 0  # the deletion itself
+    assert sorted(n for n in os.listdir(saved) if n.startswith("step_")) == ["step_000000000020", "step_000000000030"]
+    data = os.path.join(saved, "step_000000000020", "data-00000.safetensors")
+    _flip(data, os.path.getsize(data) - 1)  # a damaged tensor byte: found by the CRCs, still without torch
+    code, out = _without_torch("verify", saved, "--json")
+    assert code == 1 and [(s["step"], s["ok"]) for s in json.loads(out)["steps"]] == [(20, False), (30, True)]
+
+
+def test_reading_commands_import_no_torch_on_an_s3_root(s3_bucket):
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/run"
+    with CheckpointManager(url, storage_options=opts) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, {"w": torch.full((8,), float(step))}, metadata={"loss": 1.0 / step, "tag": "x"}).result()
+    _read_without_torch(url, {**ENV, "CKPTMGR_STORAGE_OPTIONS": json.dumps(opts)})
+
+
+def test_the_cli_looks_for_the_local_tier_where_the_tier_is(tmp_path):
+    """The CLI imports the tier's module only where this user's tier of the root exists: it
+    must name the tier directory as the tier does."""
+    from ckptmgr.cli._context import _has_tier
+    from ckptmgr.storage.tier import tier_dir
+
+    url = str(tmp_path / "run")
+    assert not _has_tier(str(tmp_path), url)
+    os.mkdir(tier_dir(str(tmp_path), url), 0o700)
+    assert _has_tier(str(tmp_path), url) and not _has_tier(str(tmp_path), url + "2")
+
+
+def test_the_dtype_table_read_without_torch_is_torch_s():
+    """Manifests are checked with the stored dtypes' names and item sizes, without torch:
+    they must be torch's, and the torch tables are made from them."""
+    from ckptmgr.format.layout import DTYPE_TO_ST, ST_DTYPES, ST_TO_DTYPE
+
+    for code, (name, size) in ST_DTYPES.items():
+        dtype = getattr(torch, name)
+        assert isinstance(dtype, torch.dtype) and dtype.itemsize == size, code
+        assert ST_TO_DTYPE[code] is dtype and DTYPE_TO_ST[dtype] == code
+    assert len(DTYPE_TO_ST) == len(ST_TO_DTYPE) == len(ST_DTYPES)

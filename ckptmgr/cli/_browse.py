@@ -9,11 +9,9 @@ from typing import Any
 
 from ..errors import CkptError, StepNotFoundError
 from ..format.manifest import Manifest
-from ..storage.peer_tier import read_peer
-from ..storage.tier import read_tier
 from . import _dirckpts as dirckpts
 from . import _torchfiles as torchfiles
-from ._context import EXIT, CorruptFound, Ctx, exit_code, manifests
+from ._context import EXIT, CorruptFound, Ctx, exit_code, manifests, peer_steps, tier_steps
 from ._render import SEQUENCE_LIMIT, human_bytes, plain_tree, print_json, table, tensor_bytes, text_tree, when
 
 __all__ = ["cmd_inspect", "cmd_ls", "local_tier_steps"]
@@ -22,7 +20,7 @@ __all__ = ["cmd_inspect", "cmd_ls", "local_tier_steps"]
 def local_tier_steps(local_dir: str, root_url: str) -> dict[int, Manifest]:
     """Steps committed in this user's local tier of ``root_url`` (read only: the tier may
     belong to a running job; a tier that is not this user's private directory is ignored)."""
-    return read_tier(local_dir, root_url)
+    return tier_steps(local_dir, root_url)
 
 
 def _metadata(m: Manifest) -> dict[str, Any]:
@@ -40,7 +38,7 @@ def cmd_ls(ctx: Ctx, args: argparse.Namespace) -> int:
     # a step deleted (by retention) between the listing and the read is simply not there
     found = {s: m for s, m in found.items() if not isinstance(m, StepNotFoundError)}
     local = local_tier_steps(args.local_dir, target.url) if args.local_dir else {}
-    peer = read_peer(args.local_dir, target.url) if args.local_dir else {}  # shards in this node's peer tier
+    peer = peer_steps(args.local_dir, target.url) if args.local_dir else {}  # shards in this node's peer tier
     rows: list[dict[str, Any]] = []
     for step in sorted(set(found) | set(local) | set(peer)):
         durable = found.get(step)

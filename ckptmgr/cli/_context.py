@@ -9,6 +9,7 @@ a missing bucket, an S3 prefix with nothing under it) is reported with exit code
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,8 @@ from ..restore.verify import file_url
 from ..storage import Target, open_target
 from ._exit import EXIT, CorruptFound, exit_code
 
-__all__ = ["EXIT", "CorruptFound", "Ctx", "damaged", "exit_code", "manifests", "no_checkpoint", "require_root"]
+__all__ = ["EXIT", "CorruptFound", "Ctx", "damaged", "exit_code", "manifests", "no_checkpoint", "peer_steps",
+           "require_root", "tier_steps"]
 
 def _storage_options(text: str | None) -> dict[str, Any] | None:
     text = text if text is not None else os.environ.get("CKPTMGR_STORAGE_OPTIONS")
@@ -186,6 +188,36 @@ def no_checkpoint(target: Target, root: str) -> StepNotFoundError:
                 continue
     hint = f" (it holds checkpoint roots: {', '.join(inner[:10])}; name one of them)" if inner else ""
     return StepNotFoundError(f"no committed checkpoint under {target.url}{hint}")
+
+
+def _has_tier(local_dir: str, root_url: str) -> bool:
+    """Whether this user's local tier directory of ``root_url`` exists under ``local_dir``.
+
+    Its name is :func:`ckptmgr.storage.tier.tier_dir`'s (``tests/test_cli_promises.py`` pins
+    the two equal): the tier's module, made for saves, imports torch, and is imported only
+    where there is a tier to read."""
+    key = hashlib.sha256(root_url.encode("utf-8")).hexdigest()[:16]
+    return os.path.lexists(os.path.join(local_dir, f"ckptmgr-{os.getuid()}-{key}"))
+
+
+def tier_steps(local_dir: str, root_url: str, *, written_out: bool = True) -> dict[int, Manifest]:
+    """The steps committed in this user's local tier of ``root_url`` on this node
+    (:func:`ckptmgr.storage.tier.read_tier`; empty without ``local_dir`` or a tier)."""
+    if not local_dir or not _has_tier(local_dir, root_url):
+        return {}
+    from ..storage.tier import read_tier
+
+    return read_tier(local_dir, root_url, written_out=written_out)
+
+
+def peer_steps(local_dir: str, root_url: str) -> dict[int, dict[int, int]]:
+    """Step -> rank -> world size of the shards this node's peer area of ``root_url`` holds
+    (:func:`ckptmgr.storage.peer_tier.read_peer`; it lies inside the local tier directory)."""
+    if not local_dir or not _has_tier(local_dir, root_url):
+        return {}
+    from ..storage.peer_tier import read_peer
+
+    return read_peer(local_dir, root_url)
 
 
 def damaged(target: Target, step: int, exc: Exception) -> CheckpointCorruptError:

@@ -15,10 +15,9 @@ from ..restore.verify import StepReport, verify_step
 from ..retention import AnyOf, KeepBest, KeepEvery, KeepEverySeconds, KeepLatest, RetentionPolicy, StepInfo
 from ..retention.deleter import Deleter, StepGuard
 from ..storage import Target
-from ..storage.tier import read_tier
 from . import _dirckpts as dirckpts
 from . import _torchfiles as torchfiles
-from ._context import EXIT, CorruptFound, Ctx, damaged, exit_code, manifests, no_checkpoint
+from ._context import EXIT, CorruptFound, Ctx, damaged, exit_code, manifests, no_checkpoint, tier_steps
 from ._render import human_bytes, print_json, progress
 
 __all__ = ["cmd_flush", "cmd_prune", "cmd_verify", "policy_from_args"]
@@ -34,7 +33,7 @@ def cmd_verify(ctx: Ctx, args: argparse.Namespace) -> int:
     found = manifests(ctx, target, steps)
     # steps committed in this node's local tier but not (yet) in the root: listed, not read
     # (the tier may belong to a running job, whose slots are reused under a reader)
-    local_only = sorted(set(read_tier(args.local_dir, target.url, written_out=False)) - set(steps)) \
+    local_only = sorted(set(tier_steps(args.local_dir, target.url, written_out=False)) - set(steps)) \
         if args.step is None and args.local_dir else []
     reports: list[StepReport] = []
     unreadable: dict[int, CkptError] = {}  # steps that failed for another reason than damage
@@ -176,7 +175,7 @@ def cmd_flush(ctx: Ctx, args: argparse.Namespace) -> int:
     are superseded. ``--drop``: delete the tier's copies instead, writing nothing."""
     from ..manager import CheckpointManager
     from ..options import StagingOptions
-    from ..storage.tier import LocalTier, tier_dir
+    from ..storage.tier import LocalTier, read_tier, tier_dir
 
     target = ctx.target(args.root, read_only=False)
     url = target.url

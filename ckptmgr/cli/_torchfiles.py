@@ -22,7 +22,7 @@ import zipfile
 from typing import IO, Any
 
 from ..errors import CheckpointCorruptError, StepNotFoundError
-from ..format.torchzip import CHECKSUM_RECORD, read_records, verify_file
+from ..format.ziprecords import CHECKSUM_RECORD, read_records, verify_file
 from ._context import CorruptFound, Ctx
 from ._render import human_bytes, print_json, table, when
 

@@ -19,9 +19,10 @@ import heapq
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # imported where tensors are laid out: reading a manifest needs no torch
+    import torch
 
 from ..errors import UnsupportedValueError
 from .tree import MAX_FILE_BYTES, Leaf
@@ -30,6 +31,7 @@ __all__ = [
     "DATA_ALIGN",
     "DTYPE_TO_ST",
     "MIN_SHARD_BYTES",
+    "ST_DTYPES",
     "ST_TO_DTYPE",
     "FilePlan",
     "Plan",
@@ -43,27 +45,51 @@ __all__ = [
 
 DATA_ALIGN = 4096
 MIN_SHARD_BYTES = 64 << 20  # smallest file worth a thread of its own
-DTYPE_TO_ST: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint64: "U64",
-    torch.uint32: "U32",
-    torch.uint16: "U16",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-    torch.complex64: "C64",
+# The safetensors dtype codes ckptmgr stores: code -> (torch dtype name, item size in bytes).
+# Reading a manifest needs only this; the torch dtype tables below are built from it on first use.
+ST_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U64": ("uint64", 8),
+    "U32": ("uint32", 4),
+    "U16": ("uint16", 2),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
+    "C64": ("complex64", 8),
 }
-ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
+
+if TYPE_CHECKING:
+    DTYPE_TO_ST: dict[torch.dtype, str]  # torch dtype -> safetensors code
+    ST_TO_DTYPE: dict[str, torch.dtype]  # safetensors code -> torch dtype
+
+
+def _dtype_table(name: str) -> Any:
+    """``DTYPE_TO_ST`` or ``ST_TO_DTYPE``, both built from :data:`ST_DTYPES` on first use
+    (threads that get there at once each build the same tables; the last one stays)."""
+    if name not in globals():
+        import torch
+
+        to_st = {getattr(torch, dtype): code for code, (dtype, _) in ST_DTYPES.items()}
+        globals().update(DTYPE_TO_ST=to_st, ST_TO_DTYPE={v: k for k, v in to_st.items()})
+    return globals()[name]
+
+
+def __getattr__(name: str) -> Any:
+    """The torch dtype tables, made on first use (PEP 562), so that importing this module (to
+    read a manifest) does not import torch."""
+    if name in ("DTYPE_TO_ST", "ST_TO_DTYPE"):
+        return _dtype_table(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def file_name(index: int, prefix: str = "data-") -> str:
@@ -152,12 +178,13 @@ def header_bytes(tensors: list[StoredTensor], metadata: dict[str, str]) -> bytes
 
 
 def _st_dtype(leaf: Leaf) -> str:
+    to_st: dict[torch.dtype, str] = _dtype_table("DTYPE_TO_ST")
     try:
-        return DTYPE_TO_ST[leaf.tensor.dtype]
+        return to_st[leaf.tensor.dtype]
     except KeyError:
         raise UnsupportedValueError(
             leaf.path, f"dtype {leaf.tensor.dtype} is not supported by the safetensors format; "
-            f"convert it first (supported: {', '.join(str(d) for d in DTYPE_TO_ST)})"
+            f"convert it first (supported: {', '.join(str(d) for d in to_st)})"
         ) from None
 
 
@@ -225,6 +252,8 @@ def _resolve_aliases(leaves: list[Leaf]) -> tuple[list[_Entry], list[ViewEntry]]
             lo = lo // align * align
             hi = min(-(-hi // align) * align, nbytes_storage)
             base_name = f"{members[0].name}~storage"
+            import torch
+
             span = torch.empty(0, dtype=torch.uint8, device=first.device)
             span.set_(first.untyped_storage(), lo, (hi - lo,), (1,))
             entries.append(_Entry(base_name, "U8", (hi - lo,), hi - lo,

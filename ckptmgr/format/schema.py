@@ -19,10 +19,8 @@ import re
 from collections.abc import Container
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointCorruptError
-from .layout import DATA_ALIGN, ST_TO_DTYPE
+from .layout import DATA_ALIGN, ST_DTYPES
 from .naming import STEP_DIGITS
 from .tree import DTYPE_NAME_RE, FLOAT_NAMES, JSON, MAX_DIMS, MAX_FILE_BYTES, MAX_JSON_DEPTH, TENSOR_TAGS
 
@@ -194,11 +192,11 @@ def _check_name(c: _Checker, name: Any) -> str:
 
 def _common(c: _Checker, e: dict[str, Any], field: str) -> tuple[int, list[int]]:
     """The item size of an entry's dtype and its shape."""
-    dtype = ST_TO_DTYPE.get(e["dtype"]) if isinstance(e["dtype"], str) else None
+    dtype = ST_DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
     if dtype is None:
         raise c.fail(f"{field}.dtype", f"unknown dtype {_show(e['dtype'])}")
     shape = c.ints(e["shape"], f"{field}.shape", 0, MAX_FILE_BYTES, max_len=MAX_DIMS)
-    return dtype.itemsize, shape
+    return dtype[1], shape
 
 
 def _check_tensors(c: _Checker, tensors: dict[str, Any], files: dict[str, Any]) -> None:
@@ -276,6 +274,18 @@ _TAG_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {  # tag -> (requi
 _KEY_TAGS = frozenset({"$tuple", "$float", "$dtype", "$device", "$size"})  # values that can be dict keys
 _DEVICE_RE = re.compile(r"[a-z][a-z0-9_]{0,31}(:[0-9]{1,6})?")
 _NORMAL, _PLAIN, _KEY = 0, 1, 2  # what a node may hold: anything; no tensors; only dict-key values
+
+
+_STORED_DTYPE_NAMES = frozenset(name for name, _ in ST_DTYPES.values())
+
+
+def _is_dtype(name: str) -> bool:
+    """Whether ``torch.<name>`` is a dtype; the stored dtypes' names are known without torch."""
+    if name in _STORED_DTYPE_NAMES:
+        return True
+    import torch
+
+    return isinstance(getattr(torch, name, None), torch.dtype)
 
 
 def _is_int_list(v: Any) -> bool:
@@ -364,8 +374,7 @@ def check_skeleton(skeleton: JSON, *, tensors: Container[str] | None, where: str
             stack.append((inner, depth + 1, (*path, f".{tag}"), mode))
         elif tag == "$float" and (not isinstance(val, str) or val not in FLOAT_NAMES):
             raise fail(f"$float is one of nan, inf, -inf, got {str(val)[:20]}")
-        elif tag == "$dtype" and not (isinstance(val, str) and DTYPE_NAME_RE.fullmatch(val)
-                                      and isinstance(getattr(torch, val, None), torch.dtype)):
+        elif tag == "$dtype" and not (isinstance(val, str) and DTYPE_NAME_RE.fullmatch(val) and _is_dtype(val)):
             raise fail(f"unknown dtype {str(val)[:40]}")
         elif tag == "$device" and not (isinstance(val, str) and _DEVICE_RE.fullmatch(val)):
             raise fail(f"not a device: {str(val)[:40]}")

@@ -57,10 +57,12 @@ import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where tensors are made or recognised: reading a skeleton needs no torch
+    import torch
 
 from ..errors import CheckpointCorruptError, UnsupportedValueError
 
@@ -133,6 +135,8 @@ def _shard_offsets(value: Any) -> list[int] | None:
 
 def is_stateful(obj: object) -> bool:
     """True for objects saved through ``state_dict()`` and restored by ``load_state_dict()``."""
+    import torch
+
     if isinstance(obj, (torch.Tensor, dict, list, tuple, type)):
         return False
     return callable(getattr(obj, "state_dict", None)) and callable(
@@ -222,6 +226,8 @@ class _Flattener:
             self._depth -= 1
 
     def _encode(self, value: Any, t: type, path: tuple[Any, ...], tensors: bool) -> JSON:
+        import torch
+
         if t is list:
             return [self.encode(v, (*path, i), tensors=tensors) for i, v in enumerate(value)]
         if t is tuple:
@@ -294,6 +300,8 @@ class _Flattener:
         return out
 
     def _check_tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+        import torch
+
         if t.is_sparse or t.layout != torch.strided:
             raise UnsupportedValueError(
                 _path_str(path, self.root), f"tensors of layout {t.layout} are not supported; store t.to_dense()")
@@ -323,6 +331,8 @@ class _Flattener:
         return t.detach()
 
     def _from_numpy(self, a: np.ndarray[Any, Any], path: tuple[Any, ...]) -> torch.Tensor:
+        import torch
+
         if not a.dtype.isnative:
             raise UnsupportedValueError(_path_str(path, self.root), f"numpy dtype {a.dtype.str} is not in this "
                                         "machine's byte order; store a.astype(a.dtype.newbyteorder('='))")
@@ -429,6 +439,8 @@ def unflatten(skeleton: JSON, tensors: Mapping[str, torch.Tensor], *, allow_pick
             except (TypeError, RuntimeError) as exc:
                 raise CheckpointCorruptError(f"tensor {val!r:.80} cannot be a numpy array ({exc})") from None
             return arr[()] if tag == "$npscalar" else arr
+        if tag in ("$dtype", "$device", "$size"):
+            import torch
         if tag == "$dtype":
             dtype = getattr(torch, val, None) if isinstance(val, str) and DTYPE_NAME_RE.fullmatch(val) else None
             if not isinstance(dtype, torch.dtype):

@@ -20,10 +20,12 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as futures_wait
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # (checking files needs no torch: the images are made by the loaders)
+    import torch
 
 from ..errors import CheckpointCorruptError, CkptTimeoutError
 from ..format.checksum import chunk_ranges, crc32c_hex

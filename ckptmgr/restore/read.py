@@ -25,10 +25,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # (a check lands no tensor: this driver runs without torch imported)
+    import torch
 
 from ..errors import CheckpointCorruptError, CkptError
 from ..format.checksum import chunk_ranges, crc32c_hex, crc32c_hex_pieces
@@ -49,7 +51,7 @@ class Landed(NamedTuple):
 
 # the bytes of one chunk: a uint8 host tensor, the destination's own arrays (see Dest.into), or
 # what a transport that landed the bytes itself computed over them (Landed)
-Bytes = torch.Tensor | list[np.ndarray[Any, Any]] | Landed
+Bytes: TypeAlias = "torch.Tensor | list[np.ndarray[Any, Any]] | Landed"
 
 
 class Dest(Protocol):
@@ -196,7 +198,7 @@ class ReadCancelledError(CkptError):
 def _size(data: Bytes) -> int:
     if isinstance(data, Landed):
         return data.size
-    return data.numel() if isinstance(data, torch.Tensor) else sum(a.size for a in data)
+    return sum(a.size for a in data) if isinstance(data, list) else data.numel()
 
 
 def verify(plan: ReadPlan, chunk: Chunk, data: Bytes) -> list[ChecksumMismatchError]:
@@ -207,12 +209,14 @@ def verify(plan: ReadPlan, chunk: Chunk, data: Bytes) -> list[ChecksumMismatchEr
             raise RuntimeError(f"{plan.where}: {chunk.file}: sub-chunk checksums cannot be checked from a CRC32C")
         got = f"{data.crc:08x}"
     else:
-        got = crc32c_hex(data.numpy()) if isinstance(data, torch.Tensor) else crc32c_hex_pieces(data)
+        got = crc32c_hex_pieces(data) if isinstance(data, list) else crc32c_hex(data.numpy())
     if got != chunk.crc:
         out.append(plan.mismatch(Mismatch(chunk.file, chunk.begin, chunk.end, got, chunk.crc, False)))
     if not chunk.subs:
         return out
-    arr = data.numpy() if isinstance(data, torch.Tensor) else np.concatenate(data)
+    assert not isinstance(data, Landed)  # (refused above)
+    pieces = data if isinstance(data, list) else [data.numpy()]
+    arr = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)  # (one piece is checked where it is)
     for b, e, want in chunk.subs:
         got = crc32c_hex(arr[b - chunk.begin:e - chunk.begin])
         if got != want:
@@ -253,7 +257,7 @@ def run(plan: ReadPlan, transport: Transport, *, cancel: threading.Event | None 
             for fault in faults:
                 on_fault(chunk, fault)
             return
-        if chunk.dest is not None and isinstance(data, torch.Tensor):  # (else in place: see Dest, Landed)
+        if chunk.dest is not None and not isinstance(data, (list, Landed)):  # (else in place: see Dest, Landed)
             chunk.dest.land(chunk.begin, data)
 
     if on_fault is None:

@@ -14,10 +14,9 @@ bandwidth. Nothing is written or changed.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -26,7 +25,7 @@ from ..format.manifest import Manifest
 from ..format.naming import step_name
 from ..storage import Target
 from .preflight import Source, check_regular, header_problems, local_path
-from .read import ChecksumMismatchError, Chunk, Mismatch, plan_check, run
+from .read import Bytes, ChecksumMismatchError, Chunk, Land, Mismatch, Transport, plan_check, run
 from .transports.pread import PreadTransport
 
 __all__ = ["StepReport", "file_url", "verify_files", "verify_step"]
@@ -100,18 +99,12 @@ def verify_step(target: Target, step: int, *, threads: int = 8, manifest: Manife
         return f"{file_url(target, step, m.file)}: bytes [{m.begin}, {m.end}) fail their {kind} (CRC32C {m.got}, " \
                f"manifest {m.want})"
 
-    failed: set[tuple[str, int]] = set()  # chunks that failed a checksum (guarded by lock)
-
     def on_fault(c: Chunk, exc: BaseException) -> None:
         if not isinstance(exc, ChecksumMismatchError):
             fault(c.file, f"bytes [{c.begin}, {c.end}) cannot be read ({exc})")
             return
         with lock:
             report.problems.append(str(exc))
-            first = (c.file, c.index) not in failed
-            failed.add((c.file, c.index))
-        if first and on_bytes is not None:  # (read and checked, like every chunk that verifies)
-            on_bytes(c.size)
 
     readable: list[str] = []
     for fname, rec in sorted(manifest.files.items()):
@@ -140,23 +133,30 @@ def verify_step(target: Target, step: int, *, threads: int = 8, manifest: Manife
             fault(fname, p)
         readable.append(fname)
         report.bytes += rec.size
-    progress = _Progress(on_bytes) if on_bytes is not None else None
-    plan = plan_check(manifest, file_url(target, step, "").rstrip("/"), files=readable, subs=True, message=message,
-                      dests=dict.fromkeys(readable, progress) if progress is not None else None)
-    run(plan, PreadTransport(target, step, workers=threads), on_fault=on_fault)
+    plan = plan_check(manifest, file_url(target, step, "").rstrip("/"), files=readable, subs=True, message=message)
+    transport: Transport = PreadTransport(target, step, workers=threads)
+    run(plan, transport if on_bytes is None else _Counted(transport, on_bytes), on_fault=on_fault)
     report.problems.sort()
     return report
 
 
 
-class _Progress:
-    """Where the verified chunks of ``ckptmgr verify`` go: their sizes, to ``on_bytes``."""
+class _Counted:
+    """A transport that tells ``on_bytes`` the size of every chunk read and checked, whether
+    it verified or not (the progress of ``ckptmgr verify``; a chunk that could not be read
+    is not counted). The chunks land nowhere: no tensor is made."""
 
-    def __init__(self, on_bytes: Callable[[int], None]) -> None:
+    def __init__(self, transport: Transport, on_bytes: Callable[[int], None]) -> None:
+        self.transport = transport
         self.on_bytes = on_bytes
 
-    def land(self, begin: int, data: Any) -> None:
-        self.on_bytes(data.numel())
+    def read(self, chunks: Sequence[Chunk], land: Land) -> None:
+        def counted(c: Chunk, data: Bytes | Exception) -> None:
+            land(c, data)  # (a checksum failure is reported by the run, not raised here)
+            if not isinstance(data, Exception):
+                self.on_bytes(c.size)
+
+        self.transport.read(chunks, counted)
 
 
 def verify_files(source: Source, step: int, manifest: Manifest, pool: Executor, workers: int, where: str) -> None:

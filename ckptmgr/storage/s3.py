@@ -11,7 +11,7 @@ What it adds to the generic fsspec target:
 * every request is retried with exponential backoff and full jitter on throttling
   (SlowDown, 503, 429), other 5xx, timeouts and dropped connections, bounded in attempts and
   in time; s3fs's and botocore's own retries are turned off (unless the caller set them), so
-  this is the one retry policy;
+  this is the one retry policy (what each error means: :mod:`.s3_retry`);
 * the requests in flight to the root are bounded by an :class:`~.throttle.AdaptiveWindow`:
   throttled answers shrink it (multiplicatively), successes grow it back (additively);
 * the object-store primitives of the commit (:mod:`.objects`) are single S3 requests: an
@@ -49,6 +49,15 @@ from ..options import S3Options
 from .commit.manifest_last import ManifestLastCommit
 from .fsspec import FsspecTarget, _FsspecStepWriter
 from .objects import ConditionFailed, ObjectInfo
+from .s3_retry import (
+    RetryingFS,
+    has_code,
+    http_status,
+    is_retryable,
+    is_throttle,
+    precondition_failed,
+    s3_storage_options,
+)
 from .throttle import AdaptiveWindow
 
 __all__ = ["S3Target", "is_retryable", "is_throttle", "s3_storage_options"]
@@ -56,104 +65,6 @@ __all__ = ["S3Target", "is_retryable", "is_throttle", "s3_storage_options"]
 log = logging.getLogger("ckptmgr")
 T = TypeVar("T")
 MAX_PARTS = 10_000
-_THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
-                   "ServiceUnavailable", "503"}
-_RETRY_CODES = _THROTTLE_CODES | {"RequestTimeout", "RequestTimeTooSkewed", "InternalError", "500", "502", "504"}
-_RETRY_NAMES = {"ServerDisconnectedError", "ClientConnectorError", "ClientOSError", "ClientPayloadError",
-                "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
-                "IncompleteRead", "ResponseParserError", "ServerTimeoutError", "TimeoutError", "FSTimeoutError"}
-
-
-def s3_storage_options(storage_options: dict[str, Any] | None, opts: S3Options) -> dict[str, Any]:
-    """The caller's storage options, plus a connection pool as large as the upload window and
-    s3fs/botocore retries off (this target retries), unless the caller set those."""
-    so = dict(storage_options or {})
-    config = dict(so.get("config_kwargs") or {})
-    config.setdefault("max_pool_connections", max(10, opts.concurrency + 4))
-    config.setdefault("retries", {"max_attempts": 0, "mode": "standard"})  # retries beyond the first: none
-    so["config_kwargs"] = config
-    return so
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    out, seen = [], set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        out.append(cur)
-        cur = cur.__cause__
-    return out
-
-
-def _code_and_status(e: BaseException) -> tuple[str, int]:
-    response = getattr(e, "response", None)
-    if not isinstance(response, dict):
-        return "", 0
-    return (str(response.get("Error", {}).get("Code", "")),
-            int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0))
-
-
-def is_throttle(exc: BaseException) -> bool:
-    """The store asked to slow down (SlowDown, 503, 429, ...)."""
-    for e in _chain(exc):
-        code, status = _code_and_status(e)
-        if code in _THROTTLE_CODES or status in (503, 429):
-            return True
-        if "SlowDown" in str(e) or "reduce your request rate" in str(e):
-            return True
-    return False
-
-
-def is_retryable(exc: BaseException) -> bool:
-    """Throttling, 5xx, timeouts and dropped connections: worth another try."""
-    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError)):
-        return False
-    if is_throttle(exc):
-        return True
-    for e in _chain(exc):
-        code, status = _code_and_status(e)
-        if code in _RETRY_CODES or status >= 500:
-            return True
-        if type(e).__name__ in _RETRY_NAMES or isinstance(e, (ConnectionError, TimeoutError)):
-            return True
-    return False
-
-
-def _precondition_failed(exc: BaseException) -> bool:
-    """A conditional write found the key taken (412; s3fs maps it to FileExistsError only
-    when the answer names the condition, which not every server does)."""
-    if isinstance(exc, FileExistsError):
-        return True
-    return any(_code_and_status(e)[0] == "PreconditionFailed" or _code_and_status(e)[1] == 412 for e in _chain(exc))
-
-
-def _status(exc: BaseException) -> int:
-    for e in _chain(exc):
-        status = _code_and_status(e)[1]
-        if status:
-            return status
-    return 0
-
-
-class _Retrying:
-    """The s3fs filesystem with every method call going through the target's retry policy,
-    so the generic fsspec code paths (reads, sizes) retry too."""
-
-    def __init__(self, fs: Any, target: S3Target) -> None:
-        self._fs = fs
-        self._target = target
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._fs, name)
-        if not callable(attr) or name == "invalidate_cache":
-            return attr
-
-        def call(*args: Any, **kw: Any) -> Any:
-            return self._target.retry(lambda: attr(*args, **kw), f"{name} {args[0] if args else ''}")
-
-        return call
-
-
 class _S3StepWriter(_FsspecStepWriter):
     target: S3Target
 
@@ -230,7 +141,7 @@ class S3Target(FsspecTarget):
         self.retries = 0  # retried requests, for telemetry and tests (counted from the first request)
         self.window = AdaptiveWindow(opts.concurrency, adaptive=opts.adaptive_concurrency)
         self.bucket, _, self.prefix = path.rstrip("/").partition("/")
-        super().__init__(_Retrying(fs, self), path, url=url, io_threads=io_threads, read_only=read_only)
+        super().__init__(RetryingFS(fs, self), path, url=url, io_threads=io_threads, read_only=read_only)
         self.upload_pool = DaemonPool(opts.concurrency, thread_name_prefix="ckptmgr-s3")
         self._cond_mu = threading.Lock()  # guards _conditional
         self._conditional: bool | None = None  # whether the endpoint honours If-Match (asked once)
@@ -256,19 +167,19 @@ class S3Target(FsspecTarget):
                 self.call("put_object", Key=key, Body=b"", IfMatch=never)
                 ignored = "PUT"
             except OSError as exc:
-                if not (isinstance(exc, FileNotFoundError) or _precondition_failed(exc)
-                        or _status(exc) in (404, 412)):
+                if not (isinstance(exc, FileNotFoundError) or precondition_failed(exc)
+                        or http_status(exc) in (404, 412)):
                     raise
                 self.call("put_object", Key=key, Body=b"")
                 try:
                     self.call("delete_object", Key=key, IfMatch=never)
                     ignored = "DELETE"
                 except OSError as exc:
-                    if not (_precondition_failed(exc) or _status(exc) == 412):
+                    if not (precondition_failed(exc) or http_status(exc) == 412):
                         raise
                     return True
         except OSError as exc:
-            if _status(exc) not in (400, 501):
+            if http_status(exc) not in (400, 501):
                 raise
             log.warning("%s does not support conditional writes (If-Match): claims on steps are checked by reading "
                         "before writing (see docs/SECURITY.md)", self.url)
@@ -287,7 +198,7 @@ class S3Target(FsspecTarget):
         except FileNotFoundError:
             pass
         except Exception as exc:
-            if _status(exc) != 404:
+            if http_status(exc) != 404:
                 raise StorageError(f"cannot use checkpoint root {self.url!r}: {type(exc).__name__}: {exc}") from exc
         try:  # a missing bucket is created for a writing manager (never for a reading one)
             self.raw_fs.mkdir(self.bucket)
@@ -414,12 +325,12 @@ class S3Target(FsspecTarget):
         try:
             r = self.call("put_object", Key=self._key(rel), Body=data, **cond)
         except OSError as exc:
-            if if_match and (isinstance(exc, FileNotFoundError) or _precondition_failed(exc)
-                             or _status(exc) in (404, 412)):
+            if if_match and (isinstance(exc, FileNotFoundError) or precondition_failed(exc)
+                             or http_status(exc) in (404, 412)):
                 raise ConditionFailed(f"{self.url}/{rel} is not the object of ETag {if_match}") from None
-            if if_absent and _precondition_failed(exc):
+            if if_absent and precondition_failed(exc):
                 raise FileExistsError(f"{self.url}/{rel} exists") from None
-            if not (if_absent and _status(exc) == 501):
+            if not (if_absent and http_status(exc) == 501):
                 raise
             # A store without conditional writes: check, then write (a race a store with
             # them closes; see docs/SECURITY.md).
@@ -444,7 +355,7 @@ class S3Target(FsspecTarget):
         try:
             self.call("delete_object", Key=self._key(rel), IfMatch=f'"{etag}"')
         except OSError as exc:
-            if isinstance(exc, FileNotFoundError) or _precondition_failed(exc) or _status(exc) in (404, 412):
+            if isinstance(exc, FileNotFoundError) or precondition_failed(exc) or http_status(exc) in (404, 412):
                 return False
             raise
         return True
@@ -482,7 +393,7 @@ class S3Target(FsspecTarget):
         try:
             raw = self._read(self.key(step, name), offset, offset + size)
         except OSError as exc:
-            if _status(exc) != 416 and not any(_code_and_status(e)[0] == "InvalidRange" for e in _chain(exc)):
+            if http_status(exc) != 416 and not has_code(exc, "InvalidRange"):
                 raise
             raw = b""  # the object ends before ``offset``
         data = np.frombuffer(raw, dtype=np.uint8)

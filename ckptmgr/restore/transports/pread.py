@@ -19,10 +19,12 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # (a check lands no tensor: reading for it needs no torch)
+    import torch
 
 from ...errors import CkptTimeoutError
 from ..preflight import drain, run_all, wait_all
@@ -44,6 +46,12 @@ class Reader(Protocol):
         ``offset``, from any thread; a file that ends first raises
         :class:`~ckptmgr.errors.CheckpointCorruptError`."""
         ...
+
+
+def _tensor(a: np.ndarray[Any, Any]) -> torch.Tensor:
+    import torch
+
+    return torch.from_numpy(a)
 
 
 class PreadTransport:
@@ -90,7 +98,8 @@ class PreadTransport:
                     land(c, exc)
                 return
             for c, p in zip(group, pieces, strict=True):
-                land(c, p if in_place else torch.from_numpy(p[0]))
+                # a chunk that goes nowhere (a check) is verified as it is; else it lands as a tensor
+                land(c, p if in_place or c.dest is None else _tensor(p[0]))
 
         def into_scratch(c: Chunk) -> None:
             try:  # waits only for another task's read of one chunk
@@ -154,7 +163,7 @@ def _requests(chunks: Sequence[Chunk], request_bytes: int
 
 
 # fetch(buffer index, begin, end) -> the bytes [begin, end) of one file, in the ring's buffer
-Fetch = Callable[[int, int, int], torch.Tensor]
+Fetch = Callable[[int, int, int], "torch.Tensor"]
 
 
 class Ring(Protocol):
@@ -184,11 +193,15 @@ class RingTransport:
         self.streams = ring.streams(device) if device.type == "cuda" else None
         self.ready: Any = None
         if self.streams is not None:
+            import torch
+
             self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self.ready.record(torch.cuda.current_stream(device))
 
     def read(self, chunks: Sequence[Chunk], land: Land) -> None:
         """Fetch and land every chunk (see :class:`~ckptmgr.restore.read.Transport`)."""
+        import torch
+
         streams, ring = self.streams, self.ring
 
         stop = threading.Event()  # set at the first failure: no fetch starts after it
