@@ -40,12 +40,13 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from .. import _cuda
+if TYPE_CHECKING:  # (the CLI reads a tier's listing without torch)
+    import torch
+
 from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError
 from ..format.checksum import chunk_ranges, crc32c_hex
@@ -372,6 +373,8 @@ def open_local_tier(opts: StagingOptions, root: str) -> LocalTier | None:
             raise ConfigError(f"StagingOptions(local_tier=True) needs Linux and an existing local_dir; "
                               f"{opts.local_dir!r} is not a directory here")
         return None
+    from .. import _cuda  # (a manager's tier only: listing one needs no CUDA, nor torch)
+
     if _cuda.available() and ram_filesystem(opts.local_dir) is False:
         why = (f"{opts.local_dir!r} is not in RAM (tmpfs, ramfs or hugetlbfs): Linux refuses to pin a disk "
                "file's pages, and the tier's files must be pinned for copies from the GPU")

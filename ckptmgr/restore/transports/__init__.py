@@ -1,10 +1,27 @@
 """Transports: how the bytes of a read plan's chunks arrive in host memory
-(:class:`~ckptmgr.restore.read.Transport`)."""
+(:class:`~ckptmgr.restore.read.Transport`).
+
+Each is imported when first named: a check run on :class:`PreadTransport` (``ckptmgr verify``)
+needs no torch, which the direct and GDS transports import.
+"""
 
 from __future__ import annotations
 
-from .direct import DirectTransport
-from .gds import GdsTransport
-from .pread import PreadTransport, RingTransport
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .direct import DirectTransport
+    from .gds import GdsTransport
+    from .pread import PreadTransport, RingTransport
 
 __all__ = ["DirectTransport", "GdsTransport", "PreadTransport", "RingTransport"]
+
+_MODULE = {"DirectTransport": ".direct", "GdsTransport": ".gds", "PreadTransport": ".pread",
+           "RingTransport": ".pread"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULE:
+        return getattr(importlib.import_module(_MODULE[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
