@@ -26,8 +26,8 @@ imports to keep it so. What is here, by job:
   :func:`delete_dir`, :func:`recover`, :func:`remove_stale_temps`, :func:`replace_dir`,
   :func:`scratch_dir` and the temporary's name :func:`dir_temp_name`.
 * The directory record (:mod:`ckptmgr.format.dirrecord`): :data:`RECORD_NAME`,
-  :class:`FileRecord`, :func:`read_record`, :func:`verify_dir`, :func:`write_record`,
-  :func:`committed_dirs`, :func:`newest_verified`.
+  :class:`FileRecord`, :func:`read_record`, :func:`write_record`, :func:`committed_dirs`; its
+  check (:mod:`ckptmgr.restore.dircheck`): :func:`verify_dir`, :func:`newest_verified`.
 * Torch checkpoint files (:mod:`ckptmgr.format.torchzip`): :class:`TorchZipImage`,
   :func:`plan_image`, :func:`seal`, :func:`verify_file`.
 * What the stager copies (:mod:`ckptmgr.format.layout`): :class:`FilePlan`,
@@ -40,19 +40,12 @@ from __future__ import annotations
 
 from .distributed.coordinator import coordinator_for
 from .format.checksum import chunk_ranges, crc32c_hex
-from .format.dirrecord import (
-    RECORD_NAME,
-    FileRecord,
-    committed_dirs,
-    newest_verified,
-    read_record,
-    verify_dir,
-    write_record,
-)
+from .format.dirrecord import RECORD_NAME, FileRecord, committed_dirs, read_record, write_record
 from .format.layout import DTYPE_TO_ST, FilePlan, StoredTensor, header_bytes
 from .format.naming import dir_temp_name
 from .format.torchzip import TorchZipImage, plan_image, seal, verify_file
 from .options import option_or_default
+from .restore.dircheck import newest_verified, verify_dir
 from .save.engine import AsyncWriter, Commit, Fifo, Image, JobPicker
 from .save.outcome import Pending
 from .storage.commit.directory import (

@@ -18,8 +18,9 @@ import sys
 import kill_points
 import pytest
 
-from ckptmgr.format.dirrecord import read_record, verify_dir
+from ckptmgr.format.dirrecord import read_record
 from ckptmgr.integrations._session import DirectoryWriter, latest_checkpoint
+from ckptmgr.restore.dircheck import verify_dir
 
 RUN = os.path.join(os.path.dirname(__file__), "dir_replace_run.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",

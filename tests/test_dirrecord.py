@@ -12,7 +12,8 @@ import pytest
 
 from ckptmgr import CheckpointCorruptError
 from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
-from ckptmgr.format.dirrecord import RECORD_NAME, FileRecord, newest_verified, verify_dir, write_record
+from ckptmgr.format.dirrecord import RECORD_NAME, FileRecord, write_record
+from ckptmgr.restore.dircheck import newest_verified, verify_dir
 
 CHUNK = 4096
 

@@ -25,6 +25,7 @@ from ckptmgr.integrations.transformers import (
     CkptmgrTrainer,
     get_last_checkpoint,
 )
+from ckptmgr.restore import dircheck
 from ckptmgr.storage.commit import directory as _dircommit
 
 
@@ -61,7 +62,7 @@ def test_files_load_as_the_stock_trainers(tmp_path):
             assert_tree_equal(torch.load(ours / name, weights_only=True), torch.load(stock / name, weights_only=True))
     a, b = (json.loads((d / "trainer_state.json").read_text()) for d in (ours, stock))
     assert a == b
-    assert _dirrecord.verify_dir(str(ours)) is True
+    assert dircheck.verify_dir(str(ours)) is True
 
 
 def test_save_total_limit_keeps_newest_and_best(tmp_path):
@@ -190,7 +191,7 @@ def test_objects_that_cannot_be_staged_are_serialized_at_once(tmp_path):
 def test_hostile_records_are_refused(tmp_path, record):
     (tmp_path / "ckptmgr.json").write_text(json.dumps(record))
     with pytest.raises(CheckpointCorruptError):
-        _dirrecord.verify_dir(str(tmp_path))
+        dircheck.verify_dir(str(tmp_path))
 
 
 def test_record_listing_a_symlink_outside_is_refused(tmp_path):
@@ -201,7 +202,7 @@ def test_record_listing_a_symlink_outside_is_refused(tmp_path):
     rec = _fileset.FileRecord(1, ("00000000",))
     _dirrecord.write_record(str(d), step=1, files={"model.safetensors": rec}, chunk_size=8)
     with pytest.raises(CheckpointCorruptError, match="outside"):
-        _dirrecord.verify_dir(str(d))
+        dircheck.verify_dir(str(d))
 
 
 def test_stale_temporaries_of_dead_writers_are_removed(tmp_path):

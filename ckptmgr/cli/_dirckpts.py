@@ -5,7 +5,7 @@ record ``ckptmgr.json`` (accelerate's ``save_state(DIR)``). ROOT is one such dir
 directory that holds them (the Trainer's ``output_dir``, accelerate's ``project_dir/checkpoints``).
 
 A directory with a record is verified against it by the integrations' own check
-(:func:`ckptmgr.format.dirrecord.verify_dir`: every file it lists present, of its size,
+(:func:`ckptmgr.restore.dircheck.verify_dir`: every file it lists present, of its size,
 each chunk's CRC32C), so a damaged ``model.safetensors`` fails. One without a record was
 written by the library's own code: it is listed, not verified (nothing says what its bytes
 should be), and a ROOT where nothing could be verified fails with exit code 3.
@@ -21,7 +21,8 @@ import sys
 from typing import Any
 
 from ..errors import CheckpointCorruptError, ConfigError, StepNotFoundError
-from ..format.dirrecord import RECORD_NAME, read_record, verify_dir
+from ..format.dirrecord import RECORD_NAME, read_record
+from ..restore.dircheck import verify_dir
 from . import _torchfiles as torchfiles
 from ._context import CorruptFound, Ctx
 from ._render import human_bytes, print_json, table, when

@@ -15,13 +15,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..errors import CheckpointCorruptError
-from .checksum import chunk_ranges, crc32c_hex
+from .checksum import chunk_ranges
 
-__all__ = ["RECORD_NAME", "FileRecord", "committed_dirs", "newest_verified", "read_record", "verify_dir",
-           "write_record"]
+__all__ = ["RECORD_NAME", "FileRecord", "committed_dirs", "read_record", "write_record"]
 
 RECORD_NAME = "ckptmgr.json"
 _FORMAT = "ckptmgr-directory"
@@ -79,42 +76,6 @@ def read_record(directory: str) -> dict[str, Any] | None:
     return doc
 
 
-def verify_dir(directory: str) -> bool:
-    """Check every file the record lists: present, inside the directory, of its size and
-    checksums. True when verified; False when the directory has no record (not ckptmgr's).
-
-    Raises:
-        CheckpointCorruptError: naming the file and the byte range that differ.
-    """
-    doc = read_record(directory)
-    if doc is None:
-        return False
-    chunk = doc["chunk_size"]
-    real = os.path.realpath(directory)
-    for name, rec in doc["files"].items():
-        path = os.path.join(directory, *name.split("/"))
-        if not os.path.realpath(path).startswith(real + os.sep):
-            raise CheckpointCorruptError(f"{directory}: {name} leads outside the checkpoint")
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
-        except OSError as exc:
-            raise CheckpointCorruptError(f"{directory}: {name} is listed in {RECORD_NAME} but cannot be read "
-                                         f"({exc}); the checkpoint is damaged") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size != rec["size"]:
-                raise CheckpointCorruptError(f"{directory}: {name} has {size} bytes, the record says {rec['size']}")
-            for (b, e), want in zip(chunk_ranges(size, chunk), rec["crc32c"], strict=True):
-                data = os.pread(fd, e - b, b)
-                got = crc32c_hex(np.frombuffer(data, dtype=np.uint8))
-                if len(data) != e - b or got != want:
-                    raise CheckpointCorruptError(f"{directory}: {name} bytes {b}-{e} fail their CRC32C "
-                                                 f"(stored {want}, computed {got}); the file is damaged")
-        finally:
-            os.close(fd)
-    return True
-
-
 def write_record(directory: str, *, step: int, files: dict[str, FileRecord], chunk_size: int,
                  metadata: dict[str, Any] | None = None, library: str = "ckptmgr") -> None:
     """Write the commit record into ``directory`` (fsynced); ``library``: who wrote it
@@ -143,15 +104,3 @@ def committed_dirs(parent: str, pattern: re.Pattern[str]) -> dict[int, str]:
         if m is not None and os.path.isdir(path) and not os.path.islink(path):
             out[int(m.group(1))] = path
     return out
-
-
-def newest_verified(candidates: dict[int, str], log: Any) -> tuple[int, str] | None:
-    """The newest ``(step, path)`` of ``candidates`` that verifies (or has no record)."""
-    for step in sorted(candidates, reverse=True):
-        try:
-            verify_dir(candidates[step])
-        except CheckpointCorruptError as exc:
-            log.warning("skipping damaged checkpoint %s: %s", candidates[step], exc)
-            continue
-        return step, candidates[step]
-    return None
