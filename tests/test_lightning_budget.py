@@ -1,6 +1,6 @@
 """CkptmgrBudgetCheckpoint in real Lightning fits on the CPU: it saves at the steps the budget
-schedule picks, through the Trainer's CheckpointIO (ckptmgr's plugin), resumes from
-``last.ckpt``, and refuses a configuration without a budget or with a step trigger too.
+schedule picks, through the Trainer's CheckpointIO (ckptmgr's plugin), the same steps on every
+rank, resumes from ``last.ckpt``, and refuses a configuration without a budget or with a step trigger too.
 
 The schedule's clock is simulated: each training batch takes ``STEP_S`` and each checkpoint
 save ``COST_S`` on it (advanced by a callback), so the steps saved are exact. What they
@@ -13,6 +13,7 @@ from datetime import timedelta
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 
 from ckptmgr import ConfigError, Schedule
 from ckptmgr.integrations.lightning import CkptmgrBudgetCheckpoint, CkptmgrCheckpointIO
@@ -166,4 +167,26 @@ def test_the_pytorch_lightning_namespace_has_its_own_callback(tmp_path):
     trainer = ptl.Trainer(max_steps=13, plugins=[PtlIO()], callbacks=[clock, ckpt], logger=False,
                           enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
     trainer.fit(PtlNet(), data())
+    assert saved_steps(tmp_path) == [4, 7, 12]
+
+
+class RankClock(Clock):
+    """Rank 1's steps take 3x as long and its saves nothing: alone, its planner would pick
+    other steps than rank 0's."""
+
+    def on_train_batch_start(self, trainer, module, batch, i):
+        self.t += STEP_S if trainer.global_rank == 0 else 3 * STEP_S
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        self.t += self.cost_s if trainer.global_rank == 0 else 0.0
+
+
+def test_ranks_save_the_steps_rank_0_picks(tmp_path):
+    assert planned(Schedule(max_overhead=0.1), 1, 14, 0.0) != [4, 7, 12]  # what rank 1 would pick alone
+    clock = RankClock()
+    ckpt = CkptmgrBudgetCheckpoint(dirpath=tmp_path, save_top_k=-1, clock=clock, max_overhead=0.1)
+    trainer = pl.Trainer(max_steps=14, plugins=[CkptmgrCheckpointIO()], callbacks=[clock, ckpt], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                         strategy=DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60)), devices=2)
+    trainer.fit(Net(), data())  # (ranks that disagreed would wait for each other in the save: timed out)
     assert saved_steps(tmp_path) == [4, 7, 12]
