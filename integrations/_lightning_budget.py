@@ -55,6 +55,7 @@ class BudgetCheckpointMixin:
         # the planner belongs to the training thread (it has its own lock); made per fit
         self._planner: BudgetPlanner | None = None
         self._told_step = -1  # the last step the planner was told a save of
+        self._asked_step = 0  # the last step the planner was asked about (none before the first step)
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn, deepcopy: a fresh planner at the next fit
         state = dict(self.__dict__)
@@ -66,13 +67,14 @@ class BudgetCheckpointMixin:
         if stage == "fit":
             self._planner = BudgetPlanner(self.schedule, clock=self.clock, tiered=False)
             self._told_step = -1
+            self._asked_step = 0
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Ask the budget whether to save the step just done; save as ``every_n_train_steps`` would."""
-        planner = self._planner
-        if planner is None:
-            return
-        step = trainer.global_step
+        planner, step = self._planner, trainer.global_step
+        if planner is None or step == self._asked_step:
+            return  # (several batches to one optimizer step: the planner measures whole steps)
+        self._asked_step = step
         # every rank measures its own clock: rank 0's answer is the one (as ModelCheckpoint's
         # train_time_interval does), so that all ranks save the same steps
         due = bool(trainer.strategy.broadcast(planner.should_save(step)))

@@ -61,10 +61,11 @@ def data(n=64):
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(n, 8)), batch_size=1)
 
 
-def fit(d, steps, clock, ckpt_path=None, **kw):
+def fit(d, steps, clock, ckpt_path=None, accumulate_grad_batches=1, **kw):
     ckpt = CkptmgrBudgetCheckpoint(dirpath=d, save_top_k=-1, clock=clock, **kw)
     trainer = pl.Trainer(max_steps=steps, plugins=[CkptmgrCheckpointIO()], callbacks=[clock, ckpt], logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                         accumulate_grad_batches=accumulate_grad_batches)
     trainer.fit(Net(), data(), ckpt_path=ckpt_path)
     return trainer, ckpt
 
@@ -74,13 +75,13 @@ def saved_steps(d):
     return sorted(steps)
 
 
-def planned(schedule, first, last, cost_s):
+def planned(schedule, first, last, cost_s, step_s=STEP_S):
     """The steps a BudgetPlanner picks on the same simulated clock."""
     t = [0.0]
     p = BudgetPlanner(schedule, clock=lambda: t[0], tiered=False)
     out = []
     for step in range(first, last + 1):
-        t[0] += STEP_S
+        t[0] += step_s
         if p.should_save(step):
             out.append(step)
             t[0] += cost_s
@@ -103,6 +104,13 @@ def test_saves_happen_at_the_steps_the_overhead_budget_allows(tmp_path):
 def test_a_tighter_budget_saves_less_often(tmp_path):
     fit(tmp_path, 40, Clock(), max_overhead=0.05)  # every ceil(0.5 / 0.05) = 10 steps
     assert saved_steps(tmp_path) == [4, 7, 17, 27, 37]
+
+
+def test_with_gradient_accumulation_the_step_measured_is_the_optimizer_step(tmp_path):
+    _, ckpt = fit(tmp_path, 16, Clock(), max_overhead=0.1, accumulate_grad_batches=2)
+    # two batches of 1 s per step: saves every max(4, ceil(0.5 / (0.1 * 2))) = 4 steps
+    assert saved_steps(tmp_path) == planned(Schedule(max_overhead=0.1), 1, 16, COST_S, step_s=2.0) == [4, 7, 11, 15]
+    assert ckpt.stats()["step_s"] == pytest.approx(2.0)
 
 
 def test_a_fit_resumed_from_last_continues_and_the_budget_measures_again(tmp_path):
