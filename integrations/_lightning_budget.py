@@ -3,7 +3,7 @@ the ``pytorch_lightning`` classes (each a ``ModelCheckpoint`` of its own namespa
 
 Lightning decides when to save in its ``ModelCheckpoint`` callback (``every_n_train_steps``,
 ``train_time_interval``, ``every_n_epochs``). The budget callback is that callback with the
-"when" asked of a :class:`ckptmgr.extend.BudgetPlanner` instead: after every training batch it
+"when" asked of a :class:`ckptmgr.extend.BudgetPlanner` instead: after every optimizer step it
 tells the planner the step was reached (the spacing of those calls is the step time it
 measures), and when the planner says so it saves exactly as ``ModelCheckpoint`` does for
 ``every_n_train_steps`` (top-k, ``last.ckpt``, through ``trainer.save_checkpoint`` and the

@@ -66,7 +66,7 @@ class CkptmgrCheckpointIO(CkptmgrIOMixin, TorchCheckpointIO):
 class CkptmgrBudgetCheckpoint(BudgetCheckpointMixin, ModelCheckpoint):
     """A ``ModelCheckpoint`` that saves as often as a budget allows instead of every N steps.
 
-    After every training batch it asks ckptmgr's budget schedule (``Schedule(max_overhead=...)``,
+    After every optimizer step it asks ckptmgr's budget schedule (``Schedule(max_overhead=...)``,
     :class:`ckptmgr.extend.BudgetPlanner`) whether to save the step just
     done; the planner measures the step time from the spacing of those calls and what each
     save added to the next steps, and picks the interval. A save is the one ``ModelCheckpoint``
