@@ -273,9 +273,9 @@ class CkptmgrBudgetCallback(TrainerCallback):
     planner starts afresh at each ``train()`` (a resumed run measures again).
 
     Example:
-        >>> trainer = CkptmgrTrainer(model=model, args=TrainingArguments(out, save_strategy="steps"),
-        ...                          train_dataset=ds, callbacks=[CkptmgrBudgetCallback(max_overhead=0.01)])
-        ...  # doctest: +SKIP
+        >>> args = TrainingArguments("run1", save_strategy="steps")  # doctest: +SKIP
+        >>> trainer = CkptmgrTrainer(model=model, args=args, train_dataset=ds,  # doctest: +SKIP
+        ...                          callbacks=[CkptmgrBudgetCallback(max_overhead=0.01)])
         >>> trainer.train(resume_from_checkpoint=True)  # doctest: +SKIP
 
     Args:
