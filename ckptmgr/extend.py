@@ -34,6 +34,9 @@ imports to keep it so. What is here, by job:
   :class:`StoredTensor`, :func:`header_bytes`, :data:`DTYPE_TO_ST`; checksums:
   :func:`chunk_ranges`, :func:`crc32c_hex`.
 * Multi-rank jobs: :func:`coordinator_for`. Options: :func:`option_or_default`.
+* Budget schedules (:mod:`ckptmgr.save.budget`): :class:`BudgetPlanner`, the decisions behind
+  ``Schedule(max_overhead=..., max_lost_s=...)`` for a loop whose saves are not the manager's
+  (a framework's own checkpoint callback): ``should_save`` every step, ``saved`` after each save.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from .format.naming import dir_temp_name
 from .format.torchzip import TorchZipImage, plan_image, seal, verify_file
 from .options import option_or_default
 from .restore.dircheck import newest_verified, verify_dir
+from .save.budget import BudgetPlanner
 from .save.engine import AsyncWriter, Commit, Fifo, Image, JobPicker
 from .save.outcome import Pending
 from .storage.commit.directory import (
@@ -62,6 +66,7 @@ __all__ = [
     "DTYPE_TO_ST",
     "RECORD_NAME",
     "AsyncWriter",
+    "BudgetPlanner",
     "Commit",
     "Destinations",
     "DirectoryCommit",

@@ -7,20 +7,25 @@ Example:
     ...                      callbacks=[pl.callbacks.ModelCheckpoint(every_n_train_steps=500, save_last=True)])
     >>> trainer.fit(model, ckpt_path="last")  # resumes from the newest complete checkpoint  # doctest: +SKIP
 
+Saving as often as a budget allows rather than every N steps: :class:`CkptmgrBudgetCheckpoint`
+in place of the ModelCheckpoint (docs/LIGHTNING.md, "Saving by a budget").
+
 For the ``pytorch_lightning`` package use :mod:`ckptmgr.integrations.pytorch_lightning`.
 """
 
 from __future__ import annotations
 
 try:
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 except ImportError as exc:  # pragma: no cover - exercised where lightning is absent
     raise ImportError(f"ckptmgr.integrations.lightning needs lightning ({exc}): "
                       "pip install 'ckptmgr[lightning]'") from exc
 
+from ._lightning_budget import BudgetCheckpointMixin
 from ._lightning_io import CkptmgrIOMixin
 
-__all__ = ["CkptmgrCheckpointIO"]
+__all__ = ["CkptmgrBudgetCheckpoint", "CkptmgrCheckpointIO"]
 
 
 class CkptmgrCheckpointIO(CkptmgrIOMixin, TorchCheckpointIO):
@@ -55,4 +60,36 @@ class CkptmgrCheckpointIO(CkptmgrIOMixin, TorchCheckpointIO):
     Raises:
         ConfigError: a bad option (``StagingOptions.on_busy="skip"``: Lightning's saves are
             never skipped; ``local_tier``: does not apply to ``.ckpt`` files).
+    """
+
+
+class CkptmgrBudgetCheckpoint(BudgetCheckpointMixin, ModelCheckpoint):
+    """A ``ModelCheckpoint`` that saves as often as a budget allows instead of every N steps.
+
+    After every optimizer step it asks ckptmgr's budget schedule (``Schedule(max_overhead=...)``,
+    :class:`ckptmgr.extend.BudgetPlanner`) whether to save the step just
+    done; the planner measures the step time from the spacing of those calls and what each
+    save added to the next steps, and picks the interval. A save is the one ``ModelCheckpoint``
+    makes for ``every_n_train_steps``: top-k by ``monitor``, ``last.ckpt`` with ``save_last``,
+    through ``trainer.save_checkpoint`` and the Trainer's CheckpointIO (with
+    :class:`CkptmgrCheckpointIO`: in the background, atomic), so ``ckpt_path="last"`` resumes
+    as before. The first save comes after 3 measured steps; the planner starts afresh at each
+    ``fit`` (a resumed fit measures again).
+
+    Example:
+        >>> trainer = pl.Trainer(plugins=[CkptmgrCheckpointIO()],  # doctest: +SKIP
+        ...                      callbacks=[CkptmgrBudgetCheckpoint(max_overhead=0.01, dirpath="ckpts",
+        ...                                                         save_last=True)])
+        >>> trainer.fit(model, ckpt_path="last")  # doctest: +SKIP
+
+    Args:
+        max_overhead: saves add at most this share of the step time (0.01: 1%); the callback
+            saves as often as that allows.
+        clock: seconds, monotonic, for the measurements (tests pass a simulated clock).
+        **kwargs: ``ModelCheckpoint``'s own (``dirpath``, ``filename``, ``monitor``,
+            ``save_top_k``, ``save_last``, ``every_n_epochs``, ...).
+
+    Raises:
+        ConfigError: no budget, a bad budget value, or ``every_n_train_steps`` /
+            ``train_time_interval`` (the budget picks the steps).
     """

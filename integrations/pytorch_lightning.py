@@ -13,14 +13,16 @@ For ``lightning.pytorch`` use :mod:`ckptmgr.integrations.lightning`.
 from __future__ import annotations
 
 try:
+    from pytorch_lightning.callbacks import ModelCheckpoint
     from pytorch_lightning.plugins.io import TorchCheckpointIO
 except ImportError as exc:  # pragma: no cover - exercised where lightning is absent
     raise ImportError(f"ckptmgr.integrations.pytorch_lightning needs pytorch_lightning ({exc}): "
                       "pip install pytorch-lightning") from exc
 
+from ._lightning_budget import BudgetCheckpointMixin
 from ._lightning_io import CkptmgrIOMixin
 
-__all__ = ["CkptmgrCheckpointIO"]
+__all__ = ["CkptmgrBudgetCheckpoint", "CkptmgrCheckpointIO"]
 
 
 class CkptmgrCheckpointIO(CkptmgrIOMixin, TorchCheckpointIO):
@@ -28,3 +30,8 @@ class CkptmgrCheckpointIO(CkptmgrIOMixin, TorchCheckpointIO):
     Trainers: the same plugin, arguments and behaviour."""
 
     _namespace = "pytorch_lightning"
+
+
+class CkptmgrBudgetCheckpoint(BudgetCheckpointMixin, ModelCheckpoint):
+    """:class:`ckptmgr.integrations.lightning.CkptmgrBudgetCheckpoint` for ``pytorch_lightning``
+    Trainers: the same callback, arguments and behaviour."""

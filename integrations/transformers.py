@@ -36,6 +36,10 @@ Example:
     >>> trainer = CkptmgrTrainer(model=model, args=args, train_dataset=ds,  # doctest: +SKIP
     ...                          checkpointing=AsyncSaveOptions(retention=KeepLatest(3)))
     >>> trainer.train(resume_from_checkpoint=True)  # doctest: +SKIP
+
+Saving as often as a budget allows rather than every ``save_steps``: pass
+:class:`CkptmgrBudgetCallback` (``callbacks=[CkptmgrBudgetCallback(max_overhead=0.01)]``) to
+this Trainer or the stock one.
 """
 
 from __future__ import annotations
@@ -44,19 +48,21 @@ import functools
 import logging
 import os
 import re
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 try:
     import transformers
-    from transformers.trainer_callback import ExportableState
+    from transformers.trainer_callback import ExportableState, TrainerCallback
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
     from transformers.utils.import_utils import is_sagemaker_mp_enabled, is_torch_xla_available
 except ImportError as exc:  # pragma: no cover - exercised where transformers is absent
     raise ImportError(f"ckptmgr.integrations.transformers needs transformers ({exc}): "
                       "pip install 'ckptmgr[transformers]'") from exc
 
-from ckptmgr import ConfigError
-from ckptmgr.extend import recover
+from ckptmgr import ConfigError, Schedule
+from ckptmgr.extend import BudgetPlanner, recover
 
 from ._capture import capturing
 from ._session import (
@@ -68,7 +74,7 @@ from ._session import (
     latest_checkpoint,
 )
 
-__all__ = ["AsyncSaveOptions", "CkptmgrTrainer", "CkptmgrTrainerMixin", "get_last_checkpoint"]
+__all__ = ["AsyncSaveOptions", "CkptmgrBudgetCallback", "CkptmgrTrainer", "CkptmgrTrainerMixin", "get_last_checkpoint"]
 
 log = logging.getLogger("ckptmgr")
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -249,3 +255,88 @@ class CkptmgrTrainer(CkptmgrTrainerMixin, transformers.Trainer):
         checkpointing: :class:`AsyncSaveOptions` (keyword only); everything else as
             ``transformers.Trainer``.
     """
+
+
+class CkptmgrBudgetCallback(TrainerCallback):
+    """Saves as often as a budget allows: sets ``control.should_save`` from ckptmgr's budget
+    schedule (``Schedule(max_overhead=...)``, :class:`ckptmgr.extend.BudgetPlanner`) instead of
+    ``save_steps``.
+
+    At the end of every step it tells the planner the step was reached (the spacing of those
+    calls is the step time it measures) and asks whether to save it; after each save it tells
+    the planner, which charges what the next steps took beyond the step time to the save and
+    picks the interval: a save every ``ceil(save cost / (max_overhead x step time))`` steps,
+    the most often that allows. The save is the Trainer's own (``checkpoint-<step>``, with
+    ``CkptmgrTrainer`` in the background and committed atomically), and everything else about
+    ``save_strategy="steps"`` is unchanged: retention (``save_total_limit``), the save at the
+    last step, ``resume_from_checkpoint``. The first save comes after 3 measured steps; the
+    planner starts afresh at each ``train()`` (a resumed run measures again).
+
+    Example:
+        >>> args = TrainingArguments("run1", save_strategy="steps")  # doctest: +SKIP
+        >>> trainer = CkptmgrTrainer(model=model, args=args, train_dataset=ds,  # doctest: +SKIP
+        ...                          callbacks=[CkptmgrBudgetCallback(max_overhead=0.01)])
+        >>> trainer.train(resume_from_checkpoint=True)  # doctest: +SKIP
+
+    Args:
+        max_overhead: saves add at most this share of the step time (0.01: 1%).
+        clock: seconds, monotonic, for the measurements (tests pass a simulated clock).
+
+    Raises:
+        ConfigError: a bad budget or clock; at the Trainer's start, a ``save_strategy`` other
+            than ``"steps"`` (the budget picks steps), or several processes (every rank must
+            save the same steps: not supported yet).
+    """
+
+    def __init__(self, *, max_overhead: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        if not callable(clock):
+            raise ConfigError(f"clock must be a callable returning seconds, got {clock!r}")
+        self.schedule = Schedule(max_overhead=max_overhead)  # refuses bad values
+        if not self.schedule.budget:
+            raise ConfigError("CkptmgrBudgetCallback needs max_overhead (e.g. 0.01: saves add at most 1% to the step "
+                              "time)")
+        self.clock = clock
+        # both belong to the training thread (the planner has its own lock); made per train()
+        self._planner: BudgetPlanner | None = None
+        self._told_step = -1  # the last step the planner was told a save of
+
+    @staticmethod
+    def _check(args: Any) -> None:
+        if args.save_strategy != "steps":
+            raise ConfigError(f"CkptmgrBudgetCallback picks the steps to save: it needs save_strategy=\"steps\", "
+                              f"got {str(args.save_strategy)!r}")
+        if args.world_size > 1:
+            raise ConfigError(f"CkptmgrBudgetCallback runs in one process for now (world size {args.world_size}): "
+                              "each rank would measure its own steps and pick its own saves")
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._check(args)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._check(args)
+        self._planner = BudgetPlanner(self.schedule, clock=self.clock, tiered=False)
+        self._told_step = -1
+        log.info("checkpoint schedule: saves picked by Schedule(max_overhead=%g); save_steps=%s does not apply",
+                 self.schedule.max_overhead, args.save_steps)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._planner is None:
+            return
+        due = self._planner.should_save(state.global_step)
+        last = state.global_step >= state.max_steps  # the steps strategy's save at the end stays
+        control.should_save = due or (last and bool(control.should_save))
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        planner, step = self._planner, state.global_step
+        if planner is not None and step != self._told_step:
+            first = self._told_step < 0
+            self._told_step = step
+            # the first save of a run makes the writer's staging memory: a one-time cost
+            planner.saved(step, allocated=first)
+
+    def stats(self) -> dict[str, float]:
+        """The intervals planned and achieved so far (keys present once measured):
+        ``interval_steps`` (planned), ``interval_s`` (achieved: mean seconds between saves),
+        ``overhead`` (achieved: the share of the loop's time saves added), ``step_s``,
+        ``save_cost_s``. Empty before the first ``train()``."""
+        return {} if self._planner is None else self._planner.stats()

@@ -161,6 +161,12 @@ def test_a_first_save_whose_allocation_time_is_known_measures_the_cost_without_a
     assert loop.p.stats()["overhead"] * (loop.t - 0.05) == pytest.approx(loop.cost_total, rel=0.02)  # all of it told
 
 
+def test_max_lost_s_alone_saves_every_interval_it_allows_not_every_step():
+    loop = Loop(Schedule(max_lost_s=6), step_s=lambda k: 1.0, cost_s=lambda k: 0.0)
+    loop.run(range(100))
+    assert loop.saves[0] == WARMUP and set(loop.gaps()) == {6}  # floor(6 s / 1 s steps)
+
+
 def test_the_interval_follows_a_step_time_that_changes_mid_run():
     loop = Loop(Schedule(max_overhead=0.01), step_s=lambda k: 0.05 if k < 2000 else 0.1, cost_s=lambda k: 0.03)
     loop.run(range(6000))

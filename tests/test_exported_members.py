@@ -83,6 +83,7 @@ EXTEND_EXPECTED = [
     "DTYPE_TO_ST",
     "RECORD_NAME",
     "AsyncWriter",
+    "BudgetPlanner",
     "Commit",
     "Destinations",
     "DirectoryCommit",

@@ -240,7 +240,7 @@ class BudgetPlanner:
             return it.local_steps is not None and since >= it.local_steps
         if it.local_steps is not None and since >= it.local_steps:
             return True
-        return self._durable_due(now, it)
+        return it.durable_s is not None and self._durable_due(now, it)  # (None: no durable budget to keep)
 
     def durable(self, step: int, since_durable_s: float | None) -> bool:
         """Whether the save of ``step`` being made goes to the durable target too (the
