@@ -8,8 +8,10 @@ target places on it (the whole tensor where the target holds a plain tensor, or 
 process), and checks the target before a byte is read.
 
 * When every rank's boxes are the ones it saved (same world size, same layout), each rank
-  reads exactly its own files with the manager's loaders (onto the GPU through the pinned
-  ring, in place, or GDS), as before.
+  reads exactly its own files, each byte once, with the manager's loaders (onto the GPU
+  through the pinned ring, in place, or GDS) into fresh memory on the target's device, every
+  chunk verified as it lands (:func:`_read_own`); once the ranks agree, the tensors are
+  copied into the target's (:func:`_move_into`).
 * Otherwise each rank reads, from whichever files hold them, only the checksum chunks that
   cover the bytes it needs (:mod:`.ranged`), verifies them, and assembles its shards
   (:mod:`.reshard`); a replicated tensor saved by rank ``r`` is read by rank ``r % world``.
