@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import dist_launch
+import pytest
 import torch
 
 from ckptmgr import CheckpointCorruptError, CheckpointManager, PerRank, WriteOptions
@@ -29,9 +30,16 @@ WRITE = WriteOptions(chunk_size=1 << 16)  # 64 KiB checksum chunks: many per fil
 STEP = 1
 
 
-def test_at_the_saved_layout_each_rank_reads_its_own_files_once(tmp_path):
-    root = tmp_path / "ckpt"
-    rcs, reports = dist_launch.launch(os.path.abspath(__file__), "layout", str(root), tmp_path, 2)
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    work = tmp_path_factory.mktemp("read-once")
+    root = work / "ckpt"
+    rcs, reports = dist_launch.launch(os.path.abspath(__file__), "layout", str(root), work, 2)
+    return root, rcs, reports
+
+
+def test_at_the_saved_layout_each_rank_reads_its_own_files_once(launched):
+    _, rcs, reports = launched
     failed = {f"rank {r.get('rank')}: {name}": result for r in reports for name, result in r.get("checks", {}).items()
               if result is not True}
     assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
@@ -43,6 +51,56 @@ def test_at_the_saved_layout_each_rank_reads_its_own_files_once(tmp_path):
             got = r["bytes_read"][case]
             # every byte of the rank's own files, once; beyond that, only their headers' checks
             assert own <= got <= own * 1.05, f"rank {r['rank']}, restore({case}): read {got} bytes of {own}"
+
+
+class _NoDeviceRoom:
+    """The restorer's read (:class:`ckptmgr.distributed.restore.Restorer`) on a GPU that has
+    no room for a rank's files beside its target: a read into fresh memory fails as the
+    allocator does; reads into the target are not expected here."""
+
+    def __init__(self) -> None:
+        self.fresh = 0
+
+    def read(self, source: Any, step: int, manifest: Any, device: torch.device, loader: str, images: Any,
+             dests: Any, verified: bool = False) -> dict[str, torch.Tensor]:
+        assert dests is None and not verified
+        self.fresh += 1
+        raise torch.OutOfMemoryError("CUDA out of memory (no room beside the target)")
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_without_room_on_the_gpu_a_rank_verifies_its_files_before_anything_lands(launched, tmp_path, damaged):
+    from ckptmgr.distributed.restore import _own_files, _Plan, _read_own
+    from ckptmgr.format.manifest import Manifest
+    from ckptmgr.storage import open_target
+
+    root = launched[0]
+    if damaged:
+        shutil.copytree(root, tmp_path / "ckpt")
+        root = tmp_path / "ckpt"
+        _flip(str(root / f"step_{STEP:012d}" / "data-r00001-00000.safetensors"), 200_000)
+    target = open_target(str(root))
+    try:
+        m = Manifest.from_bytes(target.read_manifest(STEP), where=str(root))
+        plan = _Plan(m.rank_states[1] if m.rank_states else m.state, [], {}, [], [], {},
+                     landing={"model/0.weight": torch.zeros(1)})  # a target: the files must verify first
+        own = _own_files(m, plan, 1)
+        restorer = _NoDeviceRoom()
+        counted = _counting_target(target)
+        where = f"{root}: step {STEP}"
+        if damaged:
+            with pytest.raises(CheckpointCorruptError, match=r"data-r00001-00000\.safetensors"):
+                _read_own(restorer, target, STEP, own, plan, torch.device("cuda", 0), "auto", where)
+        else:
+            assert _read_own(restorer, target, STEP, own, plan, torch.device("cuda", 0), "auto", where) is None
+            assert counted[0] >= sum(r.size for r in own.files.values())  # every byte read, to verify it
+        assert restorer.fresh == 1
+        # without a target there is nowhere else to land: the allocator's error stands
+        with pytest.raises(torch.OutOfMemoryError):
+            _read_own(restorer, target, STEP, own, _Plan(plan.skeleton, [], {}, [], [], {}),
+                      torch.device("cuda", 0), "auto", where)
+    finally:
+        target.close()
 
 
 # ---------------------------------------------------------------------------------------- the rank
@@ -107,8 +165,12 @@ def _differ(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list
 
 def _counting(mgr: CheckpointManager) -> list[int]:
     """Count the bytes this rank reads from the manager's storage (every read method it has)."""
+    return _counting_target(mgr._target)
+
+
+def _counting_target(target: Any) -> list[int]:
+    """Count the bytes read from ``target`` (every read method it has)."""
     box = [0]
-    target = mgr._target
     read_into, read_chunk = target.read_into, getattr(target, "read_chunk", None)
 
     def counted_into(step: int, name: str, offset: int, out: list[Any]) -> None:
