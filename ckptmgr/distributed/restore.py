@@ -381,13 +381,16 @@ def _read_own(restorer: Restorer, source: Source, step: int, own: Manifest, plan
     the files is verified here instead, reading them, and None is returned: the files are
     then read a second time, after the ranks agree, straight into the target's tensors.
     """
+    size = sum(r.size for r in own.files.values())
     try:
-        return restorer.read(source, step, own, dev, loader, None, None)
+        staged = restorer.read(source, step, own, dev, loader, None, None)
+        log.info("%s: read this rank's own files once, %d bytes, at the saved layout", where, size)
+        return staged
     except torch.OutOfMemoryError:
         if dev.type != "cuda" or not (plan.touches or any(d.target is not None for d in plan.dests.values())):
             raise  # (no target: nowhere else to land; host memory: no cheaper way)
     log.info("%s: no room on %s for this rank's %d bytes beside the target; verifying them first, then reading "
-             "them into the target", where, dev, sum(r.size for r in own.files.values()))
+             "them into the target", where, dev, size)
     preflight(source, step, own, where)
     verify_files(source, step, own, source.io_pool, int(getattr(source.io_pool, "_max_workers", 8)), where)
     return None
