@@ -83,7 +83,7 @@ def test_without_room_on_the_gpu_a_rank_verifies_its_files_before_anything_lands
     try:
         m = Manifest.from_bytes(target.read_manifest(STEP), where=str(root))
         plan = _Plan(m.rank_states[1] if m.rank_states else m.state, [], {}, [], [], {},
-                     landing={"model/0.weight": torch.zeros(1)})  # a target: the files must verify first
+                     touches=True)  # a target: the files must verify first
         own = _own_files(m, plan, 1)
         restorer = _NoDeviceRoom()
         counted = _counting_target(target)
