@@ -295,6 +295,7 @@ def _restore(restorer: Restorer, source: Source, step: int, m: Manifest, target:
                 dests = _own_dests(plan, own)
                 if staged is not None:
                     loaded = _move_into(staged, dests, own, where)
+                    staged = None  # (the fresh memory goes as soon as nothing of it is left in use)
                 else:  # (no room for it on the device: verified above, now read again into place)
                     loaded = restorer.read(source, step, own, dev, loader, None, dests, verified=True)
                 outs = {key: loaded[d.own] for key, d in plan.dests.items()}
