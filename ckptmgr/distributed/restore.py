@@ -8,8 +8,10 @@ target places on it (the whole tensor where the target holds a plain tensor, or 
 process), and checks the target before a byte is read.
 
 * When every rank's boxes are the ones it saved (same world size, same layout), each rank
-  reads exactly its own files with the manager's loaders (onto the GPU through the pinned
-  ring, in place, or GDS), as before.
+  reads exactly its own files, each byte once, with the manager's loaders (onto the GPU
+  through the pinned ring, in place, or GDS) into fresh memory on the target's device, every
+  chunk verified as it lands (:func:`_read_own`); once the ranks agree, the tensors are
+  copied into the target's (:func:`_move_into`).
 * Otherwise each rank reads, from whichever files hold them, only the checksum chunks that
   cover the bytes it needs (:mod:`.ranged`), verifies them, and assembles its shards
   (:mod:`.reshard`); a replicated tensor saved by rank ``r`` is read by rank ``r % world``.
@@ -275,10 +277,11 @@ def _restore(restorer: Restorer, source: Source, step: int, m: Manifest, target:
     loaded: dict[str, torch.Tensor] = {}
     reads = RangedReads(source, step, m)
     own = _own_files(m, plan, me) if plan.aligned else None
+    staged: dict[str, torch.Tensor] | None = None  # aligned: this rank's tensors, verified, in fresh memory
     try:  # read and verify everything this rank needs; nothing lands in the target yet
         with _ours(source, step, where):
             if own is not None:
-                _verify_own(restorer, source, step, own, plan, where)
+                staged = _read_own(restorer, source, step, own, plan, dev, loader, where)
             else:
                 _want(m, plan, me, reads, where)
                 reads.read()
@@ -289,7 +292,12 @@ def _restore(restorer: Restorer, source: Source, step: int, m: Manifest, target:
     try:  # every rank verified its part: land it
         with torch.no_grad(), _ours(source, step, where):
             if own is not None:
-                loaded = restorer.read(source, step, own, dev, loader, None, _own_dests(plan, own), verified=True)
+                dests = _own_dests(plan, own)
+                if staged is not None:
+                    loaded = _move_into(staged, dests, own, where)
+                    staged = None  # (the fresh memory goes as soon as nothing of it is left in use)
+                else:  # (no room for it on the device: verified above, now read again into place)
+                    loaded = restorer.read(source, step, own, dev, loader, None, dests, verified=True)
                 outs = {key: loaded[d.own] for key, d in plan.dests.items()}
             else:
                 loaded, outs = _assemble(m, plan, me, reads, dev, where)
@@ -362,12 +370,57 @@ def _own_dests(plan: _Plan, own: Manifest) -> dict[str, torch.Tensor]:
     return dests
 
 
-def _verify_own(restorer: Restorer, source: Source, step: int, own: Manifest, plan: _Plan, where: str) -> None:
-    """This rank's own files: preflight, and when tensors will land in the target, every
-    checksum (so that no rank's target changes unless every rank's files verify)."""
+def _read_own(restorer: Restorer, source: Source, step: int, own: Manifest, plan: _Plan, dev: torch.device,
+              loader: str, where: str) -> dict[str, torch.Tensor] | None:
+    """Read this rank's own files ``own`` once, into fresh memory on ``dev``: the restorer's
+    read with no destination (preflight, then every checksum chunk verified as it lands, on
+    the loader the restore asked for). The target is untouched: :func:`_move_into` copies
+    the tensors into it once every rank's files have verified.
+
+    That costs, until the copies are done, memory for this rank's own files on ``dev`` (the
+    target's device): its shard once more. Where a GPU has no room for it, every checksum of
+    the files is verified here instead, reading them, and None is returned: the files are
+    then read a second time, after the ranks agree, straight into the target's tensors.
+    """
+    size = sum(r.size for r in own.files.values())
+    try:
+        staged = restorer.read(source, step, own, dev, loader, None, None)
+        log.info("%s: read this rank's own files once, %d bytes, at the saved layout", where, size)
+        return staged
+    except torch.OutOfMemoryError:
+        if dev.type != "cuda" or not (plan.touches or any(d.target is not None for d in plan.dests.values())):
+            raise  # (no target: nowhere else to land; host memory: no cheaper way)
+    log.info("%s: no room on %s for this rank's %d bytes beside the target; verifying them first, then reading "
+             "them into the target", where, dev, size)
     preflight(source, step, own, where)
-    if plan.touches or any(d.target is not None for d in plan.dests.values()):
-        verify_files(source, step, own, source.io_pool, int(getattr(source.io_pool, "_max_workers", 8)), where)
+    verify_files(source, step, own, source.io_pool, int(getattr(source.io_pool, "_max_workers", 8)), where)
+    return None
+
+
+def _move_into(staged: dict[str, torch.Tensor], dests: dict[str, torch.Tensor], own: Manifest,
+               where: str) -> dict[str, torch.Tensor]:
+    """Copy the verified tensors ``staged`` (stored name -> fresh memory) into the target's
+    tensors ``dests`` that take them as they are (same device, dtype and shape, contiguous):
+    device-to-device or host memcpys, every bit kept; those come back as the target's own, the
+    views of them rebuilt on them. The rest stay in ``staged`` memory, for the target walk to
+    copy (as a restore that lands in place leaves them)."""
+    out = dict(staged)
+    synced: set[torch.device] = set()  # the GPUs copied on
+    for name, dst in dests.items():
+        src = staged.get(name)
+        if src is None or src is dst or "file" not in own.tensors.get(name, {}) or not _usable(
+                dst, tuple(src.shape), src.dtype, src.device) or dst.is_conj() or dst.is_neg():
+            continue
+        dst.copy_(src)
+        out[name] = dst
+        if dst.device.type == "cuda":
+            synced.add(dst.device)
+    for name, e in own.tensors.items():  # views of a moved base: of the target's memory, as landing there gives
+        if "view_of" in e and out.get(e["view_of"]) is not staged.get(e["view_of"]):
+            out[name] = view_of(out[e["view_of"]], name, e, where)
+    for device in synced:  # the target holds the bytes when the restore returns
+        torch.cuda.current_stream(device).synchronize()
+    return out
 
 
 def _want(m: Manifest, plan: _Plan, me: int, reads: RangedReads, where: str) -> None:

@@ -248,7 +248,9 @@ class Restorer:
              verified: bool = False) -> dict[str, torch.Tensor]:
         """Read every tensor of ``step`` (preflight first); when any lands in ``dests``, every
         checksum is verified before the first byte lands (``verified``: the caller did, as a
-        multi-rank restore does on every rank before any lands)."""
+        multi-rank restore at the saved layout does on a GPU without room for the rank's part
+        beside the target). Without ``dests``, each byte is read once, into fresh memory on
+        ``device``, every chunk verified as it lands."""
         where = f"{source.url}: step {step}"
         if loader == "auto":
             loader = self.auto_loader(source, device, pinned=images is not None)
