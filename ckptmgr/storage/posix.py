@@ -164,6 +164,8 @@ def makedirs_durable(path: str, mode: int = 0o777) -> list[str]:
     p = os.path.abspath(path)
     while not os.path.isdir(p):
         if os.path.lexists(p):
+            if os.path.isdir(p):  # another process made it between the two checks
+                break
             raise FileExistsError(errno.EEXIST, "exists and is not a directory", p)
         missing.append(p)
         parent = os.path.dirname(p)
