@@ -29,8 +29,9 @@ import pytest
 pytest.importorskip("transformers")
 from transformers.trainer_utils import get_last_checkpoint as stock_last_checkpoint
 
-from ckptmgr.format.dirrecord import read_record, verify_dir
+from ckptmgr.format.dirrecord import read_record
 from ckptmgr.integrations.transformers import get_last_checkpoint
+from ckptmgr.restore.dircheck import verify_dir
 
 RUN = os.path.join(os.path.dirname(__file__), "hf_trainer_run.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
