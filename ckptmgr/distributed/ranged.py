@@ -19,20 +19,21 @@ run, and each piece is verified there: a plan of the pieces, run by the read dri
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CkptError, StepNotFoundError
 from ..format.manifest import FileRecord, Manifest
 from ..restore.preflight import Source, preflight
 from ..restore.read import Chunk, Mismatch, ReadPlan, run
 from ..restore.transports.pread import PreadTransport
 
-__all__ = ["RangedReads", "sub_chunk_size"]
+__all__ = ["RangedReads", "read_errors", "sub_chunk_size"]
 
 _REQUEST = 16 << 20  # bytes per read request (a run of pieces is split into requests of this size)
 
@@ -158,3 +159,26 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
         else:
             out.append((i, i))
     return out
+
+
+def _vanished(source: Source, step: int, where: str, exc: FileNotFoundError) -> CkptError:
+    """A file of the step is missing: the step was deleted while it was read, or is damaged."""
+    try:
+        steps = source.steps() if hasattr(source, "steps") else source.list_steps()  # type: ignore[attr-defined]
+    except Exception:  # the listing failed too: call it gone
+        steps = []
+    if step in steps:
+        return CheckpointCorruptError(f"{where}: {exc.filename or exc} is missing")
+    return StepNotFoundError(f"{where} was deleted while it was read")
+
+
+@contextlib.contextmanager
+def read_errors(source: Source, step: int, where: str) -> Iterator[None]:
+    """Turn a storage failure during a read into one of our errors (so that every rank can
+    agree on it): a vanished file is a deleted or a damaged step."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        raise _vanished(source, step, where, exc) from exc
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{where} cannot be read: {exc}") from exc

@@ -24,9 +24,8 @@ raise the same error and fall back to the same older step together.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,7 +42,7 @@ from ..restore.target import TargetPlan, match_target, survey_target
 from ..restore.values import local_tensor
 from ..restore.verify import verify_files
 from .coordinator import Coordinator, owner_of
-from .ranged import RangedReads
+from .ranged import RangedReads, read_errors
 from .reshard import Dest, box_for, box_of, fill, parse_placements, plan_dtensor, saved_boxes, stored, whole
 from .skeletons import rank_view, tensor_names
 
@@ -279,7 +278,7 @@ def _restore(restorer: Restorer, source: Source, step: int, m: Manifest, target:
     own = _own_files(m, plan, me) if plan.aligned else None
     staged: dict[str, torch.Tensor] | None = None  # aligned: this rank's tensors, verified, in fresh memory
     try:  # read and verify everything this rank needs; nothing lands in the target yet
-        with _ours(source, step, where):
+        with read_errors(source, step, where):
             if own is not None:
                 staged = _read_own(restorer, source, step, own, plan, dev, loader, where)
             else:
@@ -290,7 +289,7 @@ def _restore(restorer: Restorer, source: Source, step: int, m: Manifest, target:
     _agree(coord, error, f"reading step {step}")
     outs: dict[str, torch.Tensor] = {}
     try:  # every rank verified its part: land it
-        with torch.no_grad(), _ours(source, step, where):
+        with torch.no_grad(), read_errors(source, step, where):
             if own is not None:
                 dests = _own_dests(plan, own)
                 if staged is not None:
@@ -328,29 +327,6 @@ def _restore(restorer: Restorer, source: Source, step: int, m: Manifest, target:
     if plan.target is not None:  # copy what did not land in the target, load its Stateful objects
         return plan.target.finish(loaded)
     return unflatten(plan.skeleton, loaded, allow_pickle=restorer.allow_pickle)
-
-
-def _vanished(source: Source, step: int, where: str, exc: FileNotFoundError) -> CkptError:
-    """A file of the step is missing: the step was deleted while it was read, or is damaged."""
-    try:
-        steps = source.steps() if hasattr(source, "steps") else source.list_steps()  # type: ignore[attr-defined]
-    except Exception:  # the listing failed too: call it gone
-        steps = []
-    if step in steps:
-        return CheckpointCorruptError(f"{where}: {exc.filename or exc} is missing")
-    return StepNotFoundError(f"{where} was deleted while it was read")
-
-
-@contextlib.contextmanager
-def _ours(source: Source, step: int, where: str) -> Iterator[None]:
-    """Turn a storage failure during a read into one of our errors (so that every rank can
-    agree on it): a vanished file is a deleted or a damaged step."""
-    try:
-        yield
-    except FileNotFoundError as exc:
-        raise _vanished(source, step, where, exc) from exc
-    except OSError as exc:
-        raise CheckpointCorruptError(f"{where} cannot be read: {exc}") from exc
 
 
 def _own_files(m: Manifest, plan: _Plan, me: int) -> Manifest:
