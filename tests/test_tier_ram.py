@@ -9,8 +9,8 @@ import os
 
 import pytest
 
+import ckptmgr._cuda as cuda_shim
 from ckptmgr import CheckpointManager, ConfigError, StagingOptions
-from ckptmgr.storage import tier as tier_mod
 from ckptmgr.storage.tier import open_local_tier, ram_filesystem
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm") or ram_filesystem("/dev/shm") is not True,
@@ -27,7 +27,7 @@ def disk_dir(tmp_path):
 @pytest.fixture
 def with_cuda(monkeypatch):
     """What open_local_tier sees on a GPU machine (the real check runs there: test_cuda.py)."""
-    monkeypatch.setattr(tier_mod._cuda, "available", lambda: True)
+    monkeypatch.setattr(cuda_shim, "available", lambda: True)  # (the tier imports it where it opens one)
 
 
 def test_filesystems_are_told_apart(disk_dir, tmp_path):
