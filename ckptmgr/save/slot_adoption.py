@@ -67,11 +67,9 @@ class SlotAdoption:
     _adopting: dict[int, Future[None]]  # slot index -> its adoption, until it ends     (_cond)
     _abandoned: set[int]  # slots whose adoption close() stopped waiting for          (_cond)
 
-    def _note_durable(self, step: int | None) -> None:
-        raise NotImplementedError  # (SlotPool's)
-
-    def _pin(self, slot: Slot, hurry: bool, chunk_size: int | None = None) -> None:
-        raise NotImplementedError  # (SlotBuffers')
+    # the pool's and its buffers' own, declared here for the adoption
+    _note_durable: Callable[[int | None], None]  # (SlotPool's)
+    _pin: Callable[[Slot, bool, int | None], None]  # (SlotBuffers')
 
     def adopt(self, index: int, step: int, sizes: list[int], chunk_size: int, *, durable: bool,
               on_mapped: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Slot:
@@ -134,7 +132,7 @@ class SlotAdoption:
                 on_mapped({file_name(i): b.tensor for i, b in enumerate(slot.buffers)})
             populate_all(slot.buffers, stop=self.stop)
             if not self.stop.is_set():
-                self._pin(slot, hurry=True, chunk_size=chunk_size)
+                self._pin(slot, True, chunk_size)  # (hurry)
         except Exception as exc:  # its restores read through the files instead, and verify them
             log.warning("the adopted staging slot %d could not be pinned in place (%s: %s); restores of step %s "
                         "read its files instead", slot.index, type(exc).__name__, exc, slot.step)

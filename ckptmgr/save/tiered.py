@@ -67,10 +67,9 @@ class TierSaves:
     _closing: bool
     _root_bound: bool
 
-    def _enqueue(self, job: PersistJob, ticket: Ticket) -> None:
-        """Queue ``job`` for the durable write: the hook this mixin calls and
-        :class:`~ckptmgr.save.saver.Saver` implements (its coalescing queue)."""
-        raise NotImplementedError
+    # Queue a job for the durable write: the hook this mixin calls and Saver implements (its
+    # coalescing queue)
+    _enqueue: Callable[[PersistJob, Ticket], None]
 
     # ------------------------------------------------------------ local-commit thread
 

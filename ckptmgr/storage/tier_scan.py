@@ -17,6 +17,7 @@ import logging
 import os
 import stat
 import threading
+from collections.abc import Callable
 
 from ..errors import CheckpointCorruptError, CkptError
 from ..format.manifest import MANIFEST_NAME, Manifest
@@ -39,11 +40,9 @@ class TierScan:
     _steps: dict[int, int]
     _root_id: str | None
 
-    def _slot_fd(self, index: int) -> int:
-        raise NotImplementedError  # (LocalTier's)
-
-    def remove_slot(self, index: int) -> None:
-        raise NotImplementedError  # (LocalTier's)
+    # LocalTier's, declared here for the scan
+    _slot_fd: Callable[[int], int]
+    remove_slot: Callable[[int], None]
 
     # ----------------------------------------------------------- the root's identity
 
