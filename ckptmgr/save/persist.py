@@ -115,8 +115,9 @@ class StepCommit:
         writer.commit(m.to_bytes())
 
     def failed(self, writer: StepWriter | None, m: Manifest, error: BaseException) -> None:
-        """The write or the commit failed with ``error``: remove what this writer wrote (never
-        raises; ``writer`` is None when the claim itself failed)."""
+        """The write or the commit failed with ``error``: remove what this writer wrote
+        (``writer`` is None when the claim itself failed). An abort that fails raises in
+        place of ``error``."""
         if writer is not None:
             writer.abort()
 
