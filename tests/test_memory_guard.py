@@ -178,6 +178,7 @@ def test_with_the_defaults_a_save_during_a_slow_write_does_not_block_when_memory
     gate = Gate(monkeypatch)
     local = tmp_path / "shm"
     local.mkdir()
+    caplog.set_level(logging.INFO, logger="ckptmgr")
     mgr = CheckpointManager(root, staging=StagingOptions(local_tier=tier, local_dir=str(local)))
     try:
         h1 = mgr.save(1, _state(1))
@@ -189,14 +190,16 @@ def test_with_the_defaults_a_save_during_a_slow_write_does_not_block_when_memory
             out.append(mgr.save(2, _state(2)))
             done.set()
 
-        with caplog.at_level(logging.WARNING, logger="ckptmgr"):
-            t = threading.Thread(target=second, daemon=True)
-            t.start()
-            returned = done.wait(30)  # with one slot it would wait for the gate: never, here
+        t = threading.Thread(target=second, daemon=True)
+        t.start()
+        returned = done.wait(30)  # with one slot it would wait for the gate: never, here
         assert returned, "save(2) blocked behind the durable write of step 1"
         stats = mgr.stats()
-        assert stats["busy_waits"] == 0 and stats["slots"] == 3, stats  # slot 2, and a spare
-        assert any("added staging slot 2 (and slot 3" in r.getMessage() for r in caplog.records)
+        assert stats["slots"] == 3, stats  # slot 2 made after save 1; slot 3 once saves overlap
+        told = [r.getMessage() for r in caplog.records if "being made in the background" in r.getMessage()]
+        assert len(told) == 2, told
+        assert "staging slot 2 of at most 3" in told[0] and "previous one's durable write" in told[0], told
+        assert "staging slot 3 of at most 3" in told[1] and "still running" in told[1], told
         out[0].wait_staged(30)
     finally:
         gate.release.set()
@@ -248,3 +251,32 @@ def test_the_share_is_divided_among_the_processes_of_a_node(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert allowed_bytes(mem, 0, default=True, max_host_bytes=None) == alone // 8
     assert allowed_bytes(mem, 0, default=False, max_host_bytes=None) == int((64 << 30) * 0.9 / 8)
+
+
+def test_the_default_makes_a_second_slot_in_the_background_after_the_first_save(root, monkeypatch, host, caplog):
+    """Where two slots fit its share, the default makes the second as soon as the first save
+    holds the first, off the training thread: the next save finds it made. A third is made only
+    once saves overlap (it would fit the share here, but they never do)."""
+    host(7 * MIB)  # 50%: room for three 1 MiB slots
+    caplog.set_level(logging.INFO, logger="ckptmgr")
+    made_on: list[str] = []
+    real = SlotPool.fit
+
+    def fit(self, *args, **kw):
+        made_on.append(threading.current_thread().name)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(SlotPool, "fit", fit)
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
+        mgr.save(1, _state(1)).result(timeout=30)
+        mgr.wait(timeout=30)  # (waits for the slot being made too)
+        assert mgr.stats()["slots"] == 2 and mgr.stats()["slot_allocations"] == 2, mgr.stats()
+        assert len(made_on) == 2, made_on  # (fit: the first save's own slot, then the one made ahead)
+        assert made_on[0] == threading.current_thread().name  # the first save's own slot
+        assert made_on[1].startswith("ckptmgr-prepare"), made_on
+        for step in (2, 3, 4):  # each save's durable write ends before the next: no overlap
+            mgr.save(step, _state(step)).result(timeout=30)
+        stats = mgr.stats()
+        assert stats["slots"] == 2 and stats["busy_waits"] == 0 and stats["slot_allocations"] == 2, stats
+    told = [r.getMessage() for r in caplog.records if "being made in the background" in r.getMessage()]
+    assert len(told) == 1 and "staging slot 2 of at most 3" in told[0], told

@@ -165,7 +165,6 @@ class Saver(TierSaves):
             if self._closing:
                 raise SaveError(f"cannot save step {step}: the manager is closing")
         opts = self._opts
-        made = self.pool.allocations
 
         def acquired(slot: Slot) -> None:
             if slot.replaced is not None:  # the slot held an older step, maybe still queued
@@ -193,8 +192,8 @@ class Saver(TierSaves):
                 finally:
                     self.pool.release(slot, step=None, durable=False)
                 raise
-        if self.pool.allocations != made and any(s.kind == "none" for s in self.pool.slots):
-            self.prepare(sizes)  # the first save made its slot; make the others in the background
+        if self.pool.spare():
+            self.prepare(sizes)  # a slot for the next save, made in the background (default options)
         local = self._tier is not None and slot.kind == "tmpfs"
         wanted = True if durable is None else durable
         if schedule is not None or durable is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -123,6 +124,7 @@ class SlotBuffers:
                 self._drop(slot, old)
         slot.kind = kind
         make = [i for i in range(len(sizes)) if i not in keep]
+        t0 = time.perf_counter()
         # Made in parallel: reserving and populating pages is ~0.1-0.3 s per GiB for one thread.
         with DaemonPool(min(8, max(1, len(make))), thread_name_prefix="ckptmgr-alloc") as pool:
             futures = [pool.submit(self._make, slot.index, file_name(i), sizes[i], kind) for i in make]
@@ -138,7 +140,11 @@ class SlotBuffers:
         keep.update(zip(make, made, strict=True))
         slot.buffers = [keep[i] for i in range(len(sizes))]
         slot.segments = [b.tensor for b in slot.buffers]
+        t1 = time.perf_counter()
         self._pin(slot, hurry)
+        log.debug("staging slot %d (%s): %d of %d file(s) made and populated in %.3f s, pinned in %.3f s%s",
+                  slot.index, kind, len(make), len(sizes), t1 - t0, time.perf_counter() - t1,
+                  "" if hurry else " (with pauses unless a save waits)")
 
     def _make(self, index: int, name: str, nbytes: int, kind: str) -> HostBuffer:
         if kind == "tmpfs":

@@ -2,9 +2,11 @@
 
 :class:`SlotCapacity` is the part of :class:`~ckptmgr.save.slots.SlotPool` that refuses a
 state whose slots would not fit (:meth:`SlotCapacity.check_capacity`, before anything is
-allocated) and, with the default options, adds a slot where a save would otherwise wait, as
-long as every slot fits the share of host memory the default may use (see
-:mod:`ckptmgr.save.memory`). Its state is the pool's, guarded by the pool's ``_cond``.
+allocated) and, with the default options, adds slots as long as every slot fits the share of
+host memory the default may use (see :mod:`ckptmgr.save.memory`): ahead of need, made in the
+background after a save took the last free slot (:meth:`SlotCapacity._spare`: a second slot at
+once, a third once saves overlap), and, where none was made in time, on the spot for a save
+that would otherwise wait (:meth:`SlotCapacity._grow`). Its state is the pool's, guarded by the pool's ``_cond``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from ..format.layout import DATA_ALIGN
 from .memory import DEFAULT_HOST_SHARE, MAX_HOST_SHARE, HostMemory, MemoryProbe, allowed_bytes
 from .slot_buffers import Slot
 
-__all__ = ["SlotCapacity", "slot_bytes"]
+EAGER_SLOTS = 2  # slots the default makes ahead of need (in the background) when they fit
+
+__all__ = ["EAGER_SLOTS", "SlotCapacity", "slot_bytes"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -43,6 +47,7 @@ class SlotCapacity:
     _sizes: list[int] | None
     _last_save: float | None
     _told_no_room: bool
+    _overlapped: bool
     _cond: threading.Condition
 
     def check_capacity(self, sizes: list[int]) -> None:
@@ -87,6 +92,36 @@ class SlotCapacity:
     def _memory_text(mem: HostMemory, held: int) -> str:
         extra = f" + {held / 2**30:.2f} GiB the slots hold" if held else ""
         return mem.describe() + extra
+
+    def _spare(self) -> bool:
+        """(lock held, default options only) After a save took a slot: add a slot, to be made
+        in the background, when none is left for the next save (every other slot busy) and one
+        more fits the share of host memory the default may use. Up to
+        :data:`EAGER_SLOTS` this happens at once (the next save then never waits for the
+        previous one's durable write, nor makes its slot on the training thread); beyond, up
+        to ``max_slots``, once saves have come while an earlier one was still in flight. Returns
+        True when the pool has a slot never made, added here or configured (the caller starts
+        :meth:`prepare`)."""
+        fresh = any(s.kind == "none" and not s.busy and not s.preparing for s in self.slots)
+        if not self.auto or self._sizes is None:
+            return fresh  # (configured slots: the others are made in the background after the first save)
+        cap = self.max_slots if self._overlapped else min(EAGER_SLOTS, self.max_slots)
+        if fresh or len(self.slots) >= cap or any(not s.busy for s in self.slots):
+            return fresh
+        per = slot_bytes(self._sizes)
+        count = len(self.slots)
+        mem = self.memory() if self.memory is not None else None
+        allowed = allowed_bytes(mem, self._held(), default=True, max_host_bytes=self.max_host_bytes)
+        if allowed is not None and per * (count + 1) > allowed:
+            return False
+        self.slots.append(Slot(count))
+        room = "" if allowed is None else f"; all slots {_size(per * (count + 1))} of {_size(allowed)} allowed"
+        log.info("staging slot %d of at most %d is being made in the background (%s of host memory%s), so that the "
+                 "next save need not wait for the %s (StagingOptions(slots=%d) keeps %d)", count + 1,
+                 self.max_slots, _size(per), room,
+                 "durable writes still running" if self._overlapped else "previous one's durable write",
+                 count, count)
+        return True
 
     def _grow(self, now: float) -> Slot | None:
         """(lock held, default options only) A new slot for a save that would otherwise wait,

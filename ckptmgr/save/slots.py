@@ -61,9 +61,10 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
     """``count`` slots, created lazily, reused for the life of the manager. ``chunk_size``: the
     checksum chunk of the images (pinning pieces are whole numbers of it).
 
-    ``count=None`` (the default options) sizes the pool itself: one slot, and one more (up to
-    :data:`AUTO_MAX_SLOTS`) each time a save would otherwise wait for one, with a spare slot
-    that the saver makes in the background, as long as all of them fit
+    ``count=None`` (the default options) sizes the pool itself: one slot, a second made in the
+    background once a save holds the first, and a third (up to :data:`AUTO_MAX_SLOTS`) once
+    saves come while earlier ones are still in flight (see :meth:`spare`); a save that finds
+    none free adds one on the spot; all of them only as long as they fit
     :data:`~ckptmgr.save.memory.DEFAULT_HOST_SHARE` of the host memory available.
     ``memory``: how much host memory is available (see :mod:`ckptmgr.save.memory`; injectable
     for tests; None: nothing is guarded but ``max_host_bytes``)."""
@@ -80,6 +81,7 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         self._sizes: list[int] | None = None  # the file sizes of the state last checked (guarded by _cond)
         self._last_save: float | None = None  # monotonic time of the last acquire (for messages)
         self._told_no_room = False
+        self._overlapped = False  # a save came while another was in flight (guarded by _cond)
         self._cond = threading.Condition()
         self.hurry = threading.Event()  # set while a save waits for a slot being prepared
         self.on_wait: Callable[[], None] | None = None  # called (lock held) when a save starts waiting
@@ -204,6 +206,7 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
             if slot.step is not None and not slot.durable and slot.kind == "memory":
                 log.warning("reusing staging slot %d: it held step %d, whose durable write failed; that step "
                             "is dropped", slot.index, slot.step)
+            self._overlapped = self._overlapped or any(s.busy for s in self.slots if s is not slot)
             old, slot.busy, slot.since = slot.step, True, t0
             self._last_save = t0
             slot.replaced = old if not slot.durable else None
@@ -211,6 +214,14 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         if old is not None and slot.kind == "tmpfs" and self.tier is not None:
             self.tier.invalidate(slot.index)  # the manifest goes before the data changes
         return slot, waited
+
+    def spare(self) -> bool:
+        """After a save took a slot (default options): add a slot to make in the background
+        when none is left for the next save and one fits (see :meth:`SlotCapacity._spare`);
+        True when a slot waits to be made (the caller then runs :meth:`prepare` off the
+        training thread)."""
+        with self._cond:
+            return self._spare()
 
     def release(self, slot: Slot, *, step: int | None, durable: bool, wanted: bool = False,
                 given_up: bool = False) -> None:
