@@ -15,7 +15,6 @@ local-commit thread); the :class:`~ckptmgr.save.budget.BudgetPlanner` has its ow
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -70,17 +69,14 @@ def submit(p: Parts, step: int, state: Any, metadata: dict[str, Any] | None, *, 
     if budget is None:
         return p.saver.save(manifest, plan, sizes, block=block, t0=t0, commit=join, schedule=p.schedule,
                             durable=durable)
-    made = p.saver.pool.allocations
-    t_call = time.perf_counter()
     ticket = p.saver.save(manifest, plan, sizes, block=block, t0=t0, commit=join, schedule=budget,
                           durable=durable)
     if ticket.skipped:  # (nothing staged: no cost to measure, no write to wait for)
         return ticket
-    allocated = p.saver.pool.allocations != made
-    # a save that made its slot: the call was the allocation (the copies run on), paid once; with
-    # block=True the call also waited for the copies, so it tells nothing apart
-    budget.saved(step, allocated=allocated,
-                 one_time_s=time.perf_counter() - t_call if allocated and not block else None)
+    # the seconds the save spent making its slot, or waiting while one was made in the background,
+    # are a one-time cost, not what a save costs (a wait for a slot still being written out is)
+    setup_s = ticket.staging.setup_s if ticket.staging is not None else 0.0
+    budget.saved(step, allocated=setup_s > 1e-3, one_time_s=setup_s)
     if durable:  # (asked for, past the planner: its durable interval counts from here too)
         budget.durable_asked(step)
     ticket.future.add_done_callback(lambda f: _budget_done(p, step, t0, f))

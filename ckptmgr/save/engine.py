@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -246,9 +247,12 @@ class AsyncWriter:
         try:
             if acquired is not None:
                 acquired(slot)
+            t_fit = time.perf_counter()
             self.pool.fit(slot, sizes)
+            fit_s = time.perf_counter() - t_fit
             plan, segments = fill(slot.segments)
             job = self.stager.stage(plan, segments, slot.piece)
+            job.setup_s = slot.prep_wait_s + fit_s  # (a wait for a busy slot is no set-up)
         except BaseException:
             try:  # (copies in flight must land before the slot is free again)
                 if job is not None:

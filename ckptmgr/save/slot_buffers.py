@@ -48,6 +48,7 @@ class Slot:
     wanted: bool = False  # ``step`` waits for its durable write (only a newer such step supersedes it)
     local_only: bool = False  # the schedule keeps ``step`` in the local tier only: a newer save may take the slot
     since: float = 0.0  # monotonic time the slot was last handed to a save (for messages)
+    prep_wait_s: float = 0.0  # of the last acquire's wait, the part spent while a slot was being made
 
     @property
     def piece(self) -> int:

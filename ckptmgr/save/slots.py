@@ -174,6 +174,7 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
         grown: Slot | None = None
+        prep_wait = 0.0  # of ``waited``: while a slot was being made (a one-time cost, not a busy slot)
         with self._cond:
             self.counts["saves"] += 1
             try:
@@ -196,7 +197,10 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise CkptTimeoutError(f"no staging slot became free within {timeout} s")
+                    t_wait = time.monotonic()
                     self._cond.wait(left)
+                    if preparing:
+                        prep_wait += time.monotonic() - t_wait
             finally:
                 self.hurry.clear()
             waited = time.monotonic() - t0
@@ -207,7 +211,7 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
                 log.warning("reusing staging slot %d: it held step %d, whose durable write failed; that step "
                             "is dropped", slot.index, slot.step)
             self._overlapped = self._overlapped or any(s.busy for s in self.slots if s is not slot)
-            old, slot.busy, slot.since = slot.step, True, t0
+            old, slot.busy, slot.since, slot.prep_wait_s = slot.step, True, t0, prep_wait
             self._last_save = t0
             slot.replaced = old if not slot.durable else None
             slot.step, slot.durable, slot.wanted, slot.local_only = None, False, False, False

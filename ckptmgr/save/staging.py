@@ -114,6 +114,7 @@ class StagingJob:
         self._enqueued = _resolved(_Enqueued()) if enqueued is None else enqueued
         self._keepalive: Any = keepalive
         self.snapshot_bytes = snapshot_bytes  # bytes copied through a device snapshot buffer
+        self.setup_s = 0.0  # seconds the save spent making its slot or waiting while one was made (set once)
         self.finished_at: float | None = time.perf_counter() if enqueued is None else None
         self.safe_at: float | None = self.finished_at
 
