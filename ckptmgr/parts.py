@@ -102,9 +102,11 @@ def open_parts(root: str | Any, *, retention: RetentionPolicy | None, storage_op
     saver: Saver | None = None  # (the deleter tells the saver of a deleted step; made right below)
     deleter = Deleter(target, retention, guard, on_deleted=lambda s: saver.forget(s) if saver is not None else None)
     tier = open_local_tier(staging, target.url)
-    budget = BudgetPlanner(plan, tiered=tier is not None) if plan.budget else None
     saver = Saver(target, tier, staging, chunk_size=write_options.chunk_size, deleter=deleter, guard=guard,
                   durable=durable, retention=coord is None or coord.is_leader)  # rank 0 decides retention
+    # (one process only: ranks whose slots are made at different times must not disagree on a step)
+    budget = BudgetPlanner(plan, tiered=tier is not None,
+                           making=saver.pool.making if coord is None else None) if plan.budget else None
     # restore onto a GPU: up to 12 readers (16 read slower on an H200), each pinning a 16 MiB buffer
     # at its first use
     ring = PinnedRing(min(12, os.cpu_count() or 1), max(write_options.chunk_size, 16 << 20))

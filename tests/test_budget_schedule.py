@@ -268,3 +268,21 @@ def test_a_durable_save_the_caller_asked_for_counts_as_one():
     p.finished(10, durable=True, nbytes=1 << 20, staged_at=0.0, committed_at=2.0)
     t[0] = 3.0
     assert p.durable(12, None)
+
+
+def test_a_due_save_waits_for_its_slot_to_be_made_without_losing_the_step_count():
+    """While the staging slot is still being made, a due save is put off step by step (a wait
+    for memory being pinned is not what a save costs) and happens at the first step after."""
+    t = [0.0]
+    making = [True]
+    p = BudgetPlanner(Schedule(max_overhead=0.1), clock=lambda: t[0], making=lambda: making[0])
+    said = []
+    for step in range(8):
+        t[0] += 1.0
+        if step == 5:
+            making[0] = False  # the slot is made
+        said.append(p.should_save(step))
+        if said[-1]:
+            p.saved(step)
+    assert said == [False] * 5 + [True, False, False]  # due at WARMUP (3), made at 5
+    assert p.measurements().step_s == 1.0

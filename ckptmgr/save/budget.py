@@ -166,6 +166,10 @@ class BudgetPlanner:
         clock: seconds, monotonic (injectable: tests drive it by hand). The times passed to
             :meth:`finished` are on this clock.
         tiered: the manager has a local tier (without one every save is durable).
+        making: True while a save made now would wait for its staging slot to be made
+            (:meth:`~ckptmgr.save.slots.SlotPool.making`): a save that is due is then put off
+            to the first step after (a wait for memory being pinned is not what a save costs,
+            and would break ``max_overhead``). None: never.
 
     Example:
         >>> now = [0.0]
@@ -180,9 +184,10 @@ class BudgetPlanner:
     """
 
     def __init__(self, schedule: Schedule, *, clock: Callable[[], float] = time.perf_counter,
-                 tiered: bool = True) -> None:
+                 tiered: bool = True, making: Callable[[], bool] | None = None) -> None:
         self.schedule = schedule
         self.tiered = tiered
+        self._making = making
         self._clock = clock
         self._lock = threading.Lock()
         self.step_s: float | None = None
@@ -220,6 +225,12 @@ class BudgetPlanner:
 
     def should_save(self, step: int) -> bool:
         """Record that the loop reached ``step`` now; whether to save it."""
+        due = self._due(step)
+        if due and self._making is not None and self._making():
+            return False  # (the slot is being made: the next step saves)
+        return due
+
+    def _due(self, step: int) -> bool:
         now = self._clock()
         with self._lock:
             self._observe(step, now)

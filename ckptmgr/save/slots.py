@@ -219,6 +219,15 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
             self.tier.invalidate(slot.index)  # the manifest goes before the data changes
         return slot, waited
 
+    def making(self) -> bool:
+        """True while a save made now would wait for a slot being made (one is being prepared
+        and no other is free)."""
+        with self._cond:
+            if not any(s.preparing for s in self.slots):
+                return False
+            newest, wanted = self._newest_committed(), self._newest_wanted()
+            return all(self._reusable(s, newest, wanted) is None for s in self.slots)
+
     def spare(self) -> bool:
         """After a save took a slot (default options): add a slot to make in the background
         when none is left for the next save and one fits (see :meth:`SlotCapacity._spare`);
