@@ -18,7 +18,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ckptmgr import ConfigError, Schedule
 from ckptmgr.integrations.transformers import CkptmgrBudgetCallback, CkptmgrTrainer
-from ckptmgr.save.budget import BudgetPlanner
+from ckptmgr.save.budget import WINDOW, BudgetPlanner
 
 STEP_S = 1.0
 COST_S = 0.5
@@ -79,33 +79,33 @@ def planned(schedule, first, last, cost_s):
 def test_saves_happen_at_the_steps_the_overhead_budget_allows(tmp_path):
     _, budget = _train(tmp_path, Clock(), save_steps=3)  # save_steps no longer decides
     # 3 steps measured, a first save (its staging memory made: not charged), a second one to
-    # measure the cost (0.5 s on 1 s steps), then every ceil(0.5 / (0.1 * 1)) = 5 steps; and
-    # the steps strategy's save at the last step
-    assert _steps(tmp_path) == [4, 7, 12, 17, 22, 24]
+    # measure the cost (0.5 s on 1 s steps), then every ceil(0.5 / (0.1 * 1)) = 5 steps but never
+    # closer than WINDOW + 1 = 9; and the steps strategy's save at the last step
+    assert _steps(tmp_path) == [4, 12, 21, 24]
     assert _steps(tmp_path) == planned(Schedule(max_overhead=0.1), 1, 24, COST_S)
     stats = budget.stats()
-    assert stats["interval_steps"] == 5 and stats["step_s"] == pytest.approx(STEP_S)
+    assert stats["interval_steps"] == WINDOW + 1 and stats["step_s"] == pytest.approx(STEP_S)
     assert stats["save_cost_s"] == pytest.approx(COST_S)
 
 
 def test_the_stock_trainer_takes_the_callback_too(tmp_path):
     _train(tmp_path, Clock(), cls=Trainer, max_steps=14, max_overhead=0.05)  # every 10 steps
-    assert _steps(tmp_path) == [4, 7, 14]
+    assert _steps(tmp_path) == [4, 12, 14]
 
 
 def test_a_run_resumed_from_its_checkpoints_continues_and_the_budget_measures_again(tmp_path):
     _train(tmp_path, Clock(cost_s=0.0), max_steps=14)
-    assert _steps(tmp_path) == [4, 7, 11, 14]  # (saves cost nothing: every 4 steps, the least allowed)
+    assert _steps(tmp_path) == [4, 12, 14]  # (saves cost nothing: every WINDOW + 1 steps, the least allowed)
     clock = Clock(cost_s=0.0)
     trainer, _ = _train(tmp_path, clock, resume=True, max_steps=24)
     assert clock.started_at == 14 and trainer.state.global_step == 24
     resumed = [s for s in _steps(tmp_path) if s > 14]
-    assert resumed == planned(Schedule(max_overhead=0.1), 15, 24, 0.0) == [18, 21, 24]
+    assert resumed == planned(Schedule(max_overhead=0.1), 15, 24, 0.0) == [18, 24]
 
 
 def test_retention_applies_to_the_budget_saves(tmp_path):
     _train(tmp_path, Clock(), save_total_limit=2)
-    assert _steps(tmp_path) == [22, 24]
+    assert _steps(tmp_path) == [21, 24]
 
 
 @pytest.mark.parametrize("kwargs", [{"max_overhead": None}, {"max_overhead": 1.0}, {"max_overhead": -0.1},

@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from ckptmgr import ConfigError, Schedule
 from ckptmgr.integrations.lightning import CkptmgrBudgetCheckpoint, CkptmgrCheckpointIO
-from ckptmgr.save.budget import BudgetPlanner
+from ckptmgr.save.budget import WINDOW, BudgetPlanner
 
 STEP_S = 1.0
 COST_S = 0.5
@@ -93,36 +93,37 @@ def test_saves_happen_at_the_steps_the_overhead_budget_allows(tmp_path):
     clock = Clock()
     _, ckpt = fit(tmp_path, 24, clock, max_overhead=0.1)
     # 3 steps measured, a first save (its staging memory made: not charged), a second one to
-    # measure the cost (0.5 s on 1 s steps), then every ceil(0.5 / (0.1 * 1)) = 5 steps
-    assert saved_steps(tmp_path) == [4, 7, 12, 17, 22]
+    # measure the cost (0.5 s on 1 s steps), then every ceil(0.5 / (0.1 * 1)) = 5 steps, but
+    # never closer than WINDOW + 1 = 9 (a step clear of every save's window)
+    assert saved_steps(tmp_path) == [4, 12, 21]
     assert saved_steps(tmp_path) == planned(Schedule(max_overhead=0.1), 1, 24, COST_S)
     stats = ckpt.stats()
-    assert stats["interval_steps"] == 5 and stats["step_s"] == pytest.approx(STEP_S)
+    assert stats["interval_steps"] == WINDOW + 1 and stats["step_s"] == pytest.approx(STEP_S)
     assert stats["save_cost_s"] == pytest.approx(COST_S)
 
 
 def test_a_tighter_budget_saves_less_often(tmp_path):
     fit(tmp_path, 40, Clock(), max_overhead=0.05)  # every ceil(0.5 / 0.05) = 10 steps
-    assert saved_steps(tmp_path) == [4, 7, 17, 27, 37]
+    assert saved_steps(tmp_path) == [4, 12, 22, 32]
 
 
 def test_with_gradient_accumulation_the_step_measured_is_the_optimizer_step(tmp_path):
     _, ckpt = fit(tmp_path, 16, Clock(), max_overhead=0.1, accumulate_grad_batches=2)
     # two batches of 1 s per step: saves every max(4, ceil(0.5 / (0.1 * 2))) = 4 steps
-    assert saved_steps(tmp_path) == planned(Schedule(max_overhead=0.1), 1, 16, COST_S, step_s=2.0) == [4, 7, 11, 15]
+    assert saved_steps(tmp_path) == planned(Schedule(max_overhead=0.1), 1, 16, COST_S, step_s=2.0) == [4, 12]
     assert ckpt.stats()["step_s"] == pytest.approx(2.0)
 
 
 def test_a_fit_resumed_from_last_continues_and_the_budget_measures_again(tmp_path):
     fit(tmp_path, 14, Clock(cost_s=0.0), max_overhead=0.1, save_last=True)
-    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 11
-    assert saved_steps(tmp_path) == [4, 7, 11]  # (saves cost nothing: every 4 steps, the least the planner allows)
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 12
+    assert saved_steps(tmp_path) == [4, 12]  # (saves cost nothing: every WINDOW + 1 steps, the least allowed)
     clock = Clock(cost_s=0.0)
     trainer, _ = fit(tmp_path, 24, clock, ckpt_path="last", max_overhead=0.1, save_last=True)
-    assert clock.started_at == 11 and trainer.global_step == 24
-    resumed = [s for s in saved_steps(tmp_path) if s > 11]
-    assert resumed == planned(Schedule(max_overhead=0.1), 12, 24, 0.0) == [15, 18, 22]
-    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 22
+    assert clock.started_at == 12 and trainer.global_step == 24
+    resumed = [s for s in saved_steps(tmp_path) if s > 12]
+    assert resumed == planned(Schedule(max_overhead=0.1), 13, 24, 0.0) == [16, 24]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 24
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -175,7 +176,7 @@ def test_the_pytorch_lightning_namespace_has_its_own_callback(tmp_path):
     trainer = ptl.Trainer(max_steps=13, plugins=[PtlIO()], callbacks=[clock, ckpt], logger=False,
                           enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
     trainer.fit(PtlNet(), data())
-    assert saved_steps(tmp_path) == [4, 7, 12]
+    assert saved_steps(tmp_path) == [4, 12]
 
 
 class RankClock(Clock):
@@ -197,4 +198,4 @@ def test_ranks_save_the_steps_rank_0_picks(tmp_path):
                          enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                          strategy=DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60)), devices=2)
     trainer.fit(Net(), data())  # (ranks that disagreed would wait for each other in the save: timed out)
-    assert saved_steps(tmp_path) == [4, 7, 12]
+    assert saved_steps(tmp_path) == [4, 12]

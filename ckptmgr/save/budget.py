@@ -49,7 +49,7 @@ __all__ = ["WARMUP", "WINDOW", "BudgetPlanner", "DurablePolicy", "Intervals", "M
 
 log = logging.getLogger("ckptmgr")
 
-WINDOW = 3  # step intervals after a save whose extra time is charged to it
+WINDOW = 8  # step intervals after a save whose extra time is charged to it (see _observe)
 WARMUP = 3  # step intervals measured before the first save of a budget schedule
 ALPHA = 0.3  # weight of a new sample in the step-time and save-cost averages
 ALPHA_DURABLE = 0.5  # ... in the durable write time (a bandwidth that drops shows within two writes)
@@ -207,7 +207,8 @@ class BudgetPlanner:
         self._last_commit_t: float | None = None  # when the last durable write ended
         self._commits: list[float] = []  # times of the durable commits (first and last kept)
         self._commit_count = 0
-        self._cost_total = 0.0
+        self._cost_total = 0.0  # what saves cost the loop so far, one-time parts included
+        self._cost_recurring = 0.0  # ... less the one-time parts (what max_overhead is held to)
         self._start_t: float | None = None
         self._told: set[str] = set()
 
@@ -248,7 +249,7 @@ class BudgetPlanner:
                 window_open = self._window is not None
             if probing:  # what a save costs is not known yet: one save per window, to measure it
                 return not window_open
-            return it.local_steps is not None and since >= it.local_steps
+            return it.local_steps is not None and since >= it.local_steps and self._affordable(now)
         if it.local_steps is not None and since >= it.local_steps:
             return True
         return it.durable_s is not None and self._durable_due(now, it)  # (None: no durable budget to keep)
@@ -270,6 +271,18 @@ class BudgetPlanner:
         with self._lock:
             self._in_flight.add(step)
             self._last_durable_t = self._clock()
+
+    def _affordable(self, now: float) -> bool:
+        """``max_overhead`` as a budget over the run so far: the saves' costs (one-time parts
+        aside), the next one's included, are within the share of the time since the first
+        step. In steady state the interval alone keeps it; it binds after saves that cost more
+        than the estimate, and after the first save (which no earlier time paid for)."""
+        assert self.schedule.max_overhead is not None
+        with self._lock:
+            start, spent, next_cost = self._start_t, self._cost_recurring, self.save_cost_s or 0.0
+            if self._window is not None:
+                spent += max(0.0, self._window[1])
+        return start is None or spent + next_cost <= self.schedule.max_overhead * (now - start) + 1e-9
 
     def _durable_due(self, now: float, it: Intervals) -> bool:
         if it.durable_s is None:
@@ -295,7 +308,10 @@ class BudgetPlanner:
         w = self._window
         if w is not None:
             if self.step_s is not None:
-                w[1] += max(0.0, dt - self.step_s) * steps
+                # Shorter steps count too: a loop that queues GPU work ahead of the GPU waits for
+                # it at the save (wait_staged), then runs ahead again for a few steps; the save
+                # costs only what the window loses in all (the total is never below zero).
+                w[1] += (dt - self.step_s) * steps
             w[0] -= steps
             if w[0] <= 0:
                 self._close_window()
@@ -311,9 +327,10 @@ class BudgetPlanner:
         w, self._window = self._window, None
         if w is None:
             return
-        self._cost_total += w[1] + w[3]
+        cost = max(0.0, w[1])
+        self._cost_total += cost + w[3]
         if w[2]:
-            cost = max(0.0, w[1])
+            self._cost_recurring += cost
             self.save_cost_s = cost if self.save_cost_s is None else (1 - ALPHA) * self.save_cost_s + ALPHA * cost
 
     def saved(self, step: int, *, allocated: bool = False, one_time_s: float | None = None) -> None:
