@@ -129,10 +129,10 @@ def test_a_restore_waits_for_the_adoption_and_gets_verified_bytes(root, ram_dir,
     with _open(root, ram_dir) as mgr:
         assert gate.entered.wait(60)
         waiting = threading.Event()
-        with mgr._tier._mu:  # (told when the restore starts waiting for the adoption)
-            ended = mgr._tier._adopting[0]
-            real_wait = ended.wait
-            ended.wait = lambda timeout=None: waiting.set() or real_wait(timeout)
+        with mgr._tier._mu:  # (told when the restore starts waiting for the adoption's pinning)
+            pinning = mgr._tier._adopting[0]
+            real_wait = pinning.wait
+            pinning.wait = lambda *a: waiting.set() or real_wait(*a)
         target = _target()
         got: list[object] = []
         restore = threading.Thread(target=lambda: got.append(mgr.restore(3, target=target, loader="inplace")))

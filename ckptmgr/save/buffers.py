@@ -49,8 +49,9 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -71,6 +72,12 @@ POPULATE_THREADS = 4  # populate_all(): threads faulting pages in at once
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _PAGE = mmap.PAGESIZE
 _libc: Any = None
+
+
+class Flag(Protocol):
+    """What :meth:`HostBuffer.pin` asks of its ``hurry`` flag (a :class:`threading.Event`, or several)."""
+
+    def is_set(self) -> bool: ...
 
 
 def piece_bytes(chunk_size: int) -> int:
@@ -106,12 +113,15 @@ class HostBuffer:
         _populate(self.tensor.data_ptr(), self.nbytes, self.tensor)
         self.populated = True
 
-    def pin(self, chunk_size: int, *, hurry: threading.Event | None = None,
-            stop: threading.Event | None = None) -> bool:
+    def pin(self, chunk_size: int, *, hurry: Flag | None = None, stop: threading.Event | None = None,
+            on_piece: Callable[[int], None] | None = None, on_undo: Callable[[], None] | None = None) -> bool:
         """Pin the buffer with CUDA (nothing without CUDA), as :data:`PIN_MODE` says.
 
         ``hurry`` set: skip the pauses (the training thread itself waits for this buffer).
         ``stop`` set: give up between two pieces (returns False; :meth:`unpin` undoes it).
+        ``on_piece(n)``: told after each registration that the first ``n`` bytes are pinned
+        (so that they can be copied from before the rest is); ``on_undo()``: told before the
+        pieces of a failed pin are undone (it returns once nothing copies from them).
 
         Raises:
             RuntimeError: a registration failed (the pieces registered before are undone).
@@ -119,21 +129,25 @@ class HostBuffer:
         if not _cuda.available() or self.registered:
             return True
         try:
-            return self._pin(chunk_size, hurry, stop)
+            return self._pin(chunk_size, hurry, stop, on_piece)
         except BaseException:
-            self.unpin()  # all or nothing: a copy may not span registered and unregistered pages
+            try:
+                if on_undo is not None and self.registered:
+                    on_undo()
+            finally:
+                self.unpin()  # all or nothing: a copy may not span registered and unregistered pages
             raise
 
-    def _pin(self, chunk_size: int, hurry: threading.Event | None, stop: threading.Event | None) -> bool:
+    def _pin(self, chunk_size: int, hurry: Flag | None, stop: threading.Event | None,
+             on_piece: Callable[[int], None] | None) -> bool:
         mode = PIN_MODE
-        if mode == "whole":
+        if mode != "whole":
+            self.populate()
+        if mode in ("whole", "populate"):
             self.piece = self.nbytes
             self._register(0, self.nbytes)
-            return True
-        self.populate()
-        if mode == "populate":
-            self.piece = self.nbytes
-            self._register(0, self.nbytes)
+            if on_piece is not None:
+                on_piece(self.nbytes)
             return True
         self.piece = piece_bytes(chunk_size)
         for begin in range(0, self.nbytes, self.piece):
@@ -141,7 +155,10 @@ class HostBuffer:
                 return False
             if begin and PIN_PAUSE_S > 0 and not (hurry is not None and hurry.is_set()):
                 time.sleep(PIN_PAUSE_S)  # let the training thread's queued CUDA calls through
-            self._register(begin, min(self.piece, self.nbytes - begin))
+            end = min(begin + self.piece, self.nbytes)
+            self._register(begin, end - begin)
+            if on_piece is not None:
+                on_piece(end)
         return True
 
     def _register(self, begin: int, n: int) -> None:
