@@ -205,6 +205,9 @@ class Restorer:
                     try:
                         return self._read_step(self.tier, step, target, device, loader, images, rank_map)
                     except PinningLost as exc:  # (an adoption that fails, stops or stalls: its copies ended)
+                        if self.tier.closed:  # (stopped by the manager's close(): no file is read any more)
+                            raise ConfigError(f"{self.tier.url}: closed while step {step} was restored from it; "
+                                              "the restore did not finish") from exc
                         log.warning("%s: %s; step %d is read from its files", self.tier.url, exc, step)
                     return self._read_step(self.tier, step, target, device, loader, None, rank_map)
             except (CheckpointCorruptError, StepNotFoundError) as exc:

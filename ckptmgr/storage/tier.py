@@ -142,6 +142,7 @@ class LocalTier(TierScan):
         self._slot_fds: dict[int, int] = {}  # slot index -> directory fd          (_mu)
         self._root_id: str | None = None  # the root the slots belong to            (_mu)
         self._adopting: dict[int, Pinning] = {}  # slot index -> its adoption's progress, until it ends  (_mu)
+        self._closed = False  # close() began                                          (_mu)
         self.on_read_done: Callable[[], None] | None = None  # told when a read lease ends (no lock held)
         self.io_pool: Executor = DaemonPool(4, thread_name_prefix="ckptmgr-local")  # checksums and reads
 
@@ -298,6 +299,12 @@ class LocalTier(TierScan):
             if self.on_read_done is not None:  # a save may be waiting for this slot
                 self.on_read_done()
 
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` began: the tier's files are not read any more."""
+        with self._mu:
+            return self._closed
+
     def remove_slot(self, index: int) -> None:
         """Delete the slot's files, its manifest first, then its directory."""
         self.invalidate(index)
@@ -316,6 +323,8 @@ class LocalTier(TierScan):
         """Give up ownership; with ``remove``, delete the tier directory if no slot is left.
         ``wait=False`` (a write is still hung on a slot): only stop the threads; the files,
         descriptors and lock stay as they are until the process ends."""
+        with self._mu:
+            self._closed = True
         self.io_pool.shutdown(wait=wait, cancel_futures=True)
         with self._mu:
             adopting, self._adopting = list(self._adopting.values()), {}
