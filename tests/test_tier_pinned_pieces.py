@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import hold_durable_write
 from test_restore_atomic import _damage_last_chunk, _state, _target, _untouched
+from test_tier_fast_open import _adoption_ended
 
 import ckptmgr._cuda as cuda_shim
 import ckptmgr.restore.restorer as restorer_mod
@@ -153,14 +154,15 @@ def test_a_restore_copies_the_pieces_pinned_so_far_while_the_adoption_is_held(ro
         for k in ("a", "b", "c"):
             assert torch.equal(target[k], _state(3)[k]), k
         assert gate.checks == ["at adoption"]  # verified once, by the checks the adoption started
-        assert gate.adoption_pieces == 8 and mgr._saver.pool.adopting() == []
+        _adoption_ended(mgr)
+        assert mgr._saver.pool.adopting() == [] and gate.adoption_pieces == 8
         mgr.wait(timeout=60)
 
 
 def test_a_restore_of_a_slot_whose_adoption_ended_copies_it_whole(root, ram_dir, gate):
     _leave_step_3_in_the_tier(root, ram_dir)
     with _open(root, ram_dir) as mgr:
-        mgr._saver.pool.stop_adoptions(60)  # (the adoption thread, not stopped: it has ended)
+        _adoption_ended(mgr)
         assert mgr._saver.pool.adopting() == [] and len(gate.registered) == 8
         target = _target()
         mgr.restore(3, target=target, loader="inplace")
@@ -247,3 +249,75 @@ def test_close_while_a_restore_copies_unpins_only_after_its_copies(root, ram_dir
         assert gate.adoption_pieces == HELD + 1 and not gate.registered
     finally:
         mgr.close()
+
+
+def test_the_adoption_registers_each_piece_once_its_pages_are_in(root, ram_dir, gate, monkeypatch):
+    """The populate threads run ahead of the registrations (not all of the slot first), and a
+    piece is registered only once its own pages are in: here the pages past the first piece
+    are faulted in only after the first piece is registered."""
+    _leave_step_3_in_the_tier(root, ram_dir)
+    populated: list[tuple[int, int]] = []  # [begin, end) of the address ranges faulted in
+    mu = threading.Lock()
+    first_registered = threading.Event()
+    real_populate = buffers_mod._populate
+
+    def populate(ptr, n, tensor):
+        if tensor.storage_offset() >= PIECE:  # (the span's offset in its image)
+            assert first_registered.wait(60)
+        real_populate(ptr, n, tensor)
+        with mu:
+            populated.append((ptr, ptr + n))
+
+    def covered(ptr, n):
+        with mu:
+            spans = sorted(populated)
+        at = ptr
+        for b, e in spans:
+            if b <= at < e:
+                at = e
+        return at >= ptr + n
+
+    real_register = cuda_shim.host_register
+    unpopulated: list[int] = []
+
+    def register(ptr, n, read_only=False):
+        if threading.current_thread().name.startswith("ckptmgr-adopt"):
+            if not covered(ptr, n):
+                unpopulated.append(ptr)
+            first_registered.set()
+        real_register(ptr, n, read_only)
+
+    monkeypatch.setattr(buffers_mod, "_populate", populate)
+    monkeypatch.setattr(cuda_shim, "host_register", register)
+    monkeypatch.setattr(buffers_mod, "POPULATE_PIECE_BYTES", 512)  # populated a page at a time
+    monkeypatch.setattr(buffers_mod, "PIN_PAUSE_S", 0)  # (no pause that would let the populate catch up)
+    with _open(root, ram_dir) as mgr:
+        _adoption_ended(mgr)
+        assert torch.equal(mgr.restore(3, device="cpu", loader="inplace")["a"], _state(3)["a"])
+    assert len(gate.registered) == 0 and first_registered.is_set() and not unpopulated
+
+
+def test_the_adoption_pauses_between_pieces_unless_a_restore_waits(root, ram_dir, gate, monkeypatch):
+    _leave_step_3_in_the_tier(root, ram_dir)
+    pauses: list[bool] = []  # per pause of the adoption thread: was a restore waiting then
+    real_sleep = buffers_mod.time.sleep
+
+    class _Time:
+        @staticmethod
+        def sleep(s):
+            pauses.append(gate.blocked.is_set())
+            real_sleep(s)
+
+    monkeypatch.setattr(buffers_mod, "time", _Time)
+    gate.armed = True
+    with _open(root, ram_dir) as mgr:
+        assert gate.entered.wait(60)
+        assert pauses == [False, False]  # before pieces 1 and 2, with nobody waiting
+        target = _target()
+        restore, out = _restore_in_thread(mgr, target)
+        assert gate.blocked.wait(60)
+        gate.go.set()
+        restore.join(60)
+        assert not restore.is_alive() and out and out[0]["n"] == 3
+        _adoption_ended(mgr)
+    assert gate.adoption_pieces == 8 and pauses == [False, False]  # none once the restore waited

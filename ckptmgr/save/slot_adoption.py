@@ -12,8 +12,10 @@ the slot is ready at once):
 1. the checks of the images start (``on_mapped``: the restorer's, on its ring's threads;
    started from :meth:`~SlotAdoption.adopt` itself, so that a restore that comes at once
    finds them);
-2. the pages are faulted in, on several threads (:func:`~ckptmgr.save.buffers.populate_all`);
-3. the images are pinned in pieces of whole checksum chunks, each piece reported to the
+2. the pages are faulted in, on several threads, in file order
+   (:class:`~ckptmgr.save.buffers.PopulateAhead`);
+3. meanwhile the images are pinned in pieces of whole checksum chunks, each once its pages
+   are in, each piece reported to the
    tier's :class:`~ckptmgr.storage.tier_pinning.Pinning` of the slot, then attached to the
    tier. Between two pieces the thread pauses (as :meth:`~ckptmgr.save.slots.SlotPool.prepare`
    does, so that a training loop already running is not held), unless a restore or a save
@@ -53,7 +55,7 @@ from .._threads import DaemonPool
 from ..format.layout import file_name
 from ..storage.tier import LocalTier
 from ..storage.tier_pinning import Pinning
-from .buffers import Flag, HostBuffer, file_buffer, populate_all
+from .buffers import Flag, HostBuffer, PopulateAhead, file_buffer
 from .slot_buffers import Slot
 
 __all__ = ["ADOPTION_STOP_WAIT_S", "SlotAdoption"]
@@ -80,7 +82,7 @@ class SlotAdoption:
 
     # the pool's and its buffers' own, declared here for the adoption
     _note_durable: Callable[[int | None], None]  # (SlotPool's)
-    _pin: Callable[[Slot, bool | Flag, int | None, Pinning | None], None]  # (SlotBuffers')
+    _pin: Callable[[Slot, bool | Flag, int | None, Pinning | None, PopulateAhead | None], None]  # (SlotBuffers')
 
     def adopt(self, index: int, step: int, sizes: list[int], chunk_size: int, *, durable: bool,
               on_mapped: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Slot:
@@ -139,11 +141,12 @@ class SlotAdoption:
         return slot
 
     def _settle(self, slot: Slot, chunk_size: int, pinning: Pinning) -> None:
-        """(adoption thread) Populate and pin ``slot``'s images, reporting each piece to ``pinning``."""
+        """(adoption thread) Populate and pin ``slot``'s images, each piece once its pages are
+        in (the populate threads run ahead), reporting each piece to ``pinning``."""
         try:
-            populate_all(slot.buffers, stop=self.stop)
-            if not self.stop.is_set():
-                self._pin(slot, _Either(pinning.hurry, self.hurry), chunk_size, pinning)
+            with PopulateAhead(slot.buffers, stop=self.stop) as ahead:
+                if not self.stop.is_set():
+                    self._pin(slot, _Either(pinning.hurry, self.hurry), chunk_size, pinning, ahead)
         except Exception as exc:  # its restores read through the files instead, and verify them
             log.warning("the adopted staging slot %d could not be pinned in place (%s: %s); restores of step %s "
                         "read its files instead", slot.index, type(exc).__name__, exc, slot.step)

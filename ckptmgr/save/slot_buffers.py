@@ -24,7 +24,7 @@ from .._threads import DaemonPool
 from ..format.layout import file_name
 from ..storage.tier import LocalTier
 from ..storage.tier_pinning import Pinning
-from .buffers import Flag, HostBuffer, anonymous_buffer, file_buffer
+from .buffers import Flag, HostBuffer, PopulateAhead, anonymous_buffer, file_buffer
 
 __all__ = ["Slot", "SlotBuffers"]
 
@@ -158,18 +158,19 @@ class SlotBuffers:
         return buf
 
     def _pin(self, slot: Slot, hurry: bool | Flag, chunk_size: int | None = None,
-             progress: Pinning | None = None) -> None:
+             progress: Pinning | None = None, ahead: PopulateAhead | None = None) -> None:
         """Pin each buffer in pieces (one at a time: the driver serializes them anyway), of
         whole ``chunk_size`` chunks (default: the pool's). ``hurry``: True (no pauses), False
         (pauses unless a save waits), or a flag that says when to stop pausing. ``progress``
-        (an adopted slot's): told each piece pinned, and revoked before anything is undone."""
+        (an adopted slot's): told each piece pinned, and revoked before anything is undone.
+        ``ahead``: the buffers' pages being faulted in, each piece registered once its are."""
         flag = _NOW if hurry is True else self.hurry if hurry is False else hurry
         for i, b in enumerate(slot.buffers):
             if b.registered:
                 continue
             on_piece, on_undo = _reports(progress, file_name(i))
             done = b.pin(chunk_size or self.chunk_size, hurry=flag, stop=self.stop, on_piece=on_piece,
-                         on_undo=on_undo)
+                         on_undo=on_undo, ahead=ahead)
             if not done:
                 if progress is not None:
                     progress.revoke()  # (returns once no restore copies from any piece of the slot)
