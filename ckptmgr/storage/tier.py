@@ -292,6 +292,7 @@ class LocalTier(TierScan):
             out = TierImages(images) if images is not None else None
             if out is not None and pinning is not None:
                 out.pinning, out.deadline, out.budget = pinning, time.monotonic() + budget, budget
+                pinning.hurry.set()  # a restore waits for the slot: the adoption pins without pauses
             yield out
         finally:
             with self._mu:
