@@ -32,7 +32,10 @@ the images.
 
 Ownership: while a slot is ``preparing`` for its adoption, the pinning state of its buffers
 (registrations, populated) belongs to the adoption thread; their bytes, a committed step, are
-only read, by anyone (the durable write of an adopted step may read them meanwhile). The
+only read, by anyone (the durable write of an adopted step may read them meanwhile). How far
+they are pinned is published to restores through the tier's
+:class:`~ckptmgr.storage.tier_pinning.Pinning` of the slot (written by the adoption thread only,
+guarded by the pinning's own lock; see :mod:`ckptmgr.storage.tier_pinning`). The
 futures of the adoptions and the set of those given up by :meth:`close` are guarded by the
 pool's ``_cond``. :meth:`~SlotAdoption.stop_adoptions` (at close) stops the thread between two
 pieces and waits for it up to its timeout; an adoption still running after that (a

@@ -8,10 +8,11 @@ chunk as soon as the piece that holds it is pinned (:meth:`Pinning.wait`), while
 registers the next piece. A restore that waits asks the adoption to hurry (``hurry``: no
 pauses between pieces).
 
-Ownership: the adoption thread is the only writer of the progress (:meth:`Pinning.pinned`,
-:meth:`Pinning.revoke`, :meth:`Pinning.end`); restores read it. Every field but ``images``
-and ``hurry`` is guarded by the pinning's own condition ``_cond`` (never held across I/O or a
-CUDA call, and never while another lock is taken). Before the adoption undoes a
+Ownership: the adoption thread writes the progress (:meth:`Pinning.pinned`,
+:meth:`Pinning.revoke`, :meth:`Pinning.end`; :meth:`Pinning.end` also the tier's close, and
+whoever cancels an adoption not begun); restores read it. Every field but ``index``,
+``images`` and ``hurry`` (set once, or an event) is guarded by the pinning's own condition
+``_cond`` (never held across I/O or a CUDA call, and never while another lock is taken). Before the adoption undoes a
 registration (a failed one, or a stop at close) it revokes the progress and waits, bounded,
 until no restore holds a copy lease (:meth:`Pinning.copying`): a copy in flight never reads
 pages being unpinned. A restore that finds the progress revoked, or the adoption ended
