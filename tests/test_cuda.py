@@ -249,6 +249,65 @@ def test_slots_pinned_in_pieces_take_copies_split_at_the_boundaries(root, monkey
             assert slot.piece == 1 << 20 and all(len(b.registered) > 1 for b in slot.buffers if b.nbytes > 1 << 20)
 
 
+def test_a_restore_during_the_adoption_copies_the_pinned_pieces_to_the_gpu_as_they_come(root, ram_dir, monkeypatch):
+    """A restore that reaches an adopted slot while its adoption is held after two of its
+    pieces (real registrations) copies those to the GPU target, then the rest once the
+    adoption goes on: bit-exact, in place."""
+    import threading
+
+    import ckptmgr._cuda as cuda_shim
+    import ckptmgr.save.buffers as buffers_mod
+    import ckptmgr.storage.tier_pinning as pinning_mod
+    from ckptmgr import Schedule, WriteOptions
+
+    monkeypatch.setattr(buffers_mod, "PIN_PIECE_BYTES", 2 << 20)  # two 1 MiB chunks a piece
+    opts = {"staging": StagingOptions(slots=1, local_dir=ram_dir), "write_options": WriteOptions(chunk_size=1 << 20),
+            "schedule": Schedule(durable_every=2)}
+    g = torch.Generator(device="cuda").manual_seed(5)
+    state = {f"p{i}": torch.randn(1 << 20, device="cuda", generator=g) for i in range(8)}  # 32 MiB: 16+ pieces
+    mgr = CheckpointManager(root, **opts)
+    mgr.save(1, state).result()
+    mgr.close(flush=False)  # step 1 stays in the tier only
+    real_register, count, held, go = cuda_shim.host_register, [0], threading.Event(), threading.Event()
+
+    def register(ptr, n, read_only=False):
+        if threading.current_thread().name.startswith("ckptmgr-adopt"):
+            count[0] += 1
+            if count[0] == 3:  # before the third piece
+                held.set()
+                assert go.wait(60)
+        real_register(ptr, n, read_only)
+
+    blocked, real_wait = threading.Event(), pinning_mod.Pinning.wait
+
+    def wait(self, name, end, deadline, budget):
+        with self._cond:
+            if self._upto.get(name, 0) < end:
+                blocked.set()  # pieces 0 and 1 are queued for the GPU, piece 2 is not pinned
+        return real_wait(self, name, end, deadline, budget)
+
+    monkeypatch.setattr(cuda_shim, "host_register", register)
+    monkeypatch.setattr(pinning_mod.Pinning, "wait", wait)
+    try:
+        with CheckpointManager(root, **opts) as mgr:
+            assert held.wait(60)
+            target = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+            torch.cuda.synchronize()
+            out: list[object] = []
+            t = threading.Thread(target=lambda: out.append(mgr.restore(1, target=target)))
+            t.start()
+            assert blocked.wait(60)
+            go.set()
+            t.join(60)
+            assert not t.is_alive() and out and count[0] > 3
+            torch.cuda.synchronize()
+            for k, v in state.items():
+                assert torch.equal(target[k], v), k
+            mgr.wait(timeout=60)
+    finally:
+        go.set()
+
+
 def test_an_adopted_tier_slot_lands_in_the_gpu_target_in_place_and_a_damaged_one_never(root, ram_dir, monkeypatch):
     """A restarted job adopts the slot its predecessor left in the tier; the slot was verified
     at start-up, so the restore copies straight into the target (no spare device memory);

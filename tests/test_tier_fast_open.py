@@ -101,6 +101,14 @@ def _leave_step_3_in_the_tier(root: str, local: str) -> None:
         mgr.close(flush=False)
 
 
+def _adoption_ended(mgr: CheckpointManager) -> None:
+    """Wait (bounded) for the adoption of slot 0 to end, if it has not."""
+    with mgr._saver.pool._cond:
+        adoption = mgr._saver.pool._adopting.get(0)
+    if adoption is not None:
+        adoption.result(timeout=60)
+
+
 def _mapped(path: str) -> list[str]:
     with open("/proc/self/maps") as f:
         return [line for line in f if path in line]
@@ -117,6 +125,7 @@ def test_the_manager_opens_and_answers_while_the_adoption_is_held(root, ram_dir,
         gate.go.set()
         out = mgr.restore(3, device="cpu", loader="inplace")
         assert torch.equal(out["a"], _state(3)["a"]) and torch.equal(out["c"], _state(3)["c"])
+        _adoption_ended(mgr)  # (the restore copied each piece once pinned: the adoption may still be settling)
         assert mgr._saver.pool.adopting() == [] and gate.registered  # pinned by the adoption
     finally:
         gate.go.set()
@@ -129,10 +138,10 @@ def test_a_restore_waits_for_the_adoption_and_gets_verified_bytes(root, ram_dir,
     with _open(root, ram_dir) as mgr:
         assert gate.entered.wait(60)
         waiting = threading.Event()
-        with mgr._tier._mu:  # (told when the restore starts waiting for the adoption)
-            ended = mgr._tier._adopting[0]
-            real_wait = ended.wait
-            ended.wait = lambda timeout=None: waiting.set() or real_wait(timeout)
+        with mgr._tier._mu:  # (told when the restore starts waiting for the adoption's pinning)
+            pinning = mgr._tier._adopting[0]
+            real_wait = pinning.wait
+            pinning.wait = lambda *a: waiting.set() or real_wait(*a)
         target = _target()
         got: list[object] = []
         restore = threading.Thread(target=lambda: got.append(mgr.restore(3, target=target, loader="inplace")))

@@ -38,6 +38,7 @@ from ..retention.deleter import StepGuard
 from ..storage import Target
 from ..storage import cufile as _gds
 from ..storage.tier import LocalTier
+from ..storage.tier_pinning import PinningLost
 from .loaders import PinnedRing, read_tensors, read_tensors_inplace, read_tensors_pinned, read_tensors_ring
 from .loaders.gds import read_tensors_gds
 from .loaders.landing import lands_in_target
@@ -201,7 +202,14 @@ class Restorer:
         if self.tier is not None and step in self.tier.steps():
             try:
                 with self.tier.reading(step) as images:  # the slot is not reused meanwhile
-                    return self._read_step(self.tier, step, target, device, loader, images, rank_map)
+                    try:
+                        return self._read_step(self.tier, step, target, device, loader, images, rank_map)
+                    except PinningLost as exc:  # (an adoption that fails, stops or stalls: its copies ended)
+                        if self.tier.closed:  # (stopped by the manager's close(): no file is read any more)
+                            raise ConfigError(f"{self.tier.url}: closed while step {step} was restored from it; "
+                                              "the restore did not finish") from exc
+                        log.warning("%s: %s; step %d is read from its files", self.tier.url, exc, step)
+                    return self._read_step(self.tier, step, target, device, loader, None, rank_map)
             except (CheckpointCorruptError, StepNotFoundError) as exc:
                 if step not in self.target.list_steps():
                     raise

@@ -49,8 +49,10 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -58,7 +60,7 @@ from .. import _cuda
 from .._threads import DaemonPool
 
 __all__ = ["PIN_MODE", "PIN_PAUSE_S", "PIN_PIECE_BYTES", "POPULATE_PIECE_BYTES", "POPULATE_THREADS", "HostBuffer",
-           "anonymous_buffer", "file_buffer", "piece_bytes", "populate_all"]
+           "PopulateAhead", "anonymous_buffer", "file_buffer", "piece_bytes"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -66,11 +68,18 @@ PIN_MODE = "pieces"  # "pieces" | "populate" | "whole": see the module docstring
 PIN_PIECE_BYTES = 64 << 20  # target size of one cudaHostRegister call (rounded to whole chunks)
 PIN_PAUSE_S = 0.002  # between two pieces: the training thread's CUDA calls get through here
 POPULATE_PIECE_BYTES = 16 << 20  # one madvise(MADV_POPULATE_WRITE) call: see the module docstring
-POPULATE_THREADS = 4  # populate_all(): threads faulting pages in at once
+POPULATE_THREADS = 4  # PopulateAhead: threads faulting pages in at once
+POPULATE_WAIT_S = 600.0  # at most this long, a piece's registration waits for its pages to be faulted in
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _PAGE = mmap.PAGESIZE
 _libc: Any = None
+
+
+class Flag(Protocol):
+    """What :meth:`HostBuffer.pin` asks of its ``hurry`` flag (a :class:`threading.Event`, or several)."""
+
+    def is_set(self) -> bool: ...
 
 
 def piece_bytes(chunk_size: int) -> int:
@@ -106,12 +115,18 @@ class HostBuffer:
         _populate(self.tensor.data_ptr(), self.nbytes, self.tensor)
         self.populated = True
 
-    def pin(self, chunk_size: int, *, hurry: threading.Event | None = None,
-            stop: threading.Event | None = None) -> bool:
+    def pin(self, chunk_size: int, *, hurry: Flag | None = None, stop: threading.Event | None = None,
+            on_piece: Callable[[int], None] | None = None, on_undo: Callable[[], None] | None = None,
+            ahead: PopulateAhead | None = None) -> bool:
         """Pin the buffer with CUDA (nothing without CUDA), as :data:`PIN_MODE` says.
 
         ``hurry`` set: skip the pauses (the training thread itself waits for this buffer).
         ``stop`` set: give up between two pieces (returns False; :meth:`unpin` undoes it).
+        ``on_piece(n)``: told after each registration that the first ``n`` bytes are pinned
+        (so that they can be copied from before the rest is); ``on_undo()``: told before the
+        pieces of a failed pin are undone (it returns once nothing copies from them).
+        ``ahead``: the buffer's pages are being faulted in there; each piece waits for its own
+        (instead of the whole buffer populated first, on this thread).
 
         Raises:
             RuntimeError: a registration failed (the pieces registered before are undone).
@@ -119,21 +134,27 @@ class HostBuffer:
         if not _cuda.available() or self.registered:
             return True
         try:
-            return self._pin(chunk_size, hurry, stop)
+            return self._pin(chunk_size, hurry, stop, on_piece, ahead)
         except BaseException:
-            self.unpin()  # all or nothing: a copy may not span registered and unregistered pages
+            try:
+                if on_undo is not None and self.registered:
+                    on_undo()
+            finally:
+                self.unpin()  # all or nothing: a copy may not span registered and unregistered pages
             raise
 
-    def _pin(self, chunk_size: int, hurry: threading.Event | None, stop: threading.Event | None) -> bool:
+    def _pin(self, chunk_size: int, hurry: Flag | None, stop: threading.Event | None,
+             on_piece: Callable[[int], None] | None, ahead: PopulateAhead | None) -> bool:
         mode = PIN_MODE
-        if mode == "whole":
+        if mode != "whole" and ahead is None:
+            self.populate()
+        if mode in ("whole", "populate"):
+            if ahead is not None:
+                ahead.wait(self, self.nbytes)
             self.piece = self.nbytes
             self._register(0, self.nbytes)
-            return True
-        self.populate()
-        if mode == "populate":
-            self.piece = self.nbytes
-            self._register(0, self.nbytes)
+            if on_piece is not None:
+                on_piece(self.nbytes)
             return True
         self.piece = piece_bytes(chunk_size)
         for begin in range(0, self.nbytes, self.piece):
@@ -141,7 +162,12 @@ class HostBuffer:
                 return False
             if begin and PIN_PAUSE_S > 0 and not (hurry is not None and hurry.is_set()):
                 time.sleep(PIN_PAUSE_S)  # let the training thread's queued CUDA calls through
-            self._register(begin, min(self.piece, self.nbytes - begin))
+            end = min(begin + self.piece, self.nbytes)
+            if ahead is not None:
+                ahead.wait(self, end)
+            self._register(begin, end - begin)
+            if on_piece is not None:
+                on_piece(end)
         return True
 
     def _register(self, begin: int, n: int) -> None:
@@ -204,25 +230,69 @@ def _populate(ptr: int, nbytes: int, tensor: torch.Tensor) -> None:
     pages.copy_(pages.clone())
 
 
-def populate_all(buffers: list[HostBuffer], *, stop: threading.Event | None = None,
-                 threads: int = POPULATE_THREADS) -> None:
-    """:meth:`HostBuffer.populate` every buffer, in spans of a few populate pieces on up to
-    ``threads`` threads at once (one thread faults in ~0.1-0.3 s per GiB). ``stop`` set: the
-    spans not begun are skipped and the buffers stay unpopulated (pinning populates them)."""
-    todo = [b for b in buffers if not b.populated and b.nbytes > 0]
-    if not todo or not _cuda.available() or PIN_MODE == "whole":
-        return
-    span = POPULATE_PIECE_BYTES * 8
-    spans = [(b, at, min(span, b.nbytes - at)) for b in todo for at in range(0, b.nbytes, span)]
+class PopulateAhead:
+    """:meth:`HostBuffer.populate` of several buffers, in spans of a few populate pieces on up
+    to ``threads`` threads at once (one thread faults in ~0.1-0.3 s per GiB), in buffer and
+    file order, so that the thread that pins them can register each piece as soon as its own
+    pages are in (:meth:`wait`) rather than after all of them. ``stop`` set: the spans not
+    begun are skipped and the buffers stay unpopulated (pinning populates them).
 
-    def run(b: HostBuffer, at: int, n: int) -> None:
-        if stop is None or not stop.is_set():
+    Made and used by one thread (the one that pins); :meth:`close` ends it: the spans not
+    begun are cancelled, those running waited for, and the buffers fully populated marked so.
+    """
+
+    def __init__(self, buffers: list[HostBuffer], *, stop: threading.Event | None = None,
+                 threads: int = POPULATE_THREADS) -> None:
+        todo = [b for b in buffers if not b.populated and b.nbytes > 0]
+        if not _cuda.available() or PIN_MODE == "whole":
+            todo = []
+        span = POPULATE_PIECE_BYTES * 8
+        spans = [(b, at, min(span, b.nbytes - at)) for b in todo for at in range(0, b.nbytes, span)]
+        self._stop = stop
+        self._todo = todo
+        self._spans: dict[int, list[tuple[int, Future[None]]]] = {id(b): [] for b in todo}  # buffer -> (begin, task)
+        self._pool = DaemonPool(max(1, min(threads, len(spans))), thread_name_prefix="ckptmgr-populate") \
+            if spans else None
+        try:
+            for b, at, n in spans:
+                assert self._pool is not None
+                self._spans[id(b)].append((at, self._pool.submit(self._run, b, at, n)))
+        except BaseException:
+            self.close()
+            raise
+
+    def _run(self, b: HostBuffer, at: int, n: int) -> None:
+        if self._stop is None or not self._stop.is_set():
             _populate(b.tensor.data_ptr() + at, n, b.tensor[at:at + n])
 
-    with DaemonPool(max(1, min(threads, len(spans))), thread_name_prefix="ckptmgr-populate") as pool:
-        futures = [pool.submit(run, *s) for s in spans]
-    for f in futures:
-        f.result()
-    if stop is None or not stop.is_set():
-        for b in todo:
-            b.populated = True
+    def wait(self, buf: HostBuffer, end: int) -> None:
+        """Return once the pages of ``buf``'s first ``end`` bytes have been faulted in (or
+        skipped after ``stop``).
+
+        Raises:
+            OSError: faulting them in failed.
+            TimeoutError: they were not in after :data:`POPULATE_WAIT_S`.
+        """
+        for at, fut in self._spans.get(id(buf), []):
+            if at >= end:
+                break
+            fut.result(timeout=POPULATE_WAIT_S)
+
+    def close(self) -> None:
+        """Cancel the spans not begun, wait for those running; mark the buffers whose every
+        span ran populated."""
+        futures = [f for spans in self._spans.values() for _, f in spans]
+        for f in futures:
+            f.cancel()
+        if self._pool is not None:
+            self._pool.stop(cancel=True, timeout=POPULATE_WAIT_S)
+        for b in self._todo:
+            done = all(f.done() and not f.cancelled() and f.exception() is None for _, f in self._spans[id(b)])
+            if done and (self._stop is None or not self._stop.is_set()):
+                b.populated = True
+
+    def __enter__(self) -> PopulateAhead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,8 @@ from .. import _cuda
 from .._threads import DaemonPool
 from ..format.layout import file_name
 from ..storage.tier import LocalTier
-from .buffers import HostBuffer, anonymous_buffer, file_buffer
+from ..storage.tier_pinning import Pinning
+from .buffers import Flag, HostBuffer, PopulateAhead, anonymous_buffer, file_buffer
 
 __all__ = ["Slot", "SlotBuffers"]
 
@@ -162,14 +164,23 @@ class SlotBuffers:
             self.allocations += 1
         return buf
 
-    def _pin(self, slot: Slot, hurry: bool, chunk_size: int | None = None) -> None:
+    def _pin(self, slot: Slot, hurry: bool | Flag, chunk_size: int | None = None,
+             progress: Pinning | None = None, ahead: PopulateAhead | None = None) -> None:
         """Pin each buffer in pieces (one at a time: the driver serializes them anyway), of
-        whole ``chunk_size`` chunks (default: the pool's)."""
-        for b in slot.buffers:
+        whole ``chunk_size`` chunks (default: the pool's). ``hurry``: True (no pauses), False
+        (pauses unless a save waits), or a flag that says when to stop pausing. ``progress``
+        (an adopted slot's): told each piece pinned, and revoked before anything is undone.
+        ``ahead``: the buffers' pages being faulted in, each piece registered once its are."""
+        flag = _NOW if hurry is True else self.hurry if hurry is False else hurry
+        for i, b in enumerate(slot.buffers):
             if b.registered:
                 continue
-            done = b.pin(chunk_size or self.chunk_size, hurry=_NOW if hurry else self.hurry, stop=self.stop)
+            on_piece, on_undo = _reports(progress, file_name(i))
+            done = b.pin(chunk_size or self.chunk_size, hurry=flag, stop=self.stop, on_piece=on_piece,
+                         on_undo=on_undo, ahead=ahead)
             if not done:
+                if progress is not None:
+                    progress.revoke()  # (returns once no restore copies from any piece of the slot)
                 b.unpin()
                 return
             if b.registered:
@@ -190,3 +201,17 @@ class SlotBuffers:
         for b in slot.buffers:
             self._drop(slot, b)
         slot.buffers, slot.segments = [], []
+
+
+def _reports(progress: Pinning | None, name: str) -> tuple[Callable[[int], None] | None, Callable[[], None] | None]:
+    """What :meth:`HostBuffer.pin` tells ``progress`` of image ``name``: each piece pinned,
+    and the revocation before a failed pin is undone."""
+    if progress is None:
+        return None, None
+
+    def on_piece(n: int) -> None:
+        progress.pinned(name, n)
+
+    def on_undo() -> None:
+        progress.revoke()
+    return on_piece, on_undo

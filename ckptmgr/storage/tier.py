@@ -23,8 +23,9 @@ progress are guarded by ``_mu``, which is never held across I/O nor across a wai
 saver calls :meth:`claim`, :meth:`attach` and :meth:`detach` (its slot pool's lock may be
 held: pool -> tier is the only lock order) and, for a slot adopted from an earlier process,
 :meth:`adopting` then, from its adoption thread, :meth:`adopted`; restores call
-:meth:`reading`, which waits (bounded) for a slot's adoption to end before it yields the
-slot's pinned images. The start-up scan is :mod:`ckptmgr.storage.tier_scan`.
+:meth:`reading`, which yields the slot's images, pinned, or with the progress of their
+pinning while the adoption still runs (:mod:`ckptmgr.storage.tier_pinning`: the restore copies
+each piece once it is pinned). The start-up scan is :mod:`ckptmgr.storage.tier_scan`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import os
 import stat
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
@@ -58,6 +60,7 @@ from .private import NOFOLLOW as _NOFOLLOW
 from .private import UnsafePathError as TierUnsafeError
 from .private import open_private_dir, read_small, write_small
 from .tier_layout import DURABLE_MARK, ROOT_ID, TMP_MANIFEST, ram_filesystem, read_tier, tier_dir
+from .tier_pinning import Pinning, TierImages
 from .tier_scan import TierScan
 
 __all__ = ["LocalTier", "TierBusyError", "TierUnsafeError", "open_local_tier", "ram_filesystem", "read_tier",
@@ -65,7 +68,7 @@ __all__ = ["LocalTier", "TierBusyError", "TierUnsafeError", "open_local_tier", "
 
 log = logging.getLogger("ckptmgr")
 
-ADOPTION_WAIT_S = 600.0  # at most this long, a read of a slot waits for its adoption (see LocalTier.reading)
+ADOPTION_WAIT_S = 600.0  # at most this long, a read of a slot waits for its adoption's pinning (see LocalTier.reading)
 
 
 class TierBusyError(OSError):
@@ -138,7 +141,8 @@ class LocalTier(TierScan):
         self._images: dict[int, dict[str, torch.Tensor]] = {}  # pinned mappings  (_mu)
         self._slot_fds: dict[int, int] = {}  # slot index -> directory fd          (_mu)
         self._root_id: str | None = None  # the root the slots belong to            (_mu)
-        self._adopting: dict[int, threading.Event] = {}  # slot index -> set when its adoption ends  (_mu)
+        self._adopting: dict[int, Pinning] = {}  # slot index -> its adoption's progress, until it ends  (_mu)
+        self._closed = False  # close() began                                          (_mu)
         self.on_read_done: Callable[[], None] | None = None  # told when a read lease ends (no lock held)
         self.io_pool: Executor = DaemonPool(4, thread_name_prefix="ckptmgr-local")  # checksums and reads
 
@@ -241,53 +245,66 @@ class LocalTier(TierScan):
         with self._mu:
             self._images.pop(index, None)
 
-    def adopting(self, index: int) -> None:
-        """Slot ``index``, adopted from an earlier process, is being pinned in the background:
-        :meth:`reading` waits for :meth:`adopted` before it looks for the slot's images."""
+    def adopting(self, index: int, images: dict[str, torch.Tensor]) -> Pinning:
+        """Slot ``index``, adopted from an earlier process, has its files mapped as ``images``
+        and is being pinned in the background: the adoption thread reports its progress on
+        the :class:`~ckptmgr.storage.tier_pinning.Pinning` returned, which :meth:`reading`
+        hands to restores until :meth:`adopted`."""
+        pinning = Pinning(index, images)
         with self._mu:
-            self._adopting[index] = threading.Event()
+            self._adopting[index] = pinning
+        return pinning
 
     def adopted(self, index: int) -> None:
         """The background adoption of slot ``index`` ended (pinned and attached, or not)."""
         with self._mu:
-            ended = self._adopting.pop(index, None)
-        if ended is not None:
-            ended.set()
+            pinning = self._adopting.pop(index, None)
+        if pinning is not None:
+            pinning.end()
 
     @contextlib.contextmanager
-    def reading(self, step: int, *, adoption_wait: float | None = None) -> Iterator[dict[str, torch.Tensor] | None]:
+    def reading(self, step: int, *, adoption_wait: float | None = None) -> Iterator[TierImages | None]:
         """Hold ``step``'s slot against reuse while it is read.
 
         Yields the slot's file images (file name -> uint8 CPU tensor of the whole file) when
-        this process has them mapped and pinned, else None (then read through
-        :meth:`read_into`). Pinned images are registered in pieces that are whole numbers of
-        the manifest's checksum chunks: copy them chunk by chunk (never across a chunk). A slot
-        still being adopted in the background is waited for first, up to ``adoption_wait``
-        seconds (None: :data:`ADOPTION_WAIT_S`); then None: the caller reads the files, and
-        verifies them.
+        this process has them mapped and pinned, or being pinned by the slot's adoption,
+        else None (then read through :meth:`read_into`). Pinned images are registered in
+        pieces that are whole numbers of the manifest's checksum chunks: copy them chunk by
+        chunk (never across a chunk). While the slot's adoption runs, the images come with
+        its progress (:attr:`TierImages.pinning`): copy a chunk only once
+        :meth:`TierImages.wait` says it is pinned, under a copy lease; the wait ends
+        ``adoption_wait`` seconds (None: :data:`ADOPTION_WAIT_S`) after this call at the
+        latest, with :class:`~ckptmgr.storage.tier_pinning.PinningLost`: then read the
+        files, and verify them.
 
         Raises:
             StepNotFoundError: the tier does not hold ``step``.
         """
+        budget = ADOPTION_WAIT_S if adoption_wait is None else adoption_wait
         with self._mu:
             index = self._steps.get(step)
             if index is None:
                 raise StepNotFoundError(f"step {step} is not in the {self.url}")
             self._readers[index] += 1
-            adopting = self._adopting.get(index)
-        adoption_wait = ADOPTION_WAIT_S if adoption_wait is None else adoption_wait
+            pinning = self._adopting.get(index)
+            images = self._images.get(index) if pinning is None else pinning.images
         try:
-            if adopting is not None and not adopting.wait(adoption_wait):
-                log.warning("%s: the adoption of slot %d did not end within %s s; step %d is read from its files",
-                            self.url, index, adoption_wait, step)
-            with self._mu:
-                images = self._images.get(index) if index not in self._adopting else None
-            yield dict(images) if images is not None else None
+            out = TierImages(images) if images is not None else None
+            if out is not None and pinning is not None:
+                out.pinning, out.deadline, out.budget = pinning, time.monotonic() + budget, budget
+                pinning.hurry.set()  # a restore waits for the slot: the adoption pins without pauses
+            yield out
         finally:
             with self._mu:
                 self._readers[index] -= 1
             if self.on_read_done is not None:  # a save may be waiting for this slot
                 self.on_read_done()
+
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` began: the tier's files are not read any more."""
+        with self._mu:
+            return self._closed
 
     def remove_slot(self, index: int) -> None:
         """Delete the slot's files, its manifest first, then its directory."""
@@ -307,11 +324,13 @@ class LocalTier(TierScan):
         """Give up ownership; with ``remove``, delete the tier directory if no slot is left.
         ``wait=False`` (a write is still hung on a slot): only stop the threads; the files,
         descriptors and lock stay as they are until the process ends."""
+        with self._mu:
+            self._closed = True
         self.io_pool.shutdown(wait=wait, cancel_futures=True)
         with self._mu:
             adopting, self._adopting = list(self._adopting.values()), {}
-        for ended in adopting:  # (no read waits for an adoption of a closed tier)
-            ended.set()
+        for pinning in adopting:  # (no read waits for an adoption of a closed tier)
+            pinning.end()
         if not wait:
             return
         with self._mu:

@@ -19,7 +19,9 @@ own tensors.
 
 A step whose images are already pinned in this process (its staging slot, or a local-tier
 slot it adopted) is copied straight from there at the link's speed, its chunks verified
-where they lie by the ring's threads while the copies run (:func:`read_tensors_pinned`).
+where they lie by the ring's threads while the copies run (:func:`read_tensors_pinned`); a
+slot still being pinned by its adoption is copied piece by piece, each as soon as it is
+pinned, while the adoption registers the next.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import FileRecord, Manifest
 from ...storage.aio import AioContext, open_context
 from ...storage.posix import DIRECT_ALIGN, DirectFile
+from ...storage.tier_pinning import TierImages
 from ..preflight import Source, drain, submit_image_checks, wait_all
 from ..read import Chunk, ReadPlan, run
 from ..transports.direct import DEPTH, Copy, Span, landing_buffers, read_window
@@ -381,10 +384,17 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
     has verified. Straight into ``dests`` (neither), every chunk is verified before the first
     copy, unless ``verified``: the caller did, where they lie, before this call.
 
+    Images of a local-tier slot still being pinned by its adoption (a
+    :class:`~ckptmgr.storage.tier_pinning.TierImages` with its ``pinning``) are copied under a
+    copy lease, each chunk once the adoption has pinned its piece (the copies of piece k run
+    while piece k+1 is registered); the rules above about where bytes land are the same.
+
     Raises:
         CheckpointCorruptError: an image does not match the manifest, or a chunk fails its
             checksum (``dests`` untouched).
         NoDeviceRoom: ``through_device`` and the step does not fit on the device.
+        PinningLost: the adoption will not pin the images in time (its copies have ended;
+            what landed in ``dests``, if anything, is verified bytes of this step).
     """
     for fname, rec in manifest.files.items():
         image = images.get(fname)
@@ -392,23 +402,32 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
             raise CheckpointCorruptError(f"{where}: the staged image of {fname} does not match the manifest")
     landings = _plan_all(manifest, device, where, dests, through_device, entries)
     in_place = not through_device and any(landing.into_target for landing in landings.values())
+    pinning: TierImages | None = None  # (a slot its adoption still pins: copied under a copy lease)
+    lease: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if isinstance(images, TierImages) and images.pinning is not None:
+        pinning, lease = images, images.pinning.copying()
     checks: list[Future[None]] = []
     stream = None
-    try:
-        if not verified:
-            checks = submit_image_checks(images, manifest, ring.pool, where)
-        if in_place:  # straight into the target: every chunk verified first
+    with lease:  # no registration is undone until the copies have ended
+        try:
+            if not verified:
+                checks = submit_image_checks(images, manifest, ring.pool, where)
+            if in_place:  # straight into the target: every chunk verified first
+                wait_all(checks)
+            if device.type == "cuda":
+                stream = _cuda.staging_stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))  # after the work queued on what it writes
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for fname, rec in manifest.files.items():
+                    pinned = rec.size if pinning is None else 0  # bytes of the image known to be pinned
+                    for b, e in chunk_ranges(rec.size, rec.chunk_size):
+                        if e > pinned:
+                            assert pinning is not None
+                            pinned = pinning.wait(fname, e)
+                        landings[fname].land(b, images[fname][b:e])
             wait_all(checks)
-        if device.type == "cuda":
-            stream = _cuda.staging_stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))  # after the work queued on what it writes
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for fname, rec in manifest.files.items():
-                for b, e in chunk_ranges(rec.size, rec.chunk_size):
-                    landings[fname].land(b, images[fname][b:e])
-        wait_all(checks)
-    finally:  # whatever happened: the copies and the started checks end before the images or the
-        if stream is not None:  # memory the copies write may go
-            stream.synchronize()
-        drain(checks)
+        finally:  # whatever happened: the copies and the started checks end before the images or the
+            if stream is not None:  # memory the copies write may go
+                stream.synchronize()
+            drain(checks)
     return _finish(manifest, device, landings, where, through_device)

@@ -1,0 +1,152 @@
+"""How far the adoption of a local-tier slot has pinned its images: what a restore waits on.
+
+A manager that adopts an earlier process's slot pins the slot's file images in pieces on its
+adoption thread (see :mod:`ckptmgr.save.slot_adoption`). A restore of that slot does not wait
+for the whole adoption: :meth:`LocalTier.reading <ckptmgr.storage.tier.LocalTier.reading>`
+hands it the mapped images with their :class:`Pinning`, and the restore copies each checksum
+chunk as soon as the piece that holds it is pinned (:meth:`Pinning.wait`), while the adoption
+registers the next piece. A restore that waits asks the adoption to hurry (``hurry``: no
+pauses between pieces).
+
+Ownership: the adoption thread writes the progress (:meth:`Pinning.pinned`,
+:meth:`Pinning.revoke`, :meth:`Pinning.end`; :meth:`Pinning.end` also the tier's close, and
+whoever cancels an adoption not begun); restores read it. Every field but ``index``,
+``images`` and ``hurry`` (set once, or an event) is guarded by the pinning's own condition
+``_cond`` (never held across I/O or a CUDA call, and never while another lock is taken). Before the adoption undoes a
+registration (a failed one, or a stop at close) it revokes the progress and waits, bounded,
+until no restore holds a copy lease (:meth:`Pinning.copying`): a copy in flight never reads
+pages being unpinned. A restore that finds the progress revoked, or the adoption ended
+without the piece it needs, or no progress before its deadline, gets :class:`PinningLost` and
+reads the slot's files instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (the CLI reads a tier's listing without torch)
+    import torch
+
+__all__ = ["Pinning", "PinningLost", "TierImages"]
+
+log = logging.getLogger("ckptmgr")
+
+REVOKE_WAIT_S = 600.0  # at most this long, the adoption waits for restores' copies before it unpins
+
+
+class PinningLost(Exception):
+    """The images a restore copies from will not be pinned (in time): the adoption failed,
+    stopped, or made no progress before the restore's deadline. The restore has ended its
+    copies; it reads the slot's files instead."""
+
+
+class Pinning:
+    """The pinning progress of one slot being adopted (see the module docstring)."""
+
+    def __init__(self, index: int, images: dict[str, torch.Tensor]) -> None:
+        self.index = index  # the slot's
+        self.images = images  # file name -> the mapped image (read only, by anyone)
+        self.hurry = threading.Event()  # set by a restore that waits: the adoption skips its pauses
+        self._cond = threading.Condition()
+        self._upto = dict.fromkeys(images, 0)  # file -> bytes pinned from its start    (guarded by _cond)
+        self._ended = False  # the adoption will pin nothing more                          (_cond)
+        self._revoked = False  # registrations are being undone: copy from none of them   (_cond)
+        self._copying = 0  # restores holding a copy lease                                 (_cond)
+
+    # ------------------------------------------------ the adoption thread's side
+
+    def pinned(self, name: str, upto: int) -> None:
+        """Bytes ``[0, upto)`` of image ``name`` are pinned."""
+        with self._cond:
+            self._upto[name] = max(self._upto.get(name, 0), upto)
+            self._cond.notify_all()
+
+    def revoke(self, timeout: float | None = None) -> bool:
+        """Registrations are about to be undone: tell every restore, and wait up to
+        ``timeout`` seconds (None: :data:`REVOKE_WAIT_S`) until none holds a copy lease.
+        Returns False when some still did then (the caller unpins all the same)."""
+        timeout = REVOKE_WAIT_S if timeout is None else timeout
+        with self._cond:
+            self._revoked = self._ended = True
+            self._cond.notify_all()
+            done = self._cond.wait_for(lambda: self._copying == 0, timeout)
+        if not done:
+            log.warning("a restore still copied from an adopted slot's pinned images after %s s; they are "
+                        "unpinned all the same", timeout)
+        return done
+
+    def end(self) -> None:
+        """The adoption is over (whatever it pinned stays pinned until revoked)."""
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+    # ------------------------------------------------------- a restore's side
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        """Hold a copy lease: no registration is undone until it is released. Release it only
+        once every copy queued from the images has finished.
+
+        Raises:
+            PinningLost: the registrations are being undone already.
+        """
+        with self._cond:
+            if self._revoked:
+                raise PinningLost("the adoption is undoing its registrations")
+            self._copying += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._copying -= 1
+                self._cond.notify_all()
+
+    def wait(self, name: str, end: int, deadline: float, budget: float) -> int:
+        """Wait until bytes ``[0, end)`` of image ``name`` are pinned, at most until
+        ``deadline`` (``time.monotonic()``, ``budget`` seconds after the restore began); asks
+        the adoption to hurry. Returns how many bytes of the image are pinned (at least ``end``).
+
+        Raises:
+            PinningLost: revoked, or the adoption ended without pinning them, or the deadline passed.
+        """
+        self.hurry.set()
+        with self._cond:
+            def ready() -> bool:
+                return self._revoked or self._ended or self._upto.get(name, 0) >= end
+
+            while not ready():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PinningLost(f"the adoption of slot {self.index} did not end within {budget} s")
+                self._cond.wait(left)
+            if self._revoked or self._upto.get(name, 0) < end:
+                raise PinningLost(f"the adoption of slot {self.index} ended without pinning its images")
+            return self._upto[name]
+
+
+class TierImages(dict[str, "torch.Tensor"]):
+    """A slot's file images (file name -> uint8 CPU tensor of the whole file) as
+    :meth:`LocalTier.reading <ckptmgr.storage.tier.LocalTier.reading>` yields them;
+    ``pinning``: the adoption's progress while the slot is still being pinned (copy a chunk
+    only once :meth:`wait` says its piece is), None once it is pinned whole."""
+
+    pinning: Pinning | None = None
+    deadline = 0.0  # (time.monotonic()) the restore waits for the adoption until then
+    budget = 0.0  # seconds from the restore's start to ``deadline``
+
+    def wait(self, name: str, end: int) -> int:
+        """Bytes of image ``name`` pinned from its start, once at least ``end`` are (see
+        :meth:`Pinning.wait`); the whole image when no pinning is in progress.
+
+        Raises:
+            PinningLost: they will not be pinned before the deadline.
+        """
+        if self.pinning is None:
+            return int(self[name].numel())
+        return self.pinning.wait(name, end, self.deadline, self.budget)

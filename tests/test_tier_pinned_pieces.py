@@ -1,0 +1,323 @@
+"""A restore that reaches a local-tier slot while the restarted manager's adoption still pins it
+does not wait for the whole adoption: it copies each piece as soon as the adoption has pinned
+it. CUDA's registration is faked and held at a gate before a chosen piece (real threads and
+events); the real registrations and copies run on a GPU in test_cuda.py."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from conftest import hold_durable_write
+from test_restore_atomic import _damage_last_chunk, _state, _target, _untouched
+from test_tier_fast_open import _adoption_ended
+
+import ckptmgr._cuda as cuda_shim
+import ckptmgr.restore.restorer as restorer_mod
+import ckptmgr.save.buffers as buffers_mod
+import ckptmgr.storage.tier_pinning as pinning_mod
+from ckptmgr import (
+    CheckpointCorruptError,
+    CheckpointManager,
+    CkptError,
+    ConfigError,
+    Schedule,
+    StagingOptions,
+    WriteOptions,
+)
+from ckptmgr.storage.tier import tier_dir
+
+CHUNK = 4096
+PIECE = 4 * CHUNK  # pinned in pieces of four checksum chunks: the state's one file is eight pieces
+HELD = 2  # the adoption is held before it registers piece 2: pieces 0 and 1 are pinned
+
+
+@dataclass
+class Gate:
+    """CUDA's registration faked; the adoption thread's registration of piece ``HELD`` (the
+    ``HELD + 1``-th) waits for ``go`` once ``armed``."""
+
+    armed: bool = False
+    entered: threading.Event = field(default_factory=threading.Event)
+    go: threading.Event = field(default_factory=threading.Event)
+    mu: threading.Lock = field(default_factory=threading.Lock)
+    registered: set[int] = field(default_factory=set)
+    adoption_pieces: int = 0
+    checks: list[str] = field(default_factory=list)  # "at adoption" / "at restore"
+    blocked: threading.Event = field(default_factory=threading.Event)  # a restore waits for a piece
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    g = Gate()
+
+    def register(ptr, n, read_only=False):
+        if g.armed and threading.current_thread().name.startswith("ckptmgr-adopt"):
+            with g.mu:
+                k, g.adoption_pieces = g.adoption_pieces, g.adoption_pieces + 1
+            if k == HELD:
+                g.entered.set()
+                assert g.go.wait(60)
+        with g.mu:
+            g.registered.add(ptr)
+
+    def unregister(ptr):
+        with g.mu:
+            g.registered.discard(ptr)
+
+    monkeypatch.setattr(cuda_shim, "available", lambda: True)
+    monkeypatch.setattr(cuda_shim, "host_register", register)
+    monkeypatch.setattr(cuda_shim, "host_unregister", unregister)
+    monkeypatch.setattr(buffers_mod, "PIN_PIECE_BYTES", PIECE)
+    real_submit, real_verify = restorer_mod.submit_image_checks, restorer_mod.verify_images
+    monkeypatch.setattr(restorer_mod, "submit_image_checks",
+                        lambda *a: g.checks.append("at adoption") or real_submit(*a))
+    monkeypatch.setattr(restorer_mod, "verify_images", lambda *a: g.checks.append("at restore") or real_verify(*a))
+    real_wait = pinning_mod.Pinning.wait
+
+    def wait(self, name, end, deadline, budget):
+        with self._cond:
+            if self._upto.get(name, 0) < end:
+                g.blocked.set()  # (the restore is about to wait for a piece not pinned yet)
+        return real_wait(self, name, end, deadline, budget)
+
+    monkeypatch.setattr(pinning_mod.Pinning, "wait", wait)
+    yield g
+    g.go.set()  # (never leave a thread at the gate)
+
+
+def _open(root: str, local: str) -> CheckpointManager:
+    return CheckpointManager(root, staging=StagingOptions(slots=1, local_dir=local),
+                             write_options=WriteOptions(chunk_size=CHUNK), schedule=Schedule(durable_every=2))
+
+
+def _leave_step_3_in_the_tier(root: str, local: str) -> str:
+    """Step 2 durable, step 3 in the local tier only, kept there at close; returns the path
+    of step 3's data file in the tier."""
+    with _open(root, local) as mgr:
+        mgr.save(2, _state(2)).result()
+        mgr.save(3, _state(3)).result()
+        assert mgr._tier.steps() == {3: 0}
+        mgr.close(flush=False)
+    return os.path.join(tier_dir(local, os.path.abspath(root)), "slot-00", "data-00000.safetensors")
+
+
+def _split_at(target: dict, mgr: CheckpointManager, limit: int) -> int:
+    """Check that every byte of the target's tensors that lies below file offset ``limit``
+    holds step 3's value and every byte above it is still zero; return how many landed."""
+    m = mgr._restorer.manifest(3)
+    rec = m.files["data-00000.safetensors"]
+    state = _state(3)
+    landed = 0
+    for name in ("a", "b", "c"):
+        b, e = m.tensors[name]["offsets"]
+        got, want = target[name].view(torch.uint8), state[name].view(torch.uint8)
+        n = max(0, min(limit - (rec.header_size + b), e - b))
+        assert torch.equal(got[:n], want[:n]), name
+        assert not got[n:].any(), name
+        landed += n
+    return landed
+
+
+def _restore_in_thread(mgr: CheckpointManager, target: dict) -> tuple[threading.Thread, list[object]]:
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(mgr.restore(3, target=target, loader="inplace"))
+        except BaseException as exc:  # (handed to the test)
+            out.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def test_a_restore_copies_the_pieces_pinned_so_far_while_the_adoption_is_held(root, ram_dir, gate):
+    _leave_step_3_in_the_tier(root, ram_dir)
+    gate.armed = True
+    with _open(root, ram_dir) as mgr:
+        assert gate.entered.wait(60)  # pieces 0 and 1 pinned, the adoption held before piece 2
+        target = _target()
+        restore, out = _restore_in_thread(mgr, target)
+        assert gate.blocked.wait(60)  # the restore waits for piece 2
+        assert restore.is_alive() and not out and mgr._saver.pool.adopting() == [0]
+        assert _split_at(target, mgr, HELD * PIECE) > 0  # pieces 0 and 1 landed, nothing beyond
+        with mgr._tier._mu:
+            assert mgr._tier._adopting[0].hurry.is_set()  # the adoption was asked to hurry
+        gate.go.set()
+        restore.join(60)
+        assert not restore.is_alive() and out and out[0]["n"] == 3
+        for k in ("a", "b", "c"):
+            assert torch.equal(target[k], _state(3)[k]), k
+        assert gate.checks == ["at adoption"]  # verified once, by the checks the adoption started
+        _adoption_ended(mgr)
+        assert mgr._saver.pool.adopting() == [] and gate.adoption_pieces == 8
+        mgr.wait(timeout=60)
+
+
+def test_a_restore_of_a_slot_whose_adoption_ended_copies_it_whole(root, ram_dir, gate):
+    _leave_step_3_in_the_tier(root, ram_dir)
+    with _open(root, ram_dir) as mgr:
+        _adoption_ended(mgr)
+        assert mgr._saver.pool.adopting() == [] and len(gate.registered) == 8
+        target = _target()
+        mgr.restore(3, target=target, loader="inplace")
+        for k in ("a", "b", "c"):
+            assert torch.equal(target[k], _state(3)[k]), k
+        assert not gate.blocked.is_set()  # nothing waited for: the images were attached pinned
+
+
+def test_a_checksum_failure_in_a_piece_not_pinned_yet_fails_the_restore_and_leaves_the_target(root, ram_dir, gate,
+                                                                                               monkeypatch):
+    path = _leave_step_3_in_the_tier(root, ram_dir)
+    _damage_last_chunk(path)  # in piece 7, while no process held the tier
+    written = hold_durable_write(monkeypatch, 3)  # (that write removes the damaged step from the tier)
+    gate.armed = True
+    with _open(root, ram_dir) as mgr:
+        assert gate.entered.wait(60)
+        target = _target()
+        restore, out = _restore_in_thread(mgr, target)
+        restore.join(60)  # fails without waiting for the adoption
+        assert not restore.is_alive() and gate.adoption_pieces == HELD + 1
+        assert len(out) == 1 and isinstance(out[0], CheckpointCorruptError), out
+        assert "checksum mismatch" in str(out[0]) and "step 3" in str(out[0])
+        assert _untouched(target)  # no byte of the step reached the target
+        assert gate.checks == ["at adoption"]
+        gate.go.set()
+        written.set()
+        with pytest.raises(CkptError):  # the adopted step's durable write found the damage too
+            mgr.wait(timeout=60)
+
+
+def test_close_during_a_restore_that_waits_for_a_piece(root, ram_dir, gate):
+    _leave_step_3_in_the_tier(root, ram_dir)
+    gate.armed = True
+    mgr = _open(root, ram_dir)
+    adopter = mgr._saver.pool._adopter
+    assert gate.entered.wait(60)
+    mgr.wait(timeout=60)  # (the adopted step 3 is written to the root meanwhile)
+    target = _target()
+    restore, out = _restore_in_thread(mgr, target)
+    assert gate.blocked.wait(60)
+    closer = threading.Thread(target=lambda: mgr.close(timeout=0.5))
+    closer.start()
+    closer.join(60)
+    restore.join(60)  # woken by the close: it no longer waits for the adoption
+    assert not closer.is_alive() and not restore.is_alive() and len(out) == 1
+    # (the files it would read instead went with the close)
+    assert isinstance(out[0], ConfigError) and "closed while step 3 was restored" in str(out[0]), out
+    gate.go.set()  # the registration returns: the adoption sees the close, unpins and frees the slot
+    assert adopter is not None and adopter.stop(timeout=60)
+    assert not gate.registered
+
+
+def test_close_while_a_restore_copies_unpins_only_after_its_copies(root, ram_dir, gate, monkeypatch):
+    """The adoption stops between two pieces (as at close): it revokes its progress, the
+    restore ends its copies and reads the files instead, and only then is anything unpinned."""
+    _leave_step_3_in_the_tier(root, ram_dir)
+    gate.armed = True
+    mgr = _open(root, ram_dir)
+    try:
+        assert gate.entered.wait(60)
+        mgr.wait(timeout=60)
+        with mgr._tier._mu:
+            pinning = mgr._tier._adopting[0]
+        copying_at_unpin: list[int] = []
+        real_unregister = cuda_shim.host_unregister
+
+        def unregister(ptr):
+            with pinning._cond:
+                copying_at_unpin.append(pinning._copying)
+            real_unregister(ptr)
+
+        monkeypatch.setattr(cuda_shim, "host_unregister", unregister)
+        target = _target()
+        restore, out = _restore_in_thread(mgr, target)
+        assert gate.blocked.wait(60)
+        mgr._saver.pool.stop.set()  # what close() does first: the adoption stops after this piece
+        gate.go.set()
+        restore.join(60)
+        assert not restore.is_alive() and len(out) == 1 and out[0]["n"] == 3
+        for k in ("a", "b", "c"):
+            assert torch.equal(target[k], _state(3)[k]), k
+        assert mgr._saver.pool.stop_adoptions(60) == []
+        assert copying_at_unpin == [0, 0, 0]  # pieces 0-2 unpinned, each once no copy ran
+        assert gate.adoption_pieces == HELD + 1 and not gate.registered
+    finally:
+        mgr.close()
+
+
+def test_the_adoption_registers_each_piece_once_its_pages_are_in(root, ram_dir, gate, monkeypatch):
+    """The populate threads run ahead of the registrations (not all of the slot first), and a
+    piece is registered only once its own pages are in: here the pages past the first piece
+    are faulted in only after the first piece is registered."""
+    _leave_step_3_in_the_tier(root, ram_dir)
+    populated: list[tuple[int, int]] = []  # [begin, end) of the address ranges faulted in
+    mu = threading.Lock()
+    first_registered = threading.Event()
+    real_populate = buffers_mod._populate
+
+    def populate(ptr, n, tensor):
+        if tensor.storage_offset() >= PIECE:  # (the span's offset in its image)
+            assert first_registered.wait(60)
+        real_populate(ptr, n, tensor)
+        with mu:
+            populated.append((ptr, ptr + n))
+
+    def covered(ptr, n):
+        with mu:
+            spans = sorted(populated)
+        at = ptr
+        for b, e in spans:
+            if b <= at < e:
+                at = e
+        return at >= ptr + n
+
+    real_register = cuda_shim.host_register
+    unpopulated: list[int] = []
+
+    def register(ptr, n, read_only=False):
+        if threading.current_thread().name.startswith("ckptmgr-adopt"):
+            if not covered(ptr, n):
+                unpopulated.append(ptr)
+            first_registered.set()
+        real_register(ptr, n, read_only)
+
+    monkeypatch.setattr(buffers_mod, "_populate", populate)
+    monkeypatch.setattr(cuda_shim, "host_register", register)
+    monkeypatch.setattr(buffers_mod, "POPULATE_PIECE_BYTES", 512)  # populated a page at a time
+    monkeypatch.setattr(buffers_mod, "PIN_PAUSE_S", 0)  # (no pause that would let the populate catch up)
+    with _open(root, ram_dir) as mgr:
+        _adoption_ended(mgr)
+        assert torch.equal(mgr.restore(3, device="cpu", loader="inplace")["a"], _state(3)["a"])
+    assert len(gate.registered) == 0 and first_registered.is_set() and not unpopulated
+
+
+def test_the_adoption_pauses_between_pieces_unless_a_restore_waits(root, ram_dir, gate, monkeypatch):
+    _leave_step_3_in_the_tier(root, ram_dir)
+    pauses: list[bool] = []  # per pause of the adoption thread: was a restore waiting then
+    real_sleep = buffers_mod.time.sleep
+
+    class _Time:
+        @staticmethod
+        def sleep(s):
+            pauses.append(gate.blocked.is_set())
+            real_sleep(s)
+
+    monkeypatch.setattr(buffers_mod, "time", _Time)
+    gate.armed = True
+    with _open(root, ram_dir) as mgr:
+        assert gate.entered.wait(60)
+        assert pauses == [False, False]  # before pieces 1 and 2, with nobody waiting
+        target = _target()
+        restore, out = _restore_in_thread(mgr, target)
+        assert gate.blocked.wait(60)
+        gate.go.set()
+        restore.join(60)
+        assert not restore.is_alive() and out and out[0]["n"] == 3
+        _adoption_ended(mgr)
+    assert gate.adoption_pieces == 8 and pauses == [False, False]  # none once the restore waited
