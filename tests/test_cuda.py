@@ -270,13 +270,13 @@ def test_a_restore_during_the_adoption_copies_the_pinned_pieces_to_the_gpu_as_th
     mgr.close(flush=False)  # step 1 stays in the tier only
     real_register, count, held, go = cuda_shim.host_register, [0], threading.Event(), threading.Event()
 
-    def register(ptr, n):
+    def register(ptr, n, **kw):
         if threading.current_thread().name.startswith("ckptmgr-adopt"):
             count[0] += 1
             if count[0] == 3:  # before the third piece
                 held.set()
                 assert go.wait(60)
-        real_register(ptr, n)
+        real_register(ptr, n, **kw)
 
     blocked, real_wait = threading.Event(), pinning_mod.Pinning.wait
 
