@@ -12,9 +12,10 @@
 #              imported) and safetensors.load_file: seconds, GB/s, peak host memory growth
 #   inplace    benchmarks/bench_inplace.py where the tree has it (extra arguments: $CKPTMGR_INPLACE_ARGS)
 #   budget     24 x Linear(4096) + fused AdamW (4.83 GB of state), a save every 25 steps, 100 timed
-#              steps with the first save inside: none, the default options, Schedule(max_overhead=0.01),
-#              Schedule(continuous=True), Schedule(max_lost_s=$CKPTMGR_MAX_LOST_S, default 10); then the
-#              decoder (bench_training.py's default model) with a save every 10 steps
+#              steps with the first save inside: none, the default options, Schedule(continuous=True),
+#              Schedule(max_lost_s=$CKPTMGR_MAX_LOST_S, default 2); Schedule(max_overhead=0.01) over 400
+#              steps (budget-long.json); then the decoder (bench_training.py's default model) with a save
+#              every 10 steps
 #   staging    save stall and durable time of a G GiB state to /dev/shm and to the disk
 #              (ckptmgr overlap; other tools with CKPTMGR_STAGING_TOOLS)
 #   restore    restore of a G GiB state from /dev/shm and from a cold disk (ckptmgr against
@@ -102,15 +103,21 @@ mode() {
         echo "inplace: no benchmarks/bench_inplace.py in $(pwd): skipped" | tee "$o.txt"
       fi ;;
     budget)
-      local modes="none,ckptmgr overlap,ckptmgr budget,ckptmgr continuous,ckptmgr lost" lin=() dec=()
+      local modes="none,ckptmgr overlap,ckptmgr continuous,ckptmgr lost" lin=() dec=() long=(--steps 400)
       local script=benchmarks/bench_training.py
       [ "$is_old" = 1 ] && modes="none,ckptmgr overlap" script="$tree/benchmarks/bench_training.py"
       [ -n "$small" ] && lin=(--dim 64 --layers 2 --batch 8 --steps 20 --every 5) \
                       && dec=(--dim 64 --layers 2 --heads 2 --vocab 128 --seq 16 --batch 2 --steps 20 --every 5)
-      local extra=(); [ "$is_old" = 1 ] || extra=(--max-lost-s "${CKPTMGR_MAX_LOST_S:-10}")
+      local extra=(); [ "$is_old" = 1 ] || extra=(--max-lost-s "${CKPTMGR_MAX_LOST_S:-2}")
       python3 "$script" --model linear --every 25 --steps 100 --warmup 5 --modes "$modes" \
         --repeat "$r" --device "$device" --dir "$scratch/budget" "${extra[@]}" "${lin[@]}" --out "$o.json" 2>&1 | tee "$o.txt"
-      [ "$is_old" = 1 ] && return 0  # the decoder: this tree only
+      [ "$is_old" = 1 ] && return 0  # the budget schedule and the decoder: this tree only
+      [ -n "$small" ] && long=(--steps 40)
+      # Schedule(max_overhead=0.01) over 400 steps: at ~0.05 s a save and 53 ms steps, its budget
+      # allows a save every ~100 steps, so 100 steps would measure the first save alone
+      python3 "$script" --model linear --every 25 --warmup 5 --modes "none,ckptmgr budget" --repeat "$r" \
+        --device "$device" --dir "$scratch/budget" "${lin[@]}" "${long[@]}" --out "$out/budget-long$t.json" 2>&1 \
+        | tee "$out/budget-long$t.txt"
       python3 "$script" --every 10 --modes "none,ckptmgr overlap" --repeat "$r" --device "$device" \
         --dir "$scratch/decoder" "${dec[@]}" --out "$out/decoder$t.json" 2>&1 | tee "$out/decoder$t.txt" ;;
     staging)
