@@ -1,5 +1,7 @@
 """The CUDA paths, for real: run on the GPU machine (``pytest -m cuda``); skipped elsewhere."""
 
+from concurrent.futures import wait as futures_wait
+
 import pytest
 import torch
 
@@ -310,8 +312,8 @@ def test_a_restore_during_the_adoption_copies_the_pinned_pieces_to_the_gpu_as_th
 
 def test_an_adopted_tier_slot_lands_in_the_gpu_target_in_place_and_a_damaged_one_never(root, ram_dir, monkeypatch):
     """A restarted job adopts the slot its predecessor left in the tier; the slot was verified
-    at start-up, so the restore copies straight into the target (no spare device memory);
-    a slot damaged before the start never reaches the target."""
+    at start-up, so a restore after those checks copies straight into the target (no spare
+    device memory); a slot damaged before the start never reaches the target."""
     from conftest import hold_durable_write
 
     from ckptmgr import CheckpointCorruptError, SaveError, Schedule, WriteOptions
@@ -334,6 +336,9 @@ def test_an_adopted_tier_slot_lands_in_the_gpu_target_in_place_and_a_damaged_one
                 f.write(bytes([b[0] ^ 0x01]))
         with CheckpointManager(root, **opts) as mgr:
             target = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+            if not damaged:  # (checks still running would land it through spare memory: the test below)
+                for _, checks in list(mgr._p.restorer._adopted.values()):
+                    futures_wait(checks, timeout=60)
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -352,3 +357,49 @@ def test_an_adopted_tier_slot_lands_in_the_gpu_target_in_place_and_a_damaged_one
                 for k, v in state.items():
                     assert torch.equal(target[k], v), k
                 mgr.wait(timeout=60)
+
+
+def test_a_restore_while_the_adopted_slot_is_still_checked_lands_through_spare_memory(root, ram_dir, monkeypatch):
+    """Right after a restart the adoption's checks of the tier slot still run: the restore
+    copies beside them into spare device memory, and moves the bytes into the target only
+    once every check passed (held here until the copies have gone)."""
+    import threading
+
+    import ckptmgr.restore.preflight as preflight_mod
+    from ckptmgr import Schedule, WriteOptions
+
+    opts = {"staging": StagingOptions(slots=1, local_dir=ram_dir), "write_options": WriteOptions(chunk_size=1 << 20),
+            "schedule": Schedule(durable_every=2)}
+    g = torch.Generator(device="cuda").manual_seed(6)
+    state = {f"p{i}": torch.randn(1 << 20, device="cuda", generator=g) for i in range(8)}  # 32 MiB
+    mgr = CheckpointManager(root, **opts)
+    mgr.save(1, state).result()
+    mgr.close(flush=False)  # step 1 stays in the tier only
+    go, real_crc = threading.Event(), preflight_mod.crc32c_hex
+
+    def crc(data):
+        assert go.wait(60)
+        return real_crc(data)
+
+    monkeypatch.setattr(preflight_mod, "crc32c_hex", crc)
+    try:
+        with CheckpointManager(root, **opts) as mgr:
+            target = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out: list[object] = []
+            t = threading.Thread(target=lambda: out.append(mgr.restore(1, target=target)))
+            t.start()
+            t.join(2)  # (the restore waits for the held checks; the target has not changed)
+            assert t.is_alive() and all(bool((v == 7.0).all()) for v in target.values())
+            go.set()
+            t.join(60)
+            assert not t.is_alive() and out
+            torch.cuda.synchronize()
+            assert torch.cuda.max_memory_allocated() - before >= 32 << 20  # the step, beside the target
+            for k, v in state.items():
+                assert torch.equal(target[k], v), k
+            mgr.wait(timeout=60)
+    finally:
+        go.set()

@@ -133,11 +133,24 @@ class Restorer:
         Raises:
             CheckpointCorruptError: a chunk failed its checksum.
         """
+        checks = self._adopted_checks(step, manifest)
+        return checks is not None and self._passed(checks, where)
+
+    def _adopted_checks(self, step: int, manifest: Manifest) -> list[Future[None]] | None:
+        """The checks :meth:`check_adopted` started for the adopted tier slot of ``step`` and
+        exactly this ``manifest`` (taken: they serve one restore), running or done; None."""
         with self._mu:
             found = self._adopted.pop(step, None)
-        if found is None or found[0] != manifest:
-            return False
-        checks = found[1]
+        return None if found is None or found[0] != manifest else found[1]
+
+    @staticmethod
+    def _passed(checks: list[Future[None]], where: str) -> bool:
+        """Wait for ``checks`` (an adopted slot's): True when all passed, False when they did
+        not end in time (cancelled: the caller verifies).
+
+        Raises:
+            CheckpointCorruptError: a chunk failed its checksum.
+        """
         if futures_wait(checks, timeout=_ADOPTED_CHECK_WAIT).not_done:
             log.warning("%s: the checks of the adopted slot did not end within %s s; verifying again", where,
                         _ADOPTED_CHECK_WAIT)
@@ -270,8 +283,11 @@ class Restorer:
             loader = "host"  # chunks larger than the ring's buffers: read them whole
         use_images = loader == "inplace" and images is not None
         preflight(source, step, manifest, where, images if use_images else None)
+        adopted: list[Future[None]] | None = None  # an adopted slot's checks, still running
         if use_images and isinstance(source, LocalTier) and not verified:
-            verified = self._verified_at_adoption(step, manifest, where)
+            adopted = self._adopted_checks(step, manifest)
+            if adopted is not None and (all(f.done() for f in adopted) or dests is None or device.type != "cuda"):
+                verified, adopted = self._passed(adopted, where), None
         by_file = entries_by_file(manifest, where)  # (built once: the ring's loaders plan from them too)
         entries = [e for file in by_file.values() for e in file]
         direct = lands_in_target(entries, dests, _CPU if loader == "host" else device) and not verified
@@ -282,9 +298,14 @@ class Restorer:
         through = direct and device.type == "cuda"
         if use_images and images is not None:  # already pinned where it lies
             if through:
+                # (a slot adopted at start-up whose checks still run: the copies go beside them
+                # into spare device memory, moved into the target once they all passed)
                 with contextlib.suppress(NoDeviceRoom):
                     return read_tensors_pinned(images, manifest, device, self.ring, where, dests, through_device=True,
-                                               entries=by_file)
+                                               entries=by_file, checks=adopted)
+            if adopted is not None:  # no room beside the target: the checks first, then in place
+                verified = self._passed(adopted, where)
+                direct = direct and not verified
             if direct:
                 verify_images(images, manifest, self.ring.pool, where)
             return read_tensors_pinned(images, manifest, device, self.ring, where, dests, verified=direct or verified,

@@ -370,7 +370,8 @@ def _open_cold(source: Source, step: int, manifest: Manifest, opened: contextlib
 def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, device: torch.device,
                         ring: PinnedRing, where: str, dests: dict[str, torch.Tensor] | None = None, *,
                         verified: bool = False, through_device: bool = False,
-                        entries: dict[str, list[Entry]] | None = None) -> dict[str, torch.Tensor]:
+                        entries: dict[str, list[Entry]] | None = None,
+                        checks: list[Future[None]] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a step whose file images are already in pinned host memory (this
     process's staging slot, or a local-tier slot it adopted): copied straight from there.
 
@@ -383,6 +384,10 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
     ``through_device``, spare device memory that moves into ``dests`` only once every chunk
     has verified. Straight into ``dests`` (neither), every chunk is verified before the first
     copy, unless ``verified``: the caller did, where they lie, before this call.
+
+    ``checks``: checks of these images already started (an adopted slot's, see
+    :meth:`~ckptmgr.restore.restorer.Restorer.check_adopted`), waited for instead of checking
+    again.
 
     Images of a local-tier slot still being pinned by its adoption (a
     :class:`~ckptmgr.storage.tier_pinning.TierImages` with its ``pinning``) are copied under a
@@ -406,11 +411,13 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
     lease: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if isinstance(images, TierImages) and images.pinning is not None:
         pinning, lease = images, images.pinning.copying()
-    checks: list[Future[None]] = []
+    started, checks = checks, []
     stream = None
     with lease:  # no registration is undone until the copies have ended
         try:
-            if not verified:
+            if started is not None:
+                checks = list(started)
+            elif not verified:
                 checks = submit_image_checks(images, manifest, ring.pool, where)
             if in_place:  # straight into the target: every chunk verified first
                 wait_all(checks)
@@ -426,6 +433,9 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
                             pinned = pinning.wait(fname, e)
                         landings[fname].land(b, images[fname][b:e])
             wait_all(checks)
+            if started is not None and any(f.cancelled() for f in checks):  # (not all of them ran)
+                checks = submit_image_checks(images, manifest, ring.pool, where)
+                wait_all(checks)
         finally:  # whatever happened: the copies and the started checks end before the images or the
             if stream is not None:  # memory the copies write may go
                 stream.synchronize()
