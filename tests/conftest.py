@@ -209,7 +209,8 @@ def s3_bucket(s3_endpoint):
 # of two CPU processes (about 20 s); what they ask of the plugin -- the Trainer and its plugin
 # pickled into spawned ranks, a checkpoint saved once per save in distributed mode -- stays in CI
 # in tests/test_lightning.py::test_ddp_spawn_on_two_cpu_processes (a ddp_spawn fit through
-# CkptmgrCheckpointIO whose directory holds exactly the expected checkpoints).
+# CkptmgrCheckpointIO whose directory holds exactly the expected checkpoints), and torch.save of a
+# fitted Trainer in checkpointing/test_torch_saving.py::test_model_torch_save.
 LIGHTNING_SUITE_SLOW = {
     "checkpointing/test_model_checkpoint.py::test_model_checkpoint_no_extraneous_invocations",
     "checkpointing/test_torch_saving.py::test_model_torch_save_ddp_cpu",
