@@ -205,9 +205,26 @@ def s3_bucket(s3_endpoint):
     return name, opts
 
 
+# Lightning's own tests (tests/lightning_suite) run by hand only (-m slow): each is a ddp_spawn fit
+# of two CPU processes (about 20 s); what they ask of the plugin -- the Trainer and its plugin
+# pickled into spawned ranks, a checkpoint saved once per save in distributed mode -- stays in CI
+# in tests/test_lightning.py::test_ddp_spawn_on_two_cpu_processes (a ddp_spawn fit through
+# CkptmgrCheckpointIO whose directory holds exactly the expected checkpoints), and torch.save of a
+# fitted Trainer in checkpointing/test_torch_saving.py::test_model_torch_save.
+LIGHTNING_SUITE_SLOW = {
+    "checkpointing/test_model_checkpoint.py::test_model_checkpoint_no_extraneous_invocations",
+    "checkpointing/test_torch_saving.py::test_model_torch_save_ddp_cpu",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the slow marks below must count
 def pytest_collection_modifyitems(config, items):
     """Lightning's own tests (tests/lightning_suite) that fail with ckptmgr's plugin as the
-    default CheckpointIO, for the reasons docs/LIGHTNING.md gives: expected failures, strictly."""
+    default CheckpointIO, for the reasons docs/LIGHTNING.md gives: expected failures, strictly.
+    Those in LIGHTNING_SUITE_SLOW are marked slow."""
+    for item in items:
+        if "lightning_suite" in item.nodeid and item.nodeid.split("tests_pytorch/", 1)[-1] in LIGHTNING_SUITE_SLOW:
+            item.add_marker(pytest.mark.slow)
     if os.environ.get("CKPTMGR_LIGHTNING_SUITE_IO", "ckptmgr") != "ckptmgr":
         return
     known = None

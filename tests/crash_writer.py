@@ -1,7 +1,9 @@
 """Subprocess for the crash tests: saves step after step until it is killed.
 
 Usage: python crash_writer.py ROOT FIRST_STEP
-Prints "ready" once imported, then each step number once its save has committed.
+Prints "ready" once imported, then each step number once its save has committed. With
+FIRST_STEP ``-`` it prints "loaded" once imported and reads the first step from stdin before
+it opens the root: a test starts it ahead of time, while another writer still owns the root.
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ def crash_state(step: int) -> dict:
 
 
 def main() -> None:
-    root, first = sys.argv[1], int(sys.argv[2])
+    root = sys.argv[1]
+    if sys.argv[2] == "-":
+        print("loaded", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            raise SystemExit("stdin closed before the first step was given")
+        first = int(line)
+    else:
+        first = int(sys.argv[2])
     opts = WriteOptions(max_file_bytes=600_000, chunk_size=64 << 10, io_threads=4)
     with CheckpointManager(root, write_options=opts) as mgr:
         print("ready", flush=True)

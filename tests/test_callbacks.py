@@ -23,15 +23,21 @@ def start(root, out):
     return subprocess.Popen([sys.executable, TRAINER, root, out, str(TOTAL)], stdout=subprocess.PIPE, text=True)
 
 
-def run_to_end(root, out):
-    proc = start(root, out)
-    lines, _ = proc.communicate(timeout=120)
+def finish(proc):
+    try:
+        lines, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
     assert proc.returncode == 0 and lines.split()[-1] == "done", lines
     return lines
 
 
+def run_to_end(root, out):
+    return finish(start(root, out))
+
+
 def test_killed_and_resumed_run_ends_identical(tmp_path):
-    run_to_end(str(tmp_path / "ref"), str(tmp_path / "ref.pt"))
+    ref = start(str(tmp_path / "ref"), str(tmp_path / "ref.pt"))  # never interrupted, on its own root: beside
     root, rng = str(tmp_path / "run"), random.Random(5)
     for _ in range(3):
         proc = start(root, str(tmp_path / "run.pt"))
@@ -42,6 +48,7 @@ def test_killed_and_resumed_run_ends_identical(tmp_path):
         proc.wait(timeout=30)
     lines = run_to_end(root, str(tmp_path / "run.pt"))
     assert int(lines.split()[1]) > 0  # it resumed, not restarted
+    finish(ref)
     ref, got = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "run.pt")
     assert ref.keys() == got.keys()
     for k in ref:

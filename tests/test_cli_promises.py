@@ -26,6 +26,25 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return r
 
 
+def clis(*commands: tuple[str, ...], timeout: float = 120) -> list[subprocess.CompletedProcess[str]]:
+    """Independent commands (none changes what another reads), started together: their
+    results, in order."""
+    procs = [subprocess.Popen([sys.executable, "-m", "ckptmgr", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=ENV) for args in commands]
+    results = []
+    try:
+        for args, p in zip(commands, procs, strict=True):
+            out, err = p.communicate(timeout=timeout)
+            assert "Traceback" not in err, err
+            results.append(subprocess.CompletedProcess([*args], p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+    return results
+
+
 def _flip(path: str, at: int) -> None:
     with open(path, "r+b") as f:
         f.seek(at)
@@ -168,18 +187,19 @@ pl.Trainer(max_epochs=12, callbacks=[cb], logger=False, enable_progress_bar=Fals
 """
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=ENV, timeout=300)
     d = str(tmp_path / "ckpts")
-    out = json.loads(cli("ls", d, "--json").stdout)
+    # prune and export are refused, so nothing the others read changes: all run together
+    ls_json, ls, inspect_5, inspect_latest, inspect_50, prune, export = clis(
+        ("ls", d, "--json"), ("ls", d), ("inspect", d, "5", "--json"), ("inspect", d, "--json"), ("inspect", d, "50"),
+        ("prune", d, "--keep-latest", "1"), ("export", d, "latest", "--to", str(tmp_path / "x")))
+    out = json.loads(ls_json.stdout)
     assert [os.path.basename(f["file"]) for f in out["files"]] == [f"epoch={e}-step={e + 1}.ckpt" for e in range(12)]
     assert [f["step"] for f in out["files"]] == list(range(1, 13))
-    r = cli("ls", d)
-    assert [ln.split()[0] for ln in r.stdout.splitlines()[1:]] == [f"epoch={e}-step={e + 1}.ckpt" for e in range(12)]
-    out = json.loads(cli("inspect", d, "5", "--json").stdout)
+    assert [ln.split()[0] for ln in ls.stdout.splitlines()[1:]] == [f"epoch={e}-step={e + 1}.ckpt" for e in range(12)]
+    out = json.loads(inspect_5.stdout)
     assert os.path.basename(out["file"]) == "epoch=4-step=5.ckpt" and out["global_step"] == 5
-    assert json.loads(cli("inspect", d, "--json").stdout)["global_step"] == 12  # latest: the highest step
-    r = cli("inspect", d, "50")
-    assert r.returncode == 3 and "step 50" in r.stderr and "12" in r.stderr
-    for args in (("prune", d, "--keep-latest", "1"), ("export", d, "latest", "--to", str(tmp_path / "x"))):
-        r = cli(*args)
+    assert json.loads(inspect_latest.stdout)["global_step"] == 12  # latest: the highest step
+    assert inspect_50.returncode == 3 and "step 50" in inspect_50.stderr and "12" in inspect_50.stderr
+    for r in (prune, export):
         assert r.returncode == 2 and "not a ckptmgr root" in r.stderr and "ckptmgr import" in r.stderr, r.stderr
     assert len(os.listdir(d)) == 12 and not (tmp_path / "x").exists()
 

@@ -18,7 +18,9 @@ def launch(tmp_path, scenario: str, root: str, world: int, timeout_s: float = 60
     return dist_launch.launch(WORKER, scenario, root, tmp_path, world, timeout_s=timeout_s)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# world 3 by hand (-m slow): CI keeps world 2 here, and 3 ranks saving replicated, sharded and
+# per-rank state that restores (at 2) in test_distributed_reshard.py::test_save_at_3_restore_at_2_and_a_2d_mesh_at_2
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_round_trip_of_replicated_and_per_rank_state(tmp_path, world):
     root = str(tmp_path / "ckpt")
     rcs, saved = launch(tmp_path, "save", root, world)

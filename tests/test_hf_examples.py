@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -14,12 +15,32 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def example(name, *args, env=None, check=True):
-    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, name), *args], capture_output=True, text=True,
-                         timeout=240, env=env or ENV)
+def start_example(name, *args, env=None):
+    """The example running, its output to files (runs side by side: none blocks on a full pipe)."""
+    files = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115  (closed in finish_example)
+    proc = subprocess.Popen([sys.executable, os.path.join(EXAMPLES, name), *args], stdout=files[0],
+                            stderr=files[1], text=True, env=env or ENV)
+    return proc, files
+
+
+def finish_example(started, check=True):
+    proc, files = started
+    try:
+        proc.wait(timeout=240)
+        stdout, stderr = ((f.seek(0), f.read())[1] for f in files)
+    finally:
+        proc.kill()
+        proc.wait()
+        for f in files:
+            f.close()
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     if check:
         assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     return out
+
+
+def example(name, *args, env=None, check=True):
+    return finish_example(start_example(name, *args, env=env), check=check)
 
 
 def _steps(path):
@@ -34,9 +55,11 @@ def _steps(path):
 
 def test_dataloader_resumes_at_the_next_sample(tmp_path):
     pytest.importorskip("torchdata")
-    example("dataloader_resume.py", str(tmp_path / "full"), "--log", str(tmp_path / "full.log"))
+    # the uninterrupted run and the one that is killed have their own directories: side by side
+    full = start_example("dataloader_resume.py", str(tmp_path / "full"), "--log", str(tmp_path / "full.log"))
     killed = example("dataloader_resume.py", str(tmp_path / "run"), "--kill-at", "17", "--log",
                      str(tmp_path / "run.log"), check=False)
+    finish_example(full)
     assert killed.returncode == -9  # SIGKILL
     out = example("dataloader_resume.py", str(tmp_path / "run"), "--log", str(tmp_path / "run.log")).stdout
     assert "starting at step 16" in out  # the checkpoint after step 15
@@ -46,20 +69,34 @@ def test_dataloader_resumes_at_the_next_sample(tmp_path):
 def test_dataloader_resumes_per_rank(tmp_path):
     pytest.importorskip("torchdata")
 
-    def ranks(*args):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    used: set[int] = set()
+
+    def start_ranks(*args):
+        port = 0
+        while port == 0 or port in used:  # two pairs may run at once: never the same rendezvous port
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        used.add(port)
         env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs = [subprocess.Popen([sys.executable, os.path.join(EXAMPLES, "dataloader_resume.py"), *args],
-                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for r in range(2)]
-        outs = [p.communicate(timeout=240) for p in procs]
+        return [subprocess.Popen([sys.executable, os.path.join(EXAMPLES, "dataloader_resume.py"), *args],
+                                 env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for r in range(2)]
+
+    def finish_ranks(procs):
+        try:
+            outs = [p.communicate(timeout=240) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
         return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
 
-    ranks(str(tmp_path / "full"), "--steps", "16", "--log", str(tmp_path / "full.log"))
-    ranks(str(tmp_path / "run"), "--steps", "16", "--kill-at", "12", "--log", str(tmp_path / "run.log"))
-    results = ranks(str(tmp_path / "run"), "--steps", "16", "--log", str(tmp_path / "run.log"))
+    # the uninterrupted pair and the pair that is killed have their own directories: side by side
+    full_ranks = start_ranks(str(tmp_path / "full"), "--steps", "16", "--log", str(tmp_path / "full.log"))
+    finish_ranks(start_ranks(str(tmp_path / "run"), "--steps", "16", "--kill-at", "12", "--log",
+                             str(tmp_path / "run.log")))
+    finish_ranks(full_ranks)
+    results = finish_ranks(start_ranks(str(tmp_path / "run"), "--steps", "16", "--log", str(tmp_path / "run.log")))
     assert all("starting at step 11" in out for _, out, _ in results), results
     full = [_steps(tmp_path / f"full.log.{r}") for r in range(2)]
     assert full[0][0] != full[1][0]  # each rank reads its own samples

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -29,12 +30,28 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", 
        "TRANSFORMERS_OFFLINE": "1"}
 
 
-def _run(out, result, trainer, *extra, check=True):
-    proc = subprocess.run([sys.executable, RUN, str(out), str(result), "--trainer", trainer, *extra],
-                          env=ENV, capture_output=True, text=True, timeout=240)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+def _start(out, result, trainer, *extra):
+    """A run, its stderr to a file (runs side by side: none blocks on a full pipe)."""
+    err = tempfile.TemporaryFile("w+")  # noqa: SIM115  (closed in _finish)
+    proc = subprocess.Popen([sys.executable, RUN, str(out), str(result), "--trainer", trainer, *extra],
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    return proc, err
+
+
+def _finish(started):
+    proc, err = started
+    try:
+        proc.wait(timeout=240)
+        err.seek(0)
+        assert proc.returncode == 0, err.read()[-3000:]
+    finally:
+        proc.kill()
+        proc.wait()
+        err.close()
+
+
+def _run(out, result, trainer, *extra):
+    _finish(_start(out, result, trainer, *extra))
 
 
 def _losses(result):
@@ -54,10 +71,22 @@ def _assert_same_weights(a, b):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def runs(tmp_path_factory):
+    """The reference run (CkptmgrTrainer) and the stock Trainer's, side by side (their own
+    directories): each run's result file and output directory."""
     d = tmp_path_factory.mktemp("reference")
-    _run(d / "out", d / "r.json", "ckptmgr")
-    return _losses(d / "r.json"), _weights(d / "r.json"), d / "out"
+    ours, stock = _start(d / "out", d / "r.json", "ckptmgr"), _start(d / "stock", d / "s.json", "stock")
+    try:
+        _finish(ours)
+    finally:
+        _finish(stock)
+    return {"ckptmgr": (d / "r.json", d / "out"), "stock": (d / "s.json", d / "stock")}
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    result, out = runs["ckptmgr"]
+    return _losses(result), _weights(result), out
 
 
 def _kill_mid_save(tmp_path):
@@ -81,11 +110,11 @@ def _kill_mid_save(tmp_path):
     return out
 
 
-def test_stock_trainer_run_is_the_reference(tmp_path, reference):
+def test_stock_trainer_run_is_the_reference(runs, reference):
     losses, weights, _ = reference
-    _run(tmp_path / "out", tmp_path / "s.json", "stock")
-    assert _losses(tmp_path / "s.json") == losses
-    _assert_same_weights(_weights(tmp_path / "s.json"), weights)
+    stock, _ = runs["stock"]
+    assert _losses(stock) == losses
+    _assert_same_weights(_weights(stock), weights)
 
 
 def test_reference_checkpoints_are_complete(reference):
@@ -113,18 +142,28 @@ def test_sigkill_mid_save_then_resume_is_bit_identical(tmp_path, reference, resu
     assert {"checkpoint-8", "checkpoint-12"} <= set(names)
 
 
-def _ddp(out, result, trainer):
-    """A 2-rank DDP run (gloo, CPU)."""
+def _start_ddp(out, result, trainer, busy_ports):
+    """A 2-rank DDP run (gloo, CPU), on a rendezvous port none of ``busy_ports`` (added to it)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = 0
+    while port == 0 or port in busy_ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    busy_ports.add(port)
     env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    procs = [subprocess.Popen([sys.executable, RUN, str(out), str(result), "--trainer", trainer, "--max-steps", "8"],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    errs = [p.communicate(timeout=240)[1] for p in procs]
+    return [subprocess.Popen([sys.executable, RUN, str(out), str(result), "--trainer", trainer, "--max-steps", "8"],
+                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True) for r in range(2)]
+
+
+def _finish_ddp(procs):
+    try:
+        errs = [p.communicate(timeout=240)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
 
     def ok(p: subprocess.Popen, err: str) -> bool:
         # torch 2.13's gloo sometimes aborts a rank at interpreter exit, after all work is done
@@ -137,8 +176,13 @@ def _ddp(out, result, trainer):
 def test_ddp_two_ranks_write_one_checkpoint(tmp_path):
     """DDP: each rank's files (its RNG state) land in the one checkpoint that rank 0 commits,
     and training is the stock Trainer's, bit for bit, on every rank."""
-    _ddp(tmp_path / "ours", tmp_path / "ours.json", "ckptmgr")
-    _ddp(tmp_path / "stock", tmp_path / "stock.json", "stock")
+    ports: set[int] = set()  # both runs at once, each in its own directory
+    ours_procs = _start_ddp(tmp_path / "ours", tmp_path / "ours.json", "ckptmgr", ports)
+    stock_procs = _start_ddp(tmp_path / "stock", tmp_path / "stock.json", "stock", ports)
+    try:
+        _finish_ddp(ours_procs)
+    finally:
+        _finish_ddp(stock_procs)
     for r in range(2):
         assert _losses(f"{tmp_path}/ours.json.{r}") == _losses(f"{tmp_path}/stock.json.{r}")
         _assert_same_weights(_weights(f"{tmp_path}/ours.json.{r}"), _weights(f"{tmp_path}/stock.json.{r}"))

@@ -52,9 +52,22 @@ def ckpts(d):
     return sorted(n for n in os.listdir(d) if n.endswith(".ckpt"))
 
 
-def test_every_ckpt_loads_without_ckptmgr_also_copied_elsewhere(tmp_path):
+EPOCHS = 6  # of the reference fit, and of the fits that are compared with it
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted fit of EPOCHS epochs for the module: its checkpoint directory (not to
+    be changed) and its final state (``ref.pt``)."""
+    base = tmp_path_factory.mktemp("reference")
+    run(str(base / "run"), EPOCHS, str(base / "ref.pt"))
+    return base / "run", base / "ref.pt"
+
+
+def test_every_ckpt_loads_without_ckptmgr_also_copied_elsewhere(tmp_path, reference):
+    ref_dir, _ = reference
     d = str(tmp_path / "run")
-    run(d, 3, str(tmp_path / "out.pt"))
+    shutil.copytree(ref_dir, d)  # the fit's own files, copied: the copy is moved and removed below
     names = ckpts(d)
     assert "last.ckpt" in names and len(names) == 3  # top 2 + last
     assert not [n for n in os.listdir(d) if not n.endswith(".ckpt")]  # no temporaries, no hidden directories
@@ -79,10 +92,10 @@ def test_hyper_parameters_with_modules_dataclasses_and_namespaces_round_trip(tmp
         CkptmgrCheckpointIO().load_checkpoint(os.path.join(d, "last.ckpt"))
 
 
-def test_killed_fit_resumed_from_last_ends_bitwise_identical(tmp_path):
-    run(str(tmp_path / "ref"), 6, str(tmp_path / "ref.pt"))
+def test_killed_fit_resumed_from_last_ends_bitwise_identical(tmp_path, reference):
+    _, ref_pt = reference
     d = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, TRAINER, d, "6", str(tmp_path / "x.pt"), "--step-sleep", "0.02"],
+    proc = subprocess.Popen([sys.executable, TRAINER, d, str(EPOCHS), str(tmp_path / "x.pt"), "--step-sleep", "0.02"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:
         if line.startswith("epoch 2 done"):
@@ -96,10 +109,9 @@ def test_killed_fit_resumed_from_last_ends_bitwise_identical(tmp_path):
         with open(os.path.join(d, n), "rb") as f:
             assert torchzip.verify_file(f)
         assert torch.load(os.path.join(d, n), weights_only=True)["epoch"] >= 0
-    out = run(d, 6, str(tmp_path / "resumed.pt"), "--resume")
+    out = run(d, EPOCHS, str(tmp_path / "resumed.pt"), "--resume")
     assert "finished" in out
-    ref, got = torch.load(tmp_path / "ref.pt", weights_only=False), torch.load(tmp_path / "resumed.pt",
-                                                                               weights_only=False)
+    ref, got = torch.load(ref_pt, weights_only=False), torch.load(tmp_path / "resumed.pt", weights_only=False)
     assert got["global_step"] == ref["global_step"] == 60
     assert_tree_equal(got["model"], ref["model"])
     assert_tree_equal(got["optim"], ref["optim"])
@@ -107,12 +119,12 @@ def test_killed_fit_resumed_from_last_ends_bitwise_identical(tmp_path):
     assert sorted(os.listdir(d)) == ckpts(d) and len(ckpts(d)) == 3
 
 
-def test_a_kill_during_the_write_of_last_ckpt_resumes_from_the_newest_complete_checkpoint(tmp_path):
+def test_a_kill_during_the_write_of_last_ckpt_resumes_from_the_newest_complete_checkpoint(tmp_path, reference):
     """ckpt_path="last" picks last.ckpt by mtime: killed while last.ckpt of epoch 2 was being
     written, it still holds epoch 1, and epoch=2-step=30.ckpt, complete, is newer."""
-    run(str(tmp_path / "ref"), 5, str(tmp_path / "ref.pt"))
+    _, ref_pt = reference
     d = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, TRAINER, d, "5", str(tmp_path / "x.pt"), "--hold-last", "3"],
+    proc = subprocess.Popen([sys.executable, TRAINER, d, str(EPOCHS), str(tmp_path / "x.pt"), "--hold-last", "3"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         for line in proc.stdout:
@@ -127,10 +139,10 @@ def test_a_kill_during_the_write_of_last_ckpt_resumes_from_the_newest_complete_c
     assert [n for n in os.listdir(d) if n.endswith(".partial")]  # the cut-short write
     assert torch.load(os.path.join(d, "last.ckpt"), weights_only=True)["global_step"] == 20
     assert "epoch=2-step=30.ckpt" in ckpts(d)
-    out = run(d, 5, str(tmp_path / "resumed.pt"), "--resume")
+    out = run(d, EPOCHS, str(tmp_path / "resumed.pt"), "--resume")
     assert "start at step 30\n" in out  # not 20: the newest complete checkpoint
-    ref, got = (torch.load(tmp_path / n, weights_only=False) for n in ("ref.pt", "resumed.pt"))
-    assert got["global_step"] == ref["global_step"] == 50
+    ref, got = (torch.load(p, weights_only=False) for p in (ref_pt, tmp_path / "resumed.pt"))
+    assert got["global_step"] == ref["global_step"] == 60
     assert_tree_equal(got["model"], ref["model"])
     assert_tree_equal(got["optim"], ref["optim"])
 

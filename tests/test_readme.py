@@ -59,15 +59,26 @@ def readme_block(heading: str) -> str:
 def script(tmp_path, root: str) -> str:
     block = readme_block("## Resume after a restart")
     assert README_ROOT in block
-    path = tmp_path / "resume_example.py"
+    path = tmp_path / f"resume_example-{os.path.basename(root)}.py"
     path.write_text(PRELUDE + block.replace(README_ROOT, root) + POSTLUDE)
     return str(path)
 
 
+def start(path: str, out: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, path, out], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen[str]) -> str:
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-2000:] + err
+    return out
+
+
 def run(path: str, out: str) -> str:
-    r = subprocess.run([sys.executable, path, out], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr
-    return r.stdout
+    return finish(start(path, out))
 
 
 def same(a: str, b: str) -> bool:
@@ -79,23 +90,26 @@ def test_readme_resume_block_runs_twice_and_after_a_sigkill(tmp_path):
     root = str(tmp_path / "run")
     path = script(tmp_path, root)
     ref = str(tmp_path / "ref.pt")
-    first = run(path, ref)
-    assert "step 0\n" in first and "step 1200\n" in first
-    again = run(path, str(tmp_path / "again.pt"))  # a restart: no step trained twice, none saved twice
-    assert again.split()[:2] == ["step", "1001"]  # after checkpoint 1000
-    assert same(ref, str(tmp_path / "again.pt"))
-
     killed_root = str(tmp_path / "killed")
-    path = script(tmp_path, killed_root)
+    killed_path = script(tmp_path, killed_root)
+    # the first run and the run to be killed use separate roots: they run side by side
+    first_proc = start(path, ref)
     kill_at = random.Random().randint(520, 1150)
-    proc = subprocess.Popen([sys.executable, path, str(tmp_path / "unused.pt")], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, killed_path, str(tmp_path / "unused.pt")], stdout=subprocess.PIPE,
+                            text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("step ") and int(line.split()[1]) >= kill_at:
             break
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
-    resumed = run(path, str(tmp_path / "resumed.pt"))
+    first = finish(first_proc)
+    assert "step 0\n" in first and "step 1200\n" in first
+    again_proc = start(path, str(tmp_path / "again.pt"))  # a restart: no step trained twice, none saved twice
+    resumed = run(killed_path, str(tmp_path / "resumed.pt"))
+    again = finish(again_proc)
+    assert again.split()[:2] == ["step", "1001"]  # after checkpoint 1000
+    assert same(ref, str(tmp_path / "again.pt"))
     first_step = int(resumed.split()[1])
     assert first_step in (501, 1001), resumed[:200]  # continued after a saved step, not at 0
     assert same(ref, str(tmp_path / "resumed.pt")), f"killed at step {kill_at}"
@@ -179,17 +193,28 @@ def snippet(tmp_path, heading: str, prelude: str, postlude: str, run_dir: str, e
     block = readme_block(heading)
     assert '"run1"' in block and every in block
     block = block.replace(every, every.replace("500", "5"))
-    path = tmp_path / f"snippet-{abs(hash(heading))}.py"
+    path = tmp_path / f"snippet-{abs(hash(heading))}-{os.path.basename(run_dir)}.py"
     path.write_text(prelude + block.replace('"run1"', repr(run_dir)) + postlude)
     return str(path)
 
 
-def run_snippet(path: str, steps: int, out: str) -> str:
+def start_snippet(path: str, steps: int, out: str) -> subprocess.Popen[str]:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
-    r = subprocess.run([sys.executable, path, str(steps), out], capture_output=True, text=True, timeout=600,
-                       env=env, cwd=os.path.dirname(path))
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return r.stdout
+    return subprocess.Popen([sys.executable, path, str(steps), out], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=os.path.dirname(path))
+
+
+def finish_snippet(proc: subprocess.Popen[str]) -> str:
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    return out
+
+
+def run_snippet(path: str, steps: int, out: str) -> str:
+    return finish_snippet(start_snippet(path, steps, out))
 
 
 def test_readme_hugging_face_snippet_runs_on_a_first_and_a_second_run(tmp_path):
@@ -207,13 +232,14 @@ def test_readme_hugging_face_snippet_runs_on_a_first_and_a_second_run(tmp_path):
 def test_readme_accelerate_snippet_runs_on_a_first_and_a_second_run(tmp_path):
     path = snippet(tmp_path, "### accelerate: `AsyncStateSaver`", ACCELERATE_PRELUDE, ACCELERATE_POSTLUDE,
                    str(tmp_path / "acc"), "% 500 == 0")
+    ref_path = snippet(tmp_path, "### accelerate: `AsyncStateSaver`", ACCELERATE_PRELUDE, ACCELERATE_POSTLUDE,
+                       str(tmp_path / "ref"), "% 500 == 0")
+    ref = start_snippet(ref_path, 11, str(tmp_path / "ref.pt"))  # one run, never interrupted (its own root, beside)
     first = run_snippet(path, 6, str(tmp_path / "first.pt"))  # nothing to resume: starts fresh
     assert first.split()[:2] == ["step", "0"] and "step 5\n" in first
     second = run_snippet(path, 11, str(tmp_path / "second.pt"))  # resumes after its 5th step
     assert second.split()[:2] == ["step", "5"] and "step 10\n" in second
-    ref_path = snippet(tmp_path, "### accelerate: `AsyncStateSaver`", ACCELERATE_PRELUDE, ACCELERATE_POSTLUDE,
-                       str(tmp_path / "ref"), "% 500 == 0")
-    run_snippet(ref_path, 11, str(tmp_path / "ref.pt"))  # one run, never interrupted
+    finish_snippet(ref)
     assert same(str(tmp_path / "ref.pt"), str(tmp_path / "second.pt"))
 
 
@@ -271,8 +297,7 @@ def test_readme_callback_snippet_stops_on_sigterm_and_resumes_after_the_step_it_
     saves the step it is in and ends cleanly; the second run resumes after it and ends where a
     run never interrupted ends."""
     ref = str(tmp_path / "ref.pt")
-    assert run_snippet(callback_snippet(tmp_path, str(tmp_path / "ref")), 23, ref).split()[-3:] == [
-        "done", "None", "23"]  # one run, never interrupted
+    ref_proc = start_snippet(callback_snippet(tmp_path, str(tmp_path / "ref")), 23, ref)  # its own root, beside
     root = str(tmp_path / "preempted")
     path = callback_snippet(tmp_path, root)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -286,6 +311,7 @@ def test_readme_callback_snippet_stops_on_sigterm_and_resumes_after_the_step_it_
     out, _ = proc.communicate(input="go\n", timeout=300)
     assert proc.returncode == 0, out
     assert out.split()[-3:] == ["done", "None", "8"]  # a first run: nothing resumed; stopped after step 7
+    assert finish_snippet(ref_proc).split()[-3:] == ["done", "None", "23"]  # one run, never interrupted
     with CheckpointManager(root, read_only=True) as mgr:
         assert mgr.latest_step() == 7  # the step it was in, durable before it stopped (5 may be superseded)
     resumed = run_snippet(path, 23, str(tmp_path / "resumed.pt"))

@@ -352,24 +352,44 @@ def test_two_processes_share_a_root(server, bucket, tmp_path):
 
 
 def _cli(server: S3Server, *args: str, read_only: bool = False) -> subprocess.CompletedProcess[str]:
+    return _clis(server, args, read_only=read_only)[0]
+
+
+def _clis(server: S3Server, *commands: tuple[str, ...],
+          read_only: bool = False) -> list[subprocess.CompletedProcess[str]]:
+    """Commands that read only (none changes what another reads), started together: their
+    results, in order."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore",
            "CKPTMGR_STORAGE_OPTIONS": json.dumps(server.options(read_only=read_only))}
-    return subprocess.run([sys.executable, "-m", "ckptmgr", *args], capture_output=True, text=True, env=env,
-                          timeout=120)
+    procs = [subprocess.Popen([sys.executable, "-m", "ckptmgr", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for args in commands]
+    try:
+        results = []
+        for args, p in zip(commands, procs, strict=True):
+            out, err = p.communicate(timeout=120)
+            results.append(subprocess.CompletedProcess(list(args), p.returncode, out, err))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
 
 
 def test_the_cli_reads_and_never_creates_a_bucket(server, bucket):
     with manager(f"s3://{bucket}/cli", server) as mgr:
         mgr.save(1, state_of(1), metadata={"tag": "a"}).result()
         mgr.save(2, state_of(2)).result()
-    ls = _cli(server, "ls", f"s3://{bucket}/cli", "--json")
+    missing = f"nobucket-{os.getpid()}-{next(_counter)}"
+    ls, inspect, verify, *on_missing = _clis(
+        server, ("ls", f"s3://{bucket}/cli", "--json"), ("inspect", f"s3://{bucket}/cli", "1"),
+        ("verify", f"s3://{bucket}/cli"), ("ls", f"s3://{missing}/x"),
+        ("prune", "--keep-last", "1", "--dry-run", f"s3://{missing}/x"))
     assert ls.returncode == 0, ls.stderr
     assert [r["step"] for r in json.loads(ls.stdout)["steps"]] == [1, 2]
-    assert _cli(server, "inspect", f"s3://{bucket}/cli", "1").returncode == 0
-    assert _cli(server, "verify", f"s3://{bucket}/cli").returncode == 0
-    missing = f"nobucket-{os.getpid()}-{next(_counter)}"
-    for cmd in (["ls"], ["prune", "--keep-last", "1", "--dry-run"]):
-        r = _cli(server, *cmd, f"s3://{missing}/x")
+    assert inspect.returncode == 0
+    assert verify.returncode == 0
+    for r in on_missing:
         assert "Traceback" not in r.stderr, r.stderr
     buckets = [b["Name"] for b in raw(server).call_s3("list_buckets").get("Buckets", [])]
     assert missing not in buckets
@@ -432,9 +452,8 @@ def test_read_only_credentials(server, bucket, caplog):
             mgr.save(3, state_of(3)).result(timeout=60)
     assert "step_000000000002" in caplog.text
     assert keys(server, bucket) == before
-    for cmd in (["ls", url], ["inspect", url, "1"], ["verify", url]):
-        r = _cli(server, *cmd, read_only=True)
-        assert r.returncode == 0, (cmd, r.stdout, r.stderr)
+    for r in _clis(server, ("ls", url), ("inspect", url, "1"), ("verify", url), read_only=True):
+        assert r.returncode == 0, (r.args, r.stdout, r.stderr)
     missing = f"nobucket-{os.getpid()}-{next(_counter)}"
     with manager(f"s3://{missing}/x", server, reader, read_only=True) as mgr:
         assert mgr.steps() == []
