@@ -117,7 +117,8 @@ class ReadTuner:
         self._round_bytes = 0
         self._round_busy = 0.0
         self.rounds = 0  # rounds judged, for telemetry and tests
-        self.requests = 0
+        self.requests = 0  # answers observed
+        self.bytes = 0  # bytes they brought
 
     @property
     def settled(self) -> bool:
@@ -149,6 +150,7 @@ class ReadTuner:
         """A request of ``nbytes`` was answered in ``seconds``, at ``now``."""
         with self._mu:
             self.requests += 1
+            self.bytes += nbytes
             self._round_bytes += nbytes
             self._round_busy += max(seconds, 1e-9)
             self._round_left -= 1

@@ -103,17 +103,19 @@ class RangedTransport:
     many as the target's request window allows at most). Serves several reads at once:
     each has its own tuner, threads and buffers."""
 
-    def __init__(self, source: RangedSource, step: int, *, scratch_bytes: int = SCRATCH_BYTES) -> None:
+    def __init__(self, source: RangedSource, step: int, *, scratch_bytes: int = SCRATCH_BYTES,
+                 tuner: ReadTuner | None = None) -> None:
         self.source = source
         self.step = step
         self.scratch_bytes = scratch_bytes
-        self.tuner: ReadTuner | None = None  # the last read's, for telemetry and tests
+        self.tuner = tuner  # given: used by the next read only; else the last read's (for telemetry and tests)
 
     def read(self, chunks: Sequence[Chunk], land: Land) -> None:
         """Fetch and land every chunk (see :class:`~ckptmgr.restore.read.Transport`)."""
         if not chunks:
             return
-        tuner = self.tuner = self.source.read_tuner()
+        tuner = self.tuner if self.tuner is not None and self.tuner.requests == 0 else self.source.read_tuner()
+        self.tuner = tuner
         st = _State(chunks)
         stop = threading.Event()  # set at the first failure: no request starts after it
         total = sum(c.size for c in chunks)
