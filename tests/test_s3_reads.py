@@ -199,3 +199,32 @@ def test_slowdown_shrinks_the_window_reads_share_with_the_writer(server, bucket)
             assert_tree_equal(mgr.restore(1), s)
     finally:
         proxy.close()
+
+
+def test_a_restore_into_a_target_fetches_each_byte_once_and_changes_it_only_once_verified(server, bucket):
+    s = saved(server, bucket, "into")
+    proxy = FaultyProxy(server.endpoint)
+    try:
+        so = dict(server.options(), endpoint_url=proxy.endpoint)
+        with manager(f"s3://{bucket}/into", server, so, read_only=True) as mgr:
+            proxy.reset_counts()
+            assert_tree_equal(mgr.restore(1), s)
+            fresh = proxy.count("get")
+            target = {k: torch.zeros_like(v) for k, v in s.items()}
+            w = target["w"]
+            proxy.reset_counts()
+            mgr.restore(1, target=target)
+            assert proxy.count("get") == fresh  # no second pass over the data to check it first
+            assert target["w"] is w and torch.equal(w, s["w"])
+        fs = s3fs.S3FileSystem(**server.options(), skip_instance_cache=True)
+        [key] = [k for k in fs.find(f"{bucket}/into") if k.endswith(".safetensors")]
+        data = bytearray(fs.cat_file(key))
+        data[-10] ^= 0xFF  # (the last chunk: every other lands first)
+        fs.pipe_file(key, bytes(data))
+        with manager(f"s3://{bucket}/into", server, so, read_only=True) as mgr:
+            target = {k: torch.zeros_like(v) for k, v in s.items()}
+            with pytest.raises(CheckpointCorruptError, match="checksum"):
+                mgr.restore(1, target=target)
+            assert not target["w"].any() and not target["b"].any()  # unchanged
+    finally:
+        proxy.close()
