@@ -89,6 +89,10 @@ def test_the_last_wave_is_spread_over_every_request_in_flight():
     tuner = ReadTuner(AdaptiveWindow(8), start_inflight=8, start_range=32 * MiB, min_range=4 * MiB)
     assert tuner.range_size(100 * MiB) == -(-100 * MiB // 8)  # one wave: eight equal ranges
     assert tuner.range_size(100 * MiB - 12.5 * MiB) == -(-100 * MiB // 8)  # (kept for the rest of the wave)
+    one = ReadTuner(AdaptiveWindow(16), start_inflight=8, start_range=32 * MiB, min_range=4 * MiB)
+    assert one.range_size(256 * MiB) == 16 * MiB and one.inflight() == 16  # one wave from the start: all of it
+    big = ReadTuner(AdaptiveWindow(16), start_inflight=8, start_range=32 * MiB, min_range=4 * MiB)
+    assert big.range_size(1024 * MiB) == 32 * MiB and big.inflight() == 8  # (rounds to learn from: it starts at 8)
     small = ReadTuner(AdaptiveWindow(8), start_inflight=8, start_range=32 * MiB, min_range=4 * MiB)
     assert small.range_size(6 * MiB) == 4 * MiB  # never below min_range
     assert small.range_size(2 * MiB) == 2 * MiB  # nor more than is left

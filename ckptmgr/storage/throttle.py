@@ -95,7 +95,9 @@ class ReadTuner:
     bounded it). Once a round gains less, the read settles; a round clearly slower than
     the one before goes back to the size and count before it. Once what is left fits in
     one wave of requests, it is cut into equal ranges, one per request allowed in flight
-    (never below ``min_range``), so that the read ends on every connection at once. Each read has its own tuner;
+    (never below ``min_range``), so that the read ends on every connection at once; a read
+    that fits in one wave from the start (nothing to learn from) is spread over as many
+    requests as the window allows. Each read has its own tuner;
     :meth:`observe` may be called from any thread (a lock guards the state), the other
     methods from the read's dispatching thread.
     """
@@ -136,6 +138,9 @@ class ReadTuner:
         n = self.inflight()
         with self._mu:
             if self._tail is None and remaining <= n * self._size:  # the last wave: spread over every request
+                if self._round_start is None:  # the whole read is one wave: nothing to learn, as wide as allowed
+                    self._inflight = self.window.ceiling
+                    n = max(1, min(self._inflight, self.window.limit))
                 self._tail = max(self.min_range, -(-remaining // n))
             size = self._size if self._tail is None else self._tail
         return max(1, min(remaining, size))
