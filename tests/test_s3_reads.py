@@ -89,8 +89,14 @@ def test_the_last_wave_is_spread_over_every_request_in_flight():
     tuner = ReadTuner(AdaptiveWindow(8), start_inflight=8, start_range=32 * MiB, min_range=4 * MiB)
     assert tuner.range_size(100 * MiB) == -(-100 * MiB // 8)  # one wave: eight equal ranges
     assert tuner.range_size(100 * MiB - 12.5 * MiB) == -(-100 * MiB // 8)  # (kept for the rest of the wave)
+    later = ReadTuner(AdaptiveWindow(8), start_inflight=8, start_range=32 * MiB, min_range=4 * MiB)
+    assert later.range_size(1024 * MiB) == 32 * MiB  # (not the last wave yet)
+    later.started(0.0)
+    assert later.range_size(380 * MiB) == -(-380 * MiB // 8)  # within a wave and a half of the end: spread
     one = ReadTuner(AdaptiveWindow(16), start_inflight=8, start_range=32 * MiB, min_range=4 * MiB)
     assert one.range_size(256 * MiB) == 16 * MiB and one.inflight() == 16  # one wave from the start: all of it
+    odd = ReadTuner(AdaptiveWindow(16), start_inflight=8, start_range=32 * MiB, min_range=4 * MiB)
+    assert odd.range_size(256 * MiB + 4096) == 16 * MiB + 256  # (no request of the last 4 KiB alone)
     big = ReadTuner(AdaptiveWindow(16), start_inflight=8, start_range=32 * MiB, min_range=4 * MiB)
     assert big.range_size(1024 * MiB) == 32 * MiB and big.inflight() == 8  # (rounds to learn from: it starts at 8)
     small = ReadTuner(AdaptiveWindow(8), start_inflight=8, start_range=32 * MiB, min_range=4 * MiB)

@@ -94,7 +94,7 @@ class ReadTuner:
     while one connection also got faster with longer ranges (latency, not bandwidth,
     bounded it). Once a round gains less, the read settles; a round clearly slower than
     the one before goes back to the size and count before it. Once what is left fits in
-    one wave of requests, it is cut into equal ranges, one per request allowed in flight
+    one wave and a half of requests, it is cut into equal ranges, one per request allowed in flight
     (never below ``min_range``), so that the read ends on every connection at once; a read
     that fits in one wave from the start (nothing to learn from) is spread over as many
     requests as the window allows. Each read has its own tuner;
@@ -137,7 +137,8 @@ class ReadTuner:
         """The length of the next request, ``remaining`` bytes being left to ask for."""
         n = self.inflight()
         with self._mu:
-            if self._tail is None and remaining <= n * self._size:  # the last wave: spread over every request
+            # the last wave (what is left would make at most half a wave more): spread over every request
+            if self._tail is None and 2 * remaining <= 3 * n * self._size:
                 if self._round_start is None:  # the whole read is one wave: nothing to learn, as wide as allowed
                     self._inflight = self.window.ceiling
                     n = max(1, min(self._inflight, self.window.limit))
