@@ -162,7 +162,7 @@ def test_a_restore_fetches_each_byte_once_in_ranges_that_span_and_split_chunks(s
         transport = RangedTransport(target, 1, tuner=tuner)
         run(plan_check(manifest, "test"), transport)
         assert tuner.bytes == rec.size  # each byte once
-        assert tuner.requests == -(-rec.size // (384 << 10)) < len(rec.crc32c)
+        assert -(-rec.size // (576 << 10)) <= tuner.requests < len(rec.crc32c)  # (the last wave: up to 1.5x)
         assert_tree_equal(mgr.restore(), s)  # (through the manager: the ranged transport, default tuning)
 
 
