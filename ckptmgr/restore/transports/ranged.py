@@ -170,39 +170,44 @@ class RangedTransport:
             return segs
 
         first_chunk: dict[Future[None], int] = {}  # each request's first chunk, to raise the earliest failure
-        with ThreadPoolExecutor(tuner.window.ceiling, thread_name_prefix="ckptmgr-range") as pool:
-            running: set[Future[None]] = set()
-            try:
-                while pos[0] < len(chunks) or running:
-                    while pos[0] < len(chunks) and len(running) < tuner.inflight() and not stop.is_set():
-                        need = st.needs_scratch(pos[0])
-                        with st.mu:
-                            full = bool(running) and st.scratch_used + need > self.scratch_bytes
-                        if full:
-                            break  # (scratch is freed as chunks land)
-                        segs = next_request(tuner.range_size(total - asked))
-                        asked += sum(n for _, _, n in segs)
-                        for i, _, _ in segs:
-                            st.memory_of(i)  # (made here, on one thread)
-                        tuner.started(time.monotonic())
-                        fut = pool.submit(request, segs)
-                        first_chunk[fut] = segs[0][0]
-                        running.add(fut)
-                    if stop.is_set() and not running:
-                        break
-                    done, _ = wait(running, timeout=_ANSWER_WAIT, return_when=FIRST_COMPLETED)
-                    if not done:
-                        raise CkptTimeoutError(f"{self.source.url}: no ranged read answered in {_ANSWER_WAIT} s")
-                    running -= done
-                    if any(f.exception() is not None for f in done):
-                        stop.set()
-            except BaseException:  # (an interrupt too) nothing more starts; the started end first
-                stop.set()
-                drain(list(running))
-                raise
-        failed = sorted((first_chunk[f], i) for i, f in enumerate(first_chunk) if f.exception() is not None)
-        if failed:
-            raise list(first_chunk)[failed[0][1]].exception()  # type: ignore[misc]
+        pool = ThreadPoolExecutor(tuner.window.ceiling, thread_name_prefix="ckptmgr-range")
+        running: set[Future[None]] = set()
+        ended = False  # every request submitted has ended: the pool's threads may be joined
+        try:
+            while pos[0] < len(chunks) or running:
+                while pos[0] < len(chunks) and len(running) < tuner.inflight() and not stop.is_set():
+                    need = st.needs_scratch(pos[0])
+                    with st.mu:
+                        full = bool(running) and st.scratch_used + need > self.scratch_bytes
+                    if full:
+                        break  # (scratch is freed as chunks land)
+                    segs = next_request(tuner.range_size(total - asked))
+                    asked += sum(n for _, _, n in segs)
+                    for i, _, _ in segs:
+                        st.memory_of(i)  # (made here, on one thread)
+                    tuner.started(time.monotonic())
+                    fut = pool.submit(request, segs)
+                    first_chunk[fut] = segs[0][0]
+                    running.add(fut)
+                if stop.is_set() and not running:
+                    break
+                done, _ = wait(running, timeout=_ANSWER_WAIT, return_when=FIRST_COMPLETED)
+                if not done:
+                    raise CkptTimeoutError(f"{self.source.url}: no ranged read answered in {_ANSWER_WAIT} s")
+                running -= done
+                if any(f.exception() is not None for f in done):
+                    stop.set()
+            ended = True
+        except BaseException:  # (an interrupt too) nothing more starts; the started end first
+            stop.set()
+            drain(list(running))  # (CkptTimeoutError when they do not: then their threads are left behind)
+            ended = True
+            raise
+        finally:
+            pool.shutdown(wait=ended, cancel_futures=True)
+        errors = [(first_chunk[f], exc) for f in first_chunk if (exc := f.exception()) is not None]
+        if errors:
+            raise min(errors, key=lambda e: e[0])[1]  # the earliest chunk's
 
     @staticmethod
     def _land(st: _State, i: int, land: Land) -> None:
