@@ -186,3 +186,20 @@ def test_checks_of_an_adopted_slot_that_do_not_end_in_time_are_done_again_by_the
         for k in ("a", "b", "c"):
             assert torch.equal(target[k], _state(3)[k]), k
         mgr.wait(timeout=60)
+
+
+def test_a_slot_the_dead_job_never_committed_is_removed_at_the_next_start(root, ram_dir):
+    """A job killed with a spare slot made, or a save cut short, leaves a slot with data files
+    and no manifest: the next start removes it (its memory goes back at once) and keeps the
+    committed one."""
+    path = _leave_step_3_in_the_tier(root, ram_dir)
+    tier_dir = os.path.dirname(os.path.dirname(path))
+    spare = os.path.join(tier_dir, "slot-01")
+    os.mkdir(spare, 0o700)
+    with open(os.path.join(spare, "data-00000.safetensors"), "wb") as f:
+        f.write(b"\0" * (1 << 20))  # as a dead job's spare slot or unfinished save leaves it
+    with CheckpointManager(root, staging=StagingOptions(local_dir=ram_dir), write_options=SMALL_CHUNKS,
+                           schedule=DURABLE_EVEN) as mgr:
+        assert not os.path.exists(spare)
+        assert mgr._tier.steps() == {3: 0}
+        assert_tree_equal(mgr.restore(3), _state(3))

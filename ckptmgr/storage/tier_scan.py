@@ -78,8 +78,8 @@ class TierScan:
         step (``root_is_empty``): a root that was deleted or replaced since has one or the
         other as soon as anything was committed to it.
 
-        A slot that is not a private directory of this user, or has an unreadable manifest,
-        or files that do not match it, is removed. So are slots beyond ``slots``, and, given
+        A slot that is not a private directory of this user, has no manifest or an unreadable
+        one, or files that do not match it, is removed. So are slots beyond ``slots``, and, given
         ``durable`` (the root's committed steps), slots whose step was committed on the root
         once and is gone from it since: someone deleted it there, and it is not brought back.
         """
@@ -103,7 +103,8 @@ class TierScan:
             except (OSError, CkptError, ValueError):
                 self._discard(name, index)
                 continue
-            if m is None:
+            if m is None:  # a slot of the dead process never committed (a save cut short, a spare):
+                self._discard(name, index)  # its memory goes back now, not at the next save into it
                 continue
             if durable is not None and m.step not in durable and self._durable_step(index) == m.step:
                 log.info("local tier %s: step %d was deleted from the root since it was written there; its copy "
