@@ -284,9 +284,11 @@ class Saver(TierSaves):
             return step in self._protect
 
     def forget(self, step: int) -> None:
-        """``step`` was deleted from the durable target (called by the deleter)."""
+        """``step`` was deleted from the durable target (called by the deleter): the local
+        tier gives it up too where a slot holds it idle."""
         with self._mu:
             self._durable.discard(step)
+        self.pool.drop_step(step)
 
     def pending_steps(self) -> list[int]:
         with self._mu:

@@ -228,6 +228,26 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
             newest, wanted = self._newest_committed(), self._newest_wanted()
             return all(self._reusable(s, newest, wanted) is None for s in self.slots)
 
+    def drop_step(self, step: int) -> bool:
+        """``step`` was deleted from the durable target (retention, or the user): the idle slot
+        that holds it in the local tier gives it up (its manifest goes; the buffers stay for
+        the next save), so that the tier never lists nor serves a step the root no longer has.
+        False when no idle slot holds it or a restore reads it now (then it goes when the slot
+        is reused). The slot is held busy while its manifest is removed (outside the lock)."""
+        with self._cond:
+            slot = next((s for s in self.slots if s.step == step and not s.busy and not s.preparing), None)
+            if slot is None or self.tier is None or slot.kind != "tmpfs" or not self.tier.claim(slot.index):
+                return False
+            slot.busy = True
+            slot.step, slot.durable, slot.wanted, slot.local_only = None, False, False, False
+        try:
+            self.tier.invalidate(slot.index)
+        finally:
+            with self._cond:
+                slot.busy = False
+                self._cond.notify_all()
+        return True
+
     def spare(self) -> bool:
         """After a save took a slot (default options): add a slot to make in the background
         when none is left for the next save and one fits (see :meth:`SlotCapacity._spare`);
