@@ -133,7 +133,8 @@ def state(n: int = 3 * MiB // 4) -> dict[str, torch.Tensor]:
 def manager(url: str, server: S3Server, so: dict | None = None, **kw) -> CheckpointManager:
     return CheckpointManager(url, storage_options=so or server.options(), staging=StagingOptions(local_tier=False),
                              write_options=WriteOptions(chunk_size=256 << 10, io_threads=4),
-                             s3_options=kw.pop("s3_options", S3Options(part_size=server.min_part, concurrency=8,
+                             s3_options=kw.pop("s3_options", S3Options(part_size=max(server.min_part, 256 << 10),
+                                                                        concurrency=8,
                                                                         base_delay_s=0.01, max_delay_s=0.05)), **kw)
 
 
