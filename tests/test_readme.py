@@ -382,8 +382,9 @@ def test_readme_links_a_guide_per_integration_and_takes_its_figures_from_the_res
         assert os.path.isfile(os.path.join(here, "docs", page)) and f"(docs/{page})" in text, page
     # benchmark figures (seconds, percentages, GB/s) only in the Benchmarks section's summary,
     # each of them a value of the chart's report, rounded as printed
-    bench = text[text.index("\n## Benchmarks\n"):]
-    usage = text[:text.index("\n## Benchmarks\n")]
+    start = text.index("\n## Benchmarks\n")
+    bench = text[start:text.index("\n## ", start + 1)]  # (the next section checks its own figures)
+    usage = text[:start]
     assert not re.findall(r"\d+(?:\.\d+)?\s?(?:%|GB/s)", usage)
     assert not re.findall(r"\b\d+\.\d+ s\b", usage)  # (timeouts such as "60 s" are not figures)
     assert not re.findall(r"\b\d+(?:\.\d+)?\s?ms\b", usage)  # step and copy times
@@ -427,6 +428,10 @@ def test_readme_checkpoint_frequency_table_comes_from_its_json():
         return {f"{v:+.2f}%" for v in (statistics.median(values), min(values), max(values))}
 
     budget = "h100-2026-11-27-budget/budget.json"
+    with open(os.path.join(results, budget)) as f:
+        rounds = json.load(f)["rounds"]
+    modes = {"the defaults": "ckptmgr overlap", "Schedule(continuous=True)": "ckptmgr continuous",
+             "Schedule(max_lost_s=2)": "ckptmgr lost"}
     rows = {"the defaults": spread(pct(budget, "ckptmgr overlap")),
             "Schedule(continuous=True)": spread(pct(budget, "ckptmgr continuous")),
             "Schedule(max_lost_s=2)": spread(pct(budget, "ckptmgr lost"))}
@@ -437,6 +442,12 @@ def test_readme_checkpoint_frequency_table_comes_from_its_json():
         if not line.startswith("| ") or not found:
             continue
         assert set(found) == rows[cells[0]], (line, rows[cells[0]])
+        # the seconds the schedule achieved: each a value of its stats in some round, as printed
+        stats = [v for r in rounds for k, v in (r[modes[cells[0]]]["stats"] or {}).items()
+                 if isinstance(v, (int, float))]
+        for fig in re.findall(r"\d+\.\d+", cells[-1]):
+            digits = len(fig.split(".")[1])
+            assert any(f"{v:.{digits}f}" == fig for v in stats), (fig, line)
         seen += 1
     assert seen == len(rows)
     prose = {f"{v:+.2f}%" for path, mode in (("h100-2026-11-27-final2/budget-long.json", "ckptmgr budget"),
