@@ -54,7 +54,6 @@ class BudgetCheckpointMixin:
         super().__init__(**kwargs)
         # the planner belongs to the training thread (it has its own lock); made per fit
         self._planner: BudgetPlanner | None = None
-        self._told_step = -1  # the last step the planner was told a save of
         self._asked_step = 0  # the last step the planner was asked about (none before the first step)
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn, deepcopy: a fresh planner at the next fit
@@ -66,7 +65,6 @@ class BudgetCheckpointMixin:
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
         if stage == "fit":
             self._planner = BudgetPlanner(self.schedule, clock=self.clock, tiered=False)
-            self._told_step = -1
             self._asked_step = 0
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -91,12 +89,8 @@ class BudgetCheckpointMixin:
 
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
-        planner, step = self._planner, trainer.global_step
-        if planner is not None and step != self._told_step:  # top-k and last.ckpt of one step: one save
-            first = self._told_step < 0
-            self._told_step = step
-            # the first save of a fit makes the CheckpointIO's staging memory: a one-time cost
-            planner.saved(step, allocated=first)
+        if self._planner is not None:  # (top-k and last.ckpt of one step: one save)
+            self._planner.saved_once(trainer.global_step)
 
     def stats(self) -> dict[str, float]:
         """The intervals planned and achieved so far in this fit (keys present once measured):

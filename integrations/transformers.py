@@ -298,7 +298,6 @@ class CkptmgrBudgetCallback(TrainerCallback):
         self.clock = clock
         # both belong to the training thread (the planner has its own lock); made per train()
         self._planner: BudgetPlanner | None = None
-        self._told_step = -1  # the last step the planner was told a save of
 
     @staticmethod
     def _check(args: Any) -> None:
@@ -315,7 +314,6 @@ class CkptmgrBudgetCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._check(args)
         self._planner = BudgetPlanner(self.schedule, clock=self.clock, tiered=False)
-        self._told_step = -1
         log.info("checkpoint schedule: saves picked by Schedule(max_overhead=%g); save_steps=%s does not apply",
                  self.schedule.max_overhead, args.save_steps)
 
@@ -327,12 +325,8 @@ class CkptmgrBudgetCallback(TrainerCallback):
         control.should_save = due or (last and bool(control.should_save))
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        planner, step = self._planner, state.global_step
-        if planner is not None and step != self._told_step:
-            first = self._told_step < 0
-            self._told_step = step
-            # the first save of a run makes the writer's staging memory: a one-time cost
-            planner.saved(step, allocated=first)
+        if self._planner is not None:
+            self._planner.saved_once(state.global_step)
 
     def stats(self) -> dict[str, float]:
         """The intervals planned and achieved so far (keys present once measured):

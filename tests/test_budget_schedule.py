@@ -314,3 +314,17 @@ def test_a_loop_that_runs_ahead_of_the_gpu_is_charged_only_what_a_save_loses():
             p.saved(k)
             after = [0.35] + [0.005] * 6
     assert p.save_cost_s == pytest.approx(0.3 - 6 * 0.045, abs=1e-6)
+
+
+def test_a_framework_save_told_once_per_file_counts_once_and_its_first_is_not_charged():
+    t = [0.0]
+    p = BudgetPlanner(Schedule(max_overhead=0.1), clock=lambda: t[0])
+    for step in range(WARMUP + 1):
+        t[0] += 1.0
+        p.should_save(step)
+    p.saved_once(WARMUP)
+    p.saved_once(WARMUP)  # (a top-k and a last checkpoint of one step)
+    for step in range(WARMUP + 1, WARMUP + 2 + WINDOW):
+        t[0] += 2.0  # every step in the window 1 s slower: a cost, but the first save's is not charged
+        p.should_save(step)
+    assert p._saves == 1 and p.save_cost_s is None

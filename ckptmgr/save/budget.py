@@ -349,6 +349,17 @@ class BudgetPlanner:
             if self._first_save_t is None:
                 self._first_save_t = now
 
+    def saved_once(self, step: int) -> None:
+        """A save of ``step`` made by a framework's own checkpointing, told for each file it
+        writes (a top-k and a last checkpoint of one step): counted once per step. The first
+        save of this planner makes the writer's staging memory, a one-time cost it does not
+        time: that save is not charged (see :meth:`saved`)."""
+        with self._lock:
+            if self._last_save is not None and self._last_save[0] == step:
+                return
+            first = self._saves == 0
+        self.saved(step, allocated=first)
+
     def finished(self, step: int, *, durable: bool, nbytes: int = 0, staged_at: float | None = None,
                  committed_at: float | None = None, local_s: float | None = None) -> None:
         """The save of ``step`` resolved: written durably (``durable``; staged at
