@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ckptmgr import CheckpointManager, StagingOptions
+from ckptmgr import CheckpointManager, Schedule, StagingOptions
 
 T0 = time.perf_counter()
 
@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--no-prepare", action="store_true")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="Schedule(max_overhead=BUDGET): the loop saves when should_save(step) says")
     ap.add_argument("--level", default="DEBUG")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-first", action="store_true", help="cProfile the first save() call")
@@ -64,7 +66,8 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device.startswith("cuda"))
     root = os.path.join(args.dir, "timeline-root")
     shutil.rmtree(root, ignore_errors=True)
-    mgr = CheckpointManager(root, staging=StagingOptions(slots=args.slots or None))
+    schedule = Schedule(max_overhead=args.budget) if args.budget is not None else None
+    mgr = CheckpointManager(root, staging=StagingOptions(slots=args.slots or None), schedule=schedule)
 
     def step() -> None:
         model(x).square().mean().backward()
@@ -85,10 +88,11 @@ def main() -> None:
     for s in range(1, args.steps + 1):
         t = time.perf_counter()
         step()
-        if s % args.every == 0:
+        if (mgr.should_save(s) if schedule is not None else s % args.every == 0):
             t1 = time.perf_counter()
             prof = None
-            if args.profile_first and s == args.every:
+            if args.profile_first and prof is None and not getattr(main, "profiled", False):
+                main.profiled = True  # type: ignore[attr-defined]
                 import cProfile
                 prof = cProfile.Profile()
                 prof.enable()

@@ -9,7 +9,8 @@ cudaHostRegister. It is made in three steps, none of which may stall the trainin
    :data:`POPULATE_PIECE_BYTES`, or one write per page where the kernel lacks it): the
    kernel's page-fault work happens here, on this thread, with no CUDA lock held;
 3. **pin** the populated pages in pieces of :data:`PIN_PIECE_BYTES`, pausing
-   :data:`PIN_PAUSE_S` between pieces.
+   :data:`PIN_PAUSE_S` between pieces (a spare slot, made while training runs for a later
+   save: :data:`SPARE_DUTY` times each piece's registration, and populated by fewer threads).
 
 Why, measured on an H200 with a 52 ms training step running on the main thread while another
 thread pinned a 4 GiB /dev/shm mapping: cudaHostRegister holds the CUDA driver for its whole
@@ -59,14 +60,15 @@ import torch
 from .. import _cuda
 from .._threads import DaemonPool
 
-__all__ = ["PIN_MODE", "PIN_PAUSE_S", "PIN_PIECE_BYTES", "POPULATE_PIECE_BYTES", "POPULATE_THREADS", "HostBuffer",
-           "PopulateAhead", "anonymous_buffer", "file_buffer", "piece_bytes"]
+__all__ = ["PIN_MODE", "PIN_PAUSE_S", "PIN_PIECE_BYTES", "POPULATE_PIECE_BYTES", "POPULATE_THREADS", "SPARE_DUTY",
+           "HostBuffer", "PopulateAhead", "anonymous_buffer", "file_buffer", "piece_bytes"]
 
 log = logging.getLogger("ckptmgr")
 
 PIN_MODE = "pieces"  # "pieces" | "populate" | "whole": see the module docstring
 PIN_PIECE_BYTES = 64 << 20  # target size of one cudaHostRegister call (rounded to whole chunks)
 PIN_PAUSE_S = 0.002  # between two pieces: the training thread's CUDA calls get through here
+SPARE_DUTY = 4.0  # a spare slot's pieces: the pause after each is this many times its registration
 POPULATE_PIECE_BYTES = 16 << 20  # one madvise(MADV_POPULATE_WRITE) call: see the module docstring
 POPULATE_THREADS = 4  # PopulateAhead: threads faulting pages in at once
 POPULATE_WAIT_S = 600.0  # at most this long, a piece's registration waits for its pages to be faulted in
@@ -80,6 +82,15 @@ class Flag(Protocol):
     """What :meth:`HostBuffer.pin` asks of its ``hurry`` flag (a :class:`threading.Event`, or several)."""
 
     def is_set(self) -> bool: ...
+
+
+def _pause(seconds: float, hurry: Flag | None) -> None:
+    """Sleep ``seconds``, or less once ``hurry`` is set (an event: woken at once)."""
+    wait = getattr(hurry, "wait", None)
+    if seconds > PIN_PAUSE_S and callable(wait):
+        wait(seconds)
+    else:
+        time.sleep(seconds)
 
 
 def piece_bytes(chunk_size: int) -> int:
@@ -117,7 +128,7 @@ class HostBuffer:
 
     def pin(self, chunk_size: int, *, hurry: Flag | None = None, stop: threading.Event | None = None,
             on_piece: Callable[[int], None] | None = None, on_undo: Callable[[], None] | None = None,
-            ahead: PopulateAhead | None = None) -> bool:
+            ahead: PopulateAhead | None = None, duty: float = 0.0) -> bool:
         """Pin the buffer with CUDA (nothing without CUDA), as :data:`PIN_MODE` says.
 
         ``hurry`` set: skip the pauses (the training thread itself waits for this buffer).
@@ -126,7 +137,10 @@ class HostBuffer:
         (so that they can be copied from before the rest is); ``on_undo()``: told before the
         pieces of a failed pin are undone (it returns once nothing copies from them).
         ``ahead``: the buffer's pages are being faulted in there; each piece waits for its own
-        (instead of the whole buffer populated first, on this thread).
+        (instead of the whole buffer populated first, on this thread). ``duty``: unless
+        hurried, the pause after a piece is at least this many times what its registration
+        took (a spare slot, not needed before a later save: the driver is held at most
+        ``1 / (1 + duty)`` of the time).
 
         Raises:
             RuntimeError: a registration failed (the pieces registered before are undone).
@@ -134,7 +148,7 @@ class HostBuffer:
         if not _cuda.available() or self.registered:
             return True
         try:
-            return self._pin(chunk_size, hurry, stop, on_piece, ahead)
+            return self._pin(chunk_size, hurry, stop, on_piece, ahead, duty)
         except BaseException:
             try:
                 if on_undo is not None and self.registered:
@@ -144,7 +158,7 @@ class HostBuffer:
             raise
 
     def _pin(self, chunk_size: int, hurry: Flag | None, stop: threading.Event | None,
-             on_piece: Callable[[int], None] | None, ahead: PopulateAhead | None) -> bool:
+             on_piece: Callable[[int], None] | None, ahead: PopulateAhead | None, duty: float = 0.0) -> bool:
         mode = PIN_MODE
         if mode != "whole" and ahead is None:
             self.populate()
@@ -157,15 +171,19 @@ class HostBuffer:
                 on_piece(self.nbytes)
             return True
         self.piece = piece_bytes(chunk_size)
+        took = 0.0  # the last piece's registration
         for begin in range(0, self.nbytes, self.piece):
             if stop is not None and stop.is_set():
                 return False
             if begin and PIN_PAUSE_S > 0 and not (hurry is not None and hurry.is_set()):
-                time.sleep(PIN_PAUSE_S)  # let the training thread's queued CUDA calls through
+                # let the training thread's queued CUDA calls through
+                _pause(max(PIN_PAUSE_S, duty * took), hurry)
             end = min(begin + self.piece, self.nbytes)
             if ahead is not None:
                 ahead.wait(self, end)
+            t0 = time.perf_counter()
             self._register(begin, end - begin)
+            took = time.perf_counter() - t0
             if on_piece is not None:
                 on_piece(end)
         return True

@@ -25,13 +25,15 @@ from .._threads import DaemonPool
 from ..format.layout import file_name
 from ..storage.tier import LocalTier
 from ..storage.tier_pinning import Pinning
-from .buffers import Flag, HostBuffer, PopulateAhead, anonymous_buffer, file_buffer
+from .buffers import SPARE_DUTY, Flag, HostBuffer, PopulateAhead, anonymous_buffer, file_buffer
 
 __all__ = ["Slot", "SlotBuffers"]
 
 log = logging.getLogger("ckptmgr")
 _NOW = threading.Event()  # always set: pin without pauses (the caller itself waits for it)
 _NOW.set()
+MAKE_THREADS = 8  # files of a slot made (mapped and populated) at once
+SPARE_THREADS = 2  # ... of a spare slot (made while training runs, for a later save)
 
 
 @dataclass
@@ -71,32 +73,36 @@ class SlotBuffers:
     registrations: int
     _cond: threading.Condition
 
-    def fit(self, slot: Slot, sizes: list[int], *, hurry: bool = True) -> None:
+    def fit(self, slot: Slot, sizes: list[int], *, hurry: bool = True, spare: bool = False) -> None:
         """Make ``slot`` hold files of exactly ``sizes`` bytes, pinned; allocate only what changed.
-        The caller holds the slot (busy or preparing)."""
+        The caller holds the slot (busy or preparing). ``spare``: a slot for a later save, made
+        while training runs, more gently (fewer threads, longer pauses; see
+        :mod:`ckptmgr.save.buffers`)."""
         if self.tier is not None and slot.kind in ("none", "tmpfs"):
             try:
-                self._fit(slot, sizes, "tmpfs", hurry)
+                self._fit(slot, sizes, "tmpfs", hurry, spare)
                 return
             except OSError as exc:
                 log.warning("staging slot %d cannot live in %s (%s); using host memory instead",
                             slot.index, self.tier.path, exc)
                 self._free(slot)
                 self.tier.remove_slot(slot.index)
-        self._fit(slot, sizes, "memory", hurry)
+        self._fit(slot, sizes, "memory", hurry, spare)
 
     def prepare(self, sizes: list[int]) -> None:
         """Make the buffers of every slot never filled yet, pinned with pauses between pieces
-        (run on a helper thread; a save that needs one of these slots waits for it)."""
+        (run on a helper thread; a save that needs one of these slots waits for it). The first
+        slot the pool makes is made at full speed; the others are spares, made gently."""
         with self._cond:
             fresh = [s for s in self.slots if s.kind == "none" and not s.busy and not s.preparing]
+            first = all(s.kind == "none" for s in self.slots)
             for s in fresh:
                 s.preparing = True
         try:
-            for s in fresh:
+            for j, s in enumerate(fresh):
                 try:
                     if not self.stop.is_set():
-                        self.fit(s, sizes, hurry=False)
+                        self.fit(s, sizes, hurry=False, spare=not (first and j == 0))
                 except Exception as exc:  # the next save() fits again and raises there
                     log.warning("preparing staging slot %d failed: %s", s.index, exc)
                 finally:
@@ -109,7 +115,7 @@ class SlotBuffers:
                     s.preparing = False
                 self._cond.notify_all()
 
-    def _fit(self, slot: Slot, sizes: list[int], kind: str, hurry: bool) -> None:
+    def _fit(self, slot: Slot, sizes: list[int], kind: str, hurry: bool, spare: bool = False) -> None:
         same = slot.kind == kind and [b.nbytes for b in slot.buffers] == sizes
         if same and (all(b.pinned for b in slot.buffers) or not _cuda.available()):
             return
@@ -129,7 +135,8 @@ class SlotBuffers:
         make = [i for i in range(len(sizes)) if i not in keep]
         t0 = time.perf_counter()
         # Made in parallel: reserving and populating pages is ~0.1-0.3 s per GiB for one thread.
-        with DaemonPool(min(8, max(1, len(make))), thread_name_prefix="ckptmgr-alloc") as pool:
+        threads = SPARE_THREADS if spare and not hurry else MAKE_THREADS
+        with DaemonPool(min(threads, max(1, len(make))), thread_name_prefix="ckptmgr-alloc") as pool:
             futures = [pool.submit(self._make, slot.index, file_name(i), sizes[i], kind) for i in make]
         failed = next((f.exception() for f in futures if f.exception() is not None), None)
         made = [f.result() for f in futures if f.exception() is None]
@@ -144,10 +151,11 @@ class SlotBuffers:
         slot.buffers = [keep[i] for i in range(len(sizes))]
         slot.segments = [b.tensor for b in slot.buffers]
         t1 = time.perf_counter()
-        self._pin(slot, hurry)
+        self._pin(slot, hurry, duty=SPARE_DUTY if spare else 0.0)
         log.debug("staging slot %d (%s): %d of %d file(s) made and populated in %.3f s, pinned in %.3f s%s",
                   slot.index, kind, len(make), len(sizes), t1 - t0, time.perf_counter() - t1,
-                  "" if hurry else " (with pauses unless a save waits)")
+                  "" if hurry else " (a spare: gently, unless a save waits)" if spare else
+                  " (with pauses unless a save waits)")
 
     def _make(self, index: int, name: str, nbytes: int, kind: str) -> HostBuffer:
         if kind == "tmpfs":
@@ -165,7 +173,7 @@ class SlotBuffers:
         return buf
 
     def _pin(self, slot: Slot, hurry: bool | Flag, chunk_size: int | None = None,
-             progress: Pinning | None = None, ahead: PopulateAhead | None = None) -> None:
+             progress: Pinning | None = None, ahead: PopulateAhead | None = None, duty: float = 0.0) -> None:
         """Pin each buffer in pieces (one at a time: the driver serializes them anyway), of
         whole ``chunk_size`` chunks (default: the pool's). ``hurry``: True (no pauses), False
         (pauses unless a save waits), or a flag that says when to stop pausing. ``progress``
@@ -177,7 +185,7 @@ class SlotBuffers:
                 continue
             on_piece, on_undo = _reports(progress, file_name(i))
             done = b.pin(chunk_size or self.chunk_size, hurry=flag, stop=self.stop, on_piece=on_piece,
-                         on_undo=on_undo, ahead=ahead)
+                         on_undo=on_undo, ahead=ahead, duty=duty)
             if not done:
                 if progress is not None:
                     progress.revoke()  # (returns once no restore copies from any piece of the slot)

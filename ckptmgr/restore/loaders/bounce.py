@@ -10,7 +10,11 @@ while they read the next piece into the other buffer: 0.247 s (0.240-0.262) for 
 4 GiB (``benchmarks/probes/bounce_load.py``; in that call 4 MiB pieces took 0.37 s, 16 MiB
 0.30 s, 4 or 8 threads about as long as 6, and fastsafetensors 0.174 s). Host memory
 grows by the buffers only (``THREADS x 2 x PIECE_BYTES``: 96 MiB), which come from
-PyTorch's pinned host allocator and serve later loads in the process again. Repeated loads
+PyTorch's pinned host allocator and serve later loads in the process again. They are all
+taken on the calling thread before any reader starts: a pinned allocation made while other
+threads' copies run waits for the driver behind them (a fresh process's load took 0.36 s
+with each reader taking its own, 0.24 s with the buffers already in the allocator's cache,
+H100, ``benchmarks/probes/bounce_load.py``). Repeated loads
 of one file pin it once instead (:class:`~ckptmgr.restore.pinned.PinnedWeights`).
 
 Each piece's bytes go to the file's :class:`~.landing.Landing` (which copies the parts of
@@ -63,12 +67,14 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
     gpu = device.type == "cuda"
     ready = _cuda.ready_event(device) if gpu else None
     streams = [_cuda.staging_stream(device) for _ in range(threads)] if gpu else []  # (made on this thread)
+    # (taken here, before any copy runs: see the module docstring)
+    held = [[_cuda.pinned_empty(PIECE_BYTES) if gpu else torch.empty(PIECE_BYTES, dtype=torch.uint8)
+             for _ in range(2)] for _ in range(threads)]
     stop = threading.Event()  # set by the first failure: the other readers leave at their next piece
 
     def read(w: int) -> None:
         stream = streams[w] if gpu else None
-        bufs = [_cuda.pinned_empty(PIECE_BYTES) if gpu else torch.empty(PIECE_BYTES, dtype=torch.uint8)
-                for _ in range(2)]
+        bufs = held[w]
         done: list[Any] = [None, None]  # the event after each buffer's copies (owned by this thread)
         try:
             if stream is not None:

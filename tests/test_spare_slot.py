@@ -1,0 +1,134 @@
+"""A spare staging slot (one made while training runs, for a later save) is made gently: its
+pieces are pinned with a pause of at least ``SPARE_DUTY`` times each registration, the pause
+ends at once when a save comes to wait for the slot, and its files are populated by fewer
+threads. The first slot a pool makes (the one the next save needs) keeps the short pauses.
+
+CUDA's registration is faked (no GPU here) on a simulated clock: each registration advances
+it by a fixed time, and the pauses are recorded instead of slept; the real registrations run
+on a GPU in test_cuda.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import ckptmgr._cuda as cuda_shim
+import ckptmgr.save.buffers as buffers_mod
+from ckptmgr import CheckpointManager, StagingOptions
+from ckptmgr.save import memory
+from ckptmgr.save.buffers import PIN_PAUSE_S, SPARE_DUTY, anonymous_buffer
+from ckptmgr.save.slots import SlotPool
+
+CHUNK = 4096
+REGISTER_S = 0.01  # simulated seconds one registration takes
+
+
+class Clock:
+    """``time`` for the buffers module: registrations advance it, pauses are recorded."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.pauses: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.pauses.append(s)
+
+
+class Hurry:
+    """A save's ``hurry`` event: its waits are recorded as pauses (none block)."""
+
+    def __init__(self, clock: Clock, set_after: int | None = None) -> None:
+        self.clock = clock
+        self.set_after = set_after  # set once this many pauses were taken
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        self.clock.pauses.append(timeout)
+        if self.set_after is not None and len(self.clock.pauses) >= self.set_after:
+            self._set = True
+        return self._set
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    registered: list[int] = []
+
+    def register(ptr, n, read_only=False):
+        c.now += REGISTER_S
+        registered.append(n)
+
+    monkeypatch.setattr(cuda_shim, "available", lambda: True)
+    monkeypatch.setattr(cuda_shim, "host_register", register)
+    monkeypatch.setattr(cuda_shim, "host_unregister", lambda ptr: None)
+    monkeypatch.setattr(buffers_mod, "PIN_PIECE_BYTES", 4 * CHUNK)
+    monkeypatch.setattr(buffers_mod, "time", c)
+    return c
+
+
+def test_a_spare_pauses_after_each_piece_for_a_multiple_of_its_registration(clock):
+    buf = anonymous_buffer(8 * 4 * CHUNK)  # eight pieces
+    assert buf.pin(CHUNK, hurry=Hurry(clock), duty=SPARE_DUTY)
+    assert len(buf.registered) == 8
+    assert clock.pauses == [pytest.approx(SPARE_DUTY * REGISTER_S)] * 7  # between the pieces, none after the last
+    assert min(clock.pauses) > PIN_PAUSE_S  # (the multiple is what sets it here)
+    buf.unpin()
+
+
+def test_the_slot_a_save_needs_next_keeps_the_short_pause(clock):
+    buf = anonymous_buffer(8 * 4 * CHUNK)
+    assert buf.pin(CHUNK, hurry=Hurry(clock))
+    assert clock.pauses == [PIN_PAUSE_S] * 7
+    buf.unpin()
+
+
+def test_a_save_that_comes_to_wait_ends_the_spare_pauses(clock):
+    buf = anonymous_buffer(8 * 4 * CHUNK)
+    hurry = Hurry(clock, set_after=2)  # a save waits for the slot during the second pause
+    assert buf.pin(CHUNK, hurry=hurry, duty=SPARE_DUTY)
+    assert len(buf.registered) == 8 and len(clock.pauses) == 2  # no pause once it waits
+    buf.unpin()
+
+
+def _state(n: int) -> dict:
+    return {f"t{i}": torch.full((CHUNK,), float(i)) for i in range(n)}
+
+
+def test_prepare_makes_the_first_slot_at_full_speed_and_the_others_as_spares(root, monkeypatch, tmp_path):
+    """``prepare()`` with the defaults where two slots fit: the first (the next save's) is made
+    by every making thread with the short pauses; the second, made in the background once the
+    first save holds the first, as a spare."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: 99999999 kB\nMemFree: 1 kB\nMemAvailable: {(64 << 20) // 1024} kB\n")
+    monkeypatch.setattr(memory, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(memory, "SELF_CGROUP", str(tmp_path / "no-such-cgroup-file"))
+    monkeypatch.setattr(cuda_shim, "available", lambda: False)  # (the pinning is tested above)
+    made: list[tuple[str, bool]] = []  # (thread, spare) per slot made
+    real = SlotPool.fit
+
+    def fit(self, slot, sizes, *, hurry=True, spare=False):
+        if slot.kind == "none":  # (a save's fit of a slot already made allocates nothing)
+            made.append((threading.current_thread().name, spare))
+        return real(self, slot, sizes, hurry=hurry, spare=spare)
+
+    monkeypatch.setattr(SlotPool, "fit", fit)
+    state = _state(8)
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
+        mgr.prepare(state)
+        mgr.wait(timeout=30)  # (waits for prepare())
+        mgr.save(1, state).result(timeout=30)
+        mgr.wait(timeout=30)
+        assert mgr.stats()["slots"] == 2, mgr.stats()
+    assert [spare for _, spare in made] == [False, True], made
+    assert all(name.startswith("ckptmgr-prepare") for name, _ in made), made
