@@ -61,7 +61,7 @@ from .private import UnsafePathError as TierUnsafeError
 from .private import open_private_dir, read_small, write_small
 from .tier_layout import DURABLE_MARK, ROOT_ID, TMP_MANIFEST, ram_filesystem, read_tier, tier_dir
 from .tier_pinning import Pinning, TierImages
-from .tier_scan import TierScan
+from .tier_scan import GONE_PREFIX, TierScan
 
 __all__ = ["LocalTier", "TierBusyError", "TierUnsafeError", "open_local_tier", "ram_filesystem", "read_tier",
            "tier_dir"]
@@ -337,7 +337,8 @@ class LocalTier(TierScan):
             fds, self._slot_fds = list(self._slot_fds.values()), {}
         for fd in fds:
             os.close(fd)
-        if remove and not any(n.startswith("slot-") for n in os.listdir(self._fd)):
+        self.wait_sweep()  # (the slots set aside at start: else the next start sweeps them)
+        if remove and not any(n.startswith(("slot-", GONE_PREFIX)) for n in os.listdir(self._fd)):
             for name in ("root", ROOT_ID, "lock"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=self._fd)
