@@ -452,6 +452,35 @@ def test_a_manifest_written_while_its_objects_are_swept_is_withdrawn(server, buc
         assert "manifest was withdrawn" in late["error"] and "is gone" in late["error"], late
 
 
+def _kept_then_claimed(server: S3Server, bucket: str, writers) -> tuple[Writer, dict[str, Any], str]:
+    """Writer 2 starts on an empty root (its start-up clean-up done, so writer 1's objects stay)
+    and waits; writer 1 stalls before its manifest write; writer 2 saves step 5, takes the
+    claim over once writer 1's is stale, and waits at its commit; writer 1 wakes, writes its
+    manifest, finds its claim gone and ends. Returns writer 2, writer 1's save and the root."""
+    root = f"s3://{bucket}/run"
+    live = writers(config(server, root, 2, takeover=True, gate=["save", "commit"]))
+    live.expect("gate")
+    stale = writers(config(server, root, 1, stop="manifest"), ns=True)
+    stale.expect("stopped")
+    live.go()
+    live.expect("gate")  # it holds the claim, its files written
+    stale.signal(signal.SIGCONT)
+    [late] = stale.finish()
+    return live, late, root
+
+
+@needs_pidns
+def test_a_kept_manifest_is_replaced_by_the_writer_that_holds_the_claim(server, bucket, writers):
+    live, late, root = _kept_then_claimed(server, bucket, writers)
+    assert not late["durable"] and "taken over" in late["error"] and "manifest was kept" in late["error"], late
+    assert restored_writer(server, root, 5) == 1  # complete, so kept: another process may have seen it
+    live.go()
+    [committed] = live.finish()
+    assert committed["durable"] and committed["error"] is None, committed
+    assert restored_writer(server, root, 5) == 2
+    only_the_committed_objects_are_left(server, bucket, "run/step_000000000005/")  # its commit swept the step
+
+
 # ----------------------------------------------------------------------------- defect 3
 
 
@@ -515,6 +544,22 @@ def test_without_conditional_writes_a_stalled_manifest_writer_outside_the_window
     assert _fell_back(tmp_path)
     assert not late["durable"] and committed["durable"], (late, committed)
     assert restored_writer(unconditional, root, 5) == 2
+
+
+@needs_pidns
+def test_without_conditional_writes_a_stalled_writer_withdraws_for_the_claim_holder(unconditional, bucket, writers,
+                                                                                      tmp_path):
+    """The claim holder cannot replace a manifest on such a store: the stalled writer, finding
+    another writer's lease, withdraws its complete manifest rather than keep it."""
+    live, late, root = _kept_then_claimed(unconditional, bucket, writers)
+    assert not late["durable"] and "manifest was withdrawn" in late["error"], late
+    assert "another writer holds the claim" in late["error"], late
+    live.go()
+    [committed] = live.finish()
+    assert _fell_back(tmp_path)
+    assert committed["durable"] and committed["error"] is None, committed
+    assert restored_writer(unconditional, root, 5) == 2
+    only_the_committed_objects_are_left(unconditional, bucket, "run/step_000000000005/")
 
 
 # ----------------------------------------------- retention beside a writer of the same step
