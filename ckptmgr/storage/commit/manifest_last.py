@@ -235,17 +235,24 @@ class ManifestLastCommit:
         Raises:
             StorageError: a file is missing or not what was written.
         """
+        wrong = self._unlike(sizes)
+        if wrong is not None:
+            raise StorageError(f"{wrong}: step {self.step} not committed")
+
+    def _unlike(self, sizes: dict[str, int]) -> str | None:
+        """What in the step's prefix is not as :meth:`check` wants it (None: all is). Raises
+        what the listing raises."""
         listing = self.store.listing(self.dir + "/")
         with self._mu:
             written = dict(self._written)
         for name, size in sizes.items():
             info = listing.get(f"{self.dir}/{name}")
             if info is None:
-                raise StorageError(f"{self.store.url}/{self.dir}/{name} is missing: step {self.step} not committed")
+                return f"{self.store.url}/{self.dir}/{name} is missing"
             mine = written.get(name)
             if info.size != size or (mine is not None and mine[1] and info.etag and _etag(info.etag) != mine[1]):
-                raise StorageError(f"{self.store.url}/{self.dir}/{name} is not the {size}-byte object this save "
-                                   f"wrote: step {self.step} not committed")
+                return f"{self.store.url}/{self.dir}/{name} is not the {size}-byte object this save wrote"
+        return None
 
     def commit(self, manifest: bytes) -> None:
         manifest = self._named(manifest)
@@ -283,24 +290,22 @@ class ManifestLastCommit:
         try:
             if self.store.get_manifest(self._manifest) != manifest:
                 return "not committed; the manifest there is no longer this writer's"
-            self.check(manifest_sizes(manifest))
-            other = not self.store.conditional and self._read_lease()[0] is not None
+            wrong = self._unlike(manifest_sizes(manifest))
+            other = wrong is None and not self.store.conditional and self._read_lease()[0] is not None
         except FileNotFoundError:
             return "not committed; its manifest is gone"
-        except StorageError as exc:
-            why = f"a file it names is gone ({exc})"
         except Exception as exc:
             with self._mu:
                 self._left = True
             return (f"not durable; its manifest was left in place, as it could not be checked "
                     f"({type(exc).__name__}: {exc})")
-        else:
-            if not other:
-                with self._mu:
-                    self._left = True
-                return ("not durable; its manifest was kept, as every file it names is in place (the step may "
-                        "have been seen as committed; a writer that holds the claim now may replace it)")
-            why = "another writer holds the claim, and this store has no conditional writes to replace it"
+        if wrong is None and not other:
+            with self._mu:
+                self._left = True
+            return ("not durable; its manifest was kept, as every file it names is in place (the step may "
+                    "have been seen as committed; a writer that holds the claim now may replace it)")
+        why = (f"a file it names is gone ({wrong})" if wrong is not None else
+               "another writer holds the claim, and this store has no conditional writes to replace it")
         try:
             gone = remove_if(self.store, self._manifest, etag, lambda d: d == manifest)
         except Exception as exc:
@@ -309,7 +314,7 @@ class ManifestLastCommit:
                         self.store.url, type(exc).__name__, exc)
         with self._mu:
             self._left = not gone and self._still_ours(manifest)
-        return f"not committed; its manifest was {'withdrawn' if gone else 'to be withdrawn, but was not'}: {why}"
+        return f"not committed; its manifest {'was withdrawn' if gone else 'could not be withdrawn'}: {why}"
 
     def _keep_if_ours(self, manifest: bytes) -> None:
         """After a failure from the manifest's write on: keep the data objects (abort leaves
