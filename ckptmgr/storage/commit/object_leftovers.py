@@ -10,7 +10,8 @@ Per step, the sweep judges each lease by its heartbeat and removes a gone writer
   marker, where no manifest appeared meanwhile. A manifest that appears *after* that look
   (a stalled writer's, written between the look and the deletes) is looked for again once
   the objects are deleted: one that names an object now missing is withdrawn (conditionally
-  on its ETag), so a step never looks complete without its files;
+  on its ETag). Its writer, if it checks its objects after the deletes, withdraws it itself;
+  docs/SECURITY.md states the window left (both die inside it);
 * a committed step loses the objects of claims that are no longer live that its manifest does
   not name (never a named one, whoever wrote it).
 
