@@ -8,7 +8,9 @@ the state carries), ``steps`` (saved in order), ``n`` (floats per state), ``keep
 0: none), ``stop`` (a list of: ``data``: before the first data upload; ``after-data``: once
 it is done; ``manifest``: before the manifest write; ``after-manifest``: once it is written;
 ``renewal``: at the first lease renewal, with the data upload held until that renewal is done),
-``gate`` (``commit``: print ``gate`` and wait for a line on stdin before the commit),
+``gate`` (one or a list of: ``commit``: print ``gate`` and wait for a line on stdin before
+the commit; ``save``: the same once the manager has started (its start-up clean-up done),
+before the first save),
 ``takeover`` (retry a save refused because another writer holds the step, until its claim is
 stale), ``verify`` (restore each step saved durably, at once), ``log`` (a file for one JSON
 line per save).
@@ -61,7 +63,7 @@ def stall(where: str) -> None:
 
 def install_hooks(cfg: dict) -> None:
     stop = cfg.get("stop") or []
-    stop, gate = {stop} if isinstance(stop, str) else set(stop), cfg.get("gate")
+    stop, gate = {stop} if isinstance(stop, str) else set(stop), gates(cfg)
     fired: set[str] = set()
     renewed = threading.Event()
     real_call = s3mod.S3Target.call
@@ -99,16 +101,25 @@ def install_hooks(cfg: dict) -> None:
         return r
 
     s3mod.S3Target.call = call  # type: ignore[method-assign]
-    if gate == "commit":
+    if "commit" in gate:
         real_commit = objmod.ManifestLastCommit.commit
 
         def commit(self, manifest):  # type: ignore[no-untyped-def]
-            say(event="gate")
-            if not sys.stdin.readline():
-                raise RuntimeError("the test closed the gate")
+            wait_for_go()
             return real_commit(self, manifest)
 
         objmod.ManifestLastCommit.commit = commit  # type: ignore[method-assign]
+
+
+def gates(cfg: dict) -> set[str]:
+    gate = cfg.get("gate") or []
+    return {gate} if isinstance(gate, str) else set(gate)
+
+
+def wait_for_go() -> None:
+    say(event="gate")
+    if not sys.stdin.readline():
+        raise RuntimeError("the test closed the gate")
 
 
 def refused_for_a_live_claim(exc: BaseException) -> bool:
@@ -131,6 +142,8 @@ def main() -> None:
         write_options=WriteOptions(chunk_size=max(4096, cfg["part_size"]), io_threads=2),
         retention=KeepLatest(cfg["keep"]) if cfg.get("keep") else None)
     try:
+        if "save" in gates(cfg):
+            wait_for_go()
         for step in cfg["steps"]:
             state = state_of(step, cfg["writer"], cfg["n"])
             deadline = time.monotonic() + 60

@@ -12,14 +12,19 @@ stalled writer's claim going stale, which the other writer polls for (bounded).
    restores with the committer's bytes; one killed after waking leaves objects the next start
    removes.
 2. A writer stalled between its commit check and its manifest write is not told durable=True
-   for a step it does not own: its manifest is withdrawn (or replaced by the live writer's),
-   and the live writer commits; with retention on, it deletes nothing.
+   for a step it does not own: its manifest is withdrawn (where the live writer's start-up
+   removed its objects as a gone writer's) or replaced by the live writer's, and the live writer commits; with
+   retention on, it deletes nothing.
 3. A stalled writer's heartbeat cannot replace the live writer's lease, nor delete it: the
    live writer commits.
-
-Known defect (strict xfail): a writer that stalls past the stale time after its manifest
-write, before its second renewal, withdraws its manifest on waking, though another writer's
-start-up removed its lease as a gone writer's and was refused the step as committed.
+4. A step seen committed stays committed: a writer that stalls past the stale time after its
+   manifest write, before its second renewal, keeps its complete manifest on waking when
+   another writer's start-up removed its lease as a gone writer's and was refused the step as
+   committed; a claim never takes a stale lease over in a committed step (the stalled writer
+   then commits); a manifest written while the clean-up removes its writer's objects is
+   withdrawn, by the clean-up or by its writer, whichever looked last; and a kept manifest is
+   replaced by the writer that holds the claim, whose commit removes the objects it named
+   (on a store without conditional writes, the stalled writer withdraws it instead).
 
 tests/test_s3_fencing_soak.py runs the two-writer soak.
 """
@@ -305,36 +310,6 @@ def test_a_manifest_written_without_the_claim_is_replaced_by_the_live_writer(ser
     only_the_committed_objects_are_left(server, bucket, "run/step_000000000005/")
 
 
-def _until_stale(server: S3Server, bucket: str, key: str) -> None:
-    """Poll (bounded) until the lease at ``key`` is older than the stale time, as a writer
-    judges it (now less its listed LastModified)."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        r = raw(server).call_s3("list_objects_v2", Bucket=bucket, Prefix=key)
-        [lease] = r["Contents"]
-        if time.time() - lease["LastModified"].timestamp() > STALE_S:
-            return
-        assert time.monotonic() < deadline, f"{key} did not go stale in {WAIT_S} s"
-        time.sleep(0.1)
-
-
-@needs_pidns
-@pytest.mark.xfail(strict=True, raises=StepNotFoundError, reason=(
-    "known defect: a writer stalled past the stale time between its manifest write and its "
-    "second renewal withdraws its manifest on waking, though another writer's start-up removed "
-    "its lease as a gone writer's and was refused the step as committed: the step is lost"))
-def test_a_step_another_writer_was_refused_as_committed_stays_committed(server, bucket, writers):
-    root = f"s3://{bucket}/run"
-    stale = writers(config(server, root, 1, stop="after-manifest"), ns=True)
-    stale.expect("stopped")  # its manifest is written under its claim; it stalls before its second renewal
-    _until_stale(server, bucket, "run/step_000000000005/writer.lease")
-    [refused] = writers(config(server, root, 2)).finish()  # its start-up lists step 5 as committed
-    assert not refused["durable"] and "already committed" in refused["error"], refused
-    stale.signal(signal.SIGCONT)
-    stale.finish()
-    assert restored_writer(server, root, 5) == 1  # the step the other writer was refused for is still there
-
-
 @needs_pidns
 def test_a_writer_stalled_before_its_manifest_write_runs_no_retention(server, bucket, writers):
     """The rest of defect 2: the stalled writer, with retention on (KeepLatest(1)), deletes
@@ -359,6 +334,151 @@ def test_a_writer_stalled_before_its_manifest_write_runs_no_retention(server, bu
     assert not late["durable"] and "taken over" in late["error"], late
     assert committed["durable"] and committed["error"] is None, committed
     assert restored_writer(server, root, 5) == 2
+
+
+# ------------------------------------------------------------ a step seen committed stays committed
+
+
+def _until_stale(server: S3Server, bucket: str, key: str) -> None:
+    """Poll (bounded) until the lease at ``key`` is older than the stale time, as a writer
+    judges it (now less its listed LastModified)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        r = raw(server).call_s3("list_objects_v2", Bucket=bucket, Prefix=key)
+        [lease] = r["Contents"]
+        if time.time() - lease["LastModified"].timestamp() > STALE_S:
+            return
+        assert time.monotonic() < deadline, f"{key} did not go stale in {WAIT_S} s"
+        time.sleep(0.1)
+
+
+@needs_pidns
+def test_a_step_another_writer_was_refused_as_committed_stays_committed(server, bucket, writers):
+    """The other writer's start-up removes the stalled writer's lease as a gone writer's and
+    lists the step as committed: the stalled writer, woken, finds its claim gone, and keeps its
+    manifest (every file it names is there), though its save is not durable."""
+    root = f"s3://{bucket}/run"
+    stale = writers(config(server, root, 1, stop="after-manifest"), ns=True)
+    stale.expect("stopped")  # its manifest is written under its claim; it stalls before its second renewal
+    _until_stale(server, bucket, "run/step_000000000005/writer.lease")
+    [refused] = writers(config(server, root, 2)).finish()  # its start-up lists step 5 as committed
+    assert not refused["durable"] and "already committed" in refused["error"], refused
+    assert "writer.lease" not in step_keys(server, bucket, "run/step_000000000005/")  # removed as a gone writer's
+    stale.signal(signal.SIGCONT)
+    [late] = stale.finish()
+    assert restored_writer(server, root, 5) == 1  # the step the other writer was refused for is still there
+    assert not late["durable"] and "taken over" in late["error"] and "manifest was kept" in late["error"], late
+    only_the_committed_objects_are_left(server, bucket, "run/step_000000000005/")
+
+
+@needs_pidns
+def test_a_claim_never_takes_a_stale_lease_over_in_a_committed_step(server, bucket, writers):
+    """The other writer, started before the step was committed, claims it while the stalled
+    writer's lease is stale and its manifest written: refused as committed, the lease left as it
+    was; the stalled writer, woken, renews its claim and commits."""
+    root = f"s3://{bucket}/run"
+    other = writers(config(server, root, 2, gate="save"))
+    other.expect("gate")  # started (its start-up clean-up done) on a root with no step
+    stale = writers(config(server, root, 1, stop="after-manifest"), ns=True)
+    stale.expect("stopped")
+    key = "run/step_000000000005/writer.lease"
+    _until_stale(server, bucket, key)
+    lease = raw(server).cat_file(f"{bucket}/{key}")
+    other.go()  # its save of step 5 finds a stale lease beside a manifest
+    [refused] = other.finish()
+    assert not refused["durable"] and "already committed" in refused["error"], refused
+    assert raw(server).cat_file(f"{bucket}/{key}") == lease  # not taken over, not renewed by anyone
+    stale.signal(signal.SIGCONT)
+    [late] = stale.finish()
+    assert late["durable"] and late["error"] is None, late  # its claim was held throughout
+    assert restored_writer(server, root, 5) == 1
+    only_the_committed_objects_are_left(server, bucket, "run/step_000000000005/")
+
+
+@needs_pidns
+@pytest.mark.parametrize("wake", ["before-delete", "after-delete"])
+def test_a_manifest_written_while_its_objects_are_swept_is_withdrawn(server, bucket, writers, wake):
+    """The clean-up judges a writer stalled before its manifest write gone, finds no manifest,
+    and is held there (before-delete) or once it deleted the writer's objects (after-delete)
+    while the writer wakes, writes its manifest, finds its claim gone and ends. Before the
+    delete, the writer sees every file in place and keeps its manifest: the clean-up, looking
+    again after its delete, withdraws it. After the delete, the writer withdraws it itself.
+    Either way the step is not listed: no manifest names objects that are gone."""
+    from ckptmgr.storage import open_target
+    from ckptmgr.storage.commit.object_leftovers import remove_object_leftovers
+
+    root = f"s3://{bucket}/run"
+    prefix = "run/step_000000000005/"
+    stale = writers(config(server, root, 1, stop="manifest"), ns=True)
+    stale.expect("stopped")  # its files are written and checked; its manifest is not
+    _until_stale(server, bucket, prefix + "writer.lease")
+    target = open_target(root, server.options())
+    held: list[list[dict[str, Any]]] = []
+
+    def woken_and_ended() -> None:
+        stale.signal(signal.SIGCONT)
+        held.append(stale.finish())
+
+    real_exists, real_remove = target.exists, target.remove
+
+    def exists(rel: str) -> bool:  # the clean-up's look for a manifest in a step it found without one
+        there = real_exists(rel)
+        if wake == "before-delete" and rel == "step_000000000005/manifest.json" and not held:
+            assert not there
+            woken_and_ended()
+            assert "manifest.json" in step_keys(server, bucket, prefix)  # written past the look
+        return there
+
+    def remove(rels: list[str]) -> None:
+        real_remove(rels)
+        if wake == "after-delete" and any("/data-" in r for r in rels) and not held:
+            woken_and_ended()
+
+    target.exists, target.remove = exists, remove
+    try:
+        removed = remove_object_leftovers(target, STALE_S)
+    finally:
+        target.exists, target.remove = real_exists, real_remove
+        target.close()
+    assert step_keys(server, bucket, prefix) == []
+    with pytest.raises(StepNotFoundError):
+        restored_writer(server, root, 5)
+    [[late]] = held
+    assert not late["durable"], late
+    if wake == "before-delete":
+        assert "manifest was kept" in late["error"], late  # every file was there when it looked
+        assert f"{root}/step_000000000005/manifest.json" in removed, removed
+    else:
+        assert "manifest was withdrawn" in late["error"] and "is gone" in late["error"], late
+
+
+def _kept_then_claimed(server: S3Server, bucket: str, writers) -> tuple[Writer, dict[str, Any], str]:
+    """Writer 2 starts on an empty root (its start-up clean-up done, so writer 1's objects stay)
+    and waits; writer 1 stalls before its manifest write; writer 2 saves step 5, takes the
+    claim over once writer 1's is stale, and waits at its commit; writer 1 wakes, writes its
+    manifest, finds its claim gone and ends. Returns writer 2, writer 1's save and the root."""
+    root = f"s3://{bucket}/run"
+    live = writers(config(server, root, 2, takeover=True, gate=["save", "commit"]))
+    live.expect("gate")
+    stale = writers(config(server, root, 1, stop="manifest"), ns=True)
+    stale.expect("stopped")
+    live.go()
+    live.expect("gate")  # it holds the claim, its files written
+    stale.signal(signal.SIGCONT)
+    [late] = stale.finish()
+    return live, late, root
+
+
+@needs_pidns
+def test_a_kept_manifest_is_replaced_by_the_writer_that_holds_the_claim(server, bucket, writers):
+    live, late, root = _kept_then_claimed(server, bucket, writers)
+    assert not late["durable"] and "taken over" in late["error"] and "manifest was kept" in late["error"], late
+    assert restored_writer(server, root, 5) == 1  # complete, so kept: another process may have seen it
+    live.go()
+    [committed] = live.finish()
+    assert committed["durable"] and committed["error"] is None, committed
+    assert restored_writer(server, root, 5) == 2
+    only_the_committed_objects_are_left(server, bucket, "run/step_000000000005/")  # its commit swept the step
 
 
 # ----------------------------------------------------------------------------- defect 3
@@ -424,6 +544,22 @@ def test_without_conditional_writes_a_stalled_manifest_writer_outside_the_window
     assert _fell_back(tmp_path)
     assert not late["durable"] and committed["durable"], (late, committed)
     assert restored_writer(unconditional, root, 5) == 2
+
+
+@needs_pidns
+def test_without_conditional_writes_a_stalled_writer_withdraws_for_the_claim_holder(unconditional, bucket, writers,
+                                                                                      tmp_path):
+    """The claim holder cannot replace a manifest on such a store: the stalled writer, finding
+    another writer's lease, withdraws its complete manifest rather than keep it."""
+    live, late, root = _kept_then_claimed(unconditional, bucket, writers)
+    assert not late["durable"] and "manifest was withdrawn" in late["error"], late
+    assert "another writer holds the claim" in late["error"], late
+    live.go()
+    [committed] = live.finish()
+    assert _fell_back(tmp_path)
+    assert committed["durable"] and committed["error"] is None, committed
+    assert restored_writer(unconditional, root, 5) == 2
+    only_the_committed_objects_are_left(unconditional, bucket, "run/step_000000000005/")
 
 
 # ----------------------------------------------- retention beside a writer of the same step

@@ -22,7 +22,7 @@ in :mod:`ckptmgr.distributed.save`, for directories inside :class:`~.directory.D
 
 Each strategy removes at an abort only what its writer created, and knows its own leftovers,
 swept once per root or directory: :func:`~.rename.remove_local_leftovers`,
-:func:`~.manifest_last.remove_object_leftovers`, :func:`~.file.remove_stale_temps`,
+:func:`~.object_leftovers.remove_object_leftovers`, :func:`~.file.remove_stale_temps`,
 :func:`~.directory.remove_stale_temps` and :func:`~.directory.recover`. The names of the
 temporaries of steps, files and directories, and their patterns, are in
 :mod:`ckptmgr.format.naming` (the RAM tiers name their record temporaries themselves:

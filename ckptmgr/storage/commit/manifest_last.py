@@ -1,5 +1,5 @@
-"""The manifest-last commit of object stores, fenced by the writer's claim, and the removal
-of leftovers of gone writers.
+"""The manifest-last commit of object stores, fenced by the writer's claim. The removal of gone
+writers' leftovers is in :mod:`.object_leftovers`.
 
 An object store has no atomic rename, so a step's files go straight to ``step_<n>/`` and the
 step exists once ``manifest.json`` does. Several processes may share the root, and a writer
@@ -10,7 +10,9 @@ is tied to the writer's *claim*, not to timing:
   anything is uploaded; it is renewed, and finally deleted, only with ``If-Match`` on the ETag
   this writer last got for it, so a writer whose claim was taken over learns it at its next
   renewal (412) and can neither steal the lease back nor delete the new writer's. A stale
-  claim is taken over by a conditional delete on the ETag it was judged by, then a create;
+  claim is taken over by a conditional delete on the ETag it was judged by, then a create,
+  and only in a step without a manifest (a committed step is refused with its lease left to
+  the clean-up's judgment: its writer may be about to renew it after its manifest write);
 * each data object is named with the claim's token (``data-00000.<token>.safetensors``,
   recorded so in the manifest): no two claims ever write one key, so a committed step's
   objects are never rewritten, by a stale writer's single PUT or multipart upload alike;
@@ -18,14 +20,20 @@ is tied to the writer's *claim*, not to timing:
   writes the manifest once (``If-None-Match: *``), and renews the claim again. Only when the
   second renewal succeeds is the step committed and the save reported durable: no one took
   the claim between the check and the manifest, and any later taker finds the manifest and
-  backs off. When it fails, the writer deletes its own manifest (``If-Match`` on its ETag)
-  and the save fails. A writer that, holding its claim throughout, finds a manifest written
-  after its claim saw none replaces it (it was written by a writer that had lost the claim);
+  backs off. When it fails, the save fails, and the writer keeps its manifest where it is
+  still its own and names a complete step (every object there, with the size and, for its
+  own, the ETag written): another process may have been told the step exists. Otherwise
+  (an object is gone: a clean-up judged the writer gone and removed them; or, on a store
+  without conditional writes, another writer holds the claim and cannot replace a manifest)
+  it deletes its manifest (``If-Match`` on its ETag). A writer that, holding its claim
+  throughout, finds a manifest written after its claim saw none replaces it (it was written
+  by a writer that had lost the claim), and once committed removes the objects no live
+  claim owns that its manifest does not name (:func:`.object_leftovers.remove_step_leftovers`);
 * an abort deletes only objects with this claim's token;
 * start-up removes a gone writer's lease first (conditionally), then, where no manifest
-  appeared meanwhile, the step's objects; in a committed step it removes objects of claims
-  that are no longer live and that the manifest does not name. Incomplete multipart uploads
-  are aborted under steps with no live writer and for claims no longer live.
+  appeared meanwhile, the step's objects, and withdraws a manifest written after that look
+  that names objects now gone; in a committed step it removes objects of claims that are no
+  longer live and that the manifest does not name (:mod:`.object_leftovers`).
 
 Stores without conditional writes (a generic fsspec filesystem; an S3 endpoint that answers
 501 to, or ignores, ``If-Match``) get each condition as a read followed by the write, which
@@ -34,41 +42,24 @@ leaves a window of one round trip. docs/SECURITY.md says exactly what holds wher
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
-import posixpath
 import threading
 import time
 from collections.abc import Callable
 
-from ...errors import CkptError, StepExistsError, StorageError
+from ...errors import StepExistsError, StorageError
 from ...format.manifest import MANIFEST_NAME, Manifest
-from ...format.naming import (
-    attempt_name,
-    attempt_tag,
-    is_lease_name,
-    is_our_file,
-    lease_name,
-    parse_step_name,
-    step_name,
-)
+from ...format.naming import attempt_name, attempt_tag, lease_name, step_name
 from ..lease import Lease, LeaseKeeper, current, release, writer_gone
-from ..objects import ConditionFailed, ObjectInfo, ObjectStore, _etag, remove_if, step_objects
+from ..objects import ConditionFailed, ObjectStore, _etag, remove_if
+from .object_leftovers import manifest_names, remove_object_leftovers, remove_step_leftovers, token_is
 from .rename import manifest_sizes
 
 __all__ = ["ManifestLastCommit", "manifest_names", "remove_object_leftovers"]
 
 log = logging.getLogger("ckptmgr")
 _REPLACE_TRIES = 3
-
-
-def _token_is(token: str) -> Callable[[bytes], bool]:
-    def check(data: bytes) -> bool:
-        lease = Lease.from_bytes(data)
-        return lease is not None and lease.token == token
-    return check
 
 
 class _Lost(Exception):
@@ -84,6 +75,7 @@ class ManifestLastCommit:
         self.store = store
         self.step = step
         self._on_commit = on_commit  # run once the files are checked, before the manifest is written
+        self._stale_after_s = stale_after_s
         self.dir = step_name(step)
         self._manifest = f"{self.dir}/{MANIFEST_NAME}"
         self._lease_key = f"{self.dir}/{lease_name(prefix)}"
@@ -98,7 +90,8 @@ class ManifestLastCommit:
         self._lease_etag: str | None = None
         self._held = False
         self._lost = False
-        self._left = False  # our manifest may be in the store (a retraction failed): keep our objects
+        self._left = False  # our manifest may be in the store (kept, or a retraction failed): keep our objects
+        self._replaced = False  # our manifest replaced one written without the claim (commit's thread only)
         try:
             self._claim(stale_after_s)
             # Asked only once the claim is held: a writer gives its claim up after writing its
@@ -129,8 +122,12 @@ class ManifestLastCommit:
                 raise StepExistsError(
                     f"step {self.step} is being written to {self.store.url} by another process ({who}, "
                     f"heartbeat {age:.0f} s ago)") from None
+            # Never in a committed step: its writer may have stalled after its manifest write, before
+            # the renewal that keeps the step; the clean-up judges that lease (not removed here).
+            if self.store.exists(self._manifest):
+                raise StepExistsError(f"step {self.step} is already committed at {self.store.url}") from None
             # Taken over only as it was judged: a writer that renewed it meanwhile keeps it.
-            if other is not None and not remove_if(self.store, self._lease_key, other_etag, _token_is(other.token)):
+            if other is not None and not remove_if(self.store, self._lease_key, other_etag, token_is(other.token)):
                 raise StepExistsError(f"step {self.step} is being written to {self.store.url} by another "
                                       "process (it renewed its claim just now)") from None
             if other is None:
@@ -199,9 +196,11 @@ class ManifestLastCommit:
         try:
             self._renew()
         except _Lost:
-            raise StorageError(f"the claim on step {self.step} under {self.store.url} was taken over by another "
-                               f"process {when} (this writer stalled past the lease's lifetime): not "
-                               "committed") from None
+            raise StorageError(f"{self._taken_over(when)}: not committed") from None
+
+    def _taken_over(self, when: str) -> str:
+        return (f"the claim on step {self.step} under {self.store.url} was taken over by another process {when} "
+                "(this writer stalled past the lease's lifetime)")
 
     def wrote(self, name: str, size: int, etag: str | None = None) -> None:
         """Record an object this claim wrote, by its object name (:meth:`object_name`)."""
@@ -236,17 +235,24 @@ class ManifestLastCommit:
         Raises:
             StorageError: a file is missing or not what was written.
         """
+        wrong = self._unlike(sizes)
+        if wrong is not None:
+            raise StorageError(f"{wrong}: step {self.step} not committed")
+
+    def _unlike(self, sizes: dict[str, int]) -> str | None:
+        """What in the step's prefix is not as :meth:`check` wants it (None: all is). Raises
+        what the listing raises."""
         listing = self.store.listing(self.dir + "/")
         with self._mu:
             written = dict(self._written)
         for name, size in sizes.items():
             info = listing.get(f"{self.dir}/{name}")
             if info is None:
-                raise StorageError(f"{self.store.url}/{self.dir}/{name} is missing: step {self.step} not committed")
+                return f"{self.store.url}/{self.dir}/{name} is missing"
             mine = written.get(name)
             if info.size != size or (mine is not None and mine[1] and info.etag and _etag(info.etag) != mine[1]):
-                raise StorageError(f"{self.store.url}/{self.dir}/{name} is not the {size}-byte object this save "
-                                   f"wrote: step {self.step} not committed")
+                return f"{self.store.url}/{self.dir}/{name} is not the {size}-byte object this save wrote"
+        return None
 
     def commit(self, manifest: bytes) -> None:
         manifest = self._named(manifest)
@@ -260,22 +266,55 @@ class ManifestLastCommit:
             self._keep_if_ours(manifest)
             raise
         try:
-            self._hold("while it wrote its manifest")
-        except StorageError:
-            # Not a commit: the step belongs to the writer that holds the claim now.
-            try:
-                gone = remove_if(self.store, self._manifest, etag, lambda d: d == manifest)
-            except Exception as exc:
-                gone = False
-                log.warning("could not withdraw the manifest of step %d under %s (%s: %s)", self.step,
-                            self.store.url, type(exc).__name__, exc)
-            with self._mu:
-                self._left = not gone and self._still_ours(manifest)
-            raise
+            self._renew()
+        except _Lost:
+            # Not durable: the claim was not held throughout. The step stays if it is complete.
+            raise StorageError(f"{self._taken_over('while it wrote its manifest')}: "
+                               f"{self._settle(manifest, etag)}") from None
         except BaseException:  # the renewal failed otherwise (a timeout, a reset): not known to be
             self._keep_if_ours(manifest)  # lost, and our manifest names these objects
             raise
         self.close()
+        if self._replaced:  # the objects the replaced manifest named are no one's now
+            try:
+                remove_step_leftovers(self.store, self.step, self._stale_after_s)
+            except Exception as exc:
+                log.warning("could not remove the objects of the manifest replaced in step %d under %s (%s: %s); "
+                            "the next start removes them", self.step, self.store.url, type(exc).__name__, exc)
+
+    def _settle(self, manifest: bytes, etag: str | None) -> str:
+        """After our claim was found taken over past our manifest's write: keep the manifest
+        where it is still ours and names a complete step (another process may have been told
+        the step exists), unless the store cannot let the writer holding the claim now replace
+        it; withdraw it otherwise. Returns what became of it, for the error."""
+        try:
+            if self.store.get_manifest(self._manifest) != manifest:
+                return "not committed; the manifest there is no longer this writer's"
+            wrong = self._unlike(manifest_sizes(manifest))
+            other = wrong is None and not self.store.conditional and self._read_lease()[0] is not None
+        except FileNotFoundError:
+            return "not committed; its manifest is gone"
+        except Exception as exc:
+            with self._mu:
+                self._left = True
+            return (f"not durable; its manifest was left in place, as it could not be checked "
+                    f"({type(exc).__name__}: {exc})")
+        if wrong is None and not other:
+            with self._mu:
+                self._left = True
+            return ("not durable; its manifest was kept, as every file it names is in place (the step may "
+                    "have been seen as committed; a writer that holds the claim now may replace it)")
+        why = (f"a file it names is gone ({wrong})" if wrong is not None else
+               "another writer holds the claim, and this store has no conditional writes to replace it")
+        try:
+            gone = remove_if(self.store, self._manifest, etag, lambda d: d == manifest)
+        except Exception as exc:
+            gone = False
+            log.warning("could not withdraw the manifest of step %d under %s (%s: %s)", self.step,
+                        self.store.url, type(exc).__name__, exc)
+        with self._mu:
+            self._left = not gone and self._still_ours(manifest)
+        return f"not committed; its manifest {'was withdrawn' if gone else 'could not be withdrawn'}: {why}"
 
     def _keep_if_ours(self, manifest: bytes) -> None:
         """After a failure from the manifest's write on: keep the data objects (abort leaves
@@ -311,6 +350,7 @@ class ManifestLastCommit:
                 break  # (without conditions, our claim's continuity is not proven: never delete it)
             self._hold("before it replaced a manifest written without the claim")
             if remove_if(self.store, self._manifest, _etag(info.etag), there.__eq__):
+                self._replaced = True
                 log.warning("step %d under %s: replaced a manifest written by a writer that had lost its "
                             "claim on the step", self.step, self.store.url)
         raise StepExistsError(f"step {self.step} under {self.store.url} has a manifest that this writer did not "
@@ -340,111 +380,10 @@ class ManifestLastCommit:
         if not held:
             return
         try:
-            remove_if(self.store, self._lease_key, etag, _token_is(token))
+            remove_if(self.store, self._lease_key, etag, token_is(token))
         except Exception as exc:
             log.info("could not release the lease %s/%s (%s); it expires", self.store.url, self._lease_key, exc)
 
     def __del__(self) -> None:  # dropped without commit/abort/close: its lease (if left) is a gone writer's
         if hasattr(self, "_lease"):
             release(self._lease)
-
-
-def _judge(store: ObjectStore, rel: str, info: ObjectInfo, now: float,
-           stale_after_s: float) -> tuple[Lease | None, bool]:
-    """The lease at ``rel`` and whether its writer is gone."""
-    try:
-        lease = Lease.from_bytes(store.get(rel))
-    except FileNotFoundError:
-        return None, True
-    stamp = info.mtime if info.mtime is not None else (lease.time if lease else None)
-    return lease, writer_gone(lease, now - stamp if stamp is not None else float("inf"), stale_after_s)
-
-
-def manifest_names(store: ObjectStore, rel: str) -> set[str] | None:
-    """The data file names a committed manifest lists; None when it is gone or cannot be read
-    as one (then nothing it might name is removed)."""
-    try:
-        files = json.loads(store.get_manifest(rel)).get("files")
-    except (OSError, ValueError, AttributeError, RecursionError, CkptError):
-        return None
-    return {n for n in files if isinstance(n, str)} if isinstance(files, dict) else None
-
-
-def remove_object_leftovers(store: ObjectStore, stale_after_s: float) -> list[str]:
-    """Remove, under the root: the steps without a manifest whose writers are all gone (their
-    leases first, conditionally, then, if no manifest appeared meanwhile, our objects and the
-    directory marker); leases of gone writers left in committed steps, and the objects of
-    claims that are no longer live that the step's manifest does not name; incomplete
-    multipart uploads under steps with no live writer or of claims no longer live. Returns
-    what was removed; a failure is logged and the rest goes on."""
-    removed: list[str] = []
-    uploads = store.uploads("step_")  # before the objects: an upload's lease was created before it
-    groups = step_objects(store.listing("step_"))
-    now = time.time()
-    busy: set[int] = set()  # steps with a live writer
-    unsure: set[int] = set()  # steps that could not be examined
-    live: dict[int, set[str]] = {}  # step -> tokens of its live claims
-    for step, objs in sorted(groups.items()):
-        d = step_name(step)
-        try:
-            tokens: set[str] = set()
-            fenced = []
-            for n, info in sorted(objs.items()):
-                if not is_lease_name(n):
-                    continue
-                lease, gone = _judge(store, f"{d}/{n}", info, now, stale_after_s)
-                if not gone:
-                    tokens.add(lease.token if lease is not None else "")
-                    continue
-                # A gone writer's claim goes first, and only as judged: one that renewed it lives.
-                if lease is not None and not remove_if(store, f"{d}/{n}", _etag(info.etag), _token_is(lease.token)):
-                    tokens.add(lease.token)
-                    continue
-                if lease is None:
-                    store.remove([f"{d}/{n}"])
-                fenced.append(n)
-            live[step] = tokens
-            committed = MANIFEST_NAME in objs
-            if tokens and not committed:
-                busy.add(step)
-                continue
-            if not committed and store.exists(f"{d}/{MANIFEST_NAME}"):  # committed just now
-                continue
-            if committed:
-                removed += [f"{store.url}/{d}/{n}" for n in fenced]
-                tagged = {n: attempt_tag(n) for n in objs if attempt_tag(n) is not None}
-                stray = {n for n, t in tagged.items() if t not in tokens}
-                if stray and (fenced or tokens or len(set(tagged.values())) > 1):
-                    names = manifest_names(store, f"{d}/{MANIFEST_NAME}")
-                    doomed = sorted(stray - names) if names is not None else []
-                    store.remove([f"{d}/{n}" for n in doomed])
-                    removed += [f"{store.url}/{d}/{n}" for n in doomed]
-                continue
-            ours = sorted(f"{d}/{n}" for n in objs if is_our_file(n) and not is_lease_name(n))
-            store.remove(ours)
-            foreign = sorted(n for n in objs if n and not is_our_file(n))
-            if foreign:
-                log.warning("left %s/%s in place: it holds objects ckptmgr did not write (%s)", store.url, d, foreign)
-            else:
-                store.remove([f"{d}/"])  # the directory marker, where the server keeps one
-            if ours or fenced:
-                removed.append(f"{store.url}/{d}")
-        except OSError as exc:
-            unsure.add(step)
-            log.warning("could not remove the leftovers of step %d under %s (%s: %s)", step, store.url,
-                        type(exc).__name__, exc)
-    for key, upload_id in uploads:
-        head, _, name = key.partition("/")
-        owner = parse_step_name(head)
-        if owner is None or not is_our_file(name) or posixpath.basename(name) != name:
-            continue
-        tag = attempt_tag(name)
-        if owner in unsure or (tag is None and owner in busy) or (tag is not None and tag in live.get(owner, ())):
-            continue  # a live claim's (or an untagged upload beside a live writer, or cannot tell)
-        with contextlib.suppress(FileNotFoundError):
-            try:
-                store.abort_upload(key, upload_id)
-                removed.append(f"{store.url}/{key} (incomplete upload)")
-            except OSError as exc:
-                log.warning("could not abort the incomplete upload of %s/%s (%s)", store.url, key, exc)
-    return removed
