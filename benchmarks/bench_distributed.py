@@ -19,8 +19,9 @@ from round to round) and saves ``--saves`` times, one training step between save
 The first save of a process (allocations, pinning, plans) and the later ones are reported apart:
 per round, the first save and the median of the later saves; over the rounds, the median and
 the range of each. Then each round restores the newest step in fresh processes per tool
-(``ckptmgr`` with ``target=``; ``DCP``: ``dcp.load`` + ``set_state_dict``, from the ``dcp.save``
-checkpoint) into a freshly initialized model and optimizer, after dropping the files' page
+(``ckptmgr`` with ``target=`` from the durable files, its local tier off: the slots the saving
+processes left in /dev/shm would serve it from RAM; ``DCP``: ``dcp.load`` + ``set_state_dict``,
+from the ``dcp.save`` checkpoint) into a freshly initialized model and optimizer, after dropping the files' page
 cache, and checks bit-identity with an exact, layout-independent fingerprint. Times are the
 slowest rank's. Prints a table and writes JSON (``--out``). ``--max-wall-s`` stops starting
 rounds after that long (the JSON says how many ran).
@@ -52,7 +53,7 @@ import torch.multiprocessing as mp
 from common import evict, global_fingerprint
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ckptmgr import CheckpointManager, KeepLatest, PerRank
+from ckptmgr import CheckpointManager, KeepLatest, PerRank, StagingOptions
 
 SAVERS = ("ckptmgr", "DCP save", "DCP async_save")
 RESTORERS = ("ckptmgr", "DCP")
@@ -107,10 +108,11 @@ class _Sync:
 
 
 def _stager(dev: torch.device) -> Any:
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.staging import DefaultStager
+    from torch.distributed.checkpoint.staging import StagingOptions as DcpStagingOptions
 
-    return DefaultStager(StagingOptions(use_pinned_memory=dev.type == "cuda", use_shared_memory=False,
-                                        use_async_staging=True, use_non_blocking_copy=dev.type == "cuda"))
+    return DefaultStager(DcpStagingOptions(use_pinned_memory=dev.type == "cuda", use_shared_memory=False,
+                                           use_async_staging=True, use_non_blocking_copy=dev.type == "cuda"))
 
 
 def _dcp_async(state: dict[str, Any], path: str, stager: Any) -> tuple[Any, Any]:
@@ -203,8 +205,8 @@ def _restore(tool: str, mode: str, d: str, args: argparse.Namespace, dev: torch.
         evict(d)
     sync()
     t0 = time.perf_counter()
-    if tool == "ckptmgr":
-        with CheckpointManager(d) as mgr:
+    if tool == "ckptmgr":  # from the durable files, as DCP (not the local tier the save left in RAM)
+        with CheckpointManager(d, staging=StagingOptions(local_tier=False)) as mgr:
             mgr.restore(target={"model": model, "optim": opt, "step": 0, "rng": PerRank(_rng(dev))},
                         loader=args.loader)
     else:

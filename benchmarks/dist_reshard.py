@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from common import evict, global_fingerprint
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ckptmgr import CheckpointManager
+from ckptmgr import CheckpointManager, StagingOptions
 
 
 def _init(rank: int, world: int, port: int, device: str) -> torch.device:
@@ -90,8 +90,8 @@ def reshard_worker(rank: int, world: int, port: int, args: argparse.Namespace, p
             sync()
             counted = [0]
             io0, t0 = _io(), time.perf_counter()
-            if tool == "ckptmgr":
-                with CheckpointManager(d) as mgr:
+            if tool == "ckptmgr":  # from the durable files, as DCP (not the local tier the save left in RAM)
+                with CheckpointManager(d, staging=StagingOptions(local_tier=False)) as mgr:
                     real = mgr._target.read_into
 
                     def read_into(step: int, name: str, offset: int, bufs: list[Any], real: Any = real,
