@@ -52,7 +52,7 @@ from ..errors import CheckpointCorruptError, CkptError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import Manifest
 from ..format.schema import MAX_MANIFEST_BYTES
-from .private import NOFOLLOW, check_private_dir, open_private_dir, read_small, write_small
+from .private import NOFOLLOW, check_private_dir, empty_dir, open_private_dir, read_small, write_small
 from .tier import tier_dir
 
 __all__ = ["Copy", "PeerArea", "ShardRecord", "check_files", "read_peer"]
@@ -281,9 +281,7 @@ class PeerArea:
             for name in (RECORD, _TMP_RECORD):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=d)
-            for name in os.listdir(d):
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=d)
+            empty_dir(d)
         finally:
             os.close(d)
         return slot
@@ -324,9 +322,7 @@ class PeerArea:
         with contextlib.suppress(OSError):
             d = self._dir(rank, slot)
             try:
-                for name in os.listdir(d):
-                    with contextlib.suppress(OSError):
-                        os.unlink(name, dir_fd=d)
+                empty_dir(d)
             finally:
                 os.close(d)
         with self._mu:

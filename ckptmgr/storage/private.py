@@ -15,7 +15,8 @@ import stat
 
 from ..errors import CheckpointCorruptError
 
-__all__ = ["NOFOLLOW", "UnsafePathError", "check_private_dir", "open_private_dir", "read_small", "write_small"]
+__all__ = ["NOFOLLOW", "UnsafePathError", "check_private_dir", "empty_dir", "open_private_dir", "read_small",
+           "write_small"]
 
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -74,3 +75,11 @@ def write_small(name: str, dir_fd: int, data: bytes) -> None:
             view = view[os.write(fd, view):]
     finally:
         os.close(fd)
+
+
+def empty_dir(dir_fd: int) -> None:
+    """Unlink every entry of the directory open as ``dir_fd`` (a symlink is removed, never
+    followed; a subdirectory, or an entry that cannot be removed, stays)."""
+    for name in os.listdir(dir_fd):
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dir_fd)

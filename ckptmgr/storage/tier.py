@@ -58,7 +58,7 @@ from ..options import StagingOptions
 from .posix import preadv_into
 from .private import NOFOLLOW as _NOFOLLOW
 from .private import UnsafePathError as TierUnsafeError
-from .private import open_private_dir, read_small, write_small
+from .private import empty_dir, open_private_dir, read_small, write_small
 from .tier_layout import DURABLE_MARK, ROOT_ID, TMP_MANIFEST, ram_filesystem, read_tier, tier_dir
 from .tier_pinning import Pinning, TierImages
 from .tier_scan import GONE_PREFIX, TierScan
@@ -309,10 +309,7 @@ class LocalTier(TierScan):
     def remove_slot(self, index: int) -> None:
         """Delete the slot's files, its manifest first, then its directory."""
         self.invalidate(index)
-        d = self._slot_fd(index)
-        for name in os.listdir(d):
-            with contextlib.suppress(FileNotFoundError, IsADirectoryError, PermissionError):
-                os.unlink(name, dir_fd=d)
+        empty_dir(self._slot_fd(index))
         with self._mu:
             fd = self._slot_fds.pop(index, None)
         if fd is not None:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from ..errors import CheckpointCorruptError, CkptError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.schema import MAX_MANIFEST_BYTES
-from .private import UnsafePathError, read_small, write_small
+from .private import UnsafePathError, empty_dir, read_small, write_small
 from .tier_layout import DURABLE_MARK, ROOT_ID, marked_durable
 
 __all__ = ["GONE_PREFIX", "TierScan"]
@@ -174,9 +174,7 @@ class TierScan:
             except OSError:
                 continue
             try:
-                for entry in os.listdir(d):
-                    with contextlib.suppress(OSError):
-                        os.unlink(entry, dir_fd=d)
+                empty_dir(d)
             finally:
                 os.close(d)
             try:
