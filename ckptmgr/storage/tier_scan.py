@@ -9,11 +9,12 @@ what a later start must know: the identity of the root the slots belong to
 its manifest and files verify; anything else found there is removed, never followed through a
 symlink. Its state is the tier's, guarded by the tier's ``_mu`` (never held across I/O).
 
-A slot the earlier process never committed (a spare it made, a save cut short) can hold
-gigabytes, and freeing tmpfs pages runs at about 10 GB/s: on the restart's critical path that
-was 0.4 s for one 4.5 GiB spare (H200). So the scan renames it out of the slots' names at once
-(``gone-*``, a new save may take its index at once) and a sweeper thread deletes it; the next
-start sweeps whatever a crash left of that.
+A slot that is not adopted (the earlier process never committed it: a spare it made, a save cut
+short; or it is damaged, of another root, or deleted from the root) can hold gigabytes, and
+freeing tmpfs pages runs at about 10 GB/s: on the restart's critical path that was 0.4 s for one
+4.5 GiB spare (H200). So the scan renames it out of the slots' names at once (``gone-*``, a new
+save may take its index at once) and a sweeper thread deletes it; the next start sweeps
+whatever a crash left of that.
 """
 
 from __future__ import annotations
@@ -119,17 +120,15 @@ class TierScan:
             except FileNotFoundError:
                 continue
             except (OSError, CkptError, ValueError):
-                self._discard(name, index)
+                aside += self._set_aside(name, index)
                 continue
             if m is None:  # a slot of the dead process never committed (a save cut short, a spare):
-                gone = self._set_aside(name, index)  # its memory goes back now, not at the next save into it
-                if gone is not None:
-                    aside.append(gone)
+                aside += self._set_aside(name, index)  # its memory goes back now, not at the next save into it
                 continue
             if durable is not None and m.step not in durable and self._durable_step(index) == m.step:
                 log.info("local tier %s: step %d was deleted from the root since it was written there; its copy "
                          "here is dropped, not written back", self.path, m.step)
-                self._discard(name, index)
+                aside += self._set_aside(name, index)
                 continue
             found[index] = m
             with self._mu:
@@ -142,9 +141,9 @@ class TierScan:
             self._sweeper.start()
         return found
 
-    def _set_aside(self, name: str, index: int) -> str | None:
-        """Rename slot directory ``name`` out of the slots' names, for the sweeper; None when
-        it was removed here instead (not a directory, or the rename failed)."""
+    def _set_aside(self, name: str, index: int) -> list[str]:
+        """Rename slot directory ``name`` out of the slots' names, for the sweeper: its new
+        name, or none when it was removed here instead (not a directory, or the rename failed)."""
         with self._mu:
             fd = self._slot_fds.pop(index, None)
         if fd is not None:
@@ -155,11 +154,11 @@ class TierScan:
                 raise NotADirectoryError(name)
             os.rename(name, gone, src_dir_fd=self._fd, dst_dir_fd=self._fd)
         except FileNotFoundError:
-            return None
+            return []
         except OSError:
             self._discard(name, index)
-            return None
-        return gone
+            return []
+        return [gone]
 
     def _sweep(self, names: list[str]) -> None:
         """(the sweeper thread) Delete the slot directories set aside: their files, then them
