@@ -7,7 +7,8 @@ CONFIG: ``root``, ``so`` (storage options), ``part_size``, ``stale_s``, ``writer
 the state carries), ``steps`` (saved in order), ``n`` (floats per state), ``keep`` (KeepLatest,
 0: none), ``stop`` (a list of: ``data``: before the first data upload; ``after-data``: once
 it is done; ``manifest``: before the manifest write; ``after-manifest``: once it is written;
-``renewal``: at the first lease renewal, with the data upload held until that renewal is done),
+``renewal``: at the first lease renewal, with the data upload held until that renewal is done;
+``replace``: before the conditional delete of a manifest that the commit replaces),
 ``gate`` (one or a list of: ``commit``: print ``gate`` and wait for a line on stdin before
 the commit; ``save``: the same once the manager has started (its start-up clean-up done),
 before the first save),
@@ -87,6 +88,10 @@ def install_hooks(cfg: dict) -> None:
                 return real_call(self, method, **kw)
             finally:
                 renewed.set()
+        if "replace" in stop and method == "delete_object" and key.endswith("/manifest.json") \
+                and "replace" not in fired:
+            fired.add("replace")
+            stall("replace")
         manifest = method == "put_object" and key.endswith("/manifest.json")
         if "manifest" in stop and manifest and "manifest" not in fired:
             fired.add("manifest")

@@ -1,0 +1,197 @@
+"""Several writers on one object-store root: the interleavings around a claim's lease and a
+step's manifest that tests/test_s3_fencing.py leaves out (its harness, servers and stalls).
+
+1. A lease that vanishes between a look and a removal is never the one removed: the start-up
+   clean-up, and a claim taking a step over, remove only the lease they judged, so a claim
+   made meanwhile by another writer keeps its lease.
+2. A manifest that a writer stalled before its manifest write puts *after* the clean-up's
+   second look, the writer then killed before its own check, is withdrawn by the next start:
+   no step is listed whose files are gone.
+3. A writer that replaces a kept manifest (written by a writer that had lost the claim) and
+   stalls before the replacing delete, while a clean-up removes its objects, puts the
+   replaced manifest back when its own is withdrawn: a step seen committed stays committed.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import pytest
+
+s3fs = pytest.importorskip("s3fs")
+from test_s3_fencing import (  # noqa: E402
+    STALE_S,
+    WAIT_S,
+    _until_stale,
+    bucket,  # noqa: F401  (fixture)
+    config,
+    needs_pidns,
+    only_the_committed_objects_are_left,
+    raw,
+    restored_writer,
+    server,  # noqa: F401  (fixture)
+    step_keys,
+    writers,  # noqa: F401  (fixture)
+)
+
+from ckptmgr import CheckpointManager, StagingOptions, StepExistsError  # noqa: E402
+
+STEP = "step_000000000005"
+
+
+def _lease_token(server, bucket: str, key: str) -> str | None:  # noqa: F811
+    from ckptmgr.storage.lease import Lease
+
+    lease = Lease.from_bytes(raw(server).cat_file(f"{bucket}/{key}"))
+    return None if lease is None else lease.token
+
+
+# ------------------------------------------------------------ a lease that vanished is not removed
+
+
+def test_the_clean_up_never_removes_a_claim_made_after_it_looked(server, bucket):  # noqa: F811
+    """The clean-up lists a step's lease; its writer releases it before the clean-up reads it,
+    and another writer claims the step before the clean-up goes on: that claim's lease stays."""
+    from ckptmgr.storage import open_target
+    from ckptmgr.storage.commit.object_leftovers import remove_object_leftovers
+    from ckptmgr.storage.lease import current, release
+
+    root = f"s3://{bucket}/run"
+    key = f"{STEP}/writer.lease"
+    sweeper, other = open_target(root, server.options()), open_target(root, server.options())
+    done = current()
+    release(done)
+    sweeper.put(key, done.to_bytes())  # listed by the clean-up
+    claims: list[Any] = []
+    real_get = sweeper.get
+
+    def get(rel: str) -> bytes:
+        if rel != key or claims:
+            return real_get(rel)
+        raw(server).rm(f"{bucket}/run/{key}")  # its writer released its claim (it finished)
+        try:
+            return real_get(rel)
+        finally:
+            claims.append(other.begin(5))  # a new claim on the step, before the clean-up goes on
+
+    sweeper.get = get  # type: ignore[method-assign]
+    try:
+        remove_object_leftovers(sweeper, STALE_S)
+        [w] = claims
+        assert "writer.lease" in step_keys(server, bucket, f"run/{STEP}/")  # the new claim's lease stays
+        assert _lease_token(server, bucket, f"run/{key}") == w.strategy.tag
+        w.close()
+    finally:
+        sweeper.close()
+        other.close()
+
+
+def test_a_claim_never_removes_a_lease_created_after_it_looked(server, bucket):  # noqa: F811
+    """A claim finds the step's lease, which its writer releases before the claim reads it, and
+    another writer claims the step meanwhile: the claim is refused, the other claim's lease stays."""
+    from ckptmgr.storage import open_target
+
+    root = f"s3://{bucket}/run"
+    key = f"{STEP}/writer.lease"
+    first, second, third = (open_target(root, server.options()) for _ in range(3))
+    holder = first.begin(5)
+    claims: list[Any] = []
+    real_get = second.get
+
+    def get(rel: str) -> bytes:
+        if rel != key or claims:
+            return real_get(rel)
+        holder.close()  # the first writer releases its claim (its save failed)
+        try:
+            return real_get(rel)
+        finally:
+            claims.append(third.begin(5))  # and another writer claims the step at once
+
+    second.get = get  # type: ignore[method-assign]
+    try:
+        with pytest.raises(StepExistsError, match="claimed the step just now"):
+            second.begin(5)
+        [w] = claims
+        assert "writer.lease" in step_keys(server, bucket, f"run/{STEP}/")
+        assert _lease_token(server, bucket, f"run/{key}") == w.strategy.tag
+        w.close()
+    finally:
+        for t in (first, second, third):
+            t.close()
+
+
+# ------------------------------------------------- a manifest put after the clean-up's second look
+
+
+@needs_pidns
+def test_a_manifest_put_after_the_clean_up_and_left_by_a_killed_writer_is_withdrawn(server, bucket,  # noqa: F811
+                                                                                       writers):  # noqa: F811
+    """A writer stalls before its manifest write past the stale time; a start-up clean-up
+    removes its lease and objects and looks again (no manifest yet); the writer wakes, writes
+    its manifest and is killed before its own check. The next start withdraws that manifest:
+    the step is never listed with its files gone."""
+    from ckptmgr.storage import open_target
+    from ckptmgr.storage.commit.object_leftovers import remove_object_leftovers
+
+    root = f"s3://{bucket}/run"
+    prefix = f"run/{STEP}/"
+    stale = writers(config(server, root, 1, stop=["manifest", "after-manifest"]), ns=True)
+    stale.expect("stopped")  # its files are written and checked, its claim renewed; its manifest is not
+    _until_stale(server, bucket, prefix + "writer.lease")
+    target = open_target(root, server.options())
+    try:
+        remove_object_leftovers(target, STALE_S)  # the whole sweep, its second look included
+    finally:
+        target.close()
+    assert step_keys(server, bucket, prefix) == []
+    stale.signal(signal.SIGCONT)
+    stale.expect("stopped")  # its manifest is written (nothing was there), before its renewal
+    stale.signal(signal.SIGKILL)
+    stale.proc.wait(WAIT_S)
+    assert step_keys(server, bucket, prefix) == ["manifest.json"]  # naming objects that are gone
+    with CheckpointManager(root, storage_options=server.options(), staging=StagingOptions(local_tier=False)) as mgr:
+        assert mgr.steps() == []  # the next start withdrew it
+    assert step_keys(server, bucket, prefix) == []
+
+
+# ----------------------------------------------- a replacing writer stalled before its delete
+
+
+@needs_pidns
+def test_a_replaced_manifest_is_put_back_when_the_replacing_one_is_withdrawn(server, bucket, writers):  # noqa: F811
+    """Writer 1 keeps its complete manifest after its claim was taken over by writer 2 (the
+    step restores, so it may have been seen committed). Writer 2 commits, stalls before the
+    delete that replaces that manifest, past the stale time; a start-up clean-up removes its
+    lease and its objects (the manifest in place does not name them). Writer 2 wakes, replaces
+    the manifest, finds its claim gone and withdraws its own (its objects are gone): it puts
+    writer 1's manifest back, whose files are all there, so the step still restores."""
+    from ckptmgr.storage import open_target
+    from ckptmgr.storage.commit.object_leftovers import remove_object_leftovers
+
+    root = f"s3://{bucket}/run"
+    prefix = f"run/{STEP}/"
+    live = writers(config(server, root, 2, takeover=True, gate=["save", "commit"], stop="replace"), ns=True)
+    live.expect("gate")  # started on an empty root
+    stale = writers(config(server, root, 1, stop="manifest"), ns=True)
+    stale.expect("stopped")
+    live.go()
+    live.expect("gate")  # it took the stale claim over, its files written
+    stale.signal(signal.SIGCONT)
+    [late] = stale.finish()
+    assert not late["durable"] and "manifest was kept" in late["error"], late
+    assert restored_writer(server, root, 5) == 1  # seen committed
+    live.go()
+    live.expect("stopped")  # checked, renewed, found writer 1's manifest: before deleting it
+    _until_stale(server, bucket, prefix + "writer.lease")
+    target = open_target(root, server.options())
+    try:
+        remove_object_leftovers(target, STALE_S)
+    finally:
+        target.close()
+    live.signal(signal.SIGCONT)
+    [failed] = live.finish()
+    assert not failed["durable"] and "taken over" in failed["error"], failed
+    assert "put back" in failed["error"], failed
+    assert restored_writer(server, root, 5) == 1  # still committed, with writer 1's files
+    only_the_committed_objects_are_left(server, bucket, prefix)
