@@ -15,9 +15,10 @@ of tests/test_s3_fencing.py).
 3. A manifest that a writer stalled before its manifest write puts *after* the clean-up's
    second look, the writer then killed before its own check, is withdrawn by the next start:
    no step is listed whose files are gone.
-4. A writer that replaces a kept manifest (written by a writer that had lost the claim) and
-   stalls before the replacing delete, while a clean-up removes its objects, puts the
-   replaced manifest back when its own is withdrawn: a step seen committed stays committed.
+4. A writer that replaces a kept manifest (written by a writer that had lost the claim) does
+   it in one request: killed right after it, the step is committed. Stalled before it while a
+   clean-up removes its objects, it puts the replaced manifest back when its own is withdrawn:
+   a step seen committed stays committed.
 """
 
 from __future__ import annotations
@@ -287,7 +288,7 @@ def test_a_manifest_put_after_the_clean_up_and_left_by_a_killed_writer_is_withdr
 def test_a_replaced_manifest_is_put_back_when_the_replacing_one_is_withdrawn(server, bucket, writers):  # noqa: F811
     """Writer 1 keeps its complete manifest after its claim was taken over by writer 2 (the
     step restores, so it may have been seen committed). Writer 2 commits, stalls before the
-    delete that replaces that manifest, past the stale time; a start-up clean-up removes its
+    request that replaces that manifest, past the stale time; a start-up clean-up removes its
     lease and its objects (the manifest in place does not name them). Writer 2 wakes, replaces
     the manifest, finds its claim gone and withdraws its own (its objects are gone): it puts
     writer 1's manifest back, whose files are all there, so the step still restores."""
@@ -307,7 +308,7 @@ def test_a_replaced_manifest_is_put_back_when_the_replacing_one_is_withdrawn(ser
     assert not late["durable"] and "manifest was kept" in late["error"], late
     assert restored_writer(server, root, 5) == 1  # seen committed
     live.go()
-    live.expect("stopped")  # checked, renewed, found writer 1's manifest: before deleting it
+    live.expect("stopped")  # checked, renewed, found writer 1's manifest: before replacing it
     _until_stale(server, bucket, prefix + "writer.lease")
     target = open_target(root, server.options())
     try:
@@ -320,3 +321,29 @@ def test_a_replaced_manifest_is_put_back_when_the_replacing_one_is_withdrawn(ser
     assert "put back" in failed["error"], failed
     assert restored_writer(server, root, 5) == 1  # still committed, with writer 1's files
     only_the_committed_objects_are_left(server, bucket, prefix)
+
+
+@needs_pidns
+def test_a_writer_killed_as_it_replaces_a_kept_manifest_leaves_the_step_committed(server, bucket,  # noqa: F811
+                                                                                    writers):  # noqa: F811
+    """Writer 2, holding the claim, replaces writer 1's kept manifest at its commit and is killed
+    right after the request that replaces it: the step is committed, with one manifest or the
+    other (never none, which would leave writer 1's files to the next clean-up)."""
+    root = f"s3://{bucket}/run"
+    live = writers(config(server, root, 2, takeover=True, gate=["save", "commit"], stop="after-replace"), ns=True)
+    live.expect("gate")
+    stale = writers(config(server, root, 1, stop="manifest"), ns=True)
+    stale.expect("stopped")
+    live.go()
+    live.expect("gate")  # it took the stale claim over, its files written
+    stale.signal(signal.SIGCONT)
+    [late] = stale.finish()
+    assert not late["durable"] and "manifest was kept" in late["error"], late
+    live.go()
+    live.expect("stopped")  # its request that replaces writer 1's manifest is done
+    live.signal(signal.SIGKILL)
+    live.proc.wait(WAIT_S)
+    with CheckpointManager(root, storage_options=server.options(), staging=StagingOptions(local_tier=False),
+                           read_only=True) as mgr:
+        assert mgr.steps() == [5]
+    assert restored_writer(server, root, 5) == 2  # its manifest, written in the one request

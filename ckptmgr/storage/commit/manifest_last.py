@@ -27,9 +27,10 @@ is tied to the writer's *claim*, not to timing:
   (an object is gone: a clean-up judged the writer gone and removed them; or, on a store
   without conditional writes, another writer holds the claim and cannot replace a manifest)
   it deletes its manifest (``If-Match`` on its ETag). A writer that, holding its claim
-  throughout, finds a manifest written after its claim saw none replaces it (it was written
-  by a writer that had lost the claim), and once committed removes the objects no live
-  claim owns that its manifest does not name (:func:`.object_leftovers.remove_step_leftovers`);
+  throughout, finds a manifest written after its claim saw none replaces it in one PUT
+  (``If-Match`` on its ETag; it was written by a writer that had lost the claim), and once
+  committed removes the objects no live claim owns that its manifest does not name
+  (:func:`.object_leftovers.remove_step_leftovers`);
   where it loses its claim instead and withdraws its own manifest, it writes the replaced one
   back (``If-None-Match``) if every file that one names is in place;
 * an abort deletes only objects with this claim's token;
@@ -362,8 +363,9 @@ class ManifestLastCommit:
     def _write_manifest(self, manifest: bytes) -> str | None:
         """Write the manifest once; returns its ETag. A manifest already there is ours (an
         earlier attempt whose answer was lost), or was written after our claim saw none by a
-        writer that had lost the claim: replaced, where the store's conditions prove that
-        our claim was held throughout. Raises StepExistsError otherwise."""
+        writer that had lost the claim: replaced in one PUT (``If-Match`` on its ETag), where
+        the store's conditions prove that our claim was held throughout. Raises
+        StepExistsError otherwise."""
         for _ in range(_REPLACE_TRIES):
             try:
                 return _etag(self.store.put(self._manifest, manifest, if_absent=True))
@@ -379,10 +381,14 @@ class ManifestLastCommit:
             if not self.store.conditional or info is None or not info.etag:
                 break  # (without conditions, our claim's continuity is not proven: never delete it)
             self._hold("before it replaced a manifest written without the claim")
-            if remove_if(self.store, self._manifest, _etag(info.etag), there.__eq__):
-                self._replaced = there
-                log.warning("step %d under %s: replaced a manifest written by a writer that had lost its "
-                            "claim on the step", self.step, self.store.url)
+            try:  # one PUT on the ETag it was read by: the step is never without a manifest
+                etag = self.store.put(self._manifest, manifest, if_match=_etag(info.etag))
+            except ConditionFailed:
+                continue  # replaced or withdrawn meanwhile: look again
+            self._replaced = there
+            log.warning("step %d under %s: replaced a manifest written by a writer that had lost its claim on the "
+                        "step", self.step, self.store.url)
+            return _etag(etag)
         raise StepExistsError(f"step {self.step} under {self.store.url} has a manifest that this writer did not "
                               "write and cannot prove was written without the claim: not committed")
 

@@ -144,7 +144,7 @@ def _sweep_step(store: ObjectStore, step: int, objs: dict[str, ObjectInfo], now:
         removed += [f"{store.url}/{d}/{n}" for n in fenced]
         # A manifest without a data object beside it and no live claim: one a writer stalled past
         # the stale time put after a clean-up removed its objects, then died before its own check.
-        if not tokens and not any(n.startswith("data-") for n in objs):
+        if not tokens and not any(n.startswith("data-") and not is_lease_name(n) for n in objs):
             if _withdraw_if_incomplete(store, d):
                 removed.append(f"{store.url}/{d}/{MANIFEST_NAME}")
             return tokens, False
