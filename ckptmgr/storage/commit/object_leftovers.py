@@ -11,7 +11,8 @@ Per step, the sweep judges each lease by its heartbeat and removes a gone writer
   (a stalled writer's, written between the look and the deletes) is looked for again once
   the objects are deleted: one that names an object now missing is withdrawn (conditionally
   on its ETag). Its writer, if it checks its objects after the deletes, withdraws it itself;
-  docs/SECURITY.md states the window left (both die inside it);
+  one it writes after the second look and dies before its check is left to the next start
+  (below; docs/SECURITY.md states the window);
 * a committed step loses the objects of claims that are no longer live that its manifest does
   not name (never a named one, whoever wrote it). One with no data object and no live claim
   has its manifest read and withdrawn if it names objects that are gone: a writer stalled past
