@@ -7,7 +7,9 @@ CONFIG: ``root``, ``so`` (storage options), ``part_size``, ``stale_s``, ``writer
 the state carries), ``steps`` (saved in order), ``n`` (floats per state), ``keep`` (KeepLatest,
 0: none), ``stop`` (a list of: ``data``: before the first data upload; ``after-data``: once
 it is done; ``manifest``: before the manifest write; ``after-manifest``: once it is written;
-``renewal``: at the first lease renewal, with the data upload held until that renewal is done),
+``renewal``: at the first lease renewal, with the data upload held until that renewal is done;
+``replace``: before the request that replaces a manifest at the commit (a conditional PUT or
+DELETE); ``after-replace``: once it is done),
 ``gate`` (one or a list of: ``commit``: print ``gate`` and wait for a line on stdin before
 the commit; ``save``: the same once the manager has started (its start-up clean-up done),
 before the first save),
@@ -87,6 +89,11 @@ def install_hooks(cfg: dict) -> None:
                 return real_call(self, method, **kw)
             finally:
                 renewed.set()
+        replacing = key.endswith("/manifest.json") and (method == "delete_object"
+                                                        or (method == "put_object" and "IfMatch" in kw))
+        if "replace" in stop and replacing and "replace" not in fired:
+            fired.add("replace")
+            stall("replace")
         manifest = method == "put_object" and key.endswith("/manifest.json")
         if "manifest" in stop and manifest and "manifest" not in fired:
             fired.add("manifest")
@@ -95,6 +102,9 @@ def install_hooks(cfg: dict) -> None:
         if "after-data" in stop and data and "after-data" not in fired:
             fired.add("after-data")
             stall("after-data")
+        if "after-replace" in stop and replacing and "after-replace" not in fired:
+            fired.add("after-replace")
+            stall("after-replace")
         if "after-manifest" in stop and manifest and "after" not in fired:
             fired.add("after")
             stall("after-manifest")

@@ -10,7 +10,8 @@ is tied to the writer's *claim*, not to timing:
   anything is uploaded; it is renewed, and finally deleted, only with ``If-Match`` on the ETag
   this writer last got for it, so a writer whose claim was taken over learns it at its next
   renewal (412) and can neither steal the lease back nor delete the new writer's. A stale
-  claim is taken over by a conditional delete on the ETag it was judged by, then a create,
+  claim is taken over by a conditional delete on the ETag it was judged by (a lease gone
+  meanwhile is not deleted again: another writer may have claimed the step), then a create,
   and only in a step without a manifest (a committed step is refused with its lease left to
   the clean-up's judgment: its writer may be about to renew it after its manifest write);
 * each data object is named with the claim's token (``data-00000.<token>.safetensors``,
@@ -26,9 +27,12 @@ is tied to the writer's *claim*, not to timing:
   (an object is gone: a clean-up judged the writer gone and removed them; or, on a store
   without conditional writes, another writer holds the claim and cannot replace a manifest)
   it deletes its manifest (``If-Match`` on its ETag). A writer that, holding its claim
-  throughout, finds a manifest written after its claim saw none replaces it (it was written
-  by a writer that had lost the claim), and once committed removes the objects no live
-  claim owns that its manifest does not name (:func:`.object_leftovers.remove_step_leftovers`);
+  throughout, finds a manifest written after its claim saw none replaces it in one PUT
+  (``If-Match`` on its ETag; it was written by a writer that had lost the claim), and once
+  committed removes the objects no live claim owns that its manifest does not name
+  (:func:`.object_leftovers.remove_step_leftovers`);
+  where it loses its claim instead and withdraws its own manifest, it writes the replaced one
+  back (``If-None-Match``) if every file that one names is in place;
 * an abort deletes only objects with this claim's token;
 * start-up removes a gone writer's lease first (conditionally), then, where no manifest
   appeared meanwhile, the step's objects, and withdraws a manifest written after that look
@@ -53,7 +57,13 @@ from ...format.manifest import MANIFEST_NAME, Manifest
 from ...format.naming import attempt_name, attempt_tag, lease_name, step_name
 from ..lease import Lease, LeaseKeeper, current, release, writer_gone
 from ..objects import ConditionFailed, ObjectStore, _etag, remove_if
-from .object_leftovers import manifest_names, remove_object_leftovers, remove_step_leftovers, token_is
+from .object_leftovers import (
+    manifest_names,
+    not_a_lease,
+    remove_object_leftovers,
+    remove_step_leftovers,
+    token_is,
+)
 from .rename import manifest_sizes
 
 __all__ = ["ManifestLastCommit", "manifest_names", "remove_object_leftovers"]
@@ -91,7 +101,7 @@ class ManifestLastCommit:
         self._held = False
         self._lost = False
         self._left = False  # our manifest may be in the store (kept, or a retraction failed): keep our objects
-        self._replaced = False  # our manifest replaced one written without the claim (commit's thread only)
+        self._replaced: bytes | None = None  # the manifest ours replaced (commit's thread only)
         try:
             self._claim(stale_after_s)
             # Asked only once the claim is held: a writer gives its claim up after writing its
@@ -130,8 +140,8 @@ class ManifestLastCommit:
             if other is not None and not remove_if(self.store, self._lease_key, other_etag, token_is(other.token)):
                 raise StepExistsError(f"step {self.step} is being written to {self.store.url} by another "
                                       "process (it renewed its claim just now)") from None
-            if other is None:
-                self.store.remove([self._lease_key])
+            if other is None and other_etag is not None:  # not a lease: removed only as listed
+                remove_if(self.store, self._lease_key, other_etag, not_a_lease)
             log.info("taking over step %d under %s from a gone writer", self.step, self.store.url)
             try:
                 etag = self.store.put(self._lease_key, self._lease.to_bytes(), if_absent=True)
@@ -275,7 +285,7 @@ class ManifestLastCommit:
             self._keep_if_ours(manifest)  # lost, and our manifest names these objects
             raise
         self.close()
-        if self._replaced:  # the objects the replaced manifest named are no one's now
+        if self._replaced is not None:  # the objects the replaced manifest named are no one's now
             try:
                 remove_step_leftovers(self.store, self.step, self._stale_after_s)
             except Exception as exc:
@@ -314,7 +324,28 @@ class ManifestLastCommit:
                         self.store.url, type(exc).__name__, exc)
         with self._mu:
             self._left = not gone and self._still_ours(manifest)
-        return f"not committed; its manifest {'was withdrawn' if gone else 'could not be withdrawn'}: {why}"
+        back = self._put_back(self._replaced) if gone and self._replaced is not None else ""
+        return f"not committed; its manifest {'was withdrawn' if gone else 'could not be withdrawn'}: {why}{back}"
+
+    def _put_back(self, replaced: bytes) -> str:
+        """After withdrawing our manifest, which had replaced ``replaced`` (written without the
+        claim): that one is written back (``If-None-Match``) where every file it names is still
+        in place, as the step may have been seen committed with it. Returns what became of it,
+        for the error."""
+        try:
+            wrong = self._unlike(manifest_sizes(replaced))
+            if wrong is None:
+                self.store.put(self._manifest, replaced, if_absent=True)
+                log.warning("step %d under %s: put back the manifest this writer had replaced (every file it "
+                            "names is in place)", self.step, self.store.url)
+                return "; the manifest it had replaced was put back (every file it names is in place)"
+        except FileExistsError:
+            return "; a manifest was written there meanwhile"
+        except Exception as exc:
+            log.warning("could not put back the manifest replaced in step %d under %s (%s: %s)", self.step,
+                        self.store.url, type(exc).__name__, exc)
+            return f"; the manifest it had replaced could not be put back ({type(exc).__name__}: {exc})"
+        return f"; the manifest it had replaced was not put back: {wrong}"
 
     def _keep_if_ours(self, manifest: bytes) -> None:
         """After a failure from the manifest's write on: keep the data objects (abort leaves
@@ -332,8 +363,9 @@ class ManifestLastCommit:
     def _write_manifest(self, manifest: bytes) -> str | None:
         """Write the manifest once; returns its ETag. A manifest already there is ours (an
         earlier attempt whose answer was lost), or was written after our claim saw none by a
-        writer that had lost the claim: replaced, where the store's conditions prove that
-        our claim was held throughout. Raises StepExistsError otherwise."""
+        writer that had lost the claim: replaced in one PUT (``If-Match`` on its ETag), where
+        the store's conditions prove that our claim was held throughout. Raises
+        StepExistsError otherwise."""
         for _ in range(_REPLACE_TRIES):
             try:
                 return _etag(self.store.put(self._manifest, manifest, if_absent=True))
@@ -349,10 +381,14 @@ class ManifestLastCommit:
             if not self.store.conditional or info is None or not info.etag:
                 break  # (without conditions, our claim's continuity is not proven: never delete it)
             self._hold("before it replaced a manifest written without the claim")
-            if remove_if(self.store, self._manifest, _etag(info.etag), there.__eq__):
-                self._replaced = True
-                log.warning("step %d under %s: replaced a manifest written by a writer that had lost its "
-                            "claim on the step", self.step, self.store.url)
+            try:  # one PUT on the ETag it was read by: the step is never without a manifest
+                etag = self.store.put(self._manifest, manifest, if_match=_etag(info.etag))
+            except ConditionFailed:
+                continue  # replaced or withdrawn meanwhile: look again
+            self._replaced = there
+            log.warning("step %d under %s: replaced a manifest written by a writer that had lost its claim on the "
+                        "step", self.step, self.store.url)
+            return _etag(etag)
         raise StepExistsError(f"step {self.step} under {self.store.url} has a manifest that this writer did not "
                               "write and cannot prove was written without the claim: not committed")
 

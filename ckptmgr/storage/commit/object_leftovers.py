@@ -11,9 +11,16 @@ Per step, the sweep judges each lease by its heartbeat and removes a gone writer
   (a stalled writer's, written between the look and the deletes) is looked for again once
   the objects are deleted: one that names an object now missing is withdrawn (conditionally
   on its ETag). Its writer, if it checks its objects after the deletes, withdraws it itself;
-  docs/SECURITY.md states the window left (both die inside it);
+  one it writes after the second look and dies before its check is left to the next start
+  (below; docs/SECURITY.md states the window);
 * a committed step loses the objects of claims that are no longer live that its manifest does
-  not name (never a named one, whoever wrote it).
+  not name (never a named one, whoever wrote it). One with no data object and no live claim
+  has its manifest read and withdrawn if it names objects that are gone: a writer stalled past
+  the stale time put it after an earlier clean-up removed its objects, and died before its
+  own check.
+
+A lease is removed only as it was listed and judged: one gone since the listing is not
+deleted again (a writer may have claimed the step meanwhile).
 
 Incomplete multipart uploads are aborted under steps with no live writer and for claims no
 longer live. The commit runs the same per-step sweep on its own step after it replaced a
@@ -35,7 +42,7 @@ from ...format.naming import attempt_tag, is_lease_name, is_our_file, parse_step
 from ..lease import Lease, writer_gone
 from ..objects import ObjectInfo, ObjectStore, _etag, remove_if, step_objects
 
-__all__ = ["manifest_names", "remove_object_leftovers", "remove_step_leftovers", "token_is"]
+__all__ = ["manifest_names", "not_a_lease", "remove_object_leftovers", "remove_step_leftovers", "token_is"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -46,6 +53,11 @@ def token_is(token: str) -> Callable[[bytes], bool]:
         lease = Lease.from_bytes(data)
         return lease is not None and lease.token == token
     return check
+
+
+def not_a_lease(data: bytes) -> bool:
+    """A check of an object at a lease's name: it holds no lease of ours."""
+    return Lease.from_bytes(data) is None
 
 
 def _judge(store: ObjectStore, rel: str, info: ObjectInfo, now: float,
@@ -78,9 +90,9 @@ def _names_in(data: bytes) -> set[str] | None:
 
 
 def _withdraw_if_incomplete(store: ObjectStore, d: str) -> bool:
-    """After our objects of step directory ``d`` were deleted: a manifest that appeared there
-    meanwhile and names an object now missing is withdrawn (only as it was judged: its ETag,
-    else its bytes). Returns whether one was."""
+    """After a gone writer's objects of step directory ``d`` were deleted (now, or by an
+    earlier clean-up): a manifest there that names an object now missing is withdrawn (only
+    as it was judged: its ETag, else its bytes). Returns whether one was."""
     key = f"{d}/{MANIFEST_NAME}"
     listing = store.listing(d + "/")
     info = listing.get(key)
@@ -98,8 +110,8 @@ def _withdraw_if_incomplete(store: ObjectStore, d: str) -> bool:
     missing = sorted(n for n in names if f"{d}/{n}" not in listing)
     if not missing or not remove_if(store, key, _etag(info.etag), data.__eq__):
         return False
-    log.warning("withdrew %s/%s: it was written while the objects of its gone writer were being removed, and "
-                "names objects that are gone (%s)", store.url, key, missing)
+    log.warning("withdrew %s/%s: it names objects that are gone (%s); its writer, judged gone, wrote it while or "
+                "after its objects were removed", store.url, key, missing)
     return True
 
 
@@ -121,8 +133,8 @@ def _sweep_step(store: ObjectStore, step: int, objs: dict[str, ObjectInfo], now:
         if lease is not None and not remove_if(store, f"{d}/{n}", _etag(info.etag), token_is(lease.token)):
             tokens.add(lease.token)
             continue
-        if lease is None:
-            store.remove([f"{d}/{n}"])
+        if lease is None:  # gone since the listing, or not a lease: removed only as listed (a new claim's stays)
+            remove_if(store, f"{d}/{n}", _etag(info.etag), not_a_lease)
         fenced.append(n)
     committed = MANIFEST_NAME in objs
     if tokens and not committed:
@@ -131,6 +143,12 @@ def _sweep_step(store: ObjectStore, step: int, objs: dict[str, ObjectInfo], now:
         return tokens, False
     if committed:
         removed += [f"{store.url}/{d}/{n}" for n in fenced]
+        # A manifest without a data object beside it and no live claim: one a writer stalled past
+        # the stale time put after a clean-up removed its objects, then died before its own check.
+        if not tokens and not any(n.startswith("data-") and not is_lease_name(n) for n in objs):
+            if _withdraw_if_incomplete(store, d):
+                removed.append(f"{store.url}/{d}/{MANIFEST_NAME}")
+            return tokens, False
         tagged = {n: attempt_tag(n) for n in objs if attempt_tag(n) is not None}
         stray = {n for n, t in tagged.items() if t not in tokens}
         if stray and (fenced or tokens or len(set(tagged.values())) > 1):
