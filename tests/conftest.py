@@ -217,6 +217,26 @@ LIGHTNING_SUITE_SLOW = {
 }
 
 
+def _one_server_in_ci(items: list[pytest.Item]) -> None:
+    """Scenarios marked ``one_server_in_ci`` (S3 fencing scenarios of 10-20 s each: writer
+    processes stalled past a lease's lifetime) run in CI on one of the two S3 servers each, moto
+    and SeaweedFS in turn over the scenarios in name order, so that CI runs every scenario and
+    both servers; the other server's run is marked slow (``-m 'not cuda'`` runs all of them)."""
+    def server(it: pytest.Item) -> str | None:
+        params = getattr(getattr(it, "callspec", None), "params", {})
+        return params.get("server") if it.get_closest_marker("one_server_in_ci") is not None else None
+
+    def scenario(it: pytest.Item, srv: str) -> str:  # the test's id without its server
+        params = [p for p in it.name.partition("[")[2].rstrip("]").split("-") if p != srv]
+        return f"{it.nodeid.partition('[')[0]}[{'-'.join(params)}]"
+
+    marked = [(it, srv) for it in items if (srv := server(it)) is not None]
+    turn = {k: ("moto", "seaweedfs")[i % 2] for i, k in enumerate(sorted({scenario(it, s) for it, s in marked}))}
+    for it, srv in marked:
+        if srv != turn[scenario(it, srv)]:
+            it.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: the slow marks below must count
 def pytest_collection_modifyitems(config, items):
     """Lightning's own tests (tests/lightning_suite) that fail with ckptmgr's plugin as the
@@ -225,6 +245,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "lightning_suite" in item.nodeid and item.nodeid.split("tests_pytorch/", 1)[-1] in LIGHTNING_SUITE_SLOW:
             item.add_marker(pytest.mark.slow)
+    _one_server_in_ci(items)
     if os.environ.get("CKPTMGR_LIGHTNING_SUITE_IO", "ckptmgr") != "ckptmgr":
         return
     known = None

@@ -22,7 +22,8 @@ stalled writer's claim going stale, which the other writer polls for (bounded).
 
 tests/test_s3_fencing_committed.py tests that a step seen committed stays committed (and the
 windows around a lease and a manifest) with this harness; tests/test_s3_fencing_soak.py runs
-the two-writer soak.
+the two-writer soak. Scenarios marked ``one_server_in_ci`` run in CI on one server each, the
+two servers in turn (tests/conftest.py); ``-m 'not cuda'`` runs each on both.
 """
 
 from __future__ import annotations
@@ -234,6 +235,7 @@ def test_data_names_carry_a_claim_token_and_manifests_admit_exactly_that():
 # ----------------------------------------------------------------------------- defect 1
 
 
+@pytest.mark.one_server_in_ci
 @needs_pidns
 @pytest.mark.parametrize("large", [False, True], ids=["put", "multipart"])
 def test_a_stale_writer_never_overwrites_a_committed_step(server, bucket, writers, large):
@@ -247,6 +249,7 @@ def test_a_stale_writer_never_overwrites_a_committed_step(server, bucket, writer
     only_the_committed_objects_are_left(server, bucket, "run/step_000000000005/")  # its abort removed its own
 
 
+@pytest.mark.one_server_in_ci
 @needs_pidns
 def test_a_stale_writer_killed_after_waking_leaves_objects_the_next_start_removes(server, bucket, writers):
     from ckptmgr import CheckpointManager, StagingOptions
@@ -273,6 +276,7 @@ def test_a_stale_writer_killed_after_waking_leaves_objects_the_next_start_remove
 # ----------------------------------------------------------------------------- defect 2
 
 
+@pytest.mark.one_server_in_ci
 @needs_pidns
 def test_a_writer_stalled_before_its_manifest_write_is_never_told_durable(server, bucket, writers):
     stale, live, root = _stalled_and_taken_over(server, bucket, writers, "manifest", gate=True)
@@ -287,6 +291,7 @@ def test_a_writer_stalled_before_its_manifest_write_is_never_told_durable(server
     only_the_committed_objects_are_left(server, bucket, "run/step_000000000005/")
 
 
+@pytest.mark.one_server_in_ci
 @needs_pidns
 def test_a_manifest_written_without_the_claim_is_replaced_by_the_live_writer(server, bucket, writers):
     stale, live, root = _stalled_and_taken_over(server, bucket, writers, ["manifest", "after-manifest"], gate=True)
@@ -304,6 +309,7 @@ def test_a_manifest_written_without_the_claim_is_replaced_by_the_live_writer(ser
     only_the_committed_objects_are_left(server, bucket, "run/step_000000000005/")
 
 
+@pytest.mark.one_server_in_ci
 @needs_pidns
 def test_a_writer_stalled_before_its_manifest_write_runs_no_retention(server, bucket, writers):
     """The rest of defect 2: the stalled writer, with retention on (KeepLatest(1)), deletes
@@ -366,6 +372,7 @@ def _kept_then_claimed(server: S3Server, bucket: str, writers) -> tuple[Writer, 
 # ----------------------------------------------------------------------------- defect 3
 
 
+@pytest.mark.one_server_in_ci
 @needs_pidns
 def test_a_stale_heartbeat_neither_steals_nor_deletes_the_live_lease(server, bucket, writers):
     stale, live, root = _stalled_and_taken_over(server, bucket, writers, "renewal", gate=True)

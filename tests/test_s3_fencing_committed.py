@@ -103,6 +103,7 @@ def test_a_claim_never_takes_a_stale_lease_over_in_a_committed_step(server, buck
     only_the_committed_objects_are_left(server, bucket, "run/step_000000000005/")
 
 
+@pytest.mark.one_server_in_ci
 @needs_pidns
 @pytest.mark.parametrize("wake", ["before-delete", "after-delete"])
 def test_a_manifest_written_while_its_objects_are_swept_is_withdrawn(server, bucket, writers, wake):  # noqa: F811
@@ -250,6 +251,7 @@ def test_a_claim_never_removes_a_lease_created_after_it_looked(server, bucket): 
 # ------------------------------------------------- a manifest put after the clean-up's second look
 
 
+@pytest.mark.one_server_in_ci
 @needs_pidns
 def test_a_manifest_put_after_the_clean_up_and_left_by_a_killed_writer_is_withdrawn(server, bucket,  # noqa: F811
                                                                                        writers):  # noqa: F811
@@ -284,6 +286,7 @@ def test_a_manifest_put_after_the_clean_up_and_left_by_a_killed_writer_is_withdr
 # ----------------------------------------------- a replacing writer stalled before its delete
 
 
+@pytest.mark.one_server_in_ci
 @needs_pidns
 def test_a_replaced_manifest_is_put_back_when_the_replacing_one_is_withdrawn(server, bucket, writers):  # noqa: F811
     """Writer 1 keeps its complete manifest after its claim was taken over by writer 2 (the
@@ -323,6 +326,7 @@ def test_a_replaced_manifest_is_put_back_when_the_replacing_one_is_withdrawn(ser
     only_the_committed_objects_are_left(server, bucket, prefix)
 
 
+@pytest.mark.one_server_in_ci
 @needs_pidns
 def test_a_writer_killed_as_it_replaces_a_kept_manifest_leaves_the_step_committed(server, bucket,  # noqa: F811
                                                                                     writers):  # noqa: F811
