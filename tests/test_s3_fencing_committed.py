@@ -286,6 +286,23 @@ def test_a_manifest_put_after_the_clean_up_and_left_by_a_killed_writer_is_withdr
 # ----------------------------------------------- a replacing writer stalled before its delete
 
 
+def _kept_then_taken_over(server, root: str, writers, stop: str):  # noqa: F811
+    """Writer 2 (started first, on an empty root) takes over the claim of writer 1, which stalled
+    before its manifest write; writer 1 wakes, writes its manifest, finds its claim gone and
+    keeps the manifest (its files are all there). Returns writer 2, held at its commit gate, to
+    stop at ``stop`` once let go."""
+    live = writers(config(server, root, 2, takeover=True, gate=["save", "commit"], stop=stop), ns=True)
+    live.expect("gate")  # started on an empty root
+    stale = writers(config(server, root, 1, stop="manifest"), ns=True)
+    stale.expect("stopped")
+    live.go()
+    live.expect("gate")  # it took the stale claim over, its files written
+    stale.signal(signal.SIGCONT)
+    [late] = stale.finish()
+    assert not late["durable"] and "manifest was kept" in late["error"], late
+    return live
+
+
 @pytest.mark.one_server_in_ci
 @needs_pidns
 def test_a_replaced_manifest_is_put_back_when_the_replacing_one_is_withdrawn(server, bucket, writers):  # noqa: F811
@@ -300,15 +317,7 @@ def test_a_replaced_manifest_is_put_back_when_the_replacing_one_is_withdrawn(ser
 
     root = f"s3://{bucket}/run"
     prefix = f"run/{STEP}/"
-    live = writers(config(server, root, 2, takeover=True, gate=["save", "commit"], stop="replace"), ns=True)
-    live.expect("gate")  # started on an empty root
-    stale = writers(config(server, root, 1, stop="manifest"), ns=True)
-    stale.expect("stopped")
-    live.go()
-    live.expect("gate")  # it took the stale claim over, its files written
-    stale.signal(signal.SIGCONT)
-    [late] = stale.finish()
-    assert not late["durable"] and "manifest was kept" in late["error"], late
+    live = _kept_then_taken_over(server, root, writers, stop="replace")
     assert restored_writer(server, root, 5) == 1  # seen committed
     live.go()
     live.expect("stopped")  # checked, renewed, found writer 1's manifest: before replacing it
@@ -334,15 +343,7 @@ def test_a_writer_killed_as_it_replaces_a_kept_manifest_leaves_the_step_committe
     right after the request that replaces it: the step is committed, with one manifest or the
     other (never none, which would leave writer 1's files to the next clean-up)."""
     root = f"s3://{bucket}/run"
-    live = writers(config(server, root, 2, takeover=True, gate=["save", "commit"], stop="after-replace"), ns=True)
-    live.expect("gate")
-    stale = writers(config(server, root, 1, stop="manifest"), ns=True)
-    stale.expect("stopped")
-    live.go()
-    live.expect("gate")  # it took the stale claim over, its files written
-    stale.signal(signal.SIGCONT)
-    [late] = stale.finish()
-    assert not late["durable"] and "manifest was kept" in late["error"], late
+    live = _kept_then_taken_over(server, root, writers, stop="after-replace")
     live.go()
     live.expect("stopped")  # its request that replaces writer 1's manifest is done
     live.signal(signal.SIGKILL)
