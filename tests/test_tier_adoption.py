@@ -222,11 +222,11 @@ def test_the_start_does_not_wait_while_a_never_committed_slot_is_deleted(root, r
     entered, go, swept_on = threading.Event(), threading.Event(), []
     real = TierScan._sweep
 
-    def sweep(self, names):
+    def sweep(self, fd, names):
         swept_on.append((threading.current_thread().name, sorted(names)))
         entered.set()
         assert go.wait(60)
-        return real(self, names)
+        return real(self, fd, names)
 
     monkeypatch.setattr(TierScan, "_sweep", sweep)
     with CheckpointManager(root, staging=StagingOptions(local_dir=ram_dir), write_options=SMALL_CHUNKS,
@@ -240,3 +240,47 @@ def test_the_start_does_not_wait_while_a_never_committed_slot_is_deleted(root, r
         assert mgr._tier.wait_sweep(timeout=60)
         assert not [n for n in os.listdir(tier_dir) if n.startswith("gone-")]
     assert swept_on == [("ckptmgr-tier-sweep", aside)]
+
+
+def test_a_sweep_that_outlasts_close_still_deletes_only_what_was_set_aside(root, ram_dir, monkeypatch):
+    """``close()`` waits for the sweeper only so long (here: not at all), then closes the tier's
+    directory: the sweeper works on a descriptor of its own, so once let go it still deletes the
+    slot it set aside, and nothing else, though the tier's descriptor number may be reused."""
+    import ckptmgr.storage.tier_scan as scan_mod
+    from ckptmgr.storage.tier_scan import TierScan
+
+    path = _leave_step_3_in_the_tier(root, ram_dir)
+    tier_dir = os.path.dirname(os.path.dirname(path))
+    os.mkdir(os.path.join(tier_dir, "slot-01"), 0o700)
+    with open(os.path.join(tier_dir, "slot-01", "data-00000.safetensors"), "wb") as f:
+        f.write(b"\0" * 4096)
+    entered, go, done = threading.Event(), threading.Event(), threading.Event()
+    real = TierScan._sweep
+
+    def sweep(self, fd, names):
+        entered.set()
+        assert go.wait(60)
+        try:
+            return real(self, fd, names)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(TierScan, "_sweep", sweep)
+    monkeypatch.setattr(scan_mod, "SWEEP_WAIT_S", 0.0)
+    mgr = CheckpointManager(root, staging=StagingOptions(local_dir=ram_dir), write_options=SMALL_CHUNKS,
+                            schedule=DURABLE_EVEN)
+    assert entered.wait(60)
+    mgr.close()  # does not wait for the held sweeper; the tier's descriptors are closed
+    decoy = os.path.join(os.path.dirname(tier_dir), "decoy")
+    os.mkdir(decoy)
+    fds = [os.open(decoy, os.O_RDONLY | os.O_DIRECTORY) for _ in range(8)]  # (likely to reuse the numbers)
+    try:
+        with open(os.path.join(decoy, "keep"), "wb") as f:
+            f.write(b"x")
+        go.set()
+        assert done.wait(60)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert os.listdir(decoy) == ["keep"]
+    assert not [n for n in os.listdir(tier_dir) if n.startswith(("gone-", "slot-01"))]

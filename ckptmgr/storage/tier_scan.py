@@ -137,7 +137,9 @@ class TierScan:
             with self._mu:
                 self._root_id = root_id
         if aside:
-            self._sweeper = threading.Thread(target=self._sweep, args=(aside,), name="ckptmgr-tier-sweep", daemon=True)
+            fd = os.dup(self._fd)  # the sweeper's own: close() may close the tier's before it ends
+            self._sweeper = threading.Thread(target=self._sweep, args=(fd, aside), name="ckptmgr-tier-sweep",
+                                             daemon=True)
             self._sweeper.start()
         return found
 
@@ -160,32 +162,37 @@ class TierScan:
             return []
         return [gone]
 
-    def _sweep(self, names: list[str]) -> None:
-        """(the sweeper thread) Delete the slot directories set aside: their files, then them
-        (a symlink or anything but a directory is unlinked, never followed)."""
-        for name in names:
-            try:
-                d = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self._fd)
-            except NotADirectoryError:
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=self._fd)
-                continue
-            except OSError:
-                continue
-            try:
-                empty_dir(d)
-            finally:
-                os.close(d)
-            try:
-                os.rmdir(name, dir_fd=self._fd)
-            except OSError as exc:
-                log.warning("local tier %s: could not remove %s (%s)", self.path, name, exc)
+    def _sweep(self, tier_fd: int, names: list[str]) -> None:
+        """(the sweeper thread) Delete the slot directories set aside, under the tier directory
+        open as ``tier_fd`` (its own descriptor, closed here): their files, then them (a
+        symlink or anything but a directory is unlinked, never followed)."""
+        try:
+            for name in names:
+                try:
+                    d = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=tier_fd)
+                except NotADirectoryError:
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=tier_fd)
+                    continue
+                except OSError:
+                    continue
+                try:
+                    empty_dir(d)
+                finally:
+                    os.close(d)
+                try:
+                    os.rmdir(name, dir_fd=tier_fd)
+                except OSError as exc:
+                    log.warning("local tier %s: could not remove %s (%s)", self.path, name, exc)
+        finally:
+            os.close(tier_fd)
 
-    def wait_sweep(self, timeout: float = SWEEP_WAIT_S) -> bool:
-        """Wait for the sweeper, at most ``timeout`` seconds; True when it has ended."""
+    def wait_sweep(self, timeout: float | None = None) -> bool:
+        """Wait for the sweeper, at most ``timeout`` seconds (default :data:`SWEEP_WAIT_S`);
+        True when it has ended."""
         t = self._sweeper
         if t is not None:
-            t.join(timeout)
+            t.join(SWEEP_WAIT_S if timeout is None else timeout)
         return t is None or not t.is_alive()
 
     def _check_slot(self, index: int) -> Manifest | None:
