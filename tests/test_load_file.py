@@ -243,7 +243,7 @@ def _bounce_landing(path):
 
 def test_a_ram_file_is_read_through_two_buffers_per_thread_piece_by_piece(ram_dir, monkeypatch):
     """The one-shot path for files in RAM: every piece of the data region (from the page the
-    header ends in) read once, by its thread in turn, into one of that thread's two buffers,
+    header ends in) read once, by its reader in turn, into one of that reader's two buffers,
     and given to the landing with its file offset."""
     from ckptmgr._threads import DaemonPool
     from ckptmgr.restore.loaders import bounce
@@ -268,13 +268,20 @@ def test_a_ram_file_is_read_through_two_buffers_per_thread_piece_by_piece(ram_di
         mf.close()
     want_ranges = [(b, min(b + (64 << 10), mf.size)) for b in range(first, mf.size, 64 << 10)]
     assert sorted((b, b + n) for b, n, _, _ in landed) == want_ranges and len(want_ranges) > 6
-    by_thread = {}
-    for b, _, ptr, name in landed:
-        by_thread.setdefault(name, []).append((b, ptr))
-    assert len(by_thread) == 3
-    for seen in by_thread.values():
-        assert [b for b, _ in seen] == sorted(b for b, _ in seen)  # each thread reads its pieces in file order
-        assert len({p for _, p in seen}) == min(2, len(seen))  # through its two buffers, in turn
+    # Reader w reads pieces w, w + 3, ... (a pool thread may run more than one reader, one after
+    # the other): each reader in file order, through its own two buffers in turn.
+    by_reader: dict[int, list[tuple[int, int]]] = {}
+    for b, _, ptr, _ in landed:
+        by_reader.setdefault(((b - first) // (64 << 10)) % 3, []).append((b, ptr))
+    assert sorted(by_reader) == [0, 1, 2]
+    buffers = []
+    for seen in by_reader.values():
+        assert [b for b, _ in seen] == sorted(b for b, _ in seen)  # in file order
+        ptrs = [p for _, p in seen]
+        assert ptrs[0::2] == [ptrs[0]] * len(ptrs[0::2]) and ptrs[1::2] == [ptrs[1]] * len(ptrs[1::2])  # in turn
+        assert len(set(ptrs)) == min(2, len(ptrs))
+        buffers += sorted(set(ptrs))
+    assert len(buffers) == len(set(buffers))  # no reader shares a buffer with another
     assert_tree_equal(dict(sorted(landing.tensors().items())), dict(sorted(want.items())))
 
 
