@@ -135,7 +135,7 @@ class SlotBuffers:
         make = [i for i in range(len(sizes)) if i not in keep]
         t0 = time.perf_counter()
         # Made in parallel: reserving and populating pages is ~0.1-0.3 s per GiB for one thread.
-        threads = SPARE_THREADS if spare and not hurry else MAKE_THREADS
+        threads = SPARE_THREADS if spare else MAKE_THREADS
         with DaemonPool(min(threads, max(1, len(make))), thread_name_prefix="ckptmgr-alloc") as pool:
             futures = [pool.submit(self._make, slot.index, file_name(i), sizes[i], kind) for i in make]
         failed = next((f.exception() for f in futures if f.exception() is not None), None)
