@@ -14,6 +14,10 @@ Scenarios:
            digest (DDP keeps them equal only if no collective of the job's group was stolen)
   resume   restore the newest step into fresh state, report where each shard came from and
            what was said, train on to step 8, save it, report the final state's digest
+  exchange (2 ranks) the restore's transport on its own: which group it picks; arrays of
+           several segments both ways, bit-exact; then rank 0 sends rank 1 shards through a
+           ShardMover on it: a header announcing an oversized record, a record rank 1 must
+           refuse (drained), a copy failing its checksums, a good copy
 """
 
 from __future__ import annotations
@@ -25,11 +29,20 @@ import os
 import sys
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ckptmgr import CheckpointManager, ConfigError, PeerOptions, PerRank, WriteOptions
+from ckptmgr.distributed.coordinator import Coordinator
+from ckptmgr.distributed.peer_transport import ShardMover, Transport, restore_transport
+from ckptmgr.errors import CkptError
+from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
+from ckptmgr.format.manifest import FileRecord, Manifest
+from ckptmgr.format.schema import MAX_MANIFEST_BYTES
+from ckptmgr.storage.peer_tier import PeerArea, ShardRecord
 
 FINAL = 8
 SAVES = (2, 4, 6)
@@ -96,6 +109,12 @@ def main() -> None:
         with open(out, "w") as f:
             json.dump(report, f)
         return
+    if scenario == "exchange":
+        report.update(exchange(os.environ["NODE_DIR"], root))
+        with open(out, "w") as f:
+            json.dump(report, f)
+        dist.destroy_process_group()
+        return
     mgr = manager(root)
     if scenario == "ddp":
         torch.manual_seed(0)
@@ -156,6 +175,62 @@ def main() -> None:
         dist.destroy_process_group()
         return
     raise SystemExit(f"unknown scenario {scenario}")
+
+
+def _shard(step: int, rank: int, data: bytes, node: str, chunk: int) -> tuple[ShardRecord, dict]:
+    """A shard record of one file holding ``data`` (a 4096-byte header, then the bytes)."""
+    arr = np.frombuffer(data, dtype=np.uint8)
+    crcs = tuple(crc32c_hex(arr[b:e]) for b, e in chunk_ranges(arr.size, chunk))
+    name = f"data-r{rank:05d}-00000.safetensors"
+    n = arr.size - 4096
+    tensors = {f"rank{rank:05d}/x": {"file": name, "dtype": "U8", "shape": [n], "offsets": [0, n]}}
+    m = Manifest(step=step, state={"x": 1}, tensors=tensors, files={name: FileRecord(arr.size, chunk, crcs, 4096)})
+    return ShardRecord.make(m, rank, 2, node), {name: arr}
+
+
+def exchange(node_dir: str, root: str) -> dict:
+    rank = dist.get_rank()
+    coord = Coordinator(dist.group.WORLD, 60)
+    tier = dist.new_group(backend="gloo")
+    t, why = restore_transport(coord, tier, "auto", 60)
+    out: dict = {"why": why, "job_group": t.group is dist.group.WORLD, "device": str(t.device)}
+    # arrays of several 4 KiB segments, both ways at once, of sizes both ends know
+    seg = Transport(coord, dist.group.WORLD, segment_bytes=4096, timeout_s=60)
+    sizes = {0: 10000, 1: 30001}  # what each rank sends
+    mine = np.random.default_rng(rank).integers(0, 256, sizes[rank], dtype=np.uint8)
+    theirs = np.zeros(sizes[1 - rank], dtype=np.uint8)
+    seg.exchange([(1 - rank, mine), (1 - rank, np.zeros(0, dtype=np.uint8))], [(1 - rank, theirs)])
+    out["segments_exact"] = theirs.tobytes() == np.random.default_rng(1 - rank).integers(
+        0, 256, sizes[1 - rank], dtype=np.uint8).tobytes()
+    chunk = 8192
+    data = np.random.default_rng(7).integers(0, 256, 50_000, dtype=np.uint8).tobytes()
+    area = PeerArea(node_dir, root)
+    with ThreadPoolExecutor(2) as io:
+        mover = ShardMover(seg, area, os.environ["CKPTMGR_NODE"], chunk, None, io)
+        if rank == 0:  # the sender: its own node is A; rank 1's node is B
+            t.exchange([(1, np.array([6, MAX_MANIFEST_BYTES + 1, 0], dtype=np.int64).view(np.uint8))], [])
+            rec, files = _shard(6, 0, data, "B", chunk)  # "saved on node B": B must refuse it
+            mover.transfer([(1, rec, files)], [], own_node_ok=False)
+            rec, files = _shard(6, 0, data, "A", chunk)
+            bad = files[next(iter(files))].copy()
+            bad[20_000] ^= 1
+            mover.transfer([(1, rec, dict.fromkeys(files, bad))], [], own_node_ok=False)
+            mover.transfer([(1, rec, files)], [], own_node_ok=False)
+        else:
+            try:
+                ShardMover(t, area, "B", chunk, None, io).transfer([], [0], own_node_ok=False)
+            except CkptError as exc:
+                out["oversized"] = str(exc)
+            got = [mover.transfer([], [0], own_node_ok=False)[0] for _ in range(3)]
+            out["kept"] = [(r.node if r is not None else None, ok) for r, ok in got]
+            copies = area.copies()
+            out["copies"] = [(c.rank, c.record.step) for c in copies]
+            with area.mapped(copies[0]) as held:
+                out["copy_exact"] = next(iter(held.values())).tobytes() == data
+            out["stats"] = mover.stats()
+    t.close()
+    area.close()
+    return out
 
 
 if __name__ == "__main__":

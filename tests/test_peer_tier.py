@@ -158,6 +158,12 @@ def test_a_lost_node_of_two_is_restored_from_its_peer_without_the_durable_target
         assert r["digest"] == peer_worker.reference(r["rank"])
     assert [r["stats"].get("peer_restore_peer", 0) for r in reports] == [1, 0]
     assert [r["stats"].get("peer_restore_own", 0) for r in reports] == [0, 1]
+    # the fetch ran on the job's own group, not the peer tier's (which moved nothing: no round yet)
+    for r in reports:
+        assert any("fetched over the job's process group (gloo)" in m for m in r["said"]), r["said"]
+        assert r["stats"]["peer_bytes_sent"] == 0 and r["stats"]["peer_bytes_received"] == 0
+    assert reports[0]["stats"]["peer_fetch_bytes_received"] > 0
+    assert reports[1]["stats"]["peer_fetch_bytes_sent"] == reports[0]["stats"]["peer_fetch_bytes_received"]
 
 
 @pytest.mark.slow  # (two launches of 4 processes: over a minute on 2 cores)
@@ -285,3 +291,28 @@ def test_a_node_whose_ram_directory_is_not_private_stops_every_rank_at_start(tmp
     assert all(rc in (0, -6) for rc in rcs), rcs
     for r in reports:  # both ranks raise (rank 0's directory is fine), naming the node and why
         assert "rank 1 (node B)" in r["error"] and "mode 755" in r["error"], r
+
+
+def test_the_restore_transport_runs_on_the_job_group_and_keeps_the_untrusted_input_rules(tmp_path):
+    """The restore's fetch transport (the job's gloo group here) in 2 real processes: arrays cut
+    into several segments both ways land bit-exact; through a ShardMover on it, an oversized
+    header is refused before any allocation, a record the receiver must refuse is drained, a
+    copy failing its checksums is not kept, and a good copy is."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "nodes").mkdir()
+    procs = _start("exchange", str(tmp_path / "ckpt"), tmp_path / "out", ["A", "B"], tmp_path / "nodes")
+    try:
+        rcs = [p.wait(timeout=120) for p in procs]
+    finally:
+        _kill(procs)
+    reports = _reports("exchange", tmp_path / "out", 2)
+    assert all(rc in (0, -6) for rc in rcs), rcs
+    for r in reports:
+        assert r["why"] == "the job's process group (gloo)" and r["job_group"] and r["device"] == "cpu"
+        assert r["segments_exact"]
+    got = reports[1]
+    assert "announced a shard record of" in got["oversized"]
+    assert got["kept"] == [[None, False], ["A", False], ["A", True]]  # refused (drained), bad checksum, kept
+    assert got["copies"] == [[0, 6]] and got["copy_exact"]
+    assert got["stats"]["peer_bad_copies"] == 1
+    assert got["stats"]["peer_bytes_received"] == 3 * 50_000  # the drained bytes too, all of them consumed

@@ -13,7 +13,10 @@ Every rank calls :func:`restore_newest_peer` together (it is collective, like ev
 4. *fetch*: rank r takes saved rank r's shard: a copy on its own node that passes its
    checksums, else one sent by a holding node (the next one when a copy fails its checks),
    received into its own node's peer area (so the replaced node holds a copy again), else,
-   saying why, from the durable target;
+   saying why, from the durable target. The fetches run on the job's own process group
+   (:func:`~ckptmgr.distributed.peer_transport.restore_transport`: NCCL through GPU memory
+   when the group has it, else gloo), not on the peer tier's gloo group: every rank is here,
+   on the caller's thread, with the rounds drained;
 5. the step is then restored by the multi-rank restore (:func:`restore_from`), reading each
    rank's files from where step 4 put them; a step that fails on any rank is skipped on
    all of them, and the next older candidate is tried.
@@ -24,11 +27,13 @@ before (the restorer's ``restore_newest``), with a warning saying why the peer t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -39,6 +44,7 @@ from ..format.manifest import Manifest
 from ..storage.peer_tier import Copy, ShardRecord
 from ..storage.posix import preadv_into
 from .coordinator import Coordinator
+from .peer_transport import ShardMover, restore_transport
 from .replicate import Replicator
 from .restore import RankMap, Restorer
 from .restore import _manifest as durable_manifest  # rank 0 reads it, every rank gets it
@@ -162,7 +168,8 @@ def _restore_step(rep: Replicator, restorer: Restorer, coord: Coordinator, s: in
         why = f"its copy on this node ({rep.node}) fails its check: {bad}"
         log.warning("peer tier: step %d, rank %d: %s", s, me, why)
     sources = [r for r in shards.get(me, []) if rep.nodes[r] != rep.node]
-    fetched, failed = _fetch(rep, coord, s, shards, need=not local, sources=sources)
+    with _fetching(rep, coord, s) as mover:
+        fetched, failed = _fetch(rep, mover, coord, s, shards, need=not local, sources=sources)
     why = "; ".join(x for x in (why, failed) if x)
     if fetched is not None:
         local = {n: rep.area.path_of(fetched, n) for n in fetched.record.manifest.files}
@@ -201,7 +208,28 @@ def _manifest(restorer: Restorer, coord: Coordinator, s: int, raws: dict[int, by
     return durable_manifest(restorer, coord, s)
 
 
-def _fetch(rep: Replicator, coord: Coordinator, s: int, shards: dict[int, list[int]], *, need: bool,
+@contextlib.contextmanager
+def _fetching(rep: Replicator, coord: Coordinator, s: int) -> Iterator[ShardMover]:
+    """(every rank together) A mover of shards over the restore's transport
+    (:func:`~ckptmgr.distributed.peer_transport.restore_transport`: the job's own group), its
+    staging given back and its counters added to the replicator's (``peer_fetch_*``) after."""
+    transport, why = restore_transport(coord, rep.meta, rep.opts.transport, rep.opts.timeout_s)
+    log.info("peer tier: step %d: shards are fetched over %s", s, why)
+    mover = ShardMover(transport, rep.area, rep.node, rep.opts.chunk_bytes, None, rep.io)  # (no training to pace for)
+    try:
+        yield mover
+    finally:
+        staged = transport.staging_bytes()
+        transport.close()
+        got = mover.stats()
+        for key, name in (("peer_bytes_sent", "peer_fetch_bytes_sent"), ("peer_bytes_received",
+                          "peer_fetch_bytes_received"), ("peer_transfer_s", "peer_fetch_s"),
+                          ("peer_bad_copies", "peer_bad_copies")):
+            rep.count(name, got[key])
+        rep.count("peer_fetch_staging_bytes", staged)
+
+
+def _fetch(rep: Replicator, mover: ShardMover, coord: Coordinator, s: int, shards: dict[int, list[int]], *, need: bool,
            sources: list[int]) -> tuple[Copy | None, str]:
     """Rounds in which each rank still needing its shard asks the next holding node for it;
     every rank serves what it is asked. Returns the copy received and verified (or None),
@@ -220,7 +248,7 @@ def _fetch(rep: Replicator, coord: Coordinator, s: int, shards: dict[int, list[i
         with _Mapped(rep, [held.get(r) for r in serve]) as files:
             for r, (c, fs) in zip(serve, files, strict=True):
                 sends.append((r, c.record if c is not None else None, fs))
-            got = rep.mover.transfer(sends, [ask] if ask is not None else [], own_node_ok=True)
+            got = mover.transfer(sends, [ask] if ask is not None else [], own_node_ok=True)
         tried += 1
         if ask is not None:
             rec, ok = got.get(ask, (None, False))
@@ -228,14 +256,14 @@ def _fetch(rep: Replicator, coord: Coordinator, s: int, shards: dict[int, list[i
                 need = False
                 found = next((c for c in rep.area.copies() if c.rank == me and c.record.step == s), None)
                 if found is not None:
-                    return _finish(rep, coord, s, found), ""
+                    return _finish(rep, mover, coord, s, found), ""
             why.append(f"the copy on node {rep.nodes[ask]} " + ("fails its check" if rec is not None else
                                                                   "could not be received"))
             log.warning("peer tier: step %d, rank %d: the copy from rank %d (node %s) is not usable; %s", s, me, ask,
                         rep.nodes[ask], "trying the next node" if tried < len(sources) else "no other node holds one")
 
 
-def _finish(rep: Replicator, coord: Coordinator, s: int, found: Copy) -> Copy:
+def _finish(rep: Replicator, mover: ShardMover, coord: Coordinator, s: int, found: Copy) -> Copy:
     """Serve the remaining rounds (other ranks may still be fetching), then return ``found``."""
     while True:
         asks = coord.all_gather(None, f"asking for the shards of step {s}")
@@ -245,7 +273,7 @@ def _finish(rep: Replicator, coord: Coordinator, s: int, found: Copy) -> Copy:
         held = {c.rank: c for c in rep.area.copies() if c.record.step == s}
         with _Mapped(rep, [held.get(r) for r in serve]) as files:
             sends = [(r, c.record if c is not None else None, fs) for r, (c, fs) in zip(serve, files, strict=True)]
-            rep.mover.transfer(sends, [], own_node_ok=True)
+            mover.transfer(sends, [], own_node_ok=True)
 
 
 class _Mapped:

@@ -10,9 +10,14 @@ before anything is allocated, the record is validated, and the copy is committed
 chunk matches the record's checksums; a refused shard's bytes are drained through one reused
 buffer.
 
-:class:`Transport` carries the arrays on the peer tier's gloo group (host memory, TCP): never on
-the job's group nor through NCCL or any CUDA call, since the replication thread runs while the
-training thread runs its own collectives (see :mod:`ckptmgr.distributed.replicate`).
+Transport (:class:`Transport`): ``dist.batch_isend_irecv`` on one process group, through one
+device. Replication carries the arrays on the peer tier's gloo group (host memory, TCP): never
+on the job's group nor through NCCL or any CUDA call, since the replication thread runs while
+the training thread runs its own collectives (see :mod:`ckptmgr.distributed.replicate`). A
+restore's fetches (:func:`restore_transport`) run on the caller's thread while every rank is
+inside the restore, lock-step, with the rounds drained: they use the job's own group, through
+GPU memory and NCCL when that group runs CUDA tensors on NCCL (at most ``RESTORE_GPU_BYTES``
+of GPU memory and as much pinned host memory), else host memory on gloo.
 
 Thread ownership: a mover is used by one thread at a time (the replication thread, or the
 caller's during a restore after the rounds are drained); ``_mu`` guards only its counters.
@@ -20,6 +25,7 @@ caller's during a restore after the rounds are drained); ``_mu`` guards only its
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 import time
@@ -29,35 +35,175 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import CkptError
+from ..errors import CkptError, CkptTimeoutError
 from ..format.schema import MAX_MANIFEST_BYTES
 from ..storage.peer_tier import PeerArea, ShardRecord, check_files
 from .coordinator import Coordinator
 
-__all__ = ["MAX_SHARD_BYTES", "ShardMover", "Transport"]
+__all__ = ["MAX_SHARD_BYTES", "RESTORE_GPU_BYTES", "SEGMENT_BYTES", "ShardMover", "Transport", "restore_transport"]
 
 log = logging.getLogger("ckptmgr")
 MAX_SHARD_BYTES = 1 << 44  # the most bytes a peer may announce for one shard (16 TiB)
+RESTORE_GPU_BYTES = 256 << 20  # the most GPU memory a restore's NCCL transport stages through (and pinned host memory)
+SEGMENT_BYTES = 4 << 20  # the most bytes of an array a restore moves per sub-round
 Sends = list[tuple[int, ShardRecord | None, dict[str, np.ndarray[Any, Any]]]]
 
 
 class Transport:
-    """Point-to-point exchanges of host arrays over the peer tier's gloo group."""
+    """Point-to-point exchanges of host arrays on one process group, through one device.
 
-    def __init__(self, coord: Coordinator, group: Any) -> None:
+    Every array of an exchange is cut into segments of ``segment_bytes`` (None: sent whole);
+    segment j of every array travels in sub-round j, one ``dist.batch_isend_irecv`` per
+    sub-round, and sub-round j + 1 is launched before sub-round j is waited for (both ends of
+    a pair cut an array of one size the same way, so the segments pair up).
+
+    * ``device`` "cpu": the host arrays themselves are sent and received (gloo: host memory
+      over TCP). The peer tier's replication always runs so, on its own gloo group; so does
+      a restore's fetch on a job whose group has no NCCL, on that group.
+    * ``device`` CUDA (a restore's fetch on a job group whose CUDA backend is NCCL): a segment
+      goes host array -> pinned staging -> GPU, NCCL to the peer's GPU, GPU -> pinned staging
+      -> host array. Staging is two halves (the sub-round in flight and the next) of one
+      device buffer and one pinned host buffer, each of at most ``2 x (ranks sent to +
+      ranks received from) x segment_bytes`` bytes, made at the first exchange that needs
+      them and reused, given back by :meth:`close`. Copies run on the current CUDA stream
+      (NCCL's stream waits on it); the host copies of sub-round j + 1 overlap the transfer
+      of sub-round j.
+
+    Every wait is bounded: by ``timeout_s`` when given (``Work.wait(timeout)``), else by the
+    group's own timeout. Used by one thread at a time (see the module docstring).
+    """
+
+    def __init__(self, coord: Coordinator, group: Any, device: torch.device | None = None, *,
+                 segment_bytes: int | None = None, timeout_s: float | None = None) -> None:
         self.coord, self.group = coord, group
+        self.device = device or torch.device("cpu")
+        self.segment_bytes, self.timeout_s = segment_bytes, timeout_s
+        self._dev: torch.Tensor | None = None  # the staging buffers (CUDA only), two halves each
+        self._pin: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"Transport({dist.get_backend(self.group)}, {self.device})"
 
     def exchange(self, sends: list[tuple[int, np.ndarray[Any, Any]]],
                  recvs: list[tuple[int, np.ndarray[Any, Any]]]) -> None:
         """Send each (rank, bytes) and receive each (rank, buffer), all at once; every array
-        is a contiguous uint8 array (received ones writable). Each wait is bounded by the
-        group's timeout (gloo raises when it passes)."""
+        is a contiguous uint8 array (received ones writable); empty ones are skipped (both
+        ends agree on the size)."""
         g = self.coord.global_rank
-        works = [dist.isend(torch.from_numpy(a), dst=g(r), group=self.group) for r, a in sends]
-        works += [dist.irecv(torch.from_numpy(a), src=g(r), group=self.group) for r, a in recvs]
+        ops = [(True, g(r), a) for r, a in sends if a.size] + [(False, g(r), a) for r, a in recvs if a.size]
+        seg = self.segment_bytes or max((a.size for _, _, a in ops), default=1)
+        subs = max((-(-a.size // seg) for _, _, a in ops), default=0)
+        if self.device.type == "cuda":
+            self._reserve(2 * len(ops) * seg)
+        pending: tuple[list[Any], list[tuple[np.ndarray[Any, Any], int]]] | None = None
+        for j in range(subs):
+            parts = [(send, peer, a[j * seg:(j + 1) * seg]) for send, peer, a in ops if a.size > j * seg]
+            launched = self._launch(parts, (j % 2) * len(ops) * seg, seg)
+            if pending is not None:
+                self._finish(*pending)
+            pending = launched
+        if pending is not None:
+            self._finish(*pending)
+
+    def _launch(self, parts: list[tuple[bool, int, np.ndarray[Any, Any]]], base: int,
+                seg: int) -> tuple[list[Any], list[tuple[np.ndarray[Any, Any], int]]]:
+        """Start one sub-round: its works, and where its received segments land (CUDA: the
+        host array and the staging offset it is copied back from)."""
+        p2p: list[Any] = []
+        landing: list[tuple[np.ndarray[Any, Any], int]] = []
+        for k, (send, peer, a) in enumerate(parts):
+            if self._dev is None or self._pin is None:
+                t = torch.from_numpy(a)
+            else:
+                at = base + k * seg
+                t = self._dev[at:at + a.size]
+                if send:
+                    np.copyto(self._pin[at:at + a.size].numpy(), a)
+                    t.copy_(self._pin[at:at + a.size], non_blocking=True)
+                else:
+                    landing.append((a, at))
+            p2p.append(dist.P2POp(dist.isend if send else dist.irecv, t, peer, group=self.group))
+        return [w for w in dist.batch_isend_irecv(p2p) if w is not None] if p2p else [], landing
+
+    def _finish(self, works: list[Any], landing: list[tuple[np.ndarray[Any, Any], int]]) -> None:
         for w in works:
-            if w is not None:
+            if self.timeout_s is None:
                 w.wait()
+            elif w.wait(datetime.timedelta(seconds=self.timeout_s)) is False:
+                raise CkptTimeoutError(f"a peer tier transfer on {self!r} did not end within {self.timeout_s:g} s")
+        if landing and self._dev is not None and self._pin is not None:
+            for a, at in landing:
+                self._pin[at:at + a.size].copy_(self._dev[at:at + a.size], non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()  # (local copies: the transfer has ended)
+            for a, at in landing:
+                np.copyto(a, self._pin[at:at + a.size].numpy())
+
+    def _reserve(self, nbytes: int) -> None:
+        """Staging buffers of at least ``nbytes`` (CUDA)."""
+        if self._dev is not None and self._dev.numel() >= nbytes:
+            return
+        self.close()
+        self._dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._pin = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def staging_bytes(self) -> int:
+        """The GPU memory held now (the pinned host memory is the same amount)."""
+        return 0 if self._dev is None else self._dev.numel()
+
+    def close(self) -> None:
+        """Give the staging buffers back (after the last exchange has ended)."""
+        if self._dev is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+        self._dev = self._pin = None
+
+
+def _backend_for(group: Any, device_type: str) -> str:
+    """The backend ``group`` runs ``device_type`` tensors on ("gloo", "nccl", ...); "" when none.
+    A group made as "cpu:gloo,cuda:nccl" names one per device; one made as "nccl" one for all."""
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    for part in name.split(","):
+        dev, _, backend = part.partition(":")
+        if dev.strip() == device_type:
+            return backend.strip()
+    return ""
+
+
+def restore_transport(coord: Coordinator, tier_group: Any, mode: str, timeout_s: float) -> tuple[Transport, str]:
+    """The transport of a restore's fetches (every rank calls this together), and why it was
+    chosen. ``mode`` "gloo": the peer tier's gloo group. Otherwise the job's own group: CUDA
+    through NCCL when its CUDA backend is NCCL and CUDA is available, else host memory when it
+    runs CPU tensors on gloo, else the peer tier's gloo group. The job's group is safe here,
+    and only here: every rank is inside the restore, lock-step, on the caller's thread, with
+    the replication rounds drained and no training collective in flight.
+
+    GPU memory (CUDA): at most ``RESTORE_GPU_BYTES``, and ``2 x (ranks sent to + received
+    from) x segment`` in an exchange, the segment being ``min(4 MiB, RESTORE_GPU_BYTES / (4 x
+    (ranks - 1)))``; the same in pinned host memory. A first collective on the job's group
+    (an all-reduce of one element) makes sure every rank has joined it before the batched
+    point-to-point calls (NCCL asks for that).
+    """
+    seg = max(4096, min(SEGMENT_BYTES, RESTORE_GPU_BYTES // (4 * max(1, coord.world - 1))) // 4096 * 4096)
+    if mode == "gloo":
+        pick, why = "tier", "the peer tier's gloo group (PeerOptions(transport='gloo'))"
+    elif _backend_for(coord.group, "cuda") == "nccl" and torch.cuda.is_available():
+        pick, why = "cuda", "the job's process group (NCCL, through GPU memory)"
+    elif _backend_for(coord.group, "cpu") == "gloo":
+        pick, why = "cpu", "the job's process group (gloo)"
+    else:
+        pick, why = "tier", f"the peer tier's gloo group (the job's group runs {dist.get_backend(coord.group)})"
+    picks = coord.all_gather(pick, "choosing the peer tier's restore transport")
+    if len(set(picks)) > 1:  # (ranks that disagree would pair calls on different groups)
+        pick, why = "tier", f"the peer tier's gloo group (the ranks' choices differ: {picks})"
+    device = torch.device("cuda", torch.cuda.current_device()) if pick == "cuda" else None
+    t = Transport(coord, tier_group if pick == "tier" else coord.group, device, segment_bytes=seg,
+                  timeout_s=timeout_s)
+    one = torch.zeros(1, device=t.device)
+    w = dist.all_reduce(one, group=t.group, async_op=True)
+    if w is not None and w.wait(datetime.timedelta(seconds=timeout_s)) is False:
+        raise CkptTimeoutError(f"joining {why} for the peer tier's restore took over {timeout_s:g} s")
+    return t, why
 
 
 def _pieces(files: list[np.ndarray[Any, Any]], size: int) -> list[list[np.ndarray[Any, Any]]]:

@@ -44,7 +44,8 @@ Threads and collectives (the rules that keep a GPU job from deadlocking):
 Thread ownership: ``_mu`` guards the round queue, the copies made, the receipts and the
 counters; the replication group is used by the replication thread only, except by
 :func:`~ckptmgr.distributed.peer_restore.restore_newest_peer` (training thread) after
-:meth:`Replicator.drain`.
+:meth:`Replicator.drain`, which also fetches over the job's own group there (every rank inside
+the restore, lock-step, no training collective in flight: the one place NCCL may carry shards).
 """
 
 from __future__ import annotations
@@ -93,9 +94,13 @@ class PeerOptions:
         slots: copies kept per shard on a node (at least 2: the newest stays while the next lands).
         chunk_bytes: bytes sent per piece.
         max_bytes_per_s: the most bytes per second a rank sends (None: no limit).
-        transport: "gloo" or "auto" (the same: host bytes over TCP on the peer tier's own
-            gloo group). "nccl" is refused: NCCL driven from the replication thread while
-            training runs NCCL collectives can deadlock (see the module docstring).
+        transport: where a restore fetches shards from peers. "auto": on the job's own
+            process group, through GPU memory and NCCL when that group runs CUDA tensors on
+            NCCL, else host memory on gloo (see
+            :func:`~ckptmgr.distributed.peer_transport.restore_transport`); "gloo": on the
+            peer tier's own gloo group. Replication always runs on the peer tier's gloo group
+            (host bytes over TCP). "nccl" is refused: NCCL driven from the replication thread
+            while training runs NCCL collectives can deadlock (see the module docstring).
         timeout_s: how long one round, or one exchange of a restore, may take.
     """
 
@@ -118,7 +123,8 @@ class PeerOptions:
         if self.transport == "nccl":
             raise ConfigError("PeerOptions.transport='nccl' is not supported: NCCL collectives from the peer "
                               "tier's background thread can deadlock against the training loop's NCCL "
-                              "collectives; use 'gloo' (the default, 'auto', is gloo)")
+                              "collectives; the default, 'auto', replicates on gloo and fetches a "
+                              "restore's shards over NCCL when the job's group has it")
         if self.transport not in ("auto", "gloo"):
             raise ConfigError(f"PeerOptions.transport must be 'auto' or 'gloo', got {self.transport!r}")
         if self.max_bytes_per_s is not None and not self.max_bytes_per_s > 0:
@@ -193,7 +199,7 @@ class Replicator:
         self._error = ""
         self._received: dict[int, tuple[int, bool]] = {}  # (replication thread) this round's receipts
         self._found = self._complete_steps()  # steps an earlier run left complete in the nodes' RAM
-        self.counts = {"peer_rounds": 0, "peer_copy_skips": 0}
+        self.counts: dict[str, float] = {"peer_rounds": 0, "peer_copy_skips": 0}
         self._thread = threading.Thread(target=self._loop, name="ckptmgr-peer-replicate", daemon=True)
         self._thread.start()
 
@@ -362,15 +368,18 @@ class Replicator:
                     raise CkptTimeoutError(f"the peer tier's rounds were still running after {timeout} s")
                 self._mu.wait(left)
 
-    def count(self, key: str) -> None:
-        """Add one to counter ``key`` of :meth:`stats` (restores count where each shard came from)."""
+    def count(self, key: str, n: float = 1) -> None:
+        """Add ``n`` to counter ``key`` of :meth:`stats` (restores count where each shard came
+        from, and what their fetches moved)."""
         with self._mu:
-            self.counts[key] = self.counts.get(key, 0) + 1
+            self.counts[key] = self.counts.get(key, 0) + n
 
     def stats(self) -> dict[str, float]:
         with self._mu:
             newest = max(set(self._replicated) | self._found, default=-1)
-            return {**self.counts, **self.mover.stats(), "peer_replicas": self.k, "peer_replicated_step": newest,
+            moved = self.mover.stats()
+            return {**self.counts, **moved, "peer_bad_copies": moved["peer_bad_copies"] +
+                    self.counts.get("peer_bad_copies", 0), "peer_replicas": self.k, "peer_replicated_step": newest,
                     "peer_replicate_s": self._replicated.get(newest, float("nan")),
                     "peer_failed": float(bool(self._error))}
 
