@@ -1,7 +1,7 @@
 """The peer tier: what replication costs a training loop, how soon a step is replicated, and how
 fast a replaced node's ranks get their shards back from peers against the durable target.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_peer_tier.py --ranks-per-node 1 --quick   # 2 GPUs, about a minute
+    torchrun --nproc-per-node 2 benchmarks/bench_peer_tier.py --ranks-per-node 1 --quick   # 2 GPUs, 1-3 minutes
     torchrun --nproc-per-node 4 benchmarks/bench_peer_tier.py --ranks-per-node 2 --out $OUT/peer.json   # GPUs
     python benchmarks/bench_peer_tier.py --device cpu --nproc 4 --ranks-per-node 2 --width 256 --layers 2 \\
         --batch 16 --steps 50                                                                   # CPU smoke
@@ -11,9 +11,9 @@ per group). A DDP model (``--layers`` x Linear(``--width``)) + AdamW trains ``--
 with a save every ``--every`` steps, twice: without the peer tier and with it
 (``PeerOptions(replicas=1)``, gloo), the order of the two rotated per ``--rounds``. At the
 defaults (width 8192 x 8 layers + AdamW: 6.4 GB of state per rank) one round moves about
-10 x 6.4 GB per rank (4 durable writes and 4 RAM copies per run, 4 replications, 2 restores)
-and takes minutes; ``--quick`` (2048 x 4, 0.2 GB per rank, one round) finishes in about a
-minute on 2 GPUs, most of it process start-up.
+17 x 6.4 GB per rank (4 durable writes and 4 RAM copies per run, 4 replications, 9 restores)
+and takes minutes; ``--quick`` (2048 x 4, 0.2 GB per rank, one round, 3 restores per source)
+is sized for 1-3 minutes on 2 GPUs, most of it process start-up and model builds.
 
 Rank 0 prints a line as each phase starts and ends (flushed); a phase that runs longer than
 ``--phase-timeout`` seconds on any rank is reported by name on that rank and the process exits
@@ -24,10 +24,19 @@ with status 3, instead of hanging. Reported, slowest rank:
 * the bandwidths measured: the durable target's writes (a save's bytes over its persist time)
   and reads (the durable restore), and the peer transport's (bytes sent over the time moving
   them, all rounds of a rank together);
-* recovery: the last node is lost (its RAM directory deleted); its ranks come back with a fresh
-  node identity and restore the newest step from the peer tier (the other ranks from their own
-  node's RAM), timed from the call to the last rank's return; then the same step restored from
-  the durable target with the page cache dropped. Restored state is checked bit-exact.
+* recovery: the last node is lost (its RAM directory deleted); its ranks come back on a fresh
+  node (new identity, empty RAM) and every rank restores the newest step, ``--restores`` times
+  from each of three sources, the order reversed every other time: from peers over the restore
+  transport (the job's own group: NCCL through GPU memory on GPUs, gloo on ``--device cpu``),
+  from peers over the peer tier's gloo group (``PeerOptions(transport="gloo")``: host bytes
+  over TCP), and the same step from the durable target with its files' pages dropped from the
+  page cache first (fsync, then ``POSIX_FADV_DONTNEED``; the share still cached afterwards is
+  measured with ``mincore`` and reported). For the peer sources the other ranks read their
+  own node's RAM, and the replacement node starts empty each time (so it fetches again).
+  Each restore is timed from the call to the last rank's return; reported as median
+  [min-max] (count), with the fetch's transfer rate (bytes received over the time moving
+  them, slowest fetching rank) and the GPU memory its staging took. Restored state is
+  checked bit-exact every time.
 
 Prints a table and writes JSON (``--out``).
 """
@@ -35,8 +44,10 @@ Prints a table and writes JSON (``--out``).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import socket
@@ -49,9 +60,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import evict
 
 from ckptmgr import CheckpointManager, PeerOptions
 
@@ -123,8 +136,7 @@ def run(args: argparse.Namespace, dev: torch.device, root: str, shm: str, peers:
     """One training run; returns the slowest rank's numbers."""
     rank = dist.get_rank()
     node = node_of(rank, args.ranks_per_node)
-    popts = PeerOptions(replicas=1, node=node, local_dir=os.path.join(shm, node), transport=args.transport) \
-        if peers else None
+    popts = PeerOptions(replicas=1, node=node, local_dir=os.path.join(shm, node)) if peers else None
     what = "peer tier" if peers else "no peer tier"
     with phase(f"{what}: start"):
         os.makedirs(os.path.join(shm, node), mode=0o700, exist_ok=True)
@@ -163,50 +175,98 @@ def run(args: argparse.Namespace, dev: torch.device, root: str, shm: str, peers:
             "peer_gbs": min(g["peer_gbs"] for g in got), "fingerprints": [g["fingerprint"] for g in got]}
 
 
+SOURCES = ("peers", "peers-gloo", "durable")  # the restore transport (NCCL on GPUs), the tier's gloo group, disk
+
+
+def cached_fraction(directory: str) -> float:
+    """The share of the pages of the files under ``directory`` in the page cache (mincore); nan
+    where it cannot be told."""
+    try:
+        mincore = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return float("nan")
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    resident = total = 0
+    for base, _, names in os.walk(directory):
+        for n in names:
+            size = os.path.getsize(os.path.join(base, n))
+            if not size:
+                continue
+            with open(os.path.join(base, n), "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+                pages = -(-size // mmap.PAGESIZE)
+                vec = (ctypes.c_ubyte * pages)()
+                view = np.frombuffer(m, dtype=np.uint8)
+                address = view.ctypes.data
+                del view  # (the mapping closes only once nothing exports it)
+                if mincore(address, size, vec) != 0:
+                    return float("nan")
+                resident += sum(v & 1 for v in vec)
+                total += pages
+    return resident / total if total else float("nan")
+
+
+def restore_once(args: argparse.Namespace, dev: torch.device, root: str, shm: str, node: str, source: str,
+                 expect: list[str], i: int) -> dict[str, Any]:
+    """One restore of the newest step by every rank from ``source``; the lost node's ranks
+    (``node`` None) come back on a fresh node with empty RAM, so they fetch their shards."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with phase(f"restore {i + 1}/{args.restores} from {source}: start"):
+        here = node or f"replacement-{i}-{source}"
+        if node is None:
+            os.makedirs(os.path.join(shm, here), mode=0o700, exist_ok=True)
+        model, opt = build(args.width, args.layers, dev)
+        popts = None if source == "durable" else PeerOptions(replicas=1, node=here, local_dir=os.path.join(shm, here),
+                                                             transport="gloo" if source == "peers-gloo" else "auto")
+        mgr = CheckpointManager(root, peers=popts)
+        cached = float("nan")
+        if source == "durable" and rank == 0:  # (one host: rank 0 drops every rank's files)
+            evict(root)
+            cached = cached_fraction(root)
+        sync(dev)
+        dist.barrier()
+    with phase(f"restore {i + 1}/{args.restores} from {source}"):
+        t0 = time.perf_counter()
+        mgr.restore(target={"model": model, "optim": opt})
+        sync(dev)
+        took = time.perf_counter() - t0
+    stats = mgr.stats()
+    mgr.close(flush=False)
+    nbytes = sum(t.numel() * t.element_size() for t in
+                 [*model.state_dict().values(), *(v for s in opt.state.values() for v in s.values()
+                                                  if isinstance(v, torch.Tensor))])
+    mine = (took, fingerprint(model, opt), stats.get("peer_restore_peer", 0), nbytes,
+            stats.get("peer_fetch_bytes_received", 0), stats.get("peer_fetch_s", 0.0),
+            stats.get("peer_fetch_staging_bytes", 0), cached)
+    got: list[Any] = [None] * world
+    dist.all_gather_object(got, mine)
+    dist.barrier()
+    if node is None and rank == world - 1:
+        shutil.rmtree(os.path.join(shm, here), ignore_errors=True)  # the next restore's replacement starts empty
+    fetched = [(g[4], g[5]) for g in got if g[4]]
+    return {"restore_s": max(g[0] for g in got), "bit_exact": [g[1] for g in got] == expect,
+            "ranks_from_peers": sum(g[2] for g in got),
+            "read_gbs": sum(g[3] for g in got) / max(g[0] for g in got) / 1e9,
+            "fetch_bytes": sum(b for b, _ in fetched),
+            "fetch_gbs": min(b / t for b, t in fetched) / 1e9 if fetched else float("nan"),
+            "staging_bytes": max(g[6] for g in got), "cached_after_drop": got[0][7]}
+
+
 def recover(args: argparse.Namespace, dev: torch.device, root: str, shm: str, expect: list[str]) -> dict[str, Any]:
-    """The last node is lost and replaced; time the restore from peers, then from the durable target."""
+    """The last node is lost and replaced; restore the newest step ``--restores`` times from
+    each source (the order reversed every other time)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     lost = node_of(world - 1, args.ranks_per_node)
-    node = node_of(rank, args.ranks_per_node)
+    node: str | None = node_of(rank, args.ranks_per_node)
     dist.barrier()
     if rank == world - 1:
         shutil.rmtree(os.path.join(shm, lost))
     dist.barrier()
     if node == lost:
-        node = "replacement"
-        os.makedirs(os.path.join(shm, node), mode=0o700, exist_ok=True)
-    out: dict[str, Any] = {}
-    for source in ("peers", "durable"):
-        with phase(f"recovery from {source}: start" + (" (page cache dropped)" if source == "durable" else "")):
-            model, opt = build(args.width, args.layers, dev)
-            popts = PeerOptions(replicas=1, node=node, local_dir=os.path.join(shm, node), transport=args.transport) \
-                if source == "peers" else None
-            mgr = CheckpointManager(root, peers=popts)
-            if source == "durable" and rank == 0:
-                for base, _, names in os.walk(root):
-                    for n in names:
-                        fd = os.open(os.path.join(base, n), os.O_RDONLY)
-                        try:
-                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                        finally:
-                            os.close(fd)
-            sync(dev)
-            dist.barrier()
-        with phase(f"recovery from {source}: restore"):
-            t0 = time.perf_counter()
-            mgr.restore(target={"model": model, "optim": opt})
-            sync(dev)
-            took = time.perf_counter() - t0
-            stats = mgr.stats()
-            mgr.close(flush=False)
-        nbytes = sum(t.numel() * t.element_size() for t in
-                     [*model.state_dict().values(), *(v for s in opt.state.values() for v in s.values()
-                                                      if isinstance(v, torch.Tensor))])
-        got: list[Any] = [None] * world
-        dist.all_gather_object(got, (took, fingerprint(model, opt), stats.get("peer_restore_peer", 0), nbytes))
-        out[source] = {"restore_s": max(g[0] for g in got), "bit_exact": [g[1] for g in got] == expect,
-                       "ranks_from_peers": sum(g[2] for g in got),
-                       "read_gbs": sum(g[3] for g in got) / max(g[0] for g in got) / 1e9}
+        node = None
+    out: dict[str, list[dict[str, Any]]] = {s: [] for s in SOURCES}
+    for i in range(args.restores):
+        for source in (SOURCES if i % 2 == 0 else SOURCES[::-1]):
+            out[source].append(restore_once(args, dev, root, shm, node, source, expect, i))
     return out
 
 
@@ -239,27 +299,45 @@ def worker(rank: int, world: int, port: int | None, args: argparse.Namespace) ->
     dist.destroy_process_group()
 
 
+def spread(xs: list[float]) -> str:
+    """median [min-max] (n)"""
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}] ({len(xs)})"
+
+
 def report(args: argparse.Namespace, world: int, rounds: list[dict[str, Any]]) -> None:
     med = statistics.median
     plain = med(r["plain"]["step_ms"] for r in rounds)
     peer = med(r["peers"]["step_ms"] for r in rounds)
     rep = med(r["peers"]["replicate_s"] for r in rounds)
-    from_peers = med(r["recovery"]["peers"]["restore_s"] for r in rounds)
-    from_durable = med(r["recovery"]["durable"]["restore_s"] for r in rounds)
-    exact = all(r["recovery"][s]["bit_exact"] for r in rounds for s in ("peers", "durable"))
+    runs = {s: [x for r in rounds for x in r["recovery"][s]] for s in SOURCES}
+    took = {s: [x["restore_s"] for x in runs[s]] for s in SOURCES}
+    exact = all(x["bit_exact"] for s in SOURCES for x in runs[s])
+    cached = [x["cached_after_drop"] for x in runs["durable"]]
     rows = [("step time, no peer tier (ms)", f"{plain:.2f}"), ("step time, peer tier (ms)", f"{peer:.2f}"),
             ("replication overhead", f"{100 * (peer / plain - 1):+.2f}%"),
             ("save() -> replicated (s)", f"{rep:.3f}"),
-            ("recovery from peers (s)", f"{from_peers:.3f}"), ("recovery from durable (s)", f"{from_durable:.3f}"),
-            ("durable / peers", f"{from_durable / from_peers:.1f}x"), ("restores bit-exact", str(exact)),
+            ("recovery from peers, NCCL/job group (s)" if args.device == "cuda" else
+             "recovery from peers, job group (s)", spread(took["peers"])),
+            ("recovery from peers, tier gloo (s)", spread(took["peers-gloo"])),
+            ("recovery from durable (s)", spread(took["durable"])),
+            ("durable / peers (job group)", f"{med(took['durable']) / med(took['peers']):.1f}x"),
+            ("durable / peers (tier gloo)", f"{med(took['durable']) / med(took['peers-gloo']):.1f}x"),
+            ("restores bit-exact", str(exact)),
+            ("durable pages cached after drop", f"{100 * max(cached):.1f}%" if cached and cached[0] == cached[0]
+             else "cannot tell"),
             ("durable write, per rank (GB/s)", f"{med(r['plain']['durable_write_gbs'] for r in rounds):.2f}"),
-            ("durable read, all ranks (GB/s)", f"{med(r['recovery']['durable']['read_gbs'] for r in rounds):.2f}"),
-            ("peer transport, per rank (GB/s)", f"{med(r['peers']['peer_gbs'] for r in rounds):.2f}"),
-            ("peer restore, all ranks (GB/s)", f"{med(r['recovery']['peers']['read_gbs'] for r in rounds):.2f}")]
-    print(f"peer tier: {world} ranks, {args.ranks_per_node} per node, {args.device}, transport {args.transport}, "
-          f"save every {args.every} of {args.steps} steps, {args.rounds} round(s), medians")
+            ("durable read, all ranks (GB/s)", f"{med(x['read_gbs'] for x in runs['durable']):.2f}"),
+            ("replication transport, per rank (GB/s)", f"{med(r['peers']['peer_gbs'] for r in rounds):.2f}"),
+            ("fetch, job group, per rank (GB/s)", f"{med(x['fetch_gbs'] for x in runs['peers']):.2f}"),
+            ("fetch, tier gloo, per rank (GB/s)", f"{med(x['fetch_gbs'] for x in runs['peers-gloo']):.2f}"),
+            ("fetched per restore (GB)", f"{med(x['fetch_bytes'] for x in runs['peers']) / 1e9:.3f}"),
+            ("fetch GPU staging, per rank (MiB)", f"{max(x['staging_bytes'] for x in runs['peers']) / 2**20:.1f}"),
+            ("peer restore, all ranks (GB/s)", f"{med(x['read_gbs'] for x in runs['peers']):.2f}")]
+    print(f"peer tier: {world} ranks, {args.ranks_per_node} per node, {args.device}, save every {args.every} of "
+          f"{args.steps} steps, {args.rounds} round(s) x {args.restores} restore(s) per source; "
+          "medians, [min-max] (n)")
     for k, v in rows:
-        print(f"  {k:<32} {v:>12}")
+        print(f"  {k:<42} {v:>28}")
     if args.out:
         for r in rounds:
             for k in ("plain", "peers"):
@@ -279,7 +357,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every", type=int, default=25)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--transport", choices=("auto", "gloo"), default="auto")
+    p.add_argument("--restores", type=int, default=3, help="restores per source per round")
     p.add_argument("--quick", action="store_true",
                    help="width 2048 x 4 layers, batch 512, 20 steps, a save every 5, one round")
     p.add_argument("--phase-timeout", type=float, default=600.0,
