@@ -14,7 +14,8 @@ Scenarios:
            digest (DDP keeps them equal only if no collective of the job's group was stolen)
   resume   restore the newest step into fresh state, report where each shard came from and
            what was said, train on to step 8, save it, report the final state's digest
-  exchange (2 ranks) the restore's transport on its own: which group it picks; arrays of
+  exchange (2 ranks; PEER_BACKEND=nccl: a "cpu:gloo,cuda:nccl" job on 2 GPUs, else gloo)
+           the restore's transport on its own: which group it picks; arrays of
            several segments both ways, bit-exact; then rank 0 sends rank 1 shards through a
            ShardMover on it: a header announcing an oversized record, a record rank 1 must
            refuse (drained), a copy failing its checksums, a good copy
@@ -90,7 +91,12 @@ def manager(root: str) -> CheckpointManager:
 
 def main() -> None:
     scenario, root, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo")
+    if os.environ.get("PEER_BACKEND") == "nccl":  # (the exchange scenario on GPUs)
+        local = torch.device("cuda", int(os.environ["RANK"]))
+        torch.cuda.set_device(local)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=local)
+    else:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     said: list[str] = []
 
@@ -195,7 +201,8 @@ def exchange(node_dir: str, root: str) -> dict:
     t, why = restore_transport(coord, tier, "auto", 60)
     out: dict = {"why": why, "job_group": t.group is dist.group.WORLD, "device": str(t.device)}
     # arrays of several 4 KiB segments, both ways at once, of sizes both ends know
-    seg = Transport(coord, dist.group.WORLD, segment_bytes=4096, timeout_s=60)
+    seg = Transport(coord, dist.group.WORLD, t.device if t.device.type == "cuda" else None, segment_bytes=4096,
+                    timeout_s=60)
     sizes = {0: 10000, 1: 30001}  # what each rank sends
     mine = np.random.default_rng(rank).integers(0, 256, sizes[rank], dtype=np.uint8)
     theirs = np.zeros(sizes[1 - rank], dtype=np.uint8)
@@ -228,6 +235,8 @@ def exchange(node_dir: str, root: str) -> dict:
             with area.mapped(copies[0]) as held:
                 out["copy_exact"] = next(iter(held.values())).tobytes() == data
             out["stats"] = mover.stats()
+    out["staging_bytes"] = seg.staging_bytes()
+    seg.close()
     t.close()
     area.close()
     return out

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import peer_worker
 import pytest
+import torch
 
 from ckptmgr import ConfigError, PeerOptions
 from ckptmgr.distributed.replicate import peers_of
@@ -29,7 +30,8 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_worker.p
 WORLD = 4
 
 
-def _start(scenario: str, root: str, out: Path, layout: list[str], nodes: Path) -> list[subprocess.Popen]:
+def _start(scenario: str, root: str, out: Path, layout: list[str], nodes: Path,
+           env_extra: dict[str, str] | None = None) -> list[subprocess.Popen]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -38,7 +40,7 @@ def _start(scenario: str, root: str, out: Path, layout: list[str], nodes: Path) 
         (nodes / node).mkdir(exist_ok=True)
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(len(layout)), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "CKPT_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "CKPTMGR_NODE": node,
-               "NODE_DIR": str(nodes / node)}
+               "NODE_DIR": str(nodes / node), **(env_extra or {})}
         with open(out / f"{scenario}-{r}.stderr", "w") as err:
             procs.append(subprocess.Popen([sys.executable, WORKER, scenario, root, str(out / f"{scenario}-{r}.json")],
                                           env=env, stdout=subprocess.PIPE, stderr=err, text=True))
@@ -293,14 +295,19 @@ def test_a_node_whose_ram_directory_is_not_private_stops_every_rank_at_start(tmp
         assert "rank 1 (node B)" in r["error"] and "mode 755" in r["error"], r
 
 
-def test_the_restore_transport_runs_on_the_job_group_and_keeps_the_untrusted_input_rules(tmp_path):
-    """The restore's fetch transport (the job's gloo group here) in 2 real processes: arrays cut
-    into several segments both ways land bit-exact; through a ShardMover on it, an oversized
-    header is refused before any allocation, a record the receiver must refuse is drained, a
-    copy failing its checksums is not kept, and a good copy is."""
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                         reason="needs 2 CUDA GPUs")])])
+def test_the_restore_transport_runs_on_the_job_group_and_keeps_the_untrusted_input_rules(tmp_path, backend):
+    """The restore's fetch transport (the job's group: gloo, or NCCL through GPU memory) in 2
+    real processes: arrays cut into several segments both ways land bit-exact; through a
+    ShardMover on it, an oversized header is refused before any allocation, a record the
+    receiver must refuse is drained, a copy failing its checksums is not kept, and a good
+    copy is."""
     (tmp_path / "out").mkdir()
     (tmp_path / "nodes").mkdir()
-    procs = _start("exchange", str(tmp_path / "ckpt"), tmp_path / "out", ["A", "B"], tmp_path / "nodes")
+    procs = _start("exchange", str(tmp_path / "ckpt"), tmp_path / "out", ["A", "B"], tmp_path / "nodes",
+                   {"PEER_BACKEND": backend})
     try:
         rcs = [p.wait(timeout=120) for p in procs]
     finally:
@@ -308,8 +315,12 @@ def test_the_restore_transport_runs_on_the_job_group_and_keeps_the_untrusted_inp
     reports = _reports("exchange", tmp_path / "out", 2)
     assert all(rc in (0, -6) for rc in rcs), rcs
     for r in reports:
-        assert r["why"] == "the job's process group (gloo)" and r["job_group"] and r["device"] == "cpu"
-        assert r["segments_exact"]
+        if backend == "gloo":
+            assert r["why"] == "the job's process group (gloo)" and r["device"] == "cpu" and r["staging_bytes"] == 0
+        else:  # two halves x (one send + one receive) x 4 KiB segments, no more
+            assert r["why"] == "the job's process group (NCCL, through GPU memory)"
+            assert r["device"] == f"cuda:{r['rank']}" and 0 < r["staging_bytes"] <= 2 * 2 * 4096
+        assert r["job_group"] and r["segments_exact"]
     got = reports[1]
     assert "announced a shard record of" in got["oversized"]
     assert got["kept"] == [[None, False], ["A", False], ["A", True]]  # refused (drained), bad checksum, kept

@@ -226,7 +226,7 @@ def _fetching(rep: Replicator, coord: Coordinator, s: int) -> Iterator[ShardMove
                           "peer_fetch_bytes_received"), ("peer_transfer_s", "peer_fetch_s"),
                           ("peer_bad_copies", "peer_bad_copies")):
             rep.count(name, got[key])
-        rep.count("peer_fetch_staging_bytes", staged)
+        rep.count("peer_fetch_staging_bytes", staged, peak=True)
 
 
 def _fetch(rep: Replicator, mover: ShardMover, coord: Coordinator, s: int, shards: dict[int, list[int]], *, need: bool,

@@ -131,10 +131,11 @@ class Transport:
                 w.wait()
             elif w.wait(datetime.timedelta(seconds=self.timeout_s)) is False:
                 raise CkptTimeoutError(f"a peer tier transfer on {self!r} did not end within {self.timeout_s:g} s")
-        if landing and self._dev is not None and self._pin is not None:
+        if self._dev is not None and self._pin is not None:
             for a, at in landing:
                 self._pin[at:at + a.size].copy_(self._dev[at:at + a.size], non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()  # (local copies: the transfer has ended)
+            # (after the waits: only local copies are left; the sub-round's staging is free after this)
+            torch.cuda.current_stream(self.device).synchronize()
             for a, at in landing:
                 np.copyto(a, self._pin[at:at + a.size].numpy())
 
@@ -196,7 +197,10 @@ def restore_transport(coord: Coordinator, tier_group: Any, mode: str, timeout_s:
     picks = coord.all_gather(pick, "choosing the peer tier's restore transport")
     if len(set(picks)) > 1:  # (ranks that disagree would pair calls on different groups)
         pick, why = "tier", f"the peer tier's gloo group (the ranks' choices differ: {picks})"
-    device = torch.device("cuda", torch.cuda.current_device()) if pick == "cuda" else None
+    device = None
+    if pick == "cuda":  # the group's own device when it was made with one, else this thread's current one
+        bound = getattr(coord.group, "bound_device_id", None)
+        device = bound if isinstance(bound, torch.device) else torch.device("cuda", torch.cuda.current_device())
     t = Transport(coord, tier_group if pick == "tier" else coord.group, device, segment_bytes=seg,
                   timeout_s=timeout_s)
     one = torch.zeros(1, device=t.device)

@@ -368,11 +368,12 @@ class Replicator:
                     raise CkptTimeoutError(f"the peer tier's rounds were still running after {timeout} s")
                 self._mu.wait(left)
 
-    def count(self, key: str, n: float = 1) -> None:
+    def count(self, key: str, n: float = 1, *, peak: bool = False) -> None:
         """Add ``n`` to counter ``key`` of :meth:`stats` (restores count where each shard came
-        from, and what their fetches moved)."""
+        from, and what their fetches moved); ``peak``: keep the larger of the two instead."""
         with self._mu:
-            self.counts[key] = self.counts.get(key, 0) + n
+            old = self.counts.get(key, 0)
+            self.counts[key] = max(old, n) if peak else old + n
 
     def stats(self) -> dict[str, float]:
         with self._mu:
