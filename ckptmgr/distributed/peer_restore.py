@@ -27,13 +27,11 @@ before (the restorer's ``restore_newest``), with a warning saying why the peer t
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import stat
 import warnings
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -44,7 +42,7 @@ from ..format.manifest import Manifest
 from ..storage.peer_tier import Copy, ShardRecord
 from ..storage.posix import preadv_into
 from .coordinator import Coordinator
-from .peer_transport import ShardMover, restore_transport
+from .peer_transport import ShardMover, Transport, restore_transport
 from .replicate import Replicator
 from .restore import RankMap, Restorer
 from .restore import _manifest as durable_manifest  # rank 0 reads it, every rank gets it
@@ -168,8 +166,8 @@ def _restore_step(rep: Replicator, restorer: Restorer, coord: Coordinator, s: in
         why = f"its copy on this node ({rep.node}) fails its check: {bad}"
         log.warning("peer tier: step %d, rank %d: %s", s, me, why)
     sources = [r for r in shards.get(me, []) if rep.nodes[r] != rep.node]
-    with _fetching(rep, coord, s) as mover:
-        fetched, failed = _fetch(rep, mover, coord, s, shards, need=not local, sources=sources)
+    with _Fetching(rep, coord, s) as fetching:
+        fetched, failed = _fetch(rep, fetching, coord, s, shards, need=not local, sources=sources)
     why = "; ".join(x for x in (why, failed) if x)
     if fetched is not None:
         local = {n: rep.area.path_of(fetched, n) for n in fetched.record.manifest.files}
@@ -208,29 +206,46 @@ def _manifest(restorer: Restorer, coord: Coordinator, s: int, raws: dict[int, by
     return durable_manifest(restorer, coord, s)
 
 
-@contextlib.contextmanager
-def _fetching(rep: Replicator, coord: Coordinator, s: int) -> Iterator[ShardMover]:
-    """(every rank together) A mover of shards over the restore's transport
-    (:func:`~ckptmgr.distributed.peer_transport.restore_transport`: the job's own group), its
-    staging given back and its counters added to the replicator's (``peer_fetch_*``) after."""
-    transport, why = restore_transport(coord, rep.meta, rep.opts.transport, rep.opts.timeout_s)
-    log.info("peer tier: step %d: shards are fetched over %s", s, why)
-    mover = ShardMover(transport, rep.area, rep.node, rep.opts.chunk_bytes, None, rep.io)  # (no training to pace for)
-    try:
-        yield mover
-    finally:
-        staged = transport.staging_bytes()
-        transport.close()
-        got = mover.stats()
+class _Fetching:
+    """(every rank together) The mover of a restore's fetches, made when first needed: only
+    once some rank asks for a shard (every rank sees the same asks, so every rank makes it at
+    the same point), over the restore's transport
+    (:func:`~ckptmgr.distributed.peer_transport.restore_transport`: the job's own group). On
+    exit its staging is given back and its counters are added to the replicator's
+    (``peer_fetch_*``)."""
+
+    def __init__(self, rep: Replicator, coord: Coordinator, s: int) -> None:
+        self.rep, self.coord, self.s = rep, coord, s
+        self._transport: Transport | None = None
+        self._mover: ShardMover | None = None
+
+    def mover(self) -> ShardMover:
+        if self._mover is None:
+            rep = self.rep
+            self._transport, why = restore_transport(self.coord, rep.meta, rep.opts.transport, rep.opts.timeout_s)
+            log.info("peer tier: step %d: shards are fetched over %s", self.s, why)
+            self._mover = ShardMover(self._transport, rep.area, rep.node, rep.opts.chunk_bytes, None,
+                                     rep.io)  # (no pacing: no training runs beside a restore)
+        return self._mover
+
+    def __enter__(self) -> _Fetching:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._transport is None or self._mover is None:
+            return
+        staged = self._transport.staging_bytes()
+        self._transport.close()
+        got = self._mover.stats()
         for key, name in (("peer_bytes_sent", "peer_fetch_bytes_sent"), ("peer_bytes_received",
                           "peer_fetch_bytes_received"), ("peer_transfer_s", "peer_fetch_s"),
                           ("peer_bad_copies", "peer_bad_copies")):
-            rep.count(name, got[key])
-        rep.count("peer_fetch_staging_bytes", staged, peak=True)
+            self.rep.count(name, got[key])
+        self.rep.count("peer_fetch_staging_bytes", staged, peak=True)
 
 
-def _fetch(rep: Replicator, mover: ShardMover, coord: Coordinator, s: int, shards: dict[int, list[int]], *, need: bool,
-           sources: list[int]) -> tuple[Copy | None, str]:
+def _fetch(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, shards: dict[int, list[int]], *,
+           need: bool, sources: list[int]) -> tuple[Copy | None, str]:
     """Rounds in which each rank still needing its shard asks the next holding node for it;
     every rank serves what it is asked. Returns the copy received and verified (or None),
     and why the copies tried were not usable."""
@@ -248,7 +263,7 @@ def _fetch(rep: Replicator, mover: ShardMover, coord: Coordinator, s: int, shard
         with _Mapped(rep, [held.get(r) for r in serve]) as files:
             for r, (c, fs) in zip(serve, files, strict=True):
                 sends.append((r, c.record if c is not None else None, fs))
-            got = mover.transfer(sends, [ask] if ask is not None else [], own_node_ok=True)
+            got = fetching.mover().transfer(sends, [ask] if ask is not None else [], own_node_ok=True)
         tried += 1
         if ask is not None:
             rec, ok = got.get(ask, (None, False))
@@ -256,14 +271,14 @@ def _fetch(rep: Replicator, mover: ShardMover, coord: Coordinator, s: int, shard
                 need = False
                 found = next((c for c in rep.area.copies() if c.rank == me and c.record.step == s), None)
                 if found is not None:
-                    return _finish(rep, mover, coord, s, found), ""
+                    return _finish(rep, fetching, coord, s, found), ""
             why.append(f"the copy on node {rep.nodes[ask]} " + ("fails its check" if rec is not None else
                                                                   "could not be received"))
             log.warning("peer tier: step %d, rank %d: the copy from rank %d (node %s) is not usable; %s", s, me, ask,
                         rep.nodes[ask], "trying the next node" if tried < len(sources) else "no other node holds one")
 
 
-def _finish(rep: Replicator, mover: ShardMover, coord: Coordinator, s: int, found: Copy) -> Copy:
+def _finish(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, found: Copy) -> Copy:
     """Serve the remaining rounds (other ranks may still be fetching), then return ``found``."""
     while True:
         asks = coord.all_gather(None, f"asking for the shards of step {s}")
@@ -273,7 +288,7 @@ def _finish(rep: Replicator, mover: ShardMover, coord: Coordinator, s: int, foun
         held = {c.rank: c for c in rep.area.copies() if c.record.step == s}
         with _Mapped(rep, [held.get(r) for r in serve]) as files:
             sends = [(r, c.record if c is not None else None, fs) for r, (c, fs) in zip(serve, files, strict=True)]
-            mover.transfer(sends, [], own_node_ok=True)
+            fetching.mover().transfer(sends, [], own_node_ok=True)
 
 
 class _Mapped:

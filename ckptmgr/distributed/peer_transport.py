@@ -69,8 +69,11 @@ class Transport:
       (NCCL's stream waits on it); the host copies of sub-round j + 1 overlap the transfer
       of sub-round j.
 
-    Every wait is bounded: by ``timeout_s`` when given (``Work.wait(timeout)``), else by the
-    group's own timeout. Used by one thread at a time (see the module docstring).
+    Every wait is bounded: by ``timeout_s`` when given (``Work.wait(timeout)``, which holds
+    the calling thread until the transfer ends or raises when the time passes, for gloo and
+    NCCL alike), else by the group's own timeout; the CUDA stream is synchronized only after
+    those waits, when only local copies are left. Used by one thread at a time (see the
+    module docstring).
     """
 
     def __init__(self, coord: Coordinator, group: Any, device: torch.device | None = None, *,
@@ -152,9 +155,9 @@ class Transport:
         return 0 if self._dev is None else self._dev.numel()
 
     def close(self) -> None:
-        """Give the staging buffers back (after the last exchange has ended)."""
-        if self._dev is not None:
-            torch.cuda.current_stream(self.device).synchronize()
+        """Give the staging buffers back. No wait: an exchange that ended has synchronized
+        already, and after one that failed (a peer gone, a timeout) the caching allocators
+        keep the memory until the transfers queued on it end, without holding this thread."""
         self._dev = self._pin = None
 
 
