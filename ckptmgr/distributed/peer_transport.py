@@ -163,11 +163,15 @@ class Transport:
 
 def _backend_for(group: Any, device_type: str) -> str:
     """The backend ``group`` runs ``device_type`` tensors on ("gloo", "nccl", ...); "" when none.
-    A group made as "cpu:gloo,cuda:nccl" names one per device; one made as "nccl" one for all."""
-    name = str(dist.get_backend(group))
-    if ":" not in name:
-        return name
-    for part in name.split(","):
+    From the group's device map (``"cpu:gloo,cuda:nccl"``; ``"nccl"`` alone maps CUDA only,
+    ``"gloo"`` alone both)."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except (ValueError, RuntimeError, AttributeError):  # (a group torch keeps no map of)
+        config = str(dist.get_backend(group))
+    if ":" not in config:
+        return config
+    for part in config.split(","):
         dev, _, backend = part.partition(":")
         if dev.strip() == device_type:
             return backend.strip()
