@@ -246,7 +246,7 @@ def restore_once(args: argparse.Namespace, dev: torch.device, root: str, shm: st
     return {"restore_s": max(g[0] for g in got), "bit_exact": [g[1] for g in got] == expect,
             "ranks_from_peers": sum(g[2] for g in got),
             "read_gbs": sum(g[3] for g in got) / max(g[0] for g in got) / 1e9,
-            "fetch_bytes": sum(b for b, _ in fetched),
+            "fetch_bytes": sum(b for b, _ in fetched), "fetch_s": max((t for _, t in fetched), default=0.0),
             "fetch_gbs": min(b / t for b, t in fetched) / 1e9 if fetched else float("nan"),
             "staging_bytes": max(g[6] for g in got), "cached_after_drop": got[0][7]}
 
@@ -331,6 +331,8 @@ def report(args: argparse.Namespace, world: int, rounds: list[dict[str, Any]]) -
             ("fetch, job group, per rank (GB/s)", f"{med(x['fetch_gbs'] for x in runs['peers']):.2f}"),
             ("fetch, tier gloo, per rank (GB/s)", f"{med(x['fetch_gbs'] for x in runs['peers-gloo']):.2f}"),
             ("fetched per restore (GB)", f"{med(x['fetch_bytes'] for x in runs['peers']) / 1e9:.3f}"),
+            ("of recovery: moving bytes, job group (s)", f"{med(x['fetch_s'] for x in runs['peers']):.3f}"),
+            ("of recovery: moving bytes, tier gloo (s)", f"{med(x['fetch_s'] for x in runs['peers-gloo']):.3f}"),
             ("fetch GPU staging, per rank (MiB)", f"{max(x['staging_bytes'] for x in runs['peers']) / 2**20:.1f}"),
             ("peer restore, all ranks (GB/s)", f"{med(x['read_gbs'] for x in runs['peers']):.2f}")]
     print(f"peer tier: {world} ranks, {args.ranks_per_node} per node, {args.device}, save every {args.every} of "
