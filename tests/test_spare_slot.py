@@ -132,3 +132,48 @@ def test_prepare_makes_the_first_slot_at_full_speed_and_the_others_as_spares(roo
         assert mgr.stats()["slots"] == 2, mgr.stats()
     assert [spare for _, spare in made] == [False, True], made
     assert all(name.startswith("ckptmgr-prepare") for name, _ in made), made
+
+
+def test_a_spare_is_made_only_once_the_copies_of_the_save_that_asked_for_it_have_landed(root, monkeypatch,
+                                                                                          tmp_path):
+    """Making a slot beside a save's copies slows them (page population and pinning compete with
+    them) while the training step waits for them: the spare the first save asks for is made once
+    that save's copies have landed. Meanwhile the spare is already reserved, so a save that needs
+    it waits for it rather than making it on the training thread."""
+    from ckptmgr.save.staging import StagingJob
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: 99999999 kB\nMemFree: 1 kB\nMemAvailable: {(64 << 20) // 1024} kB\n")
+    monkeypatch.setattr(memory, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(memory, "SELF_CGROUP", str(tmp_path / "no-such-cgroup-file"))
+    monkeypatch.setattr(cuda_shim, "available", lambda: False)
+    copies_wanted = threading.Event()  # the spare's maker waits for the save's copies
+    copies_land = threading.Event()  # the gate: the copies "land" when the test opens it
+    spare_made = threading.Event()
+    real_wait, real_fit = StagingJob.wait, SlotPool.fit
+
+    def wait(self, timeout=None):
+        if threading.current_thread().name.startswith("ckptmgr-prepare"):
+            copies_wanted.set()
+            assert copies_land.wait(30)
+        return real_wait(self, timeout)
+
+    def fit(self, slot, sizes, *, hurry=True, spare=False):
+        if spare and slot.kind == "none":
+            assert copies_land.is_set(), "the spare was made before the save's copies landed"
+            spare_made.set()
+        return real_fit(self, slot, sizes, hurry=hurry, spare=spare)
+
+    monkeypatch.setattr(StagingJob, "wait", wait)
+    monkeypatch.setattr(SlotPool, "fit", fit)
+    state = _state(8)
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
+        h = mgr.save(1, state)
+        assert copies_wanted.wait(30)  # the spare's maker is waiting for save 1's copies
+        assert not spare_made.is_set()
+        assert mgr.stats()["slots"] == 2  # reserved: a save needing it would wait for it
+        copies_land.set()
+        assert spare_made.wait(30)
+        h.result(timeout=30)
+        mgr.wait(timeout=30)
+        assert mgr.stats()["slot_allocations"] == 2, mgr.stats()

@@ -70,6 +70,7 @@ from .engine import AsyncWriter
 from .outcome import Ticket, permanent, report_interrupted, report_permanent, retryable
 from .persist import PersistJob, SaveInfo, StepCommit, persist
 from .slots import Slot
+from .staging import StagingJob
 from .tiered import TierSaves
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ if TYPE_CHECKING:
 __all__ = ["RETRY_FIRST_S", "RETRY_MAX_S", "Saver", "Ticket"]
 
 log = logging.getLogger("ckptmgr")
+AFTER_COPIES_WAIT_S = 60.0  # a spare slot is made once the copies of the save that asked for it land
 
 
 class Saver(TierSaves):
@@ -192,8 +194,8 @@ class Saver(TierSaves):
                 finally:
                     self.pool.release(slot, step=None, durable=False)
                 raise
-        if self.pool.spare():
-            self.prepare(sizes)  # a slot for the next save, made in the background (default options)
+        if self.pool.spare():  # a slot for the next save, made in the background (default options) once
+            self.prepare(sizes, after=job)  # this save's copies have landed: never beside them
         local = self._tier is not None and slot.kind == "tmpfs"
         wanted = True if durable is None else durable
         if schedule is not None or durable is not None:
@@ -248,25 +250,38 @@ class Saver(TierSaves):
             self._pending.pop(job.step, None)
         self._counts["durable_superseded"] += len(entries)
 
-    def prepare(self, sizes: list[int], plan: Plan | None = None) -> None:
+    def prepare(self, sizes: list[int], plan: Plan | None = None, *, after: StagingJob | None = None) -> None:
         """Make and pin the slots never filled yet, on a helper thread; a save that needs one
         of them waits for it (never skips), and :meth:`wait` waits for it. With ``plan``
-        (training thread), also allocate the device snapshot buffers it needs, now."""
+        (training thread), also allocate the device snapshot buffers it needs, now. With
+        ``after`` (a save's staging), the helper first waits, up to :data:`AFTER_COPIES_WAIT_S`,
+        for that save's copies to land: making a slot (populating pages, pinning them under
+        the CUDA driver's lock) beside the copies slowed them about fourfold on an H100
+        (4.83 GB safe to mutate after 0.366 s instead of ~0.09 s), and the training step waits
+        for those copies."""
         if plan is not None:
             self._stager.reserve(plan)
         with self._mu:
             if self._closing:
                 return
             self._engine.hold()
+        reserved = self.pool.reserve()  # (from now on a save that needs one of them waits for it)
         try:
-            threading.Thread(target=self._prepare, args=(sizes,), name="ckptmgr-prepare", daemon=True).start()
+            threading.Thread(target=self._prepare, args=(sizes, reserved, after), name="ckptmgr-prepare",
+                             daemon=True).start()
         except BaseException:
+            self.pool.unreserve(reserved)
             self._engine.settled()
             raise
 
-    def _prepare(self, sizes: list[int]) -> None:
+    def _prepare(self, sizes: list[int], reserved: tuple[list[Slot], bool], after: StagingJob | None) -> None:
         try:
-            self.pool.prepare(sizes)
+            if after is not None:
+                try:
+                    after.wait(AFTER_COPIES_WAIT_S)
+                except Exception:  # (failed or slow copies are the save's to report: make the slot anyway)
+                    pass
+            self.pool.prepare(sizes, reserved)
         finally:
             self._engine.settled()
 

@@ -89,15 +89,29 @@ class SlotBuffers:
                 self.tier.remove_slot(slot.index)
         self._fit(slot, sizes, "memory", hurry, spare)
 
-    def prepare(self, sizes: list[int]) -> None:
-        """Make the buffers of every slot never filled yet, pinned with pauses between pieces
-        (run on a helper thread; a save that needs one of these slots waits for it). The first
-        slot the pool makes is made at full speed; the others are spares, made gently."""
+    def reserve(self) -> tuple[list[Slot], bool]:
+        """Mark every slot never filled yet as being prepared (a save that needs one waits for
+        it from now on); returns them for :meth:`prepare`, and whether they are the pool's first."""
         with self._cond:
             fresh = [s for s in self.slots if s.kind == "none" and not s.busy and not s.preparing]
             first = all(s.kind == "none" for s in self.slots)
             for s in fresh:
                 s.preparing = True
+        return fresh, first
+
+    def unreserve(self, reserved: tuple[list[Slot], bool]) -> None:
+        """Undo :meth:`reserve` (the preparation could not start)."""
+        with self._cond:
+            for s in reserved[0]:
+                s.preparing = False
+            self._cond.notify_all()
+
+    def prepare(self, sizes: list[int], reserved: tuple[list[Slot], bool] | None = None) -> None:
+        """Make the buffers of every slot never filled yet (or of those ``reserved`` by
+        :meth:`reserve`), pinned with pauses between pieces (run on a helper thread; a save that
+        needs one of these slots waits for it). The first slot the pool makes is made at full
+        speed; the others are spares, made gently."""
+        fresh, first = reserved if reserved is not None else self.reserve()
         try:
             for j, s in enumerate(fresh):
                 try:
