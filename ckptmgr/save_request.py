@@ -70,7 +70,7 @@ def submit(p: Parts, step: int, state: Any, metadata: dict[str, Any] | None, *, 
         return p.saver.save(manifest, plan, sizes, block=block, t0=t0, commit=join, schedule=p.schedule,
                             durable=durable)
     ticket = p.saver.save(manifest, plan, sizes, block=block, t0=t0, commit=join, schedule=budget,
-                          durable=durable)
+                          durable=durable, spare_after_copies=budget.schedule.max_overhead is not None)
     if ticket.skipped:  # (nothing staged: no cost to measure, no write to wait for)
         return ticket
     # the seconds the save spent making its slot, or waiting while one was made in the background,

@@ -134,12 +134,15 @@ def test_prepare_makes_the_first_slot_at_full_speed_and_the_others_as_spares(roo
     assert all(name.startswith("ckptmgr-prepare") for name, _ in made), made
 
 
-def test_a_spare_is_made_only_once_the_copies_of_the_save_that_asked_for_it_have_landed(root, monkeypatch,
-                                                                                          tmp_path):
+@pytest.mark.parametrize("budget", [True, False], ids=["max_overhead", "defaults"])
+def test_a_spare_waits_for_the_copies_of_its_save_only_where_the_next_save_is_far_off(root, monkeypatch, tmp_path,
+                                                                                       budget):
     """Making a slot beside a save's copies slows them (page population and pinning compete with
-    them) while the training step waits for them: the spare the first save asks for is made once
-    that save's copies have landed. Meanwhile the spare is already reserved, so a save that needs
-    it waits for it rather than making it on the training thread."""
+    them) while the training step waits for them. Under ``Schedule(max_overhead=...)`` the next
+    save is far off, so the spare the first save asks for is made once that save's copies have
+    landed (reserved at once: a save that needs it waits for it rather than making it on the
+    training thread). With the defaults the next save may come soon: the spare starts at once."""
+    from ckptmgr import Schedule
     from ckptmgr.save.staging import StagingJob
 
     meminfo = tmp_path / "meminfo"
@@ -147,33 +150,41 @@ def test_a_spare_is_made_only_once_the_copies_of_the_save_that_asked_for_it_have
     monkeypatch.setattr(memory, "MEMINFO", str(meminfo))
     monkeypatch.setattr(memory, "SELF_CGROUP", str(tmp_path / "no-such-cgroup-file"))
     monkeypatch.setattr(cuda_shim, "available", lambda: False)
-    copies_wanted = threading.Event()  # the spare's maker waits for the save's copies
-    copies_land = threading.Event()  # the gate: the copies "land" when the test opens it
-    spare_made = threading.Event()
+    copies_land = threading.Event()  # the gate: the copies "land" for the spare's maker when the test opens it
+    spare_started = threading.Event()
+    maker_waited = threading.Event()  # the spare's maker waited for the save's copies
+    started_before_copies: list[bool] = []
     real_wait, real_fit = StagingJob.wait, SlotPool.fit
 
     def wait(self, timeout=None):
-        if threading.current_thread().name.startswith("ckptmgr-prepare"):
-            copies_wanted.set()
+        if threading.current_thread().name.startswith("ckptmgr-prepare"):  # (the spare's maker)
+            maker_waited.set()
             assert copies_land.wait(30)
         return real_wait(self, timeout)
 
     def fit(self, slot, sizes, *, hurry=True, spare=False):
         if spare and slot.kind == "none":
-            assert copies_land.is_set(), "the spare was made before the save's copies landed"
-            spare_made.set()
+            started_before_copies.append(not copies_land.is_set())
+            spare_started.set()
         return real_fit(self, slot, sizes, hurry=hurry, spare=spare)
 
     monkeypatch.setattr(StagingJob, "wait", wait)
     monkeypatch.setattr(SlotPool, "fit", fit)
     state = _state(8)
-    with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as mgr:
+    schedule = Schedule(max_overhead=0.01) if budget else None
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False), schedule=schedule) as mgr:
+        mgr.prepare(state)
+        mgr.wait(timeout=30)  # (the first slot, made by prepare())
         h = mgr.save(1, state)
-        assert copies_wanted.wait(30)  # the spare's maker is waiting for save 1's copies
-        assert not spare_made.is_set()
-        assert mgr.stats()["slots"] == 2  # reserved: a save needing it would wait for it
+        if budget:
+            assert not spare_started.wait(0.5)  # (a bounded look: it must not start while the gate is shut)
+            assert mgr.stats()["slots"] == 2  # reserved meanwhile
+        else:
+            assert spare_started.wait(30)  # started with the copies still running,
+            assert not maker_waited.is_set()  # without waiting for them
         copies_land.set()
-        assert spare_made.wait(30)
+        assert spare_started.wait(30)
         h.result(timeout=30)
         mgr.wait(timeout=30)
-        assert mgr.stats()["slot_allocations"] == 2, mgr.stats()
+    assert started_before_copies == [not budget], started_before_copies
+    assert maker_waited.is_set() == budget
