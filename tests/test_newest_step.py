@@ -77,8 +77,8 @@ def test_ctrl_c_while_close_waits_for_the_newest_write_never_drops_it_silently(r
     second SIGINT there ends the process, and the loss is said again, naming the step."""
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err:
-        proc = zygote.Popen([sys.executable, os.path.join(HERE, "close_interrupt_writer.py"), root], template="torch",
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=HERE)
+        proc = subprocess.Popen([sys.executable, os.path.join(HERE, "close_interrupt_writer.py"), root],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=HERE)
     try:
         out = _lines(proc.stdout)
         _expect(out, "writing", "closing")  # the write is held at the gate, close() waits for it
