@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import queue
@@ -44,7 +43,6 @@ import time
 from typing import Any
 
 import pytest
-import zygote
 
 s3fs = pytest.importorskip("s3fs")
 from s3_servers import S3Server, each_server  # noqa: E402
@@ -94,10 +92,8 @@ class Writer:
         if ns:  # sh is the namespace's init (pid 1), so the writer (pid 2) can stop itself
             cmd = ["unshare", "--pid", "--fork", "--", "sh", "-c", '"$@"; exit $?', "sh", *cmd]
         self._err = open(errlog, "w")  # noqa: SIM115  (closed in close())
-        # without a namespace, forked from the pre-imported template (zygote.py): the same writer, started sooner
-        popen = subprocess.Popen if ns else functools.partial(zygote.Popen, template="torch")
-        self.proc = popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
-                          start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
+                                     text=True, start_new_session=True)
         self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.results: list[dict[str, Any]] = []
         threading.Thread(target=self._read, daemon=True).start()
