@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
+
+import zygote
 
 
 def launch(script: str, scenario: str, root: str, out_dir: Path, world: int, *, timeout_s: float = 60.0,
@@ -27,7 +28,8 @@ def launch(script: str, scenario: str, root: str, out_dir: Path, world: int, *, 
                "MASTER_PORT": str(port), "CKPT_TIMEOUT": str(timeout_s), "PYTHONWARNINGS": "ignore",
                "OMP_NUM_THREADS": "1"}
         with open(errs[-1], "w") as err:
-            procs.append(subprocess.Popen([sys.executable, script, scenario, root, str(out)], env=env, stderr=err))
+            procs.append(zygote.Popen([sys.executable, script, scenario, root, str(out)], template="torch", env=env,
+                                      stderr=err))
     try:
         rcs = [p.wait(timeout=wait_s) for p in procs]
     finally:

@@ -116,9 +116,12 @@ class Outcome:
 
 
 def run(cmd: list[str], root: str, *, kill: Callable[[int, list[Event]], bool],
-        env: dict[str, str] | None = None, timeout: float = 240.0, log_path: str | None = None) -> Outcome:
+        env: dict[str, str] | None = None, timeout: float = 240.0, log_path: str | None = None,
+        template: str | None = None) -> Outcome:
     """Run ``cmd`` (a child that calls :func:`install`) watching ``root``; SIGKILL it at the
-    first event for which ``kill(index, events_so_far)`` is true (the event is the last)."""
+    first event for which ``kill(index, events_so_far)`` is true (the event is the last).
+    With ``template`` (``cmd`` a ``sys.executable`` command), the child is forked from that
+    pre-imported template (tests/zygote.py) instead of started afresh."""
     ev_r, ev_w = os.pipe()
     go_r, go_w = os.pipe()
     log_path = log_path or os.path.join(os.path.dirname(os.path.abspath(root)), "child.log")
@@ -126,7 +129,13 @@ def run(cmd: list[str], root: str, *, kill: Callable[[int, list[Event]], bool],
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     child_env = {**(env if env is not None else os.environ), ENV_NAME: f"{ev_w},{go_r},{os.path.abspath(root)}"}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, env=child_env, pass_fds=(ev_w, go_r), stdout=log, stderr=subprocess.STDOUT)
+        if template is None:
+            proc = subprocess.Popen(cmd, env=child_env, pass_fds=(ev_w, go_r), stdout=log, stderr=subprocess.STDOUT)
+        else:
+            import zygote  # here: the children import this module too
+
+            proc = zygote.Popen(cmd, template=template, env=child_env, pass_fds=(ev_w, go_r), stdout=log,
+                                stderr=subprocess.STDOUT)
     os.close(ev_w)
     os.close(go_r)
     deadline = time.monotonic() + timeout

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import zygote
 
 import ckptmgr
 
@@ -116,8 +117,9 @@ def test_every_product_benchmark_answers_help():
                 scripts.append(n)
     assert {"bench_training.py", "bench_restore.py", "bench_staging.py", "run.py"} <= set(scripts)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    procs = {n: subprocess.Popen([sys.executable, os.path.join(BENCH, n), "--help"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, cwd=REPO, env=env) for n in scripts}
+    procs = {n: zygote.Popen([sys.executable, os.path.join(BENCH, n), "--help"], template="lightning",
+                             stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=REPO, env=env) for n in scripts}
     failed = []
     for n, p in procs.items():
         out, err = p.communicate(timeout=300)

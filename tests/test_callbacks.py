@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import zygote
 
 from ckptmgr import CheckpointManager, ConfigError, Schedule, StagingOptions, StepNotFoundError
 from ckptmgr.integrations.callbacks import CheckpointCallback
@@ -20,7 +21,8 @@ TOTAL = 30
 
 def start(root, out):
     # the trainer's own directory (tests/) is on its path first: conftest imports from there
-    return subprocess.Popen([sys.executable, TRAINER, root, out, str(TOTAL)], stdout=subprocess.PIPE, text=True)
+    return zygote.Popen([sys.executable, TRAINER, root, out, str(TOTAL)], template="torch", stdout=subprocess.PIPE,
+                        text=True)
 
 
 def finish(proc):
@@ -166,6 +168,6 @@ def test_the_fallback_warning_is_printed_once(tmp_path):
             mgr.save(step, {"w": torch.full((4,), float(step))}).result()
     _corrupt_newest(root, 2)
     code = f"from ckptmgr import CheckpointManager; print(CheckpointManager({root!r}).restore()['w'][0].item())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = zygote.run([sys.executable, "-c", code], template="torch", capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "1.0", out.stderr
     assert out.stderr.count("skipping step 2") == 1, out.stderr

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+import zygote
 from conftest import assert_tree_equal, make_training, train_steps
 
 from ckptmgr import AnyOf, CheckpointManager, KeepEvery, KeepLatest, StepInfo
@@ -22,8 +23,8 @@ ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptmgr", *args], capture_output=True, text=True,
-                          env=env or ENV, timeout=120)
+    return zygote.run([sys.executable, "-m", "ckptmgr", *args], template="torch", capture_output=True, text=True,
+                      env=env or ENV, timeout=120)
 
 
 def cli_json(*args: str, **kw) -> dict:
@@ -212,7 +213,8 @@ dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 
 pl.Trainer(max_steps=6, default_root_dir={str(tmp_path)!r}, logger=False, enable_progress_bar=False,
            enable_model_summary=False).fit(M(), dl)
 """
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=ENV, timeout=300)
+    zygote.run([sys.executable, "-c", code], template="lightning", check=True, capture_output=True, env=ENV,
+               timeout=300)
     (ckpt,) = (tmp_path / "checkpoints").iterdir()
     root = str(tmp_path / "ckpt")
     out = cli_json("import", str(ckpt), root)

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+import zygote
 
 from ckptmgr import CheckpointManager, PerRank
 
@@ -185,7 +186,8 @@ cb = pl.callbacks.ModelCheckpoint(dirpath={str(tmp_path / "ckpts")!r}, save_top_
 pl.Trainer(max_epochs=12, callbacks=[cb], logger=False, enable_progress_bar=False,
            enable_model_summary=False).fit(M(), dl)
 """
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=ENV, timeout=300)
+    zygote.run([sys.executable, "-c", code], template="lightning", check=True, capture_output=True, env=ENV,
+               timeout=300)
     d = str(tmp_path / "ckpts")
     # prune and export are refused, so nothing the others read changes: all run together
     ls_json, ls, inspect_5, inspect_latest, inspect_50, prune, export = clis(

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+import zygote
 
 from ckptmgr import CheckpointManager
 from ckptmgr.cli import EXIT, main
@@ -24,8 +25,8 @@ READ_ONLY_COMMANDS = (("ls",), ("inspect",), ("verify",), ("export", "latest", "
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run([sys.executable, "-m", "ckptmgr", *args], capture_output=True, text=True, env=env or ENV,
-                       timeout=120)
+    r = zygote.run([sys.executable, "-m", "ckptmgr", *args], template="torch", capture_output=True, text=True,
+                   env=env or ENV, timeout=120)
     assert "Traceback" not in r.stderr, r.stderr
     return r
 

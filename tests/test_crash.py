@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import zygote
 from conftest import assert_tree_equal
 from crash_writer import crash_state
 
@@ -23,8 +24,8 @@ AHEAD = 2  # writers started (importing, the root untouched) before their trial:
 
 
 def _start_writer(root: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, WRITER, root, "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    return zygote.Popen([sys.executable, WRITER, root, "-"], template="torch", stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, text=True)
 
 
 def _run_trials(root: str, trials: int, seed: int) -> None:

@@ -54,7 +54,7 @@ def _trial(tmp_path, mode, offset):
         start = _commit_start(events)
         return start is not None and i == start + offset
 
-    out = kill_points.run([sys.executable, RUN, parent, mode], parent, env=ENV, kill=kill)
+    out = kill_points.run([sys.executable, RUN, parent, mode], parent, env=ENV, kill=kill, template="torch")
     if out.killed_at is None:
         assert out.returncode == 0, out.stderr
         return out.events, None

@@ -2,14 +2,16 @@
 
 import os
 import re
-import subprocess
 import sys
+
+import zygote
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "examples", "demo.py")
 
 
 def test_demo_kills_inside_saves_and_resumes_identical():
-    out = subprocess.run([sys.executable, DEMO, "--seed", "7"], capture_output=True, text=True, timeout=300)
+    out = zygote.run([sys.executable, DEMO, "--seed", "7"], template="torch", capture_output=True, text=True,
+                     timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "resumed from step" in out.stdout
     assert "3 of 3 interrupted runs ended IDENTICAL" in out.stdout
@@ -26,8 +28,8 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
 
 def example(name, *args, timeout=180, stderr=None):
-    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, name), *args], capture_output=True, text=True,
-                         timeout=timeout)
+    out = zygote.run([sys.executable, os.path.join(EXAMPLES, name), *args], template="lightning", capture_output=True,
+                     text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout + out.stderr
     if stderr is not None:
         stderr.append(out.stderr)

@@ -33,6 +33,7 @@ from ckptmgr.integrations.accelerate import AsyncStateSaver  # noqa: E402
 
 RUN = os.path.join(os.path.dirname(__file__), "hf_accelerate_run.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+RUN_KW = {"env": ENV, "template": "lightning"}  # the runs forked from a pre-imported template (zygote.py)
 ROUNDS = int(os.environ.get("KILL_ROUNDS", "3"))
 
 
@@ -62,7 +63,7 @@ def _trial(tmp_path, mode, offset, exchange=True):
         return start is not None and i == start + offset
 
     extra = [] if exchange else ["--no-exchange"]
-    res = kill_points.run([sys.executable, RUN, str(project), mode, *extra], str(project), env=ENV, kill=kill)
+    res = kill_points.run([sys.executable, RUN, str(project), mode, *extra], str(project), **RUN_KW, kill=kill)
     if res.killed_at is None:
         assert res.returncode == 0, res.stderr
         return res.events, None

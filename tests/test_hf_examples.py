@@ -10,6 +10,7 @@ import sys
 import tempfile
 
 import pytest
+import zygote
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -18,8 +19,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMER
 def start_example(name, *args, env=None):
     """The example running, its output to files (runs side by side: none blocks on a full pipe)."""
     files = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115  (closed in finish_example)
-    proc = subprocess.Popen([sys.executable, os.path.join(EXAMPLES, name), *args], stdout=files[0],
-                            stderr=files[1], text=True, env=env or ENV)
+    proc = zygote.Popen([sys.executable, os.path.join(EXAMPLES, name), *args], template="lightning", stdout=files[0],
+                        stderr=files[1], text=True, env=env or ENV)
     return proc, files
 
 
@@ -79,9 +80,10 @@ def test_dataloader_resumes_per_rank(tmp_path):
                 port = s.getsockname()[1]
         used.add(port)
         env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        return [subprocess.Popen([sys.executable, os.path.join(EXAMPLES, "dataloader_resume.py"), *args],
-                                 env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for r in range(2)]
+        return [zygote.Popen([sys.executable, os.path.join(EXAMPLES, "dataloader_resume.py"), *args],
+                             template="lightning",
+                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for r in range(2)]
 
     def finish_ranks(procs):
         try:

@@ -36,6 +36,7 @@ from ckptmgr.restore.dircheck import verify_dir
 RUN = os.path.join(os.path.dirname(__file__), "hf_trainer_run.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
        "TRANSFORMERS_OFFLINE": "1"}
+RUN_KW = {"env": ENV, "template": "lightning"}  # the runs forked from a pre-imported template (zygote.py)
 ROUNDS = int(os.environ.get("KILL_ROUNDS", "3"))
 FINAL_RE = re.compile(r"checkpoint-\d+")
 DELETES = ("os.rename", "os.remove", "os.rmdir", "shutil.rmtree")
@@ -55,7 +56,7 @@ def saved_twice(tmp_path_factory):
     """checkpoint-2 and checkpoint-4 of a 4-step run, committed by CkptmgrTrainer."""
     d = tmp_path_factory.mktemp("base")
     out = kill_points.run(_cmd(d / "out", d / "r.json", "--max-steps", "4", "--save-steps", "2"), str(d / "out"),
-                          env=ENV, kill=lambda *_: False)
+                          **RUN_KW, kill=lambda *_: False)
     assert out.returncode == 0, out.stderr
     assert sorted(os.listdir(d / "out")) == ["checkpoint-2", "checkpoint-4"]
     return d / "out"
@@ -81,7 +82,7 @@ def _resave_killed(saved, tmp_path, mode, offset):
 
     extra = ["--no-exchange"] if mode == "fallback" else []
     res = kill_points.run(_cmd(out, tmp_path / "k.json", "--resume-from", str(out / "checkpoint-2"), "--max-steps",
-                               "4", "--save-steps", "2", *extra), str(out), env=ENV, kill=kill)
+                               "4", "--save-steps", "2", *extra), str(out), **RUN_KW, kill=kill)
     if res.killed_at is None:
         assert res.returncode == 0, res.stderr
         return res.events, None
@@ -102,7 +103,7 @@ def test_resaved_step_killed_in_the_window_resumes_from_it(saved_twice, tmp_path
     if mode == "fallback":  # the full symptom: the resumed run starts after step 4
         out = tmp_path / "out"
         r = kill_points.run(_cmd(out, tmp_path / "resumed.json", "--resume", "--max-steps", "6", "--save-steps", "2"),
-                            str(out), env=ENV, kill=lambda *_: False)
+                            str(out), **RUN_KW, kill=lambda *_: False)
         assert r.returncode == 0, r.stderr
         assert _losses(tmp_path / "resumed.json") == [5, 6]
 
@@ -145,14 +146,14 @@ def _check_complete(out):
 
 def test_save_total_limit_1_with_best_keeps_the_newest(tmp_path):
     out = tmp_path / "out"
-    res = kill_points.run(_cmd(out, tmp_path / "r.json", *BEST), str(out), env=ENV, kill=lambda *_: False)
+    res = kill_points.run(_cmd(out, tmp_path / "r.json", *BEST), str(out), **RUN_KW, kill=lambda *_: False)
     assert res.returncode == 0, res.stderr
     assert _check_complete(out) == ["checkpoint-2", "checkpoint-4"]
     dels = _deletions(res.events)
     assert dels, "retention deleted nothing"
     k = dels[-1]  # killed at the run's last deletion under a final name
     out2 = tmp_path / "killed"
-    res2 = kill_points.run(_cmd(out2, tmp_path / "k.json", *BEST), str(out2), env=ENV,
+    res2 = kill_points.run(_cmd(out2, tmp_path / "k.json", *BEST), str(out2), **RUN_KW,
                            kill=kill_points.same_as(res.events, k))
     assert res2.killed_at is not None, f"never reached {res.events[k]}"
     assert "checkpoint-4" in _check_complete(out2)
@@ -162,7 +163,7 @@ def test_save_total_limit_1_with_best_keeps_the_newest(tmp_path):
 @pytest.mark.timeout(7200)  # many child processes
 def test_save_total_limit_1_with_best_killed_at_every_deletion_many_rounds(tmp_path):
     out = tmp_path / "calibrate"
-    res = kill_points.run(_cmd(out, tmp_path / "r.json", *BEST), str(out), env=ENV, kill=lambda *_: False)
+    res = kill_points.run(_cmd(out, tmp_path / "r.json", *BEST), str(out), **RUN_KW, kill=lambda *_: False)
     assert res.returncode == 0, res.stderr
     dels = _deletions(res.events)
     assert dels
@@ -170,7 +171,7 @@ def test_save_total_limit_1_with_best_killed_at_every_deletion_many_rounds(tmp_p
     for rnd in range(ROUNDS):
         for k in dels:
             d = tmp_path / f"r{rnd}-{k}"
-            r = kill_points.run(_cmd(d, tmp_path / "k.json", *BEST), str(d), env=ENV,
+            r = kill_points.run(_cmd(d, tmp_path / "k.json", *BEST), str(d), **RUN_KW,
                                 kill=kill_points.same_as(res.events, k))
             assert r.killed_at is not None, f"never reached {res.events[k]}"
             _check_complete(d)

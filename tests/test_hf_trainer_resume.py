@@ -21,6 +21,7 @@ import time
 
 import pytest
 import torch
+import zygote
 
 pytest.importorskip("transformers")
 from safetensors.torch import load_file
@@ -33,8 +34,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", 
 def _start(out, result, trainer, *extra):
     """A run, its stderr to a file (runs side by side: none blocks on a full pipe)."""
     err = tempfile.TemporaryFile("w+")  # noqa: SIM115  (closed in _finish)
-    proc = subprocess.Popen([sys.executable, RUN, str(out), str(result), "--trainer", trainer, *extra],
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    proc = zygote.Popen([sys.executable, RUN, str(out), str(result), "--trainer", trainer, *extra],
+                        template="lightning", env=ENV, stdout=subprocess.DEVNULL, stderr=err, text=True)
     return proc, err
 
 
@@ -94,7 +95,8 @@ def _kill_mid_save(tmp_path):
     out, marker = tmp_path / "out", tmp_path / "marker"
     cmd = [sys.executable, RUN, str(out), str(tmp_path / "killed.json"), "--trainer", "ckptmgr",
            "--hang-at-save", "2", "--hang-file", "optimizer.pt", "--marker", str(marker)]
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = zygote.Popen(cmd, template="lightning", env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                        text=True)
     try:
         deadline = time.monotonic() + 180
         while not marker.exists():
@@ -153,9 +155,10 @@ def _start_ddp(out, result, trainer, busy_ports):
             port = s.getsockname()[1]
     busy_ports.add(port)
     env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    return [subprocess.Popen([sys.executable, RUN, str(out), str(result), "--trainer", trainer, "--max-steps", "8"],
-                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True) for r in range(2)]
+    return [zygote.Popen([sys.executable, RUN, str(out), str(result), "--trainer", trainer, "--max-steps", "8"],
+                         template="lightning",
+                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True) for r in range(2)]
 
 
 def _finish_ddp(procs):

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import zygote
 from conftest import assert_tree_equal
 
 from ckptmgr import CheckpointCorruptError, ConfigError, StagingOptions
@@ -25,8 +26,8 @@ LOADER = os.path.join(HERE, "load_without_ckptmgr.py")
 def run(d, epochs, out, *extra):
     # faulthandler: a worker process that dies of a signal prints its threads' stacks
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.run([sys.executable, TRAINER, d, str(epochs), out, *extra], capture_output=True, text=True,
-                          timeout=300, env=env)
+    proc = zygote.run([sys.executable, TRAINER, d, str(epochs), out, *extra], template="lightning",
+                      capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr + died_how(proc.stderr)
     return proc.stdout
 
@@ -43,7 +44,8 @@ def died_how(stderr):
 
 
 def load_elsewhere(files, *flags):
-    proc = subprocess.run([sys.executable, LOADER, *flags, *files], capture_output=True, text=True, timeout=300)
+    proc = zygote.run([sys.executable, LOADER, *flags, *files], template="lightning", capture_output=True, text=True,
+                      timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -95,8 +97,8 @@ def test_hyper_parameters_with_modules_dataclasses_and_namespaces_round_trip(tmp
 def test_killed_fit_resumed_from_last_ends_bitwise_identical(tmp_path, reference):
     _, ref_pt = reference
     d = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, TRAINER, d, str(EPOCHS), str(tmp_path / "x.pt"), "--step-sleep", "0.02"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = zygote.Popen([sys.executable, TRAINER, d, str(EPOCHS), str(tmp_path / "x.pt"), "--step-sleep", "0.02"],
+                        template="lightning", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:
         if line.startswith("epoch 2 done"):
             break
@@ -124,8 +126,8 @@ def test_a_kill_during_the_write_of_last_ckpt_resumes_from_the_newest_complete_c
     written, it still holds epoch 1, and epoch=2-step=30.ckpt, complete, is newer."""
     _, ref_pt = reference
     d = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, TRAINER, d, str(EPOCHS), str(tmp_path / "x.pt"), "--hold-last", "3"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = zygote.Popen([sys.executable, TRAINER, d, str(EPOCHS), str(tmp_path / "x.pt"), "--hold-last", "3"],
+                        template="lightning", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         for line in proc.stdout:
             if line.startswith("holding"):

@@ -17,6 +17,7 @@ import threading
 
 import pytest
 import torch
+import zygote
 from close_interrupt_writer import interrupt_state
 from conftest import assert_tree_equal
 
@@ -254,8 +255,8 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_step_deleted_from_the_root_is_not_written_back_from_the_tier(root, local_dir):
-    r = subprocess.run([sys.executable, "-c", CRASH_AFTER_TWO, root, local_dir], capture_output=True, text=True,
-                       timeout=120)
+    r = zygote.run([sys.executable, "-c", CRASH_AFTER_TWO, root, local_dir], template="torch", capture_output=True,
+                   text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr
     with CheckpointManager(root, staging=NO_TIER, read_only=True) as reader:
         assert reader.steps() == [1, 2] and 2 in read_tier(local_dir, reader.root)  # durable, and in the tier
@@ -327,8 +328,8 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_cli_flush_writes_or_drops_the_steps_only_the_local_tier_holds(root, local_dir, drop, capsys):
     from ckptmgr.cli import main as cli_main
 
-    r = subprocess.run([sys.executable, "-c", CRASH_WITH_LOCAL_STEPS, root, local_dir], capture_output=True,
-                       text=True, timeout=120)
+    r = zygote.run([sys.executable, "-c", CRASH_WITH_LOCAL_STEPS, root, local_dir], template="torch",
+                   capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr
     assert durable_steps(root) == [10]
     with CheckpointManager(root, staging=NO_TIER, read_only=True) as reader:
@@ -365,8 +366,8 @@ def test_cli_flush_leaves_a_tier_step_deleted_from_the_root_after_it_was_written
     from ckptmgr.cli import main as cli_main
     from ckptmgr.format.naming import step_name
 
-    r = subprocess.run([sys.executable, "-c", CRASH_AFTER_A_DURABLE_STEP, root, local_dir], capture_output=True,
-                       text=True, timeout=120)
+    r = zygote.run([sys.executable, "-c", CRASH_AFTER_A_DURABLE_STEP, root, local_dir], template="torch",
+                   capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr
     with CheckpointManager(root, staging=NO_TIER, read_only=True) as reader:
         url = reader.root

@@ -20,6 +20,7 @@ from pathlib import Path
 import peer_worker
 import pytest
 import torch
+import zygote
 
 from ckptmgr import ConfigError, PeerOptions
 from ckptmgr.distributed.replicate import peers_of
@@ -42,8 +43,8 @@ def _start(scenario: str, root: str, out: Path, layout: list[str], nodes: Path,
                "MASTER_PORT": str(port), "CKPT_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "CKPTMGR_NODE": node,
                "NODE_DIR": str(nodes / node), **(env_extra or {})}
         with open(out / f"{scenario}-{r}.stderr", "w") as err:
-            procs.append(subprocess.Popen([sys.executable, WORKER, scenario, root, str(out / f"{scenario}-{r}.json")],
-                                          env=env, stdout=subprocess.PIPE, stderr=err, text=True))
+            procs.append(zygote.Popen([sys.executable, WORKER, scenario, root, str(out / f"{scenario}-{r}.json")],
+                                      template="torch", env=env, stdout=subprocess.PIPE, stderr=err, text=True))
     return procs
 
 

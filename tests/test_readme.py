@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+import zygote
 
 from ckptmgr import CheckpointManager
 
@@ -65,7 +66,8 @@ def script(tmp_path, root: str) -> str:
 
 
 def start(path: str, out: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, path, out], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return zygote.Popen([sys.executable, path, out], template="torch", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        text=True)
 
 
 def finish(proc: subprocess.Popen[str]) -> str:
@@ -95,8 +97,8 @@ def test_readme_resume_block_runs_twice_and_after_a_sigkill(tmp_path):
     # the first run and the run to be killed use separate roots: they run side by side
     first_proc = start(path, ref)
     kill_at = random.Random().randint(520, 1150)
-    proc = subprocess.Popen([sys.executable, killed_path, str(tmp_path / "unused.pt")], stdout=subprocess.PIPE,
-                            text=True)
+    proc = zygote.Popen([sys.executable, killed_path, str(tmp_path / "unused.pt")], template="torch",
+                        stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("step ") and int(line.split()[1]) >= kill_at:
@@ -200,8 +202,8 @@ def snippet(tmp_path, heading: str, prelude: str, postlude: str, run_dir: str, e
 
 def start_snippet(path: str, steps: int, out: str) -> subprocess.Popen[str]:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, path, str(steps), out], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=os.path.dirname(path))
+    return zygote.Popen([sys.executable, path, str(steps), out], template="lightning", stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True, env=env, cwd=os.path.dirname(path))
 
 
 def finish_snippet(proc: subprocess.Popen[str]) -> str:
@@ -301,8 +303,8 @@ def test_readme_callback_snippet_stops_on_sigterm_and_resumes_after_the_step_it_
     root = str(tmp_path / "preempted")
     path = callback_snippet(tmp_path, root)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen([sys.executable, path, "23", str(tmp_path / "unused.pt"), "8"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
+    proc = zygote.Popen([sys.executable, path, "23", str(tmp_path / "unused.pt"), "8"], template="torch",
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdin is not None and proc.stdout is not None
     for line in proc.stdout:
         if line == "forward 8\n":  # step 7's forward, held until the signal is sent

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import threading
 import warnings
 
 import pytest
 import torch
+import zygote
 
 import ckptmgr.restore.restorer as restorer_mod
 from ckptmgr import CheckpointCorruptError, CheckpointManager, StagingOptions, StepNotFoundError, WriteOptions
@@ -63,7 +63,7 @@ def test_two_threads_restoring_through_the_ring_never_share_a_buffer(root, monke
 def _delete_in_another_process(root: str, step: int) -> None:
     code = ("import sys; from ckptmgr.storage.local import LocalTarget; "
             "t = LocalTarget(sys.argv[1]); t.delete(int(sys.argv[2])); t.close()")
-    subprocess.run([sys.executable, "-c", code, root, str(step)], check=True, timeout=120)
+    zygote.run([sys.executable, "-c", code, root, str(step)], template="torch", check=True, timeout=120)
 
 
 def _gate_reads_of(mgr: CheckpointManager, step: int, monkeypatch: pytest.MonkeyPatch

@@ -23,6 +23,7 @@ import time
 
 import pytest
 import torch
+import zygote
 from conftest import assert_tree_equal
 
 from ckptmgr import (
@@ -171,7 +172,7 @@ def test_sigkill_mid_upload_leaves_no_incomplete_upload_after_the_next_start(ser
         f"mgr.save(2, state_of(2, n={parts(server, 6)}))\n"
         "print('saving', flush=True)\n"
         "time.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    proc = zygote.Popen([sys.executable, str(script)], template="torch", stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "saving"
         deadline = time.monotonic() + 60
@@ -317,9 +318,9 @@ def _share_root(server, bucket, tmp_path, iterations: int) -> None:
     bdir = tmp_path / "barrier"
     bdir.mkdir()
     so = json.dumps(server.options())
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "root_sharer.py"), url, str(w), str(iterations),
-                               str(w), str(bdir), "2", so, str(server.min_part)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(2)]
+    procs = [zygote.Popen([sys.executable, os.path.join(HERE, "root_sharer.py"), url, str(w), str(iterations),
+                           str(w), str(bdir), "2", so, str(server.min_part)], template="torch",
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, f"{out}\n{err[-3000:]}"
@@ -356,8 +357,8 @@ def _clis(server: S3Server, *commands: tuple[str, ...],
     results, in order."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore",
            "CKPTMGR_STORAGE_OPTIONS": json.dumps(server.options(read_only=read_only))}
-    procs = [subprocess.Popen([sys.executable, "-m", "ckptmgr", *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for args in commands]
+    procs = [zygote.Popen([sys.executable, "-m", "ckptmgr", *args], template="torch", stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env) for args in commands]
     try:
         results = []
         for args, p in zip(commands, procs, strict=True):

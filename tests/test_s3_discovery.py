@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
+import zygote
 
 pytest.importorskip("s3fs")
 from s3_proxy import FaultyProxy
@@ -40,8 +40,8 @@ def test_n_ranks_make_o1_lists_per_call(s3_bucket, s3_endpoint, tmp_path):
             port = s.getsockname()[1]
         opts = json.dumps({**so, "endpoint_url": proxy.endpoint})
         outs = [tmp_path / f"rank{r}.json" for r in range(WORLD)]
-        procs = [subprocess.Popen(
-            [sys.executable, WORKER, f"s3://{bucket}/job", opts, str(outs[r])],
+        procs = [zygote.Popen(
+            [sys.executable, WORKER, f"s3://{bucket}/job", opts, str(outs[r])], template="torch",
             env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(port), "PYTHONWARNINGS": "ignore"}) for r in range(WORLD)]
         assert [p.wait(timeout=300) for p in procs] == [0] * WORLD

@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+import zygote
 from conftest import assert_tree_equal
 
 from ckptmgr import (
@@ -152,11 +153,12 @@ def test_fifos_in_a_step_are_refused_without_blocking(tmp_path):
         "    except CheckpointCorruptError as exc:\n"
         "        print('refused:', exc)\n"
         "t.close()\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = zygote.run([sys.executable, "-c", code], template="torch", capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert len(lines) == 3 and all(line.startswith("refused:") and "FIFO" in line for line in lines), r.stdout
-    v = subprocess.run([sys.executable, "-m", "ckptmgr", "verify", root], capture_output=True, text=True, timeout=60)
+    v = zygote.run([sys.executable, "-m", "ckptmgr", "verify", root], template="torch", capture_output=True,
+                   text=True, timeout=60)
     assert v.returncode != 0 and "FIFO" in v.stdout + v.stderr
 
 
@@ -511,7 +513,8 @@ def test_an_immutable_root_is_opened_read_only(tmp_path):
         _chattr("+i", d)
     try:
         before = _tree(root)
-        r = subprocess.run([sys.executable, "-c", _reader_script(root)], capture_output=True, text=True, timeout=120)
+        r = zygote.run([sys.executable, "-c", _reader_script(root)], template="torch", capture_output=True, text=True,
+                       timeout=120)
         assert r.returncode == 0, r.stderr
         _check_reader(json.loads(r.stdout.splitlines()[-1]))
         assert _tree(root) == before
@@ -584,8 +587,9 @@ def test_two_processes_share_a_local_root(tmp_path):
     root = str(tmp_path / "shared")
     bdir = tmp_path / "barrier"
     bdir.mkdir()
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "root_sharer.py"), root, str(w), "8", str(w),
-                               str(bdir), "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [zygote.Popen([sys.executable, os.path.join(HERE, "root_sharer.py"), root, str(w), "8", str(w),
+                           str(bdir), "2"], template="torch", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
              for w in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs, strict=True):

@@ -17,6 +17,7 @@ import threading
 
 import pytest
 import torch
+import zygote
 
 pytest.importorskip("torchtitan")
 import torch.distributed as dist
@@ -182,9 +183,9 @@ def test_fsdp2_on_two_ranks_resumes_bit_identical(tmp_path):
     a run stopped after step 6 and resumed ends as the uninterrupted run, on every rank."""
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, LOOP, str(tmp_path / "out"), str(tmp_path / "result")],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [zygote.Popen([sys.executable, LOOP, str(tmp_path / "out"), str(tmp_path / "result")], template="torch",
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]
     errs = [p.communicate(timeout=240)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(e[-2000:] for e in errs)
     for r in range(2):
