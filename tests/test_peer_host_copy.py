@@ -73,3 +73,5 @@ def test_a_transport_refuses_an_unknown_copy_method_or_no_threads():
         Transport(None, None, copy_method="dma")
     with pytest.raises(ConfigError, match="at least one thread, not 0"):
         Transport(None, None, copy_threads=0)
+    with pytest.raises(ConfigError, match="segments of at least one byte, not 0"):
+        Transport(None, None, segment_bytes=0)

@@ -176,6 +176,7 @@ def main() -> None:
     segs = [int(s) << 20 for s in args.segments.split(",")]
     copies = HOST_COPIES if device.type == "cuda" else [("pinned", 1)]
     coord = Coordinator(dist.group.WORLD, 120)
+    dist.all_reduce(torch.zeros(1, device=device))  # (a first collective on the job's group, as a restore runs)
     mine, theirs = pattern(rank, n), pattern(1 - rank, n)
     kinds = ["shm", "anon"]
     shm = None

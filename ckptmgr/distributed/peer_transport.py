@@ -54,7 +54,7 @@ SEGMENT_BYTES = 4 << 20  # the most bytes of an array a restore moves per sub-ro
 COPY_METHODS = ("pinned", "pageable")  # how a CUDA transport moves a segment between a host array and the GPU
 COPY_METHOD = "pinned"  # a restore's: through pinned staging (see Transport)
 COPY_THREADS = 1  # a restore's threads per host copy of a segment into or out of pinned staging (1: the caller's)
-COPY_PIECE_BYTES = 1 << 20  # the fewest bytes one thread of a split host copy moves
+COPY_PIECE_BYTES = 512 << 10  # the fewest bytes one thread of a split host copy moves
 Sends = list[tuple[int, ShardRecord | None, dict[str, np.ndarray[Any, Any]]]]
 
 
@@ -136,7 +136,8 @@ class Transport:
     docstring); its staging and copy pool are that thread's.
 
     Raises:
-        ConfigError: an unknown ``copy_method``, or ``copy_threads`` below 1.
+        ConfigError: an unknown ``copy_method``, ``copy_threads`` below 1, or ``segment_bytes``
+            below 1.
     """
 
     def __init__(self, coord: Coordinator, group: Any, device: torch.device | None = None, *,
@@ -146,6 +147,8 @@ class Transport:
             raise ConfigError(f"the peer tier's copy method {copy_method!r} is none of {COPY_METHODS}")
         if copy_threads < 1:
             raise ConfigError(f"the peer tier's host copies need at least one thread, not {copy_threads}")
+        if segment_bytes is not None and segment_bytes < 1:
+            raise ConfigError(f"the peer tier's transfers need segments of at least one byte, not {segment_bytes}")
         self.coord, self.group = coord, group
         self.device = device or torch.device("cpu")
         self.segment_bytes, self.timeout_s = segment_bytes, timeout_s
