@@ -18,7 +18,9 @@ one byte of each 4 KiB page is spoiled beforehand, so a segment never written is
 Ceilings (CUDA): NCCL device-to-device send/recv of the same size both ways, pinned H2D and
 D2H. Prints a table; ``--out`` writes JSON. About 60-90 s on 2 GPUs at the defaults
 (estimate printed first: 2 kinds x 16 settings x 3 repeats of about 0.1-0.6 s, plus a
-0.2 s comparison each).
+0.2 s comparison each). ``--piece-mib 16`` moves the arrays as a restore does today: one
+``exchange()`` per piece of ``PeerOptions.chunk_bytes`` (16 MiB by default), each drained
+before the next, so a segment larger than the piece gains nothing there.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def host_arrays(kind: str, n: int, shm: str | None) -> tuple[np.ndarray, np.ndar
 
 def run_grid(coord: Coordinator, device: torch.device, kind: str, n: int, mine: np.ndarray,
              theirs: np.ndarray, segs: list[int], copies: list[tuple[str, int]], repeats: int,
-             shm: str | None) -> list[dict[str, Any]]:
+             shm: str | None, piece: int) -> list[dict[str, Any]]:
     peer = 1 - dist.get_rank()
     send, recv = host_arrays(kind, n, shm)
     send[:] = mine
@@ -107,14 +109,16 @@ def run_grid(coord: Coordinator, device: torch.device, kind: str, n: int, mine: 
                 sync(device)
                 dist.barrier(group=GLOO)
                 t0 = time.perf_counter()
-                t.exchange([(peer, send)], [(peer, recv)])
+                for at in range(0, n, piece or n):  # (as ShardMover moves a shard: one exchange per piece)
+                    t.exchange([(peer, send[at:at + (piece or n)])], [(peer, recv[at:at + (piece or n)])])
                 times.append(slowest(time.perf_counter() - t0))
                 exact = exact and same(recv, theirs)
             staged = t.staging_bytes()
             t.close()
             flags = [False, False]
             dist.all_gather_object(flags, exact, group=GLOO)
-            row = {"kind": kind, "segment_mib": seg / (1 << 20), "method": method if device.type == "cuda" else "gloo",
+            row = {"kind": kind, "piece_mib": piece / (1 << 20), "segment_mib": seg / (1 << 20),
+                   "method": method if device.type == "cuda" else "gloo",
                    "threads": threads, "exact": all(flags), "staging_bytes": staged, **summary(n, times)}
             rows.append(row)
             if dist.get_rank() == 0:
@@ -161,6 +165,9 @@ def main() -> None:
     ap.add_argument("--segments", default="4,16,64,128", help="segment sizes, MiB")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--shm", default="/dev/shm", help="where the mapped arrays' files go")
+    ap.add_argument("--piece-mib", type=int, default=0,
+                    help="move the arrays in exchanges of this many MiB, as a restore's ShardMover does with "
+                         "PeerOptions.chunk_bytes (16 MiB by default); 0: one exchange")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.device == "cuda":
@@ -190,7 +197,9 @@ def main() -> None:
         dist.broadcast_object_list(got, src=0, group=GLOO)
         shm = got[0]
     if rank == 0:
-        print(f"{args.mib} MiB each way, {device}, {len(kinds)} kinds x {len(segs) * len(copies)} settings x "
+        how = f"exchanges of {args.piece_mib} MiB" if args.piece_mib else "one exchange"
+        print(f"{args.mib} MiB each way ({how}), "
+              f"{device}, {len(kinds)} kinds x {len(segs) * len(copies)} settings x "
               f"{args.repeats} repeats (about {len(kinds) * len(segs) * len(copies) * args.repeats * 0.6:.0f} s "
               f"at most at 2 GB/s)", flush=True)
         print(f"{'kind':5} {'seg MiB':>7} {'method':9} {'thr':>3} {'GB/s med':>8} {'min-max':>15}", flush=True)
@@ -198,12 +207,14 @@ def main() -> None:
     rows = []
     try:
         for kind in kinds:
-            rows += run_grid(coord, device, kind, n, mine, theirs, segs, copies, args.repeats, shm)
+            rows += run_grid(coord, device, kind, n, mine, theirs, segs, copies, args.repeats, shm,
+                             args.piece_mib << 20)
     finally:
         dist.barrier(group=GLOO)
         if rank == 0 and shm is not None:
             shutil.rmtree(shm, ignore_errors=True)
     report: dict[str, Any] = {"device": str(device), "mib_each_way": args.mib, "repeats": args.repeats,
+                              "piece_mib": args.piece_mib,
                               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                               "torch": torch.__version__, "rows": rows}
     if device.type == "cuda":
