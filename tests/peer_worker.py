@@ -194,6 +194,31 @@ def _shard(step: int, rank: int, data: bytes, node: str, chunk: int) -> tuple[Sh
     return ShardRecord.make(m, rank, 2, node), {name: arr}
 
 
+def _grid(coord: Coordinator, device: torch.device) -> list:
+    """Arrays of different sizes, both ways in one exchange, through transports of several
+    segment sizes (dividing no array, larger than all, none) and, on CUDA, every copy method
+    and thread count: [segment, method, threads, every received array exact]."""
+    rank = dist.get_rank()
+    sizes = {0: [3_000_001, 10_000], 1: [2_500_000, 1]}  # what each rank sends, in one exchange
+
+    def data(r: int) -> list:
+        return [np.random.default_rng((r, i)).integers(0, 256, n, dtype=np.uint8) for i, n in enumerate(sizes[r])]
+
+    mine, want = data(rank), data(1 - rank)
+    mine[0].flags.writeable = False  # (sends may be read-only maps)
+    methods = [("pinned", 1), ("pinned", 3), ("pageable", 1)] if device.type == "cuda" else [("pinned", 1)]
+    out = []
+    for seg in (65536, 1 << 20, 3 << 20, None):
+        for method, threads in methods:
+            got = [np.zeros(a.size, dtype=np.uint8) for a in want]
+            t = Transport(coord, dist.group.WORLD, device if device.type == "cuda" else None, segment_bytes=seg,
+                          timeout_s=60, copy_threads=threads, copy_method=method)
+            t.exchange([(1 - rank, a) for a in mine], [(1 - rank, a) for a in got])
+            t.close()
+            out.append([seg, method, threads, all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))])
+    return out
+
+
 def exchange(node_dir: str, root: str) -> dict:
     rank = dist.get_rank()
     coord = Coordinator(dist.group.WORLD, 60)
@@ -209,6 +234,7 @@ def exchange(node_dir: str, root: str) -> dict:
     seg.exchange([(1 - rank, mine), (1 - rank, np.zeros(0, dtype=np.uint8))], [(1 - rank, theirs)])
     out["segments_exact"] = theirs.tobytes() == np.random.default_rng(1 - rank).integers(
         0, 256, sizes[1 - rank], dtype=np.uint8).tobytes()
+    out["grid"] = _grid(coord, t.device)
     chunk = 8192
     data = np.random.default_rng(7).integers(0, 256, 50_000, dtype=np.uint8).tobytes()
     area = PeerArea(node_dir, root)

@@ -301,7 +301,9 @@ def test_a_node_whose_ram_directory_is_not_private_stops_every_rank_at_start(tmp
                                          reason="needs 2 CUDA GPUs")])])
 def test_the_restore_transport_runs_on_the_job_group_and_keeps_the_untrusted_input_rules(tmp_path, backend):
     """The restore's fetch transport (the job's group: gloo, or NCCL through GPU memory) in 2
-    real processes: arrays cut into several segments both ways land bit-exact; through a
+    real processes: arrays cut into several segments both ways land bit-exact, also arrays of
+    different sizes in one exchange through segments of several sizes (on CUDA with every
+    copy method and a split host copy); through a
     ShardMover on it, an oversized header is refused before any allocation, a record the
     receiver must refuse is drained, a copy failing its checksums is not kept, and a good
     copy is."""
@@ -322,6 +324,7 @@ def test_the_restore_transport_runs_on_the_job_group_and_keeps_the_untrusted_inp
             assert r["why"] == "the job's process group (NCCL, through GPU memory)"
             assert r["device"] == f"cuda:{r['rank']}" and 0 < r["staging_bytes"] <= 2 * 2 * 4096
         assert r["job_group"] and r["segments_exact"]
+        assert len(r["grid"]) == 4 * (3 if backend == "nccl" else 1) and all(ok for *_, ok in r["grid"]), r["grid"]
     got = reports[1]
     assert "announced a shard record of" in got["oversized"]
     assert got["kept"] == [[None, False], ["A", False], ["A", True]]  # refused (drained), bad checksum, kept

@@ -17,7 +17,8 @@ the training thread runs its own collectives (see :mod:`ckptmgr.distributed.repl
 restore's fetches (:func:`restore_transport`) run on the caller's thread while every rank is
 inside the restore, lock-step, with the rounds drained: they use the job's own group, through
 GPU memory and NCCL when that group runs CUDA tensors on NCCL (at most ``RESTORE_GPU_BYTES``
-of GPU memory and as much pinned host memory), else host memory on gloo.
+of GPU memory and as much pinned host memory; segments of ``SEGMENT_BYTES``, host copies by
+``COPY_METHOD`` on ``COPY_THREADS`` threads), else host memory on gloo.
 
 Thread ownership: a mover is used by one thread at a time (the replication thread, or the
 caller's during a restore after the rounds are drained); ``_mu`` guards only its counters.
@@ -29,24 +30,69 @@ import datetime
 import logging
 import threading
 import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import CkptError, CkptTimeoutError
+from ..errors import CkptError, CkptTimeoutError, ConfigError
 from ..format.schema import MAX_MANIFEST_BYTES
 from ..storage.peer_tier import PeerArea, ShardRecord, check_files
 from .coordinator import Coordinator
 
-__all__ = ["MAX_SHARD_BYTES", "RESTORE_GPU_BYTES", "SEGMENT_BYTES", "ShardMover", "Transport", "restore_transport"]
+__all__ = ["COPY_METHOD", "COPY_METHODS", "COPY_THREADS", "MAX_SHARD_BYTES", "RESTORE_GPU_BYTES", "SEGMENT_BYTES",
+           "ShardMover", "Transport", "restore_transport", "split_copy"]
 
 log = logging.getLogger("ckptmgr")
 MAX_SHARD_BYTES = 1 << 44  # the most bytes a peer may announce for one shard (16 TiB)
 RESTORE_GPU_BYTES = 256 << 20  # the most GPU memory a restore's NCCL transport stages through (and pinned host memory)
 SEGMENT_BYTES = 4 << 20  # the most bytes of an array a restore moves per sub-round
+COPY_METHODS = ("pinned", "pageable")  # how a CUDA transport moves a segment between a host array and the GPU
+COPY_METHOD = "pinned"  # a restore's: through pinned staging (see Transport)
+COPY_THREADS = 1  # a restore's threads per host copy of a segment into or out of pinned staging (1: the caller's)
+COPY_PIECE_BYTES = 512 << 10  # the fewest bytes one thread of a split host copy moves
 Sends = list[tuple[int, ShardRecord | None, dict[str, np.ndarray[Any, Any]]]]
+
+
+def split_copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], threads: int,
+               pool: ThreadPoolExecutor | None, timeout_s: float) -> None:
+    """Copy ``src`` into ``dst`` (contiguous 1-D arrays of one size) in up to ``threads``
+    contiguous pieces of at least ``COPY_PIECE_BYTES``: the first on the calling thread, the
+    others on ``pool`` (numpy lets go of the GIL while it copies a large block, so the pieces
+    run at once). Returns once every piece has landed, also when one failed (its error is
+    raised then); a piece still running after ``timeout_s`` raises :class:`CkptTimeoutError`."""
+    if dst.shape != src.shape:
+        raise ValueError(f"a host copy of {src.size} bytes into {dst.size}")
+    n = src.nbytes
+    k = max(1, min(threads, n // COPY_PIECE_BYTES))
+    if k == 1 or pool is None:
+        np.copyto(dst, src)
+        return
+    cut = [n * i // k // 4096 * 4096 for i in range(k)] + [n]  # (page-aligned pieces)
+    futs = [pool.submit(np.copyto, dst[cut[i]:cut[i + 1]], src[cut[i]:cut[i + 1]]) for i in range(1, k)]
+    try:
+        np.copyto(dst[:cut[1]], src[:cut[1]])
+    finally:  # (never return while a piece may still write into dst)
+        _, late = wait_futures(futs, timeout=timeout_s)
+        if late:
+            for f in late:  # (those not started yet never will)
+                f.cancel()
+            raise CkptTimeoutError(f"a host copy of {n} bytes in {k} pieces did not end within {timeout_s:g} s")
+    for f in futs:
+        f.result()
+
+
+def _host_tensor(a: np.ndarray[Any, Any]) -> torch.Tensor:
+    """The tensor sharing a host array's memory (read-only arrays too: only read through it)."""
+    if a.flags.writeable:
+        return torch.from_numpy(a)
+    with warnings.catch_warnings():  # (torch warns that writes through it would be undefined)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
 
 
 class Transport:
@@ -59,30 +105,57 @@ class Transport:
 
     * ``device`` "cpu": the host arrays themselves are sent and received (gloo: host memory
       over TCP). The peer tier's replication always runs so, on its own gloo group; so does
-      a restore's fetch on a job whose group has no NCCL, on that group.
+      a restore's fetch on a job whose group has no NCCL, on that group. ``copy_method`` and
+      ``copy_threads`` do not apply.
     * ``device`` CUDA (a restore's fetch on a job group whose CUDA backend is NCCL): a segment
-      goes host array -> pinned staging -> GPU, NCCL to the peer's GPU, GPU -> pinned staging
-      -> host array. Staging is two halves (the sub-round in flight and the next) of one
-      device buffer and one pinned host buffer, each of at most ``2 x (ranks sent to +
-      ranks received from) x segment_bytes`` bytes, made at the first exchange that needs
-      them and reused, given back by :meth:`close`. Copies run on the current CUDA stream
-      (NCCL's stream waits on it); the host copies of sub-round j + 1 overlap the transfer
-      of sub-round j.
+      goes from the host array to the GPU, NCCL to the peer's GPU, then to the peer's host
+      array. Staging on the GPU is two halves (the sub-round in flight and the next) of one
+      device buffer of at most ``2 x (ranks sent to + ranks received from) x segment_bytes``
+      bytes, made at the first exchange that needs it and reused, given back by
+      :meth:`close`. How a segment crosses between host and GPU (``copy_method``):
+
+      - "pinned": through a pinned host buffer of the device buffer's size: host array ->
+        pinned (a host copy) -> GPU (an asynchronous copy), and back the same way. A host
+        copy is split across ``copy_threads`` threads (:func:`split_copy`; a pool of
+        ``copy_threads - 1`` threads per transport, made when first needed, ended by
+        :meth:`close`); the host copies of sub-round j + 1 overlap the transfer of
+        sub-round j.
+      - "pageable": no pinned staging: ``dev.copy_(host)`` and ``host.copy_(dev)`` straight
+        between the host array and the GPU (CUDA stages pageable memory itself; each copy
+        returns when it has landed).
+
+      Copies run on the current CUDA stream (NCCL's stream waits on it). A sub-round's
+      staging is reused two sub-rounds later, only after its transfers were waited for, its
+      copies out of the GPU synchronized and its host copies joined.
 
     Every wait is bounded: by ``timeout_s`` when given (``Work.wait(timeout)``, which holds
     the calling thread until the transfer ends or raises when the time passes, for gloo and
-    NCCL alike), else by the group's own timeout; the CUDA stream is synchronized only after
-    those waits, when only local copies are left. Used by one thread at a time (see the
-    module docstring).
+    NCCL alike; a split host copy's pieces too), else by the group's own timeout (the host
+    copies' pieces by ``coord.timeout_s``); the CUDA stream is synchronized only after those
+    waits, when only local copies are left. Used by one thread at a time (see the module
+    docstring); its staging and copy pool are that thread's.
+
+    Raises:
+        ConfigError: an unknown ``copy_method``, ``copy_threads`` below 1, or ``segment_bytes``
+            below 1.
     """
 
     def __init__(self, coord: Coordinator, group: Any, device: torch.device | None = None, *,
-                 segment_bytes: int | None = None, timeout_s: float | None = None) -> None:
+                 segment_bytes: int | None = None, timeout_s: float | None = None,
+                 copy_threads: int = COPY_THREADS, copy_method: str = COPY_METHOD) -> None:
+        if copy_method not in COPY_METHODS:
+            raise ConfigError(f"the peer tier's copy method {copy_method!r} is none of {COPY_METHODS}")
+        if copy_threads < 1:
+            raise ConfigError(f"the peer tier's host copies need at least one thread, not {copy_threads}")
+        if segment_bytes is not None and segment_bytes < 1:
+            raise ConfigError(f"the peer tier's transfers need segments of at least one byte, not {segment_bytes}")
         self.coord, self.group = coord, group
         self.device = device or torch.device("cpu")
         self.segment_bytes, self.timeout_s = segment_bytes, timeout_s
+        self.copy_threads, self.copy_method = copy_threads, copy_method
         self._dev: torch.Tensor | None = None  # the staging buffers (CUDA only), two halves each
-        self._pin: torch.Tensor | None = None
+        self._pin: torch.Tensor | None = None  # (None with the "pageable" method)
+        self._pool: ThreadPoolExecutor | None = None  # the host copies' threads ("pinned", copy_threads > 1)
 
     def __repr__(self) -> str:
         return f"Transport({dist.get_backend(self.group)}, {self.device})"
@@ -108,6 +181,13 @@ class Transport:
         if pending is not None:
             self._finish(*pending)
 
+    def _copy(self, dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
+        """A host copy into or out of pinned staging, split across the copy threads."""
+        if self.copy_threads > 1 and self._pool is None:
+            self._pool = ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix="ckptmgr-peer-copy")
+        split_copy(dst, src, self.copy_threads, self._pool,
+                   self.timeout_s if self.timeout_s is not None else self.coord.timeout_s)
+
     def _launch(self, parts: list[tuple[bool, int, np.ndarray[Any, Any]]], base: int,
                 seg: int) -> tuple[list[Any], list[tuple[np.ndarray[Any, Any], int]]]:
         """Start one sub-round: its works, and where its received segments land (CUDA: the
@@ -115,16 +195,18 @@ class Transport:
         p2p: list[Any] = []
         landing: list[tuple[np.ndarray[Any, Any], int]] = []
         for k, (send, peer, a) in enumerate(parts):
-            if self._dev is None or self._pin is None:
-                t = torch.from_numpy(a)
+            if self._dev is None:
+                t = _host_tensor(a)
             else:
                 at = base + k * seg
                 t = self._dev[at:at + a.size]
-                if send:
-                    np.copyto(self._pin[at:at + a.size].numpy(), a)
-                    t.copy_(self._pin[at:at + a.size], non_blocking=True)
-                else:
+                if not send:
                     landing.append((a, at))
+                elif self._pin is None:  # "pageable": straight from the host array
+                    t.copy_(_host_tensor(a))
+                else:
+                    self._copy(self._pin[at:at + a.size].numpy(), a)
+                    t.copy_(self._pin[at:at + a.size], non_blocking=True)
             p2p.append(dist.P2POp(dist.isend if send else dist.irecv, t, peer, group=self.group))
         return [w for w in dist.batch_isend_irecv(p2p) if w is not None] if p2p else [], landing
 
@@ -134,31 +216,43 @@ class Transport:
                 w.wait()
             elif w.wait(datetime.timedelta(seconds=self.timeout_s)) is False:
                 raise CkptTimeoutError(f"a peer tier transfer on {self!r} did not end within {self.timeout_s:g} s")
-        if self._dev is not None and self._pin is not None:
+        if self._dev is None:
+            return
+        if self._pin is None:  # "pageable": each copy returns when it has landed
+            for a, at in landing:
+                torch.from_numpy(a).copy_(self._dev[at:at + a.size])
+        else:
             for a, at in landing:
                 self._pin[at:at + a.size].copy_(self._dev[at:at + a.size], non_blocking=True)
-            # (after the waits: only local copies are left; the sub-round's staging is free after this)
-            torch.cuda.current_stream(self.device).synchronize()
+        # (after the waits: only local copies are left; the sub-round's staging is free after this)
+        torch.cuda.current_stream(self.device).synchronize()
+        if self._pin is not None:
             for a, at in landing:
-                np.copyto(a, self._pin[at:at + a.size].numpy())
+                self._copy(a, self._pin[at:at + a.size].numpy())
 
     def _reserve(self, nbytes: int) -> None:
         """Staging buffers of at least ``nbytes`` (CUDA)."""
         if self._dev is not None and self._dev.numel() >= nbytes:
             return
-        self.close()
+        self._dev = self._pin = None
         self._dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self._pin = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if self.copy_method == "pinned":
+            self._pin = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def staging_bytes(self) -> int:
-        """The GPU memory held now (the pinned host memory is the same amount)."""
+        """The GPU memory held now (the pinned host memory is the same amount with the
+        "pinned" method, none with "pageable")."""
         return 0 if self._dev is None else self._dev.numel()
 
     def close(self) -> None:
-        """Give the staging buffers back. No wait: an exchange that ended has synchronized
-        already, and after one that failed (a peer gone, a timeout) the caching allocators
-        keep the memory until the transfers queued on it end, without holding this thread."""
+        """Give the staging buffers and the copy threads back. No wait: an exchange that ended
+        has synchronized and joined its copies already, and after one that failed (a peer
+        gone, a timeout) the caching allocators keep the memory until the transfers queued on
+        it end, without holding this thread."""
         self._dev = self._pin = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
 
 def _backend_for(group: Any, device_type: str) -> str:
@@ -187,8 +281,13 @@ def restore_transport(coord: Coordinator, tier_group: Any, mode: str, timeout_s:
     the replication rounds drained and no training collective in flight.
 
     GPU memory (CUDA): at most ``RESTORE_GPU_BYTES``, and ``2 x (ranks sent to + received
-    from) x segment`` in an exchange, the segment being ``min(4 MiB, RESTORE_GPU_BYTES / (4 x
-    (ranks - 1)))``; the same in pinned host memory. A first collective on the job's group
+    from) x segment`` in an exchange, the segment being ``min(SEGMENT_BYTES,
+    RESTORE_GPU_BYTES / (4 x (ranks - 1)))`` (rounded down to 4 KiB; every rank computes the
+    same one, so the segments of a pair match); the same in pinned host memory with the
+    "pinned" ``COPY_METHOD``, none with "pageable". With the 256 MiB cap a 64 MiB segment is
+    kept whole up to 2 ranks and shrinks beyond (32 MiB at 3 ranks, 16 MiB at 5, about 9 MiB
+    at 8); a 128 MiB one is cut to 64 MiB even at 2. Host copies: ``COPY_THREADS`` threads
+    each. A first collective on the job's group
     (an all-reduce of one element) makes sure every rank has joined it before the batched
     point-to-point calls (NCCL asks for that).
     """
@@ -209,7 +308,7 @@ def restore_transport(coord: Coordinator, tier_group: Any, mode: str, timeout_s:
         bound = getattr(coord.group, "bound_device_id", None)
         device = bound if isinstance(bound, torch.device) else torch.device("cuda", torch.cuda.current_device())
     t = Transport(coord, tier_group if pick == "tier" else coord.group, device, segment_bytes=seg,
-                  timeout_s=timeout_s)
+                  timeout_s=timeout_s, copy_threads=COPY_THREADS, copy_method=COPY_METHOD)
     one = torch.zeros(1, device=t.device)
     w = dist.all_reduce(one, group=t.group, async_op=True)
     if w is not None and w.wait(datetime.timedelta(seconds=timeout_s)) is False:
