@@ -167,6 +167,25 @@ def test_max_lost_s_alone_saves_every_interval_it_allows_not_every_step():
     assert loop.saves[0] == WARMUP and set(loop.gaps()) == {6}  # floor(6 s / 1 s steps)
 
 
+def test_max_lost_s_is_kept_in_seconds_when_saves_slow_the_steps_after_them():
+    """Each save costs the loop 2 s here: six 1 s steps would leave 8 s between saves, over the
+    6 s budget. The planner counts the seconds since the last save, so the achieved interval
+    stays within the budget."""
+    loop = Loop(Schedule(max_lost_s=6), step_s=lambda k: 1.0, cost_s=lambda k: 2.0)
+    times: list[float] = []
+    real = loop.p.saved
+
+    def saved(step: int, **kw: object) -> None:
+        times.append(loop.t)
+        real(step, **kw)  # type: ignore[arg-type]
+
+    loop.p.saved = saved  # type: ignore[method-assign]
+    loop.run(range(200))
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert len(gaps) > 20 and max(gaps) <= 6.0, gaps
+    assert set(loop.gaps()[2:]) == {4}  # 4 steps of 1 s + the save's 2 s
+
+
 def test_the_interval_follows_a_step_time_that_changes_mid_run():
     loop = Loop(Schedule(max_overhead=0.01), step_s=lambda k: 0.05 if k < 2000 else 0.1, cost_s=lambda k: 0.03)
     loop.run(range(6000))

@@ -252,6 +252,11 @@ class BudgetPlanner:
             return it.local_steps is not None and since >= it.local_steps and self._affordable(now)
         if it.local_steps is not None and since >= it.local_steps:
             return True
+        if self.schedule.max_lost_s is not None and last is not None:
+            with self._lock:  # (seconds, not steps: a save's own cost and slower steps count too)
+                ahead = (self.step_s or 0.0) + (self.local_s or 0.0)
+            if now - last[1] + ahead > self.schedule.max_lost_s + 1e-9:  # (one more step would overrun)
+                return True
         return it.durable_s is not None and self._durable_due(now, it)  # (None: no durable budget to keep)
 
     def durable(self, step: int, since_durable_s: float | None) -> bool:
