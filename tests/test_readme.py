@@ -406,7 +406,7 @@ def test_readme_links_a_guide_per_integration_and_takes_its_figures_from_the_res
 
 def test_readme_checkpoint_frequency_table_comes_from_its_json():
     """The "How often can I checkpoint" section: every overhead figure in its table is the
-    median, minimum or maximum over the three rounds of the JSON it names, for the
+    median, minimum or maximum over the rounds (two or more) of the JSON it names, for the
     configuration of its row; the figures in its text come from the JSON named beside them."""
     import json
     import statistics
@@ -426,10 +426,10 @@ def test_readme_checkpoint_frequency_table_comes_from_its_json():
             return json.load(f)["summary"][mode]["overhead_pct"]
 
     def spread(values: list[float]) -> set[str]:
-        assert len(values) == 3  # three fresh-process rounds
+        assert len(values) >= 2  # fresh-process rounds
         return {f"{v:+.2f}%" for v in (statistics.median(values), min(values), max(values))}
 
-    budget = "h100-2026-11-27-budget/budget.json"
+    budget = "h100-2026-11-27-sched/budget.json"
     with open(os.path.join(results, budget)) as f:
         rounds = json.load(f)["rounds"]
     modes = {"the defaults": "ckptmgr overlap", "Schedule(continuous=True)": "ckptmgr continuous",
@@ -452,8 +452,8 @@ def test_readme_checkpoint_frequency_table_comes_from_its_json():
             assert any(f"{v:.{digits}f}" == fig for v in stats), (fig, line)
         seen += 1
     assert seen == len(rows)
-    prose = {f"{v:+.2f}%" for path, mode in (("h100-2026-11-27-final2/budget-long.json", "ckptmgr budget"),
-                                             ("h100-2026-11-27-final2/decoder.json", "ckptmgr overlap"))
+    prose = {f"{v:+.2f}%" for path, mode in (("h100-2026-11-27-sched/budget-long.json", "ckptmgr budget"),
+                                             ("h100-2026-11-27-reg/decoder.json", "ckptmgr overlap"))
              for values in [pct(path, mode)] for v in (statistics.median(values), min(values), max(values))}
     old = []
     for name in ("old1.json", "old2.json", "old3.json"):
