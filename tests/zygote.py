@@ -94,7 +94,9 @@ _TEMPLATE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASET
 
 
 def _template_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONWARNINGS")}  # a child's own
+    # PYTHONPATH stays: the template imports ckptmgr from where this process does (an installed package, or
+    # a tree put on PYTHONPATH, as gpu_suite.sh does); a child's own PYTHONPATH comes first in its sys.path
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}  # (a child's own)
     env.update(_TEMPLATE_ENV)
     return env
 
