@@ -309,6 +309,23 @@ def test_a_due_save_waits_for_its_slot_to_be_made_without_losing_the_step_count(
     assert p.measurements().step_s == 1.0
 
 
+def test_a_slot_being_made_never_puts_a_save_off_past_max_lost_s():
+    """Under ``max_lost_s`` a due save is put off for a slot being made only while one more
+    step keeps the time since the last save within the budget."""
+    t = [0.0]
+    making = [False]
+    p = BudgetPlanner(Schedule(max_lost_s=6), clock=lambda: t[0], making=lambda: making[0])
+    saves: list[float] = []
+    for step in range(40):
+        t[0] += 1.0
+        making[0] = step >= 10  # a slot is being made from step 10 to the end
+        if p.should_save(step):
+            saves.append(t[0])
+            p.saved(step)
+    gaps = [b - a for a, b in itertools.pairwise(saves)]
+    assert len(gaps) >= 5 and max(gaps) <= 6.0, gaps  # (without the guard: no save after step 9)
+
+
 def test_max_overhead_holds_over_the_run_from_its_first_save():
     """The budget is the share of the time since the first step: the first save's cost, which
     no earlier time paid for, puts the second off until the run has earned it."""

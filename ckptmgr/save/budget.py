@@ -227,9 +227,19 @@ class BudgetPlanner:
     def should_save(self, step: int) -> bool:
         """Record that the loop reached ``step`` now; whether to save it."""
         due = self._due(step)
-        if due and self._making is not None and self._making():
-            return False  # (the slot is being made: the next step saves)
+        if due and self._making is not None and self._making() and not self._lost_overdue(self._clock()):
+            return False  # (the slot is being made: the next step saves, unless max_lost_s would be overrun)
         return due
+
+    def _lost_overdue(self, now: float) -> bool:
+        """True when ``max_lost_s`` is set and one more step without a save would take the time
+        since the last save, plus the local commit, past it."""
+        with self._lock:
+            last = self._last_save
+            ahead = (self.step_s or 0.0) + (self.local_s or 0.0)
+        if self.schedule.max_lost_s is None or last is None:
+            return False
+        return now - last[1] + ahead > self.schedule.max_lost_s + 1e-9
 
     def _due(self, step: int) -> bool:
         now = self._clock()
@@ -252,11 +262,8 @@ class BudgetPlanner:
             return it.local_steps is not None and since >= it.local_steps and self._affordable(now)
         if it.local_steps is not None and since >= it.local_steps:
             return True
-        if self.schedule.max_lost_s is not None and last is not None:
-            with self._lock:  # (seconds, not steps: a save's own cost and slower steps count too)
-                ahead = (self.step_s or 0.0) + (self.local_s or 0.0)
-            if now - last[1] + ahead > self.schedule.max_lost_s + 1e-9:  # (one more step would overrun)
-                return True
+        if self._lost_overdue(now):  # (seconds, not steps: a save's own cost and slower steps count too)
+            return True
         return it.durable_s is not None and self._durable_due(now, it)  # (None: no durable budget to keep)
 
     def durable(self, step: int, since_durable_s: float | None) -> bool:
