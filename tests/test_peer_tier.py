@@ -79,17 +79,24 @@ def _kill(procs: list[subprocess.Popen]) -> None:
         p.wait(timeout=30)
 
 
+def _run(scenario: str, root: str, out: Path, layout: list[str], nodes: Path, *, timeout: float = 240,
+         env_extra: dict[str, str] | None = None) -> list[dict]:
+    """Run ``scenario`` on the ranks of ``layout`` to their end; their reports (each exited
+    cleanly: gloo may abort at exit, after the report)."""
+    procs = _start(scenario, root, out, layout, nodes, env_extra)
+    try:
+        rcs = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        _kill(procs)
+    reports = _reports(scenario, out, len(layout))
+    assert all(rc in (0, -6) for rc in rcs), rcs
+    return reports
+
+
 def _resume(tmp: Path, root: str, layout: list[str]) -> list[dict]:
     out = tmp / "resume"
     out.mkdir()
-    procs = _start("resume", root, out, layout, tmp / "nodes")
-    try:
-        rcs = [p.wait(timeout=240) for p in procs]
-    finally:
-        _kill(procs)
-    reports = _reports("resume", out, len(layout))
-    assert all(rc in (0, -6) for rc in rcs), rcs  # (gloo may abort at exit, after the report)
-    return reports
+    return _run("resume", root, out, layout, tmp / "nodes")
 
 
 def _train(base: Path, layout: list[str]) -> Path:
@@ -235,13 +242,7 @@ def test_replication_rounds_run_beside_a_ddp_training_loop_without_touching_its_
     collective on the job's group would pair with the wrong call and stall or corrupt it."""
     (tmp_path / "out").mkdir()
     (tmp_path / "nodes").mkdir()
-    procs = _start("ddp", str(tmp_path / "ckpt"), tmp_path / "out", ["A", "B"], tmp_path / "nodes")
-    try:
-        rcs = [p.wait(timeout=240) for p in procs]
-    finally:
-        _kill(procs)
-    reports = _reports("ddp", tmp_path / "out", 2)
-    assert all(rc in (0, -6) for rc in rcs), rcs
+    reports = _run("ddp", str(tmp_path / "ckpt"), tmp_path / "out", ["A", "B"], tmp_path / "nodes")
     assert reports[0]["digest"] == reports[1]["digest"]  # DDP kept the replicas equal
     for r in reports:
         assert r["committed"] == [2, 4, 6, 8, 10, 12] and r["steps"] == [2, 4, 6, 8, 10, 12]
@@ -285,13 +286,7 @@ def test_a_node_whose_ram_directory_is_not_private_stops_every_rank_at_start(tmp
     os.chmod(planted, 0o755)
     out = tmp_path / "start"
     out.mkdir()
-    procs = _start("start", root, out, ["A", "B"], tmp_path / "nodes")
-    try:
-        rcs = [p.wait(timeout=240) for p in procs]
-    finally:
-        _kill(procs)
-    reports = _reports("start", out, 2)
-    assert all(rc in (0, -6) for rc in rcs), rcs
+    reports = _run("start", root, out, ["A", "B"], tmp_path / "nodes")
     for r in reports:  # both ranks raise (rank 0's directory is fine), naming the node and why
         assert "rank 1 (node B)" in r["error"] and "mode 755" in r["error"], r
 
@@ -309,14 +304,8 @@ def test_the_restore_transport_runs_on_the_job_group_and_keeps_the_untrusted_inp
     copy is."""
     (tmp_path / "out").mkdir()
     (tmp_path / "nodes").mkdir()
-    procs = _start("exchange", str(tmp_path / "ckpt"), tmp_path / "out", ["A", "B"], tmp_path / "nodes",
-                   {"PEER_BACKEND": backend})
-    try:
-        rcs = [p.wait(timeout=120) for p in procs]
-    finally:
-        _kill(procs)
-    reports = _reports("exchange", tmp_path / "out", 2)
-    assert all(rc in (0, -6) for rc in rcs), rcs
+    reports = _run("exchange", str(tmp_path / "ckpt"), tmp_path / "out", ["A", "B"], tmp_path / "nodes",
+                   timeout=120, env_extra={"PEER_BACKEND": backend})
     for r in reports:
         if backend == "gloo":
             assert r["why"] == "the job's process group (gloo)" and r["device"] == "cpu" and r["staging_bytes"] == 0

@@ -106,12 +106,12 @@ class SlotBuffers:
                 s.preparing = False
             self._cond.notify_all()
 
-    def prepare(self, sizes: list[int], reserved: tuple[list[Slot], bool] | None = None) -> None:
-        """Make the buffers of every slot never filled yet (or of those ``reserved`` by
-        :meth:`reserve`), pinned with pauses between pieces (run on a helper thread; a save that
-        needs one of these slots waits for it). The first slot the pool makes is made at full
-        speed; the others are spares, made gently."""
-        fresh, first = reserved if reserved is not None else self.reserve()
+    def prepare(self, sizes: list[int], reserved: tuple[list[Slot], bool]) -> None:
+        """Make the buffers of the slots ``reserved`` by :meth:`reserve`, pinned with pauses
+        between pieces (run on a helper thread; a save that needs one of these slots waits for
+        it). The first slot the pool makes is made at full speed; the others are spares, made
+        gently."""
+        fresh, first = reserved
         try:
             for j, s in enumerate(fresh):
                 try:
