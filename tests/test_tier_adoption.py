@@ -284,3 +284,45 @@ def test_a_sweep_that_outlasts_close_still_deletes_only_what_was_set_aside(root,
             os.close(fd)
     assert os.listdir(decoy) == ["keep"]
     assert not [n for n in os.listdir(tier_dir) if n.startswith(("gone-", "slot-01"))]
+
+
+def test_the_sweeper_starts_only_once_the_adopted_slot_is_pinned(root, ram_dir, pinned, monkeypatch):
+    """Freeing the pages of a slot set aside and pinning an adopted slot's pages contend in the
+    kernel, and the restart's first restore waits for the pinning: the sweeper starts only once
+    the adoption ends. The adoption is held here at a gate in its first registration."""
+    from ckptmgr.storage.tier_scan import TierScan
+
+    path = _leave_step_3_in_the_tier(root, ram_dir)
+    tier_dir = os.path.dirname(os.path.dirname(path))
+    os.mkdir(os.path.join(tier_dir, "slot-01"), 0o700)
+    with open(os.path.join(tier_dir, "slot-01", "data-00000.safetensors"), "wb") as f:
+        f.write(b"\0" * (1 << 20))
+    registering, go, swept = threading.Event(), threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def register(p, n, read_only=False):
+        registering.set()
+        assert go.wait(60)
+        order.append("pinned")
+
+    real = TierScan._sweep
+
+    def sweep(self, fd, names):
+        order.append("sweep")
+        swept.set()
+        return real(self, fd, names)
+
+    monkeypatch.setattr(cuda_shim, "host_register", register)
+    monkeypatch.setattr(TierScan, "_sweep", sweep)
+    with _open(root, ram_dir) as mgr:
+        try:
+            assert registering.wait(60)  # the adoption is pinning (held)
+            assert mgr._tier._sweeper is None and not swept.is_set()
+            assert [n for n in os.listdir(tier_dir) if n.startswith("gone-")]  # set aside, not freed yet
+        finally:
+            go.set()
+        assert swept.wait(60)
+        assert mgr._tier.wait_sweep(timeout=60)
+        assert order[-1] == "sweep" and "pinned" in order
+        assert not [n for n in os.listdir(tier_dir) if n.startswith("gone-")]
+        assert_tree_equal(mgr.restore(3), _state(3))

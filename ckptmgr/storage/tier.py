@@ -259,8 +259,11 @@ class LocalTier(TierScan):
         """The background adoption of slot ``index`` ended (pinned and attached, or not)."""
         with self._mu:
             pinning = self._adopting.pop(index, None)
+            sweep = self._sweep_when_idle and not self._adopting
         if pinning is not None:
             pinning.end()
+        if sweep:
+            self.start_sweep()  # (the slots set aside at start: their freeing no longer slows the pinning)
 
     @contextlib.contextmanager
     def reading(self, step: int, *, adoption_wait: float | None = None) -> Iterator[TierImages | None]:
@@ -328,6 +331,7 @@ class LocalTier(TierScan):
             adopting, self._adopting = list(self._adopting.values()), {}
         for pinning in adopting:  # (no read waits for an adoption of a closed tier)
             pinning.end()
+        self.start_sweep()  # (if no adoption ended to start it)
         if not wait:
             return
         with self._mu:

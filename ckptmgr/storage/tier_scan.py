@@ -14,7 +14,9 @@ short; or it is damaged, of another root, or deleted from the root) can hold gig
 freeing tmpfs pages runs at about 10 GB/s: on the restart's critical path that was 0.4 s for one
 4.5 GiB spare (H200). So the scan renames it out of the slots' names at once (``gone-*``, a new
 save may take its index at once) and a sweeper thread deletes it; the next start sweeps
-whatever a crash left of that.
+whatever a crash left of that. The sweeper starts once the adopted slots are pinned
+(:meth:`TierScan.sweep_after_adoptions`), not beside their pinning: freeing pages and pinning
+pages contend in the kernel, and the restart's first restore waits for the pinning.
 """
 
 from __future__ import annotations
@@ -26,12 +28,16 @@ import os
 import stat
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointCorruptError, CkptError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.schema import MAX_MANIFEST_BYTES
 from .private import UnsafePathError, empty_dir, read_small, write_small
 from .tier_layout import DURABLE_MARK, ROOT_ID, marked_durable
+
+if TYPE_CHECKING:
+    from .tier_pinning import Pinning
 
 __all__ = ["GONE_PREFIX", "TierScan"]
 
@@ -56,8 +62,11 @@ class TierScan:
     _slot_fd: Callable[[int], int]
     _slot_fds: dict[int, int]
     remove_slot: Callable[[int], None]
+    _adopting: dict[int, Pinning]  # slot index -> its adoption's progress
 
-    _sweeper: threading.Thread | None = None  # deletes the slots set aside (started by scan, joined by close)
+    _sweeper: threading.Thread | None = None  # deletes the slots set aside (started once, joined by close)  (_mu)
+    _aside: tuple[int, list[str]] | None = None  # the sweeper's descriptor and names, until it starts  (_mu)
+    _sweep_when_idle = False  # start the sweeper when no adoption runs                                (_mu)
 
     # ----------------------------------------------------------- the root's identity
 
@@ -138,10 +147,27 @@ class TierScan:
                 self._root_id = root_id
         if aside:
             fd = os.dup(self._fd)  # the sweeper's own: close() may close the tier's before it ends
-            self._sweeper = threading.Thread(target=self._sweep, args=(fd, aside), name="ckptmgr-tier-sweep",
-                                             daemon=True)
-            self._sweeper.start()
+            with self._mu:
+                self._aside = (fd, aside)  # (started by sweep_after_adoptions, or by close)
         return found
+
+    def sweep_after_adoptions(self) -> None:
+        """Start the sweeper of the slots the scan set aside once no adoption runs (now, when
+        none does; else when the last one ends: :meth:`LocalTier.adopted`)."""
+        with self._mu:
+            self._sweep_when_idle = True
+            idle = not self._adopting
+        if idle:
+            self.start_sweep()
+
+    def start_sweep(self) -> None:
+        """Start the sweeper of the slots the scan set aside, if it has not started."""
+        with self._mu:
+            aside, self._aside = self._aside, None
+            if aside is None:
+                return
+            self._sweeper = threading.Thread(target=self._sweep, args=aside, name="ckptmgr-tier-sweep", daemon=True)
+        self._sweeper.start()
 
     def _set_aside(self, name: str, index: int) -> list[str]:
         """Rename slot directory ``name`` out of the slots' names, for the sweeper: its new
