@@ -15,7 +15,7 @@
 #              steps with the first save inside: none, the default options, Schedule(continuous=True),
 #              Schedule(max_lost_s=$CKPTMGR_MAX_LOST_S, default 2); Schedule(max_overhead=0.01) over 400
 #              steps (budget-long.json); then the decoder (bench_training.py's default model) with a save
-#              every 10 steps
+#              every 10 steps ($CKPTMGR_BUDGET_PARTS: some of linear,long,decoder; default all three)
 #   staging    save stall and durable time of a G GiB state to /dev/shm and to the disk
 #              (ckptmgr overlap; other tools with CKPTMGR_STAGING_TOOLS)
 #   restore    restore of a G GiB state from /dev/shm and from a cold disk (ckptmgr against
@@ -109,17 +109,21 @@ mode() {
       [ -n "$small" ] && lin=(--dim 64 --layers 2 --batch 8 --steps 20 --every 5) \
                       && dec=(--dim 64 --layers 2 --heads 2 --vocab 128 --seq 16 --batch 2 --steps 20 --every 5)
       local extra=(); [ "$is_old" = 1 ] || extra=(--max-lost-s "${CKPTMGR_MAX_LOST_S:-2}")
-      python3 "$script" --model linear --every 25 --steps 100 --warmup 5 --modes "$modes" \
-        --repeat "$r" --device "$device" --dir "$scratch/budget" "${extra[@]}" "${lin[@]}" --out "$o.json" 2>&1 | tee "$o.txt"
+      local parts=",${CKPTMGR_BUDGET_PARTS:-linear,long,decoder},"
+      [[ $parts == *,linear,* ]] && python3 "$script" --model linear --every 25 --steps 100 --warmup 5 \
+        --modes "$modes" --repeat "$r" --device "$device" --dir "$scratch/budget" "${extra[@]}" "${lin[@]}" \
+        --out "$o.json" 2>&1 | tee "$o.txt"
       [ "$is_old" = 1 ] && return 0  # the budget schedule and the decoder: this tree only
       [ -n "$small" ] && long=(--steps 40)
       # Schedule(max_overhead=0.01) over 400 steps: at ~0.05 s a save and 53 ms steps, its budget
       # allows a save every ~100 steps, so 100 steps would measure the first save alone
-      python3 "$script" --model linear --every 25 --warmup 5 --modes "none,ckptmgr budget" --repeat "$r" \
-        --device "$device" --dir "$scratch/budget" "${lin[@]}" "${long[@]}" --out "$out/budget-long$t.json" 2>&1 \
-        | tee "$out/budget-long$t.txt"
-      python3 "$script" --every 10 --modes "none,ckptmgr overlap" --repeat "$r" --device "$device" \
-        --dir "$scratch/decoder" "${dec[@]}" --out "$out/decoder$t.json" 2>&1 | tee "$out/decoder$t.txt" ;;
+      [[ $parts == *,long,* ]] && python3 "$script" --model linear --every 25 --warmup 5 \
+        --modes "none,ckptmgr budget" --repeat "$r" --device "$device" --dir "$scratch/budget" "${lin[@]}" \
+        "${long[@]}" --out "$out/budget-long$t.json" 2>&1 | tee "$out/budget-long$t.txt"
+      [[ $parts == *,decoder,* ]] && python3 "$script" --every 10 --modes "none,ckptmgr overlap" --repeat "$r" \
+        --device "$device" --dir "$scratch/decoder" "${dec[@]}" --out "$out/decoder$t.json" 2>&1 \
+        | tee "$out/decoder$t.txt"
+      return 0 ;;
     staging)
       python3 benchmarks/bench_staging.py --gib "$gib" --rounds "$r" --saves 3 --device "$device" \
         --tools "${CKPTMGR_STAGING_TOOLS:-ckptmgr overlap}" --targets shm,disk \
