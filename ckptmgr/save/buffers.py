@@ -31,13 +31,6 @@ at a time in four runs of five, +1.0 to +12.5% on the step time over 200 steps; 
 16 MiB left no stall, +1.04 to +1.10%, as with every slot made before the loop (+0.93 to
 +0.95%).
 
-A spare slot's pace (:data:`SPARE_DUTY` 1: a pause as long as each registration, 4 populating
-threads, :data:`~ckptmgr.save.slot_buffers.SPARE_THREADS`) is set by the same loop with the
-default options, a save every 25 steps (1.3 s apart) on an H100, 3 fresh-process rounds in one
-call: at a pause of 4 times each registration and 2 threads the spare was not ready when the
-next save came, which waited 0.52-0.68 s for it (+5.25%, +4.07 to +10.71% on the step time);
-at this pace it waited 0-0.10 s (+4.95%, +2.90 to +5.20%).
-
 A copy that spans two separately registered ranges fails (``cudaErrorInvalidValue``), so
 pieces are aligned to the file's checksum chunks (every piece is a whole number of chunks
 from the image's start), and every copy into or out of a buffer stays inside one chunk or
@@ -75,7 +68,7 @@ log = logging.getLogger("ckptmgr")
 PIN_MODE = "pieces"  # "pieces" | "populate" | "whole": see the module docstring
 PIN_PIECE_BYTES = 64 << 20  # target size of one cudaHostRegister call (rounded to whole chunks)
 PIN_PAUSE_S = 0.002  # between two pieces: the training thread's CUDA calls get through here
-SPARE_DUTY = 1.0  # a spare slot's pieces: the pause after each is this many times its registration (see below)
+SPARE_DUTY = 4.0  # a spare slot's pieces: the pause after each is this many times its registration
 POPULATE_PIECE_BYTES = 16 << 20  # one madvise(MADV_POPULATE_WRITE) call: see the module docstring
 POPULATE_THREADS = 4  # PopulateAhead: threads faulting pages in at once
 POPULATE_WAIT_S = 600.0  # at most this long, a piece's registration waits for its pages to be faulted in

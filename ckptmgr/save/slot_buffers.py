@@ -33,7 +33,7 @@ log = logging.getLogger("ckptmgr")
 _NOW = threading.Event()  # always set: pin without pauses (the caller itself waits for it)
 _NOW.set()
 MAKE_THREADS = 8  # files of a slot made (mapped and populated) at once
-SPARE_THREADS = 4  # ... of a spare slot (made while training runs, for a later save; see buffers.py)
+SPARE_THREADS = 2  # ... of a spare slot (made while training runs, for a later save)
 
 
 @dataclass
