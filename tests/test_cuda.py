@@ -403,3 +403,33 @@ def test_a_restore_while_the_adopted_slot_is_still_checked_lands_through_spare_m
             mgr.wait(timeout=60)
     finally:
         go.set()
+
+
+def test_a_save_enqueues_its_device_copies_in_one_call_per_stream(root, monkeypatch):
+    """A ``copy_`` per tensor gives the GIL up and takes it back once per tensor, each taking
+    waiting behind the training thread's Python: the feeder enqueues a device's copies in one
+    ``_foreach_copy_`` (and the drains of a device snapshot buffer in one more)."""
+    calls: list[int] = []
+    real = torch._foreach_copy_
+
+    def counted(dsts, srcs, **kw):
+        calls.append(len(dsts))
+        return real(dsts, srcs, **kw)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", counted)
+    state = {f"p{i}": torch.randn(4096 + i, device="cuda") for i in range(200)}
+    state["t"] = torch.randn(64, 32, device="cuda").t()  # non-contiguous
+    want = {k: v.clone() for k, v in state.items()}
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, state).result()
+        assert calls == [201]
+        got = mgr.restore(step=1, device="cuda")
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    calls.clear()
+    with CheckpointManager(root, staging=StagingOptions(device_buffer_bytes=64 << 20)) as mgr:
+        mgr.save(2, state).result()
+        assert len(calls) == 2 and calls[0] == 201  # into the buffer, then its drains
+        got = mgr.restore(step=2, device="cuda")
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

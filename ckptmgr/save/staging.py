@@ -2,7 +2,8 @@
 
 GPU tensors are copied by DMA on one dedicated stream per device, ordered after the work
 already queued on the caller's current stream (so the copy sees the finished values of the
-step that produced them). CPU tensors are copied in pieces by a few threads; torch's copy
+step that produced them), all enqueued in one call per stream (``_foreach_copy_``: one GIL
+round trip, not one per tensor behind the training thread's Python). CPU tensors are copied in pieces by a few threads; torch's copy
 releases the GIL, so those threads run in parallel with each other and with the caller.
 
 :meth:`Stager.stage` returns once the copies are handed to the feeder thread, which enqueues
@@ -77,6 +78,15 @@ def _cpu_pieces(dst: torch.Tensor, src: torch.Tensor) -> list[_Pair]:
 def _copy_all(pairs: list[_Pair]) -> None:
     for dst, src in pairs:
         dst.copy_(src)
+
+
+def _enqueue_copies(pairs: list[_Pair]) -> None:
+    """Enqueue device copies on the current stream, all in one call: a ``copy_`` per pair
+    gives the GIL up and takes it back once per pair, and while the training thread runs
+    Python each taking waits for it (up to the 5 ms switch interval; 225 small copies took
+    0.55-2.3 s beside a busy Python thread, one ``_foreach_copy_`` of them 0.4-9 ms)."""
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
 
 
 def _wait_events(done: _cuda.CopyDone, deadline: float | None, timeout: float | None, what: str) -> None:
@@ -328,16 +338,17 @@ class Stager:
             used.append(stream)
             stream.wait_event(ready[device])
             with torch.cuda.stream(stream):
-                for dst, src in [*through.get(device, ()), *gpu.get(device, ())]:
-                    dst.copy_(src, non_blocking=True)
+                _enqueue_copies([*through.get(device, ()), *gpu.get(device, ())])
         safe = None
         if snap.runs:
             safe = _cuda.CopyDone(used)
+            drains: dict[torch.device, list[_Pair]] = defaultdict(list)
             for r in snap.runs:
-                with torch.cuda.stream(streams[r.device]):
-                    src = buffers[r.device][r.at:r.at + r.end - r.begin]
-                    for dst, part in _split_at(segments[r.file][r.begin:r.end], src, r.begin, piece):
-                        dst.copy_(part, non_blocking=True)
+                src = buffers[r.device][r.at:r.at + r.end - r.begin]
+                drains[r.device].extend(_split_at(segments[r.file][r.begin:r.end], src, r.begin, piece))
+            for device, pairs in drains.items():
+                with torch.cuda.stream(streams[device]):
+                    _enqueue_copies(pairs)
         return safe, _cuda.CopyDone(used)
 
     def _submit_cpu(self, cpu: list[_Pair], futures: list[Future[None]]) -> None:
