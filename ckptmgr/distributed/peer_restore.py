@@ -42,7 +42,7 @@ from ..format.manifest import Manifest
 from ..storage.peer_tier import Copy, ShardRecord
 from ..storage.posix import preadv_into
 from .coordinator import Coordinator
-from .peer_transport import RESTORE_PIECE_CHUNKS, ShardMover, Transport, restore_transport
+from .peer_transport import ShardMover, Transport, restore_transport
 from .replicate import Replicator
 from .restore import RankMap, Restorer
 from .restore import _manifest as durable_manifest  # rank 0 reads it, every rank gets it
@@ -224,10 +224,8 @@ class _Fetching:
             rep = self.rep
             self._transport, why = restore_transport(self.coord, rep.meta, rep.opts.transport, rep.opts.timeout_s)
             log.info("peer tier: step %d: shards are fetched over %s", self.s, why)
-            # (pieces of several chunks per exchange, so that their segments are pipelined; no pacing: no
-            # training runs beside a restore)
-            self._mover = ShardMover(self._transport, rep.area, rep.node, rep.opts.chunk_bytes * RESTORE_PIECE_CHUNKS,
-                                     None, rep.io)
+            self._mover = ShardMover(self._transport, rep.area, rep.node, rep.opts.chunk_bytes, None,
+                                     rep.io)  # (no pacing: no training runs beside a restore)
         return self._mover
 
     def __enter__(self) -> _Fetching:

@@ -44,18 +44,16 @@ from ..format.schema import MAX_MANIFEST_BYTES
 from ..storage.peer_tier import PeerArea, ShardRecord, check_files
 from .coordinator import Coordinator
 
-__all__ = ["COPY_METHOD", "COPY_METHODS", "COPY_THREADS", "MAX_SHARD_BYTES", "RESTORE_GPU_BYTES",
-           "RESTORE_PIECE_CHUNKS", "SEGMENT_BYTES",
+__all__ = ["COPY_METHOD", "COPY_METHODS", "COPY_THREADS", "MAX_SHARD_BYTES", "RESTORE_GPU_BYTES", "SEGMENT_BYTES",
            "ShardMover", "Transport", "restore_transport", "split_copy"]
 
 log = logging.getLogger("ckptmgr")
 MAX_SHARD_BYTES = 1 << 44  # the most bytes a peer may announce for one shard (16 TiB)
 RESTORE_GPU_BYTES = 256 << 20  # the most GPU memory a restore's NCCL transport stages through (and pinned host memory)
-SEGMENT_BYTES = 32 << 20  # the most bytes of an array a restore moves per sub-round
+SEGMENT_BYTES = 4 << 20  # the most bytes of an array a restore moves per sub-round
 COPY_METHODS = ("pinned", "pageable")  # how a CUDA transport moves a segment between a host array and the GPU
 COPY_METHOD = "pinned"  # a restore's: through pinned staging (see Transport)
-COPY_THREADS = 4  # a restore's threads per host copy of a segment into or out of pinned staging (1: the caller's)
-RESTORE_PIECE_CHUNKS = 16  # a restore moves pieces of this many chunk_bytes per exchange (its segments pipelined)
+COPY_THREADS = 1  # a restore's threads per host copy of a segment into or out of pinned staging (1: the caller's)
 COPY_PIECE_BYTES = 512 << 10  # the fewest bytes one thread of a split host copy moves
 Sends = list[tuple[int, ShardRecord | None, dict[str, np.ndarray[Any, Any]]]]
 
@@ -286,9 +284,10 @@ def restore_transport(coord: Coordinator, tier_group: Any, mode: str, timeout_s:
     from) x segment`` in an exchange, the segment being ``min(SEGMENT_BYTES,
     RESTORE_GPU_BYTES / (4 x (ranks - 1)))`` (rounded down to 4 KiB; every rank computes the
     same one, so the segments of a pair match); the same in pinned host memory with the
-    "pinned" ``COPY_METHOD``, none with "pageable". With the 256 MiB cap the 32 MiB segment
-    is kept whole up to 3 ranks and shrinks beyond (16 MiB at 5, about 9 MiB at 8). Host
-    copies: ``COPY_THREADS`` threads each. A first collective on the job's group
+    "pinned" ``COPY_METHOD``, none with "pageable". With the 256 MiB cap a 64 MiB segment is
+    kept whole up to 2 ranks and shrinks beyond (32 MiB at 3 ranks, 16 MiB at 5, about 9 MiB
+    at 8); a 128 MiB one is cut to 64 MiB even at 2. Host copies: ``COPY_THREADS`` threads
+    each. A first collective on the job's group
     (an all-reduce of one element) makes sure every rank has joined it before the batched
     point-to-point calls (NCCL asks for that).
     """
