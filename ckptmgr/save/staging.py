@@ -3,8 +3,9 @@
 GPU tensors are copied by DMA on one dedicated stream per device, ordered after the work
 already queued on the caller's current stream (so the copy sees the finished values of the
 step that produced them), all enqueued in one call per stream (``_foreach_copy_``: one GIL
-round trip, not one per tensor behind the training thread's Python). CPU tensors are copied in pieces by a few threads; torch's copy
-releases the GIL, so those threads run in parallel with each other and with the caller.
+round trip, not one per tensor behind the training thread's Python). CPU tensors are
+copied in pieces by a few threads; torch's copy releases the GIL, so those threads run in
+parallel with each other and with the caller.
 
 :meth:`Stager.stage` returns once the copies are handed to the feeder thread, which enqueues
 them; :meth:`StagingJob.wait_safe`
