@@ -429,14 +429,15 @@ def test_readme_checkpoint_frequency_table_comes_from_its_json():
         assert len(values) >= 2  # fresh-process rounds
         return {f"{v:+.2f}%" for v in (statistics.median(values), min(values), max(values))}
 
-    budget = "h100-2026-11-27-sched/budget.json"
-    with open(os.path.join(results, budget)) as f:
-        rounds = json.load(f)["rounds"]
-    modes = {"the defaults": "ckptmgr overlap", "Schedule(continuous=True)": "ckptmgr continuous",
-             "Schedule(max_lost_s=2)": "ckptmgr lost"}
-    rows = {"the defaults": spread(pct(budget, "ckptmgr overlap")),
-            "Schedule(continuous=True)": spread(pct(budget, "ckptmgr continuous")),
-            "Schedule(max_lost_s=2)": spread(pct(budget, "ckptmgr lost"))}
+    final, continuous = "h100-2026-11-27-foreach/budget.json", "h100-2026-11-27-budget-92de1b0/budget.json"
+    modes = {"the defaults": (final, "ckptmgr overlap"),
+             "Schedule(continuous=True)": (continuous, "ckptmgr continuous"),
+             "Schedule(max_lost_s=2)": (final, "ckptmgr lost")}
+    rows = {row: spread(pct(path, mode)) for row, (path, mode) in modes.items()}
+    rounds = {}
+    for path in {final, continuous}:
+        with open(os.path.join(results, path)) as f:
+            rounds[path] = json.load(f)["rounds"]
     seen = 0
     for line in section.splitlines():
         cells = [c.strip().strip("`") for c in line.strip("|").split("|")]
@@ -445,15 +446,15 @@ def test_readme_checkpoint_frequency_table_comes_from_its_json():
             continue
         assert set(found) == rows[cells[0]], (line, rows[cells[0]])
         # the seconds the schedule achieved: each a value of its stats in some round, as printed
-        stats = [v for r in rounds for k, v in (r[modes[cells[0]]]["stats"] or {}).items()
-                 if isinstance(v, (int, float))]
+        path, mode = modes[cells[0]]
+        stats = [v for r in rounds[path] for k, v in (r[mode]["stats"] or {}).items() if isinstance(v, (int, float))]
         for fig in re.findall(r"\d+\.\d+", cells[-1]):
             digits = len(fig.split(".")[1])
             assert any(f"{v:.{digits}f}" == fig for v in stats), (fig, line)
         seen += 1
     assert seen == len(rows)
     prose = {f"{v:+.2f}%" for path, mode in (("h100-2026-11-27-sched/budget-long.json", "ckptmgr budget"),
-                                             ("h100-2026-11-27-reg/decoder.json", "ckptmgr overlap"))
+                                             ("h100-2026-11-27-foreach/decoder.json", "ckptmgr overlap"))
              for values in [pct(path, mode)] for v in (statistics.median(values), min(values), max(values))}
     old = []
     for name in ("old1.json", "old2.json", "old3.json"):
