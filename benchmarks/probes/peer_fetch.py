@@ -6,8 +6,11 @@
 Builds the real :class:`~ckptmgr.distributed.peer_transport.Transport` on the job's default
 group (``cpu:gloo,cuda:nccl`` with ``--device cuda``, gloo with ``--device cpu``) and moves
 ``--mib`` MiB from rank 0 to rank 1 and as much from rank 1 to rank 0 in one ``exchange()``,
-for host arrays of two kinds: files in a /dev/shm directory mapped shared (as the peer area's
-copies are) and plain anonymous arrays. Grid: segment size (``--segments``, MiB) x host copy:
+for host arrays of three kinds: files in a /dev/shm directory mapped shared and reused between
+repeats (their pages faulted in), "fresh": the receiving file made anew for every repeat,
+allocated with ``posix_fallocate`` and never touched before the exchange, as
+:meth:`PeerArea.create <ckptmgr.storage.peer_tier.PeerArea.create>` makes the files a restore
+receives into, and plain anonymous arrays. Grid: segment size (``--segments``, MiB) x host copy:
 pinned staging with one ``np.copyto`` (today's), the same split across 4 and 8 threads, and
 pageable copies straight between the host array and the GPU (CUDA only; on CPU the host
 arrays go to gloo as they are, so only the segment size varies). Each setting: one small
@@ -26,7 +29,9 @@ before the next, so a segment larger than the piece gains nothing there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -90,11 +95,24 @@ def host_arrays(kind: str, n: int, shm: str | None) -> tuple[np.ndarray, np.ndar
             np.memmap(os.path.join(shm, f"recv-{r}"), dtype=np.uint8, mode="w+", shape=(n,)))
 
 
+def fresh_recv(shm: str, n: int) -> np.ndarray:
+    """A receiving file made as the peer area makes one: created, allocated, mapped, untouched."""
+    path = os.path.join(shm, f"fresh-{dist.get_rank()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, n)
+        return np.frombuffer(mmap.mmap(fd, n), dtype=np.uint8)
+    finally:
+        os.close(fd)
+
+
 def run_grid(coord: Coordinator, device: torch.device, kind: str, n: int, mine: np.ndarray,
              theirs: np.ndarray, segs: list[int], copies: list[tuple[str, int]], repeats: int,
              shm: str | None, piece: int) -> list[dict[str, Any]]:
     peer = 1 - dist.get_rank()
-    send, recv = host_arrays(kind, n, shm)
+    send, recv = host_arrays("shm" if kind == "fresh" else kind, n, shm)
     send[:] = mine
     rows = []
     small = np.zeros(4096, dtype=np.uint8)
@@ -105,7 +123,10 @@ def run_grid(coord: Coordinator, device: torch.device, kind: str, n: int, mine: 
             t.exchange([(peer, small)], [(peer, small.copy())])  # (staging, threads, communicator made)
             times, exact = [], True
             for _ in range(repeats):
-                recv[::4096] = ~theirs[::4096]  # (spoiled: a segment never written is caught)
+                if kind == "fresh":  # (zeros: a segment never written is caught)
+                    recv = fresh_recv(shm or "", n)
+                else:
+                    recv[::4096] = ~theirs[::4096]  # (spoiled: a segment never written is caught)
                 sync(device)
                 dist.barrier(group=GLOO)
                 t0 = time.perf_counter()
@@ -185,12 +206,12 @@ def main() -> None:
     coord = Coordinator(dist.group.WORLD, 120)
     dist.all_reduce(torch.zeros(1, device=device))  # (a first collective on the job's group, as a restore runs)
     mine, theirs = pattern(rank, n), pattern(1 - rank, n)
-    kinds = ["shm", "anon"]
+    kinds = ["shm", "fresh", "anon"]
     shm = None
-    if shutil.disk_usage(args.shm).free < 5 * n:  # (both ranks' two arrays, and room)
+    if shutil.disk_usage(args.shm).free < 7 * n:  # (both ranks' three arrays, and room)
         kinds = ["anon"]
         if rank == 0:
-            print(f"{args.shm} has under {5 * n >> 20} MiB free: the mapped arrays are left out", flush=True)
+            print(f"{args.shm} has under {7 * n >> 20} MiB free: the mapped arrays are left out", flush=True)
     else:
         shm = tempfile.mkdtemp(prefix="peer-fetch-", dir=args.shm) if rank == 0 else None
         got: list[Any] = [shm]
