@@ -140,5 +140,7 @@ def adopt_leftovers(p: Parts) -> None:
     unreadable = set(getattr(p.target, "skipped", {}))
     found = p.tier.scan(p.staging.slots or AUTO_MAX_SLOTS, root_id=root_id, root_is_empty=not p.durable,
                         durable=set(p.durable) | unreadable)
-    p.saver.adopt(found, set(p.durable), root_id, on_mapped=p.restorer.check_adopted)
-    p.tier.sweep_after_adoptions()  # what the scan set aside is freed once the adopted slots are pinned
+    try:
+        p.saver.adopt(found, set(p.durable), root_id, on_mapped=p.restorer.check_adopted)
+    finally:  # (an adoption that failed too: else the slots set aside would wait for the exit's close)
+        p.tier.sweep_after_adoptions()  # what the scan set aside is freed once the adopted slots are pinned

@@ -326,3 +326,38 @@ def test_the_sweeper_starts_only_once_the_adopted_slot_is_pinned(root, ram_dir, 
         assert order[-1] == "sweep" and "pinned" in order
         assert not [n for n in os.listdir(tier_dir) if n.startswith("gone-")]
         assert_tree_equal(mgr.restore(3), _state(3))
+
+
+def test_the_slots_set_aside_are_swept_when_the_adoption_fails_at_start(root, ram_dir, monkeypatch):
+    """The adopted slot's file is cut short between the scan and its adoption (another process
+    truncated it): the manager's start fails, and the slot the scan set aside is still swept
+    then, not left holding its pages until the process exits."""
+    from ckptmgr.storage.tier import LocalTier
+
+    path = _leave_step_3_in_the_tier(root, ram_dir)
+    tier_dir = os.path.dirname(os.path.dirname(path))
+    os.mkdir(os.path.join(tier_dir, "slot-01"), 0o700)
+    with open(os.path.join(tier_dir, "slot-01", "data-00000.safetensors"), "wb") as f:
+        f.write(b"\0" * (1 << 20))
+    tiers: list[LocalTier] = []
+    real_scan = LocalTier.scan
+
+    def scan(self, *args, **kwargs):
+        found = real_scan(self, *args, **kwargs)
+        tiers.append(self)
+        os.truncate(path, 100)  # (after the scan checked it, before its adoption maps it)
+        return found
+
+    monkeypatch.setattr(LocalTier, "scan", scan)
+    with pytest.raises(OSError, match="is not a file of"):
+        _open(root, ram_dir)
+    [tier] = tiers
+    try:
+        assert tier.wait_sweep(timeout=60)
+        assert not [n for n in os.listdir(tier_dir) if n.startswith("gone-")]
+    finally:  # (the manager whose start failed is closed at exit: here, now)
+        from ckptmgr import _lifecycle
+
+        for mgr in [m for m in list(_lifecycle._open.values()) if m._tier is tier]:
+            mgr.close(flush=False)
+
