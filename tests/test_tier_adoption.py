@@ -361,3 +361,46 @@ def test_the_slots_set_aside_are_swept_when_the_adoption_fails_at_start(root, ra
         for mgr in [m for m in list(_lifecycle._open.values()) if m._tier is tier]:
             mgr.close(flush=False)
 
+
+def test_close_while_an_adoption_s_end_starts_the_sweeper_does_not_fail(ram_dir, monkeypatch):
+    """The last adoption ends (its thread takes the slots set aside and is about to start the
+    sweeper, held here at a gate) while the tier closes: close() neither fails on the sweeper
+    not started yet nor waits past its bound, and the sweeper, once started, still sweeps."""
+    import ckptmgr.storage.tier_scan as scan_mod
+    from ckptmgr.storage.tier import LocalTier
+
+    tier = LocalTier(ram_dir, "file:///nowhere/root")
+    tier_dir = tier.path
+    os.mkdir(os.path.join(tier_dir, "slot-00"), 0o700)
+    with open(os.path.join(tier_dir, "slot-00", "data-00000.safetensors"), "wb") as f:
+        f.write(b"\0" * 4096)
+    assert tier.scan(1, root_id=None) == {}  # (no manifest: set aside)
+    starting, go, swept = threading.Event(), threading.Event(), threading.Event()
+
+    class Gated(threading.Thread):
+        def start(self) -> None:
+            starting.set()
+            assert go.wait(60)
+            super().start()
+
+    real_sweep = scan_mod.TierScan._sweep
+
+    def sweep(self, fd, names):
+        try:
+            return real_sweep(self, fd, names)
+        finally:
+            swept.set()
+
+    monkeypatch.setattr(scan_mod.TierScan, "_sweep", sweep)
+    monkeypatch.setattr(scan_mod, "threading", type("T", (), {"Thread": Gated, "Event": threading.Event}))
+    monkeypatch.setattr(scan_mod, "SWEEP_WAIT_S", 0.0)
+    ender = threading.Thread(target=tier.sweep_after_adoptions)  # (as the last adoption's end does)
+    ender.start()
+    try:
+        assert starting.wait(60)
+        tier.close(remove=False)  # the sweeper is made, not started
+    finally:
+        go.set()
+        ender.join(60)
+    assert swept.wait(60)
+    assert not [n for n in os.listdir(tier_dir) if n.startswith("gone-")]

@@ -64,7 +64,8 @@ class TierScan:
     remove_slot: Callable[[int], None]
     _adopting: dict[int, Pinning]  # slot index -> its adoption's progress
 
-    _sweeper: threading.Thread | None = None  # deletes the slots set aside (started once, joined by close)  (_mu)
+    _sweeper: threading.Thread | None = None  # deletes the slots set aside (made once; close waits for _swept) (_mu)
+    _swept: threading.Event | None = None  # set when the sweeper ends (made with it, before it starts)  (_mu)
     _aside: tuple[int, list[str]] | None = None  # the sweeper's descriptor and names, until it starts  (_mu)
     _sweep_when_idle = False  # start the sweeper when no adoption runs                                (_mu)
 
@@ -166,8 +167,17 @@ class TierScan:
             aside, self._aside = self._aside, None
             if aside is None:
                 return
-            self._sweeper = threading.Thread(target=self._sweep, args=aside, name="ckptmgr-tier-sweep", daemon=True)
-        self._sweeper.start()
+            self._swept = swept = threading.Event()  # (close may wait before the thread has started)
+            self._sweeper = sweeper = threading.Thread(target=self._sweep_and_tell, args=(swept, *aside),
+                                                       name="ckptmgr-tier-sweep", daemon=True)
+        sweeper.start()
+
+    def _sweep_and_tell(self, swept: threading.Event, tier_fd: int, names: list[str]) -> None:
+        """(the sweeper thread) :meth:`_sweep`, then set ``swept``."""
+        try:
+            self._sweep(tier_fd, names)
+        finally:
+            swept.set()
 
     def _set_aside(self, name: str, index: int) -> list[str]:
         """Rename slot directory ``name`` out of the slots' names, for the sweeper: its new
@@ -215,11 +225,10 @@ class TierScan:
 
     def wait_sweep(self, timeout: float | None = None) -> bool:
         """Wait for the sweeper, at most ``timeout`` seconds (default :data:`SWEEP_WAIT_S`);
-        True when it has ended."""
-        t = self._sweeper
-        if t is not None:
-            t.join(SWEEP_WAIT_S if timeout is None else timeout)
-        return t is None or not t.is_alive()
+        True when it has ended (or none was started)."""
+        with self._mu:
+            swept = self._swept
+        return swept is None or swept.wait(SWEEP_WAIT_S if timeout is None else timeout)
 
     def _check_slot(self, index: int) -> Manifest | None:
         d = self._slot_fd(index)
