@@ -405,6 +405,23 @@ def test_a_restore_while_the_adopted_slot_is_still_checked_lands_through_spare_m
         go.set()
 
 
+def test_a_device_buffer_snapshot_of_unsigned_and_float8_tensors_only(root):
+    """All of a device's copies go into its snapshot buffer and share a dtype and strides: the
+    one ``_foreach_copy_`` of them takes its one-kernel path, which dispatches fewer dtypes
+    than ``copy_`` (uint16/32/64; float8 on older torch); each such state saves and restores."""
+    dtypes = [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2]
+    for i, dtype in enumerate(dtypes):
+        raw = torch.randint(0, 120, (300 + i,), dtype=torch.int64, device="cuda")
+        state = {f"p{k}": raw.to(torch.uint8).repeat(dtype.itemsize).view(dtype) for k in range(3)}
+        want = {k: v.cpu() for k, v in state.items()}
+        with CheckpointManager(root, staging=StagingOptions(device_buffer_bytes=64 << 20)) as mgr:
+            mgr.save(i, state).result()
+            got = mgr.restore(step=i)
+        for k, v in want.items():
+            assert got[k].dtype == dtype, (dtype, k)
+            assert torch.equal(got[k].cpu().view(torch.uint8), v.view(torch.uint8)), (dtype, k)
+
+
 def test_a_save_enqueues_its_device_copies_in_one_call_per_stream(root, monkeypatch):
     """A ``copy_`` per tensor gives the GIL up and takes it back once per tensor, each taking
     waiting behind the training thread's Python: the feeder enqueues a device's copies in one

@@ -528,3 +528,27 @@ def test_a_copy_that_fails_on_the_feeder_thread_fails_its_save_and_frees_the_slo
         mgr.save(2, state).result(timeout=60)  # the one slot is free again
         assert mgr.steps() == [2]
         assert_tree_equal(mgr.restore(2), state)
+
+
+def test_the_one_call_of_a_device_s_copies_copies_each_pair_as_copy_does():
+    """The pairs of one ``_foreach_copy_`` (run here on CPU, where it copies pair by pair as
+    CUDA does for pairs of different devices, dtypes or strides): views of one byte segment
+    of several dtypes, uint32 and float8 ones copied as the integers of their size, a
+    non-contiguous source; each destination holds its source's bytes, and nothing else moved."""
+    from ckptmgr.save.staging import _enqueue_copies
+
+    seg = torch.full((64,), 0xAB, dtype=torch.uint8)
+    srcs = [torch.arange(6, dtype=torch.float32).view(2, 3).t(),  # non-contiguous
+            torch.tensor([1, 2**32 - 1], dtype=torch.int64).to(torch.uint32),
+            torch.tensor([0.5, -2.0], dtype=torch.float8_e4m3fn),
+            torch.tensor([3.5, -1.25], dtype=torch.bfloat16)]
+    at, pairs = 0, []
+    for s in srcs:
+        n = s.numel() * s.element_size()
+        pairs.append((seg[at:at + n].view(s.dtype).view(s.shape), s))
+        at += n
+    _enqueue_copies(pairs)
+    for dst, s in pairs:
+        assert dst.dtype == s.dtype
+        assert torch.equal(dst.contiguous().view(torch.uint8), s.contiguous().view(torch.uint8))
+    assert torch.equal(seg[at:], torch.full((64 - at,), 0xAB, dtype=torch.uint8))

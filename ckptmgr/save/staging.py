@@ -81,12 +81,26 @@ def _copy_all(pairs: list[_Pair]) -> None:
         dst.copy_(src)
 
 
+# dtypes that ``copy_`` copies and the one-kernel path of CUDA's ``_foreach_copy_`` does not
+# (it is taken when all the pairs share a device, a dtype and strides: copies into a device
+# snapshot buffer), as the dtype of their size that it does: the same bytes are copied
+_AS_COPIED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64,
+              torch.float8_e4m3fn: torch.uint8, torch.float8_e4m3fnuz: torch.uint8,
+              torch.float8_e5m2: torch.uint8, torch.float8_e5m2fnuz: torch.uint8}
+
+
+def _as_copied(dst: torch.Tensor, src: torch.Tensor) -> _Pair:
+    like = _AS_COPIED.get(src.dtype)
+    return (dst, src) if like is None or dst.dtype != src.dtype else (dst.view(like), src.view(like))
+
+
 def _enqueue_copies(pairs: list[_Pair]) -> None:
     """Enqueue device copies on the current stream, all in one call: a ``copy_`` per pair
     gives the GIL up and takes it back once per pair, and while the training thread runs
     Python each taking waits for it (up to the 5 ms switch interval; 225 small copies took
     0.55-2.3 s beside a busy Python thread, one ``_foreach_copy_`` of them 0.4-9 ms)."""
     if pairs:
+        pairs = [_as_copied(d, s) for d, s in pairs]
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
 
 
