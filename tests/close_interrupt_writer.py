@@ -11,6 +11,7 @@ interpreter's exit hooks run).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import torch
@@ -26,6 +27,9 @@ def interrupt_state() -> dict:
 
 
 def main() -> None:
+    # Ctrl-C as a user's process gets it: a suite started in the background of a shell without job
+    # control inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     root = sys.argv[1]
     real_write = local._LocalStepWriter._write_file
     real_wait = saver.Saver.wait

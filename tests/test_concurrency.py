@@ -139,6 +139,7 @@ INTERRUPTED = textwrap.dedent("""
     from ckptmgr import CheckpointManager, SaveError, StagingOptions
     from ckptmgr.storage import local
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (a suite started with SIGINT ignored)
     gate, fail = threading.Event(), threading.Event()
     real = local._LocalStepWriter._write_file
 
