@@ -234,12 +234,13 @@ class BudgetPlanner:
     def _lost_overdue(self, now: float) -> bool:
         """True when ``max_lost_s`` is set and one more step without a save would take the time
         since the last save, plus the local commit, past it."""
+        budget = self.schedule.max_lost_s
+        if budget is None:  # (asked every step: no lock taken without the budget)
+            return False
         with self._lock:
             last = self._last_save
             ahead = (self.step_s or 0.0) + (self.local_s or 0.0)
-        if self.schedule.max_lost_s is None or last is None:
-            return False
-        return now - last[1] + ahead > self.schedule.max_lost_s + 1e-9
+        return last is not None and now - last[1] + ahead > budget + 1e-9
 
     def _due(self, step: int) -> bool:
         now = self._clock()
