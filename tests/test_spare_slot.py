@@ -188,3 +188,68 @@ def test_a_spare_waits_for_the_copies_of_its_save_only_where_the_next_save_is_fa
         mgr.wait(timeout=30)
     assert started_before_copies == [not budget], started_before_copies
     assert maker_waited.is_set() == budget
+
+
+class _CountingCondition(threading.Condition):
+    """The pool's lock, telling the test when ``calls`` of ``wait_for`` have been made."""
+
+    def __init__(self, calls: int) -> None:
+        super().__init__()
+        self.calls, self.made = calls, 0
+        self.all_made = threading.Event()
+
+    def wait_for(self, predicate, timeout=None):  # type: ignore[override]
+        self.made += 1  # (lock held)
+        if self.made >= self.calls:
+            self.all_made.set()
+        return super().wait_for(predicate, timeout)
+
+
+def test_a_spares_files_are_made_two_at_a_time_until_a_save_waits_for_it(monkeypatch):
+    """A spare's files are made (mapped, populated) by at most ``SPARE_THREADS`` threads at once
+    while training runs; once a save comes to wait for the slot (``acquire`` finds it being
+    made), every file left starts at once."""
+    from ckptmgr.save import slot_buffers
+
+    monkeypatch.setattr(cuda_shim, "available", lambda: False)
+    files = 6
+    pool = SlotPool(1, tier=None, max_host_bytes=None, memory=None)
+    pool._cond = gate = _CountingCondition(files)
+    entered: list[str] = []  # the files whose making began (guarded by ``seen``)
+    seen = threading.Condition()
+    release = threading.Event()
+    real_make = SlotPool._make
+
+    def make(self, index, name, nbytes, kind):
+        with seen:
+            entered.append(name)
+            seen.notify_all()
+        assert release.wait(30)
+        return real_make(self, index, name, nbytes, kind)
+
+    monkeypatch.setattr(SlotPool, "_make", make)
+    slot = pool.slots[0]
+    slot.preparing = True
+    maker = threading.Thread(target=pool.fit, args=(slot, [CHUNK] * files), kwargs={"hurry": False, "spare": True})
+    maker.start()
+    try:
+        assert gate.all_made.wait(30)  # every file has come to the gate,
+        with seen:
+            assert seen.wait_for(lambda: len(entered) >= slot_buffers.SPARE_THREADS, timeout=30)
+            assert len(entered) == slot_buffers.SPARE_THREADS, entered  # and only two are being made
+        got: list[object] = []
+        saver = threading.Thread(target=lambda: got.append(pool.acquire(wait=True, timeout=30)))
+        saver.start()  # a save comes and waits for the slot being made: the rest start at once
+        with seen:
+            assert seen.wait_for(lambda: len(entered) == files, timeout=30), entered
+        release.set()
+        maker.join(30)
+        with pool._cond:
+            slot.preparing = False
+            pool._cond.notify_all()
+        saver.join(30)
+        assert got and got[0][0] is slot  # type: ignore[index]
+        assert len(slot.buffers) == files and pool._making == 0
+    finally:
+        release.set()
+        maker.join(30)

@@ -25,7 +25,7 @@ import torch
 
 VARIANTS = ["load_file", "load_file +pin", "load_file +out", "load_file +both", "fastsafetensors",
             "bounce 8x8", "bounce 8x16", "reg 8x8", "reg 8x16", "reg 12x8",
-            "hybrid 8x8", "hybrid 8x16"]
+            "hybrid 8x8", "hybrid 8x16", "ctypes 8x8", "ctypes 16x8", "ctypesreg 16x8", "pageable 8x64"]
 
 
 def registered(nbytes: int) -> torch.Tensor:
@@ -175,6 +175,120 @@ def bounce(path: str, threads: int, mib: int, reg: bool = False) -> tuple[torch.
     return out, alloc
 
 
+def _cudart() -> Any:
+    """The CUDA runtime PyTorch loaded, through ctypes (each call releases the GIL)."""
+    import ctypes
+
+    with open("/proc/self/maps") as f:
+        path = next((ln.split()[-1] for ln in f if "libcudart.so" in ln), None)
+    if path is None:
+        raise SystemExit("libcudart is not a shared library of this process")
+    lib = ctypes.CDLL(path)
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    lib.cudaMemcpyAsync.argtypes = [vp, vp, sz, ctypes.c_int, vp]
+    lib.cudaEventCreateWithFlags.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+    lib.cudaEventRecord.argtypes = [vp, vp]
+    lib.cudaEventSynchronize.argtypes = [vp]
+    lib.cudaEventDestroy.argtypes = [vp]
+    lib.cudaStreamSynchronize.argtypes = [vp]
+    lib.cudaSetDevice.argtypes = [ctypes.c_int]
+    return lib
+
+
+def gil_free(path: str, threads: int, mib: int, reg: bool) -> tuple[torch.Tensor, float]:
+    """The bounce loop with no PyTorch call per piece: ``pread`` and the runtime's
+    cudaMemcpyAsync / cudaEventRecord / cudaEventSynchronize through ctypes (GIL released)."""
+    import ctypes
+
+    rt = _cudart()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
+    libc.pread.restype = ctypes.c_ssize_t
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        json.loads(f.read(n))
+    start = 8 + n
+    length = os.path.getsize(path) - start
+    out = torch.empty(length, dtype=torch.uint8, device="cuda")
+    size = mib << 20
+    t = time.perf_counter()
+    if reg:
+        pool = registered(2 * threads * size)
+        bufs = [pool[i * size:(i + 1) * size] for i in range(2 * threads)]
+    else:
+        bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2 * threads)]
+    alloc = time.perf_counter() - t
+    ptrs = [b.data_ptr() for b in bufs]
+    streams = [torch.cuda.Stream() for _ in range(threads)]
+    handles = [s.cuda_stream for s in streams]
+    begins = list(range(0, length, size))
+    fd = os.open(path, os.O_RDONLY)
+    base = out.data_ptr()
+    dev = torch.cuda.current_device()
+
+    def work(w: int) -> None:
+        assert rt.cudaSetDevice(dev) == 0
+        st = ctypes.c_void_p(handles[w])
+        evs = [ctypes.c_void_p(), ctypes.c_void_p()]
+        for ev in evs:
+            assert rt.cudaEventCreateWithFlags(ctypes.byref(ev), 2) == 0  # cudaEventDisableTiming
+        used = [False, False]
+        try:
+            for k, i in enumerate(range(w, len(begins), threads)):
+                b = begins[i]
+                e = min(b + size, length)
+                slot = k % 2
+                if used[slot]:
+                    assert rt.cudaEventSynchronize(evs[slot]) == 0
+                src = ptrs[2 * w + slot]
+                got = libc.pread(fd, src, e - b, start + b)
+                assert got == e - b, got
+                assert rt.cudaMemcpyAsync(base + b, src, e - b, 1, st) == 0  # cudaMemcpyHostToDevice
+                assert rt.cudaEventRecord(evs[slot], st) == 0
+                used[slot] = True
+            assert rt.cudaStreamSynchronize(st) == 0
+        finally:
+            for ev in evs:
+                rt.cudaEventDestroy(ev)
+
+    try:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(work, range(threads)))
+    finally:
+        os.close(fd)
+    return out, alloc
+
+
+def pageable(path: str, threads: int, mib: int) -> tuple[torch.Tensor, float]:
+    """No pinned memory of ours: each thread copies pieces of the mapped file (pageable) to the
+    GPU with ``copy_`` on a stream of its own (the driver stages them)."""
+    import mmap
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        json.loads(f.read(n))
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    start = 8 + n
+    data = torch.frombuffer(mm, dtype=torch.uint8)[start:]
+    length = data.numel()
+    out = torch.empty(length, dtype=torch.uint8, device="cuda")
+    size = mib << 20
+    begins = list(range(0, length, size))
+    streams = [torch.cuda.Stream() for _ in range(threads)]
+
+    def work(w: int) -> None:
+        with torch.cuda.stream(streams[w]):
+            for i in range(w, len(begins), threads):
+                b = begins[i]
+                e = min(b + size, length)
+                out[b:e].copy_(data[b:e], non_blocking=True)
+        streams[w].synchronize()
+
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(work, range(threads)))
+    return out, 0.0
+
+
 def child(variant: str, path: str) -> dict[str, Any]:
     torch.cuda.init()
     torch.empty(1, device="cuda")
@@ -213,6 +327,10 @@ def child(variant: str, path: str) -> dict[str, Any]:
         kind = variant.split()[0]
         if kind == "hybrid":
             res, alloc = hybrid(path, threads, mib)
+        elif kind in ("ctypes", "ctypesreg"):
+            res, alloc = gil_free(path, threads, mib, reg=kind == "ctypesreg")
+        elif kind == "pageable":
+            res, alloc = pageable(path, threads, mib)
         else:
             res, alloc = bounce(path, threads, mib, reg=kind == "reg")
     torch.cuda.synchronize()

@@ -33,7 +33,8 @@ log = logging.getLogger("ckptmgr")
 _NOW = threading.Event()  # always set: pin without pauses (the caller itself waits for it)
 _NOW.set()
 MAKE_THREADS = 8  # files of a slot made (mapped and populated) at once
-SPARE_THREADS = 2  # ... of a spare slot (made while training runs, for a later save)
+SPARE_THREADS = 2  # ... of a spare slot (made while training runs, for a later save), until a save waits for it
+GATE_WAIT_S = 600.0  # at most this long, a spare's file waits for its turn to be made
 
 
 @dataclass
@@ -71,6 +72,7 @@ class SlotBuffers:
     hurry: threading.Event
     allocations: int
     registrations: int
+    _making: int  # spare files being made now (guarded by _cond)
     _cond: threading.Condition
 
     def fit(self, slot: Slot, sizes: list[int], *, hurry: bool = True, spare: bool = False) -> None:
@@ -148,10 +150,11 @@ class SlotBuffers:
         slot.kind = kind
         make = [i for i in range(len(sizes)) if i not in keep]
         t0 = time.perf_counter()
-        # Made in parallel: reserving and populating pages is ~0.1-0.3 s per GiB for one thread.
-        threads = SPARE_THREADS if spare else MAKE_THREADS
-        with DaemonPool(min(threads, max(1, len(make))), thread_name_prefix="ckptmgr-alloc") as pool:
-            futures = [pool.submit(self._make, slot.index, file_name(i), sizes[i], kind) for i in make]
+        # Made in parallel: reserving and populating pages is ~0.1-0.3 s per GiB for one thread. A spare
+        # is made SPARE_THREADS files at a time, all of them at once from when a save waits for it.
+        make_one = self._make_gently if spare else self._make
+        with DaemonPool(min(MAKE_THREADS, max(1, len(make))), thread_name_prefix="ckptmgr-alloc") as pool:
+            futures = [pool.submit(make_one, slot.index, file_name(i), sizes[i], kind) for i in make]
         failed = next((f.exception() for f in futures if f.exception() is not None), None)
         made = [f.result() for f in futures if f.exception() is None]
         if failed is not None:
@@ -170,6 +173,21 @@ class SlotBuffers:
                   slot.index, kind, len(make), len(sizes), t1 - t0, time.perf_counter() - t1,
                   "" if hurry else " (a spare: gently, unless a save waits)" if spare else
                   " (with pauses unless a save waits)")
+
+    def _make_gently(self, index: int, name: str, nbytes: int, kind: str) -> HostBuffer:
+        """:meth:`_make` for a spare: at most :data:`SPARE_THREADS` at once, unless a save waits
+        for a slot being made (``hurry``: then every file left starts at once) or the pool stops.
+        Each file waits its turn for at most :data:`GATE_WAIT_S` seconds, then goes anyway."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._making < SPARE_THREADS or self.hurry.is_set() or self.stop.is_set(),
+                                timeout=GATE_WAIT_S)
+            self._making += 1
+        try:
+            return self._make(index, name, nbytes, kind)
+        finally:
+            with self._cond:
+                self._making -= 1
+                self._cond.notify_all()
 
     def _make(self, index: int, name: str, nbytes: int, kind: str) -> HostBuffer:
         if kind == "tmpfs":

@@ -89,6 +89,7 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         # counters, guarded by _cond
         self.allocations = 0
         self.registrations = 0
+        self._making = 0  # spare files being made now (see SlotBuffers._make_gently)
         self.counts: dict[str, float] = {"saves": 0, "skips": 0, "busy_waits": 0, "busy_wait_s": 0.0}
         self.newest_durable: int | None = None
         self._adopter: DaemonPool | None = None  # (see .slot_adoption; guarded by _cond)
@@ -191,7 +192,8 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
                         self.counts["skips"] += 1
                         return None, time.monotonic() - t0
                     if preparing:
-                        self.hurry.set()  # the caller waits: pin without pauses
+                        self.hurry.set()  # the caller waits: pin without pauses, make every file at once
+                        self._cond.notify_all()  # (spare files waiting for their turn start now)
                     elif self.on_wait is not None and time.monotonic() - t0 < 1e-3:
                         self.on_wait()
                     left = None if deadline is None else deadline - time.monotonic()
