@@ -76,7 +76,7 @@ def submit(p: Parts, step: int, state: Any, metadata: dict[str, Any] | None, *, 
     # the seconds the save spent making its slot, or waiting while one was made in the background,
     # are a one-time cost, not what a save costs (a wait for a slot still being written out is)
     setup_s = ticket.staging.setup_s if ticket.staging is not None else 0.0
-    budget.saved(step, allocated=setup_s > 1e-3, one_time_s=setup_s)
+    budget.saved(step, allocated=setup_s > 1e-3, one_time_s=setup_s, started=t0)
     if durable:  # (asked for, past the planner: its durable interval counts from here too)
         budget.durable_asked(step)
     ticket.future.add_done_callback(lambda f: _budget_done(p, step, t0, f))

@@ -326,6 +326,27 @@ def test_a_slot_being_made_never_puts_a_save_off_past_max_lost_s():
     assert len(gaps) >= 5 and max(gaps) <= 6.0, gaps  # (without the guard: no save after step 9)
 
 
+def test_max_lost_s_counts_from_when_a_save_began_not_from_when_its_wait_for_a_slot_ended():
+    """A save call that waits for a staging slot still saves the state as it was when it was
+    called: the time lost to a crash runs from there until the next save's local commit. Each
+    save here waits 1.5 s for a slot and is committed locally 2 s after it began; with a 6 s
+    budget, the saves must begin at most 4 s apart (counted from the end of the wait, they
+    were 5.5 s apart: 7.5 s lost)."""
+    t = [0.0]
+    p = BudgetPlanner(Schedule(max_lost_s=6), clock=lambda: t[0])
+    starts: list[float] = []
+    for step in range(80):
+        t[0] += 1.0
+        if p.should_save(step):
+            starts.append(t[0])
+            t[0] += 1.5  # the call waits for a slot
+            p.saved(step, started=starts[-1])
+            p.finished(step, durable=False, local_s=2.0)
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert len(gaps) >= 10 and max(gaps) + 2.0 <= 6.0, gaps
+    assert p.stats()["interval_s"] == pytest.approx(sum(gaps) / len(gaps))
+
+
 def test_max_overhead_holds_over_the_run_from_its_first_save():
     """The budget is the share of the time since the first step: the first save's cost, which
     no earlier time paid for, puts the second off until the run has earned it."""

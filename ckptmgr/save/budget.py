@@ -346,21 +346,26 @@ class BudgetPlanner:
             self._cost_recurring += cost
             self.save_cost_s = cost if self.save_cost_s is None else (1 - ALPHA) * self.save_cost_s + ALPHA * cost
 
-    def saved(self, step: int, *, allocated: bool = False, one_time_s: float | None = None) -> None:
+    def saved(self, step: int, *, allocated: bool = False, one_time_s: float | None = None,
+              started: float | None = None) -> None:
         """A save of ``step`` was made (after the should_save call of its step).
         ``allocated``: it made staging memory, a one-time cost that is not charged to saves:
         ``one_time_s``, the seconds that took, is taken off what the save's window measures;
-        None (not known): the save is not counted at all."""
+        None (not known): the save is not counted at all. ``started``: when the save call
+        began, on the planner's clock (default: now). The state saved is the state then, so
+        the time lost to a crash (``max_lost_s``) and the interval achieved count from there:
+        a save that waited for a slot must not move the next one later by its wait."""
         now = self._clock()
+        began = now if started is None else min(started, now)
         one_time = max(0.0, one_time_s or 0.0) if allocated else 0.0
         with self._lock:
             self._close_window()
             # [intervals left, extra seconds so far less the one-time part, count it, the one-time part]
             self._window = [float(WINDOW), -one_time, 0.0 if allocated and one_time_s is None else 1.0, one_time]
-            self._last_save = (step, now)
+            self._last_save = (step, began)
             self._saves += 1
             if self._first_save_t is None:
-                self._first_save_t = now
+                self._first_save_t = began
 
     def saved_once(self, step: int) -> None:
         """A save of ``step`` made by a framework's own checkpointing, told for each file it
