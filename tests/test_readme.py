@@ -429,10 +429,11 @@ def test_readme_checkpoint_frequency_table_comes_from_its_json():
         assert len(values) >= 2  # fresh-process rounds
         return {f"{v:+.2f}%" for v in (statistics.median(values), min(values), max(values))}
 
-    final, continuous = "h100-2026-11-27-foreach/budget.json", "h100-2026-11-27-budget-92de1b0/budget.json"
+    final = "h100-2026-11-27-spare-gate/call1/budget.json"
+    continuous = "h100-2026-11-27-spare-gate/call3/budget-sched.json"
     modes = {"the defaults": (final, "ckptmgr overlap"),
              "Schedule(continuous=True)": (continuous, "ckptmgr continuous"),
-             "Schedule(max_lost_s=2)": (final, "ckptmgr lost")}
+             "Schedule(max_lost_s=2)": (continuous, "ckptmgr lost")}
     rows = {row: spread(pct(path, mode)) for row, (path, mode) in modes.items()}
     rounds = {}
     for path in {final, continuous}:
@@ -453,8 +454,8 @@ def test_readme_checkpoint_frequency_table_comes_from_its_json():
             assert any(f"{v:.{digits}f}" == fig for v in stats), (fig, line)
         seen += 1
     assert seen == len(rows)
-    prose = {f"{v:+.2f}%" for path, mode in (("h100-2026-11-27-sched/budget-long.json", "ckptmgr budget"),
-                                             ("h100-2026-11-27-foreach/decoder.json", "ckptmgr overlap"))
+    prose = {f"{v:+.2f}%" for path, mode in (("h100-2026-11-27-spare-gate/call2/budget-long.json", "ckptmgr budget"),
+                                             ("h100-2026-11-27-spare-gate/call2/decoder.json", "ckptmgr overlap"))
              for values in [pct(path, mode)] for v in (statistics.median(values), min(values), max(values))}
     old = []
     for name in ("old1.json", "old2.json", "old3.json"):
