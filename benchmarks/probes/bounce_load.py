@@ -130,7 +130,19 @@ def hybrid(path: str, threads: int, mib: int) -> tuple[torch.Tensor, float]:
     return out, alloc
 
 
-def bounce(path: str, threads: int, mib: int, reg: bool = False) -> tuple[torch.Tensor, float]:
+def _on_threads(work: Any, threads: int, fd: int) -> None:
+    """``work(w)`` for every thread ``w``, at once; then the file is closed."""
+    try:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(work, range(threads)))
+    finally:
+        os.close(fd)
+
+
+def _setup(path: str, threads: int, mib: int, reg: bool) -> tuple[int, int, torch.Tensor, list[torch.Tensor], float]:
+    """The data region's start and length, the output on the GPU, two bounce buffers of ``mib``
+    MiB per thread (torch's pinned memory, or populated anonymous memory registered in place
+    with ``reg``) and the seconds the buffers took."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         json.loads(f.read(n))
@@ -144,7 +156,12 @@ def bounce(path: str, threads: int, mib: int, reg: bool = False) -> tuple[torch.
         bufs = [pool[i * size:(i + 1) * size] for i in range(2 * threads)]
     else:
         bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2 * threads)]
-    alloc = time.perf_counter() - t
+    return start, length, out, bufs, time.perf_counter() - t
+
+
+def bounce(path: str, threads: int, mib: int, reg: bool = False) -> tuple[torch.Tensor, float]:
+    start, length, out, bufs, alloc = _setup(path, threads, mib, reg)
+    size = mib << 20
     streams = [torch.cuda.Stream() for _ in range(threads)]
     begins = list(range(0, length, size))
     fd = os.open(path, os.O_RDONLY)
@@ -167,11 +184,7 @@ def bounce(path: str, threads: int, mib: int, reg: bool = False) -> tuple[torch.
                 events[slot] = ev
         streams[w].synchronize()
 
-    try:
-        with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(work, range(threads)))
-    finally:
-        os.close(fd)
+    _on_threads(work, threads, fd)
     return out, alloc
 
 
@@ -204,20 +217,8 @@ def gil_free(path: str, threads: int, mib: int, reg: bool) -> tuple[torch.Tensor
     libc = ctypes.CDLL(None, use_errno=True)
     libc.pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
     libc.pread.restype = ctypes.c_ssize_t
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        json.loads(f.read(n))
-    start = 8 + n
-    length = os.path.getsize(path) - start
-    out = torch.empty(length, dtype=torch.uint8, device="cuda")
+    start, length, out, bufs, alloc = _setup(path, threads, mib, reg)
     size = mib << 20
-    t = time.perf_counter()
-    if reg:
-        pool = registered(2 * threads * size)
-        bufs = [pool[i * size:(i + 1) * size] for i in range(2 * threads)]
-    else:
-        bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2 * threads)]
-    alloc = time.perf_counter() - t
     ptrs = [b.data_ptr() for b in bufs]
     streams = [torch.cuda.Stream() for _ in range(threads)]
     handles = [s.cuda_stream for s in streams]
@@ -251,11 +252,7 @@ def gil_free(path: str, threads: int, mib: int, reg: bool) -> tuple[torch.Tensor
             for ev in evs:
                 rt.cudaEventDestroy(ev)
 
-    try:
-        with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(work, range(threads)))
-    finally:
-        os.close(fd)
+    _on_threads(work, threads, fd)
     return out, alloc
 
 
