@@ -33,7 +33,7 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..errors import CkptError, CkptTimeoutError, ConfigError
 from ..format.schema import MAX_MANIFEST_BYTES
-from ..storage.peer_tier import PeerArea, ShardRecord, check_files
+from ..storage.peer_tier import IncomingFile, PeerArea, ShardRecord, check_files
 from .coordinator import Coordinator
 
 __all__ = ["COPY_METHOD", "COPY_METHODS", "COPY_THREADS", "MAX_SHARD_BYTES", "RESTORE_GPU_BYTES", "SEGMENT_BYTES",
@@ -317,21 +317,37 @@ def restore_transport(coord: Coordinator, tier_group: Any, mode: str, timeout_s:
 
 
 def _pieces(files: list[np.ndarray[Any, Any]], size: int) -> list[list[np.ndarray[Any, Any]]]:
-    """The files' bytes, concatenated, cut into pieces of ``size``: each piece as the list of
-    the file parts it covers (both sides cut the same stream the same way)."""
-    out: list[list[np.ndarray[Any, Any]]] = [[]]
+    """The files' bytes, concatenated, cut into pieces of ``size`` (:func:`_cut`): each piece as
+    the list of the file parts it covers (both sides cut the same stream the same way)."""
+    return [[files[k][at:at + n] for k, at, n in piece] for piece in _cut([a.size for a in files], size)]
+
+
+def _cut(sizes: list[int], size: int) -> list[list[tuple[int, int, int]]]:
+    """Files of ``sizes``, concatenated, cut into pieces of ``size``: each piece as (file index,
+    offset in it, bytes) for each file part it covers."""
+    out: list[list[tuple[int, int, int]]] = [[]]
     room = size
-    for arr in files:
+    for k, n_file in enumerate(sizes):
         at = 0
-        while at < arr.size:
+        while at < n_file:
             if room == 0:
                 out.append([])
                 room = size
-            n = min(room, arr.size - at)
-            out[-1].append(arr[at:at + n])
+            n = min(room, n_file - at)
+            out[-1].append((k, at, n))
             at += n
             room -= n
     return [p for p in out if p]
+
+
+class _Incoming(NamedTuple):
+    """A shard being received from one rank: its record and slot (None: refused, its bytes
+    dropped), its files, the data bytes it announced."""
+
+    rec: ShardRecord | None
+    slot: int | None
+    files: list[IncomingFile]
+    nbytes: int
 
 
 class ShardMover:
@@ -377,37 +393,23 @@ class ShardMover:
         raws = {s: np.zeros(int(h[1]), dtype=np.uint8) for s, h in heads.items() if h[1]}
         t.exchange([(d, np.frombuffer(rec.raw, dtype=np.uint8).copy()) for d, rec, _ in sends if rec is not None],
                    list(raws.items()))
-        incoming: dict[int, tuple[ShardRecord | None, int | None, list[np.ndarray[Any, Any]]]] = {}
-        for s in recvs:
-            rec: ShardRecord | None = None
-            slot = None
-            bufs: list[np.ndarray[Any, Any]] = []
-            if s in raws:
-                try:
-                    rec = ShardRecord.parse(raws[s].tobytes(), f"the shard record rank {s} sent")
-                    if not own_node_ok and rec.node == self.node:
-                        raise CkptError(f"rank {s} sent a shard saved on this very node ({rec.node})")
-                    slot = self.area.take_slot(rec.rank)
-                    if slot is None:
-                        raise CkptError(f"every slot of rank {rec.rank}'s shard here is held")
-                    bufs = list(self.area.create(rec.rank, slot, rec).values())
-                except (CkptError, OSError) as exc:
-                    log.warning("peer tier: the shard rank %d sent is not kept: %s", s, exc)
-                    if rec is not None and slot is not None:
-                        self.area.abort(rec.rank, slot)
-                    rec, slot, bufs = None, None, []
-            if sum(b.size for b in bufs) != heads[s][2]:
-                if rec is not None and slot is not None:
-                    self.area.abort(rec.rank, slot)
-                rec, slot, bufs = None, None, self._discard(int(heads[s][2]))
-            incoming[s] = (rec, slot, bufs)
-        self._pump(sends, incoming)
+        incoming: dict[int, _Incoming] = {}
+        try:
+            for s in recvs:
+                incoming[s] = self._open(s, raws.get(s), int(heads[s][2]), own_node_ok)
+            self._pump(sends, incoming)
+            mapped = {s: [f.mapped() for f in inc.files] for s, inc in incoming.items() if inc.rec is not None}
+        finally:
+            for inc in incoming.values():
+                for f in inc.files:
+                    f.close()
         out: dict[int, tuple[ShardRecord | None, bool]] = {}
-        for s, (rec, slot, bufs) in incoming.items():
+        for s, inc in incoming.items():
+            rec, slot = inc.rec, inc.slot
             if rec is None or slot is None:
                 out[s] = (None, False)
                 continue
-            bad = check_files(rec, dict(zip(rec.manifest.files, bufs, strict=True)), self.io)
+            bad = check_files(rec, dict(zip(rec.manifest.files, mapped[s], strict=True)), self.io)
             if bad is None:
                 self.area.commit(rec.rank, slot, rec)
             else:
@@ -419,48 +421,70 @@ class ShardMover:
             out[s] = (rec, bad is None)
         return out
 
-    def _discard(self, nbytes: int) -> list[np.ndarray[Any, Any]]:
-        """Where the bytes of a refused shard go: one reused buffer of ``chunk_bytes``, never
-        an allocation of the size a peer announced."""
-        size = self.chunk_bytes
-        scratch = np.empty(min(size, nbytes), dtype=np.uint8)
-        return [scratch] * (nbytes // size) + ([scratch[:nbytes % size]] if nbytes % size else [])
+    def _open(self, s: int, raw: np.ndarray[Any, Any] | None, nbytes: int, own_node_ok: bool) -> _Incoming:
+        """Where the shard rank ``s`` announced (its record ``raw``, ``nbytes`` of data) lands:
+        the files of a slot taken for it, or nowhere (refused: its bytes are received and
+        dropped)."""
+        rec: ShardRecord | None = None
+        slot = None
+        files: list[IncomingFile] = []
+        if raw is not None:
+            try:
+                rec = ShardRecord.parse(raw.tobytes(), f"the shard record rank {s} sent")
+                if not own_node_ok and rec.node == self.node:
+                    raise CkptError(f"rank {s} sent a shard saved on this very node ({rec.node})")
+                slot = self.area.take_slot(rec.rank)
+                if slot is None:
+                    raise CkptError(f"every slot of rank {rec.rank}'s shard here is held")
+                files = list(self.area.receive(rec.rank, slot, rec).values())
+            except (CkptError, OSError) as exc:
+                log.warning("peer tier: the shard rank %d sent is not kept: %s", s, exc)
+                if rec is not None and slot is not None:
+                    self.area.abort(rec.rank, slot)
+                rec, slot, files = None, None, []
+        if sum(f.size for f in files) != nbytes:
+            for f in files:
+                f.close()
+            if rec is not None and slot is not None:
+                self.area.abort(rec.rank, slot)
+            return _Incoming(None, None, [], nbytes)
+        return _Incoming(rec, slot, files, nbytes)
 
-    def _pump(self, sends: Sends,
-              incoming: dict[int, tuple[ShardRecord | None, int | None, list[np.ndarray[Any, Any]]]]) -> None:
-        """Move the files' bytes, piece by piece, paced by ``max_bytes_per_s``."""
+    def _pump(self, sends: Sends, incoming: dict[int, _Incoming]) -> None:
+        """Move the files' bytes, piece by piece, paced by ``max_bytes_per_s``. Each source's
+        pieces are received into one buffer of ``chunk_bytes`` reused for all of them (never
+        an allocation of the size a peer announced), then written into the files they belong
+        to (:meth:`IncomingFile.write`); a refused shard's are dropped."""
         size = self.chunk_bytes
         out_pieces = [(d, _pieces(list(fs.values()), size)) for d, _, fs in sends]
-        in_pieces = {s: _pieces(bufs, size) for s, (_, _, bufs) in incoming.items()}
+        in_pieces = {s: _cut([f.size for f in inc.files] or [inc.nbytes], size) for s, inc in incoming.items()}
+        scratch = {s: np.empty(min(size, inc.nbytes), dtype=np.uint8) for s, inc in incoming.items() if inc.nbytes}
         rounds = max([*(len(p) for _, p in out_pieces), *(len(p) for p in in_pieces.values())], default=0)
         start, sent = time.monotonic(), 0
         for i in range(rounds):
             tx: list[tuple[int, np.ndarray[Any, Any]]] = []
             rx: list[tuple[int, np.ndarray[Any, Any]]] = []
-            scatter = []
             for d, pieces in out_pieces:
                 if i < len(pieces):
                     buf = pieces[i][0] if len(pieces[i]) == 1 else np.concatenate(pieces[i])
                     tx.append((d, buf))
                     sent += buf.size
-            for s, pieces in in_pieces.items():
-                if i < len(pieces):
-                    parts = pieces[i]
-                    dst = parts[0] if len(parts) == 1 else np.empty(sum(p.size for p in parts), dtype=np.uint8)
-                    rx.append((s, dst))
-                    if len(parts) > 1:
-                        scatter.append((dst, parts))
+            for s, cuts in in_pieces.items():
+                if i < len(cuts):
+                    rx.append((s, scratch[s][:sum(n for _, _, n in cuts[i])]))
             self.transport.exchange(tx, rx)
-            for dst, parts in scatter:
-                at = 0
-                for p in parts:
-                    p[:] = dst[at:at + p.size]
-                    at += p.size
+            for s, cuts in in_pieces.items():
+                files = incoming[s].files
+                if i < len(cuts) and files:
+                    at = 0
+                    for k, offset, n in cuts[i]:
+                        files[k].write(offset, scratch[s][at:at + n])
+                        at += n
             if self.max_bytes_per_s:  # pace: never ahead of the allowed rate
                 ahead = sent / self.max_bytes_per_s - (time.monotonic() - start)
                 if ahead > 0:
                     time.sleep(ahead)
         with self._mu:
             self.counts["peer_bytes_sent"] += sent
-            self.counts["peer_bytes_received"] += sum(b.size for _, _, bs in incoming.values() for b in bs)
+            self.counts["peer_bytes_received"] += sum(inc.nbytes for inc in incoming.values())
             self.counts["peer_transfer_s"] += time.monotonic() - start
