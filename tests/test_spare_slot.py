@@ -253,3 +253,43 @@ def test_a_spares_files_are_made_two_at_a_time_until_a_save_waits_for_it(monkeyp
     finally:
         release.set()
         maker.join(30)
+
+
+def test_closing_the_pool_lets_a_spares_files_waiting_for_their_turn_go_at_once(monkeypatch):
+    """``close`` (``stop``) ends the wait of a spare's files for their turn at once: they do
+    not wait for a file being made to finish first."""
+    from ckptmgr.save import slot_buffers
+
+    monkeypatch.setattr(cuda_shim, "available", lambda: False)
+    files = 5
+    pool = SlotPool(1, tier=None, max_host_bytes=None, memory=None)
+    pool._cond = gate = _CountingCondition(files)
+    entered: list[str] = []  # the files whose making began (guarded by ``seen``)
+    seen = threading.Condition()
+    release = threading.Event()  # (the files being made finish only once it is set)
+    real_make = SlotPool._make
+
+    def make(self, index, name, nbytes, kind):
+        with seen:
+            entered.append(name)
+            seen.notify_all()
+        assert release.wait(120)  # (longer than the test waits for the others: they must not need it)
+        return real_make(self, index, name, nbytes, kind)
+
+    monkeypatch.setattr(SlotPool, "_make", make)
+    slot = pool.slots[0]
+    slot.preparing = True
+    maker = threading.Thread(target=pool.fit, args=(slot, [CHUNK] * files), kwargs={"hurry": False, "spare": True})
+    maker.start()
+    try:
+        assert gate.all_made.wait(30)  # every file has come to the gate,
+        with seen:
+            assert seen.wait_for(lambda: len(entered) >= slot_buffers.SPARE_THREADS, timeout=30)
+            assert len(entered) == slot_buffers.SPARE_THREADS, entered  # two are being made (and held there)
+        pool.close()
+        with seen:  # the others go while those two are still being made
+            assert seen.wait_for(lambda: len(entered) == files, timeout=30), entered
+    finally:
+        release.set()
+        maker.join(30)
+    assert not maker.is_alive() and pool._making == 0
