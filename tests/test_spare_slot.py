@@ -293,3 +293,59 @@ def test_closing_the_pool_lets_a_spares_files_waiting_for_their_turn_go_at_once(
         release.set()
         maker.join(30)
     assert not maker.is_alive() and pool._making == 0
+
+
+class _WakeCountingCondition(threading.Condition):
+    """The pool's lock, counting the threads waiting on it, the waits begun, and the
+    notifications given while a thread waited (``wakes``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = self.waits = self.wakes = 0  # (lock held)
+        self.two_waits = threading.Event()
+
+    def wait(self, timeout=None):  # type: ignore[override]
+        self.waiting, self.waits = self.waiting + 1, self.waits + 1
+        if self.waits >= 2:
+            self.two_waits.set()
+        try:
+            return super().wait(timeout)
+        finally:
+            self.waiting -= 1
+
+    def notify_all(self) -> None:
+        self.wakes += self.waiting > 0
+        super().notify_all()
+
+
+def test_two_saves_waiting_for_a_slot_being_made_do_not_wake_each_other():
+    """A save that comes to wait for a slot being made, while another save already waits
+    for it, wakes nobody (the spare's files were told to hurry by the first): each woke the
+    other, which woke it back, tens of thousands of times a second until the slot was made,
+    holding the pool's lock meanwhile."""
+    pool = SlotPool(1, tier=None, max_host_bytes=None, memory=None)
+    pool._cond = cond = _WakeCountingCondition()
+    slot = pool.slots[0]
+    slot.preparing = True
+    got: list[object] = []
+
+    def save() -> None:
+        s, _ = pool.acquire(wait=True, timeout=30)
+        got.append(s)
+        pool.release(s, step=None, durable=False)  # type: ignore[arg-type]
+
+    savers = [threading.Thread(target=save) for _ in range(2)]
+    for t in savers:
+        t.start()
+    try:
+        assert cond.two_waits.wait(30)  # both saves have come to wait,
+        with cond:  # (taken once the second waits)
+            hurried, wakes = pool.hurry.is_set(), cond.wakes
+    finally:
+        with cond:
+            slot.preparing = False  # the slot is made
+            cond.notify_all()
+        for t in savers:
+            t.join(60)
+    assert hurried and wakes == 0, wakes  # and neither has woken the other
+    assert got == [slot, slot] and not pool.hurry.is_set()

@@ -192,8 +192,11 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
                         self.counts["skips"] += 1
                         return None, time.monotonic() - t0
                     if preparing:
-                        self.hurry.set()  # the caller waits: pin without pauses, make every file at once
-                        self._cond.notify_all()  # (spare files waiting for their turn start now)
+                        if not self.hurry.is_set():  # the caller waits: pin without pauses, make every file at once
+                            self.hurry.set()
+                            # (spare files waiting for their turn start now; only when hurry is new: a save
+                            # already waiting here would be woken, and wake this one back, without end)
+                            self._cond.notify_all()
                     elif self.on_wait is not None and time.monotonic() - t0 < 1e-3:
                         self.on_wait()
                     left = None if deadline is None else deadline - time.monotonic()
