@@ -253,3 +253,99 @@ def test_a_spares_files_are_made_two_at_a_time_until_a_save_waits_for_it(monkeyp
     finally:
         release.set()
         maker.join(30)
+
+
+def test_closing_the_pool_lets_a_spares_files_waiting_for_their_turn_go_at_once(monkeypatch):
+    """``close`` (``stop``) ends the wait of a spare's files for their turn at once: they do
+    not wait for a file being made to finish first."""
+    from ckptmgr.save import slot_buffers
+
+    monkeypatch.setattr(cuda_shim, "available", lambda: False)
+    files = 5
+    pool = SlotPool(1, tier=None, max_host_bytes=None, memory=None)
+    pool._cond = gate = _CountingCondition(files)
+    entered: list[str] = []  # the files whose making began (guarded by ``seen``)
+    seen = threading.Condition()
+    release = threading.Event()  # (the files being made finish only once it is set)
+    real_make = SlotPool._make
+
+    def make(self, index, name, nbytes, kind):
+        with seen:
+            entered.append(name)
+            seen.notify_all()
+        assert release.wait(120)  # (longer than the test waits for the others: they must not need it)
+        return real_make(self, index, name, nbytes, kind)
+
+    monkeypatch.setattr(SlotPool, "_make", make)
+    slot = pool.slots[0]
+    slot.preparing = True
+    maker = threading.Thread(target=pool.fit, args=(slot, [CHUNK] * files), kwargs={"hurry": False, "spare": True})
+    maker.start()
+    try:
+        assert gate.all_made.wait(30)  # every file has come to the gate,
+        with seen:
+            assert seen.wait_for(lambda: len(entered) >= slot_buffers.SPARE_THREADS, timeout=30)
+            assert len(entered) == slot_buffers.SPARE_THREADS, entered  # two are being made (and held there)
+        pool.close()
+        with seen:  # the others go while those two are still being made
+            assert seen.wait_for(lambda: len(entered) == files, timeout=30), entered
+    finally:
+        release.set()
+        maker.join(30)
+    assert not maker.is_alive() and pool._making == 0
+
+
+class _WakeCountingCondition(threading.Condition):
+    """The pool's lock, counting the threads waiting on it, the waits begun, and the
+    notifications given while a thread waited (``wakes``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = self.waits = self.wakes = 0  # (lock held)
+        self.two_waits = threading.Event()
+
+    def wait(self, timeout=None):  # type: ignore[override]
+        self.waiting, self.waits = self.waiting + 1, self.waits + 1
+        if self.waits >= 2:
+            self.two_waits.set()
+        try:
+            return super().wait(timeout)
+        finally:
+            self.waiting -= 1
+
+    def notify_all(self) -> None:
+        self.wakes += self.waiting > 0
+        super().notify_all()
+
+
+def test_two_saves_waiting_for_a_slot_being_made_do_not_wake_each_other():
+    """A save that comes to wait for a slot being made, while another save already waits
+    for it, wakes nobody (the spare's files were told to hurry by the first): each woke the
+    other, which woke it back, tens of thousands of times a second until the slot was made,
+    holding the pool's lock meanwhile."""
+    pool = SlotPool(1, tier=None, max_host_bytes=None, memory=None)
+    pool._cond = cond = _WakeCountingCondition()
+    slot = pool.slots[0]
+    slot.preparing = True
+    got: list[object] = []
+
+    def save() -> None:
+        s, _ = pool.acquire(wait=True, timeout=30)
+        got.append(s)
+        pool.release(s, step=None, durable=False)  # type: ignore[arg-type]
+
+    savers = [threading.Thread(target=save) for _ in range(2)]
+    for t in savers:
+        t.start()
+    try:
+        assert cond.two_waits.wait(30)  # both saves have come to wait,
+        with cond:  # (taken once the second waits)
+            hurried, wakes = pool.hurry.is_set(), cond.wakes
+    finally:
+        with cond:
+            slot.preparing = False  # the slot is made
+            cond.notify_all()
+        for t in savers:
+            t.join(60)
+    assert hurried and wakes == 0, wakes  # and neither has woken the other
+    assert got == [slot, slot] and not pool.hurry.is_set()

@@ -439,7 +439,7 @@ class Saver(TierSaves):
             log.warning("steps %s were never written to %s; retries stop with the manager", dropped, self._target.url)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         ended = self._engine.stop(left)  # (else a write is hung: its threads and slot stay as they are)
-        self.pool.stop.set()
+        self.pool.halt()
         if ended:
             self._side.stop(timeout=left)
         kept, _ = self.pool.close(None if deadline is None else max(0.0, deadline - time.monotonic()))

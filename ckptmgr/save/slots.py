@@ -85,7 +85,7 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         self._cond = threading.Condition()
         self.hurry = threading.Event()  # set while a save waits for a slot being prepared
         self.on_wait: Callable[[], None] | None = None  # called (lock held) when a save starts waiting
-        self.stop = threading.Event()  # set at close: preparation gives up between pieces
+        self.stop = threading.Event()  # set at close (see halt): preparation gives up between pieces
         # counters, guarded by _cond
         self.allocations = 0
         self.registrations = 0
@@ -192,8 +192,11 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
                         self.counts["skips"] += 1
                         return None, time.monotonic() - t0
                     if preparing:
-                        self.hurry.set()  # the caller waits: pin without pauses, make every file at once
-                        self._cond.notify_all()  # (spare files waiting for their turn start now)
+                        if not self.hurry.is_set():  # the caller waits: pin without pauses, make every file at once
+                            self.hurry.set()
+                            # (spare files waiting for their turn start now; only when hurry is new: a save
+                            # already waiting here would be woken, and wake this one back, without end)
+                            self._cond.notify_all()
                     elif self.on_wait is not None and time.monotonic() - t0 < 1e-3:
                         self.on_wait()
                     left = None if deadline is None else deadline - time.monotonic()
@@ -312,12 +315,18 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
             newest = self._newest_committed()
             return newest is not None and step < newest
 
+    def halt(self) -> None:
+        """Set ``stop`` (closing), and wake whoever waits on the pool's lock for it: a spare's
+        files waiting for their turn (see :meth:`SlotBuffers._make_gently`) go at once."""
+        self.stop.set()
+        self._wake()  # (the waits check ``stop`` under the lock: none misses it)
+
     def close(self, timeout: float | None = None) -> tuple[list[int], list[int]]:
         """Free every idle slot whose step is durable, superseded or not committed; return the
         committed steps kept in the tier for the next start, and the steps of slots still busy
         (left alone: a writer may still read them). Adoptions still running are stopped and
         waited for up to ``timeout`` seconds (see :meth:`stop_adoptions`)."""
-        self.stop.set()
+        self.halt()
         abandoned = self.stop_adoptions(timeout)
         kept: list[int] = []
         busy: list[int] = []
