@@ -78,7 +78,7 @@ def submit(p: Parts, step: int, state: Any, metadata: dict[str, Any] | None, *, 
     setup_s = ticket.staging.setup_s if ticket.staging is not None else 0.0
     budget.saved(step, allocated=setup_s > 1e-3, one_time_s=setup_s, started=t0)
     if durable:  # (asked for, past the planner: its durable interval counts from here too)
-        budget.durable_asked(step)
+        budget.durable_asked(step, started=t0)
     ticket.future.add_done_callback(lambda f: _budget_done(p, step, t0, f))
     return ticket
 

@@ -83,8 +83,10 @@ class Loop:
 
     def __init__(self, schedule: Schedule, *, step_s: Callable[[int], float], cost_s: Callable[[int], float],
                  bandwidth: Callable[[int], float] = lambda k: 1 * GB, nbytes: int = 5 * GB,
-                 tiered: bool = True, one_time_s: float | None = None) -> None:
+                 tiered: bool = True, one_time_s: float | None = None, wait_s: float = 0.0) -> None:
         self.t = 0.0
+        self.wait_s = wait_s  # what each save call waits (for a staging slot) before it stages
+        self.began: dict[int, float] = {}  # step -> when its save call began
         self.p = BudgetPlanner(schedule, clock=lambda: self.t, tiered=tiered)
         self.step_s, self.cost_s, self.bandwidth, self.nbytes = step_s, cost_s, bandwidth, nbytes
         self.saves: list[int] = []
@@ -100,7 +102,8 @@ class Loop:
         while self.writing is not None and self.writing[2] <= self.t:
             step, staged, end = self.writing
             self.writing = None
-            self.p.finished(step, durable=True, nbytes=self.nbytes, staged_at=staged, committed_at=end)
+            self.p.finished(step, durable=True, nbytes=self.nbytes, staged_at=staged, committed_at=end,
+                            local_s=self.wait_s or None)  # (the manager's local_s: from the call, its wait included)
             self.durable.append((step, staged, end))
             if self.queued is not None:
                 (k, at), self.queued = self.queued, None
@@ -114,9 +117,11 @@ class Loop:
             self._deliver()
             if self.p.should_save(k):
                 self.saves.append(k)
+                self.began[k] = self.t
+                self.t += self.wait_s
                 durable = self.p.durable(k, None)  # as the saver asks, inside save()
                 first = len(self.saves) == 1  # the first save makes its slot
-                self.p.saved(k, allocated=first, one_time_s=self.one_time_s if first else None)
+                self.p.saved(k, allocated=first, one_time_s=self.one_time_s if first else None, started=self.began[k])
                 self.extra = self.cost_s(k)
                 if durable and self.writing is None:
                     self.writing = (k, self.t, self.t + self.nbytes / self.bandwidth(k))
@@ -225,6 +230,16 @@ def test_durable_saves_adapt_when_the_bandwidth_drops_mid_run(caplog):
     assert max(loop.gaps()) * 0.5 <= 10
     stats = loop.p.stats()
     assert stats["durable_write_s"] == pytest.approx(100, rel=0.05) and stats["durable_bytes_per_s"] > 0
+
+
+def test_durable_max_lost_s_counts_from_when_a_durable_save_began():
+    """Each save call here waits 3 s for a staging slot before it stages: the state it saves is
+    the state when it began, so the node-loss window (a durable save's call to the next
+    durable commit) must stay within ``durable_max_lost_s`` counted from there."""
+    loop = Loop(Schedule(durable_max_lost_s=60), step_s=lambda k: 0.5, cost_s=lambda k: 0.0, wait_s=3.0)
+    loop.run(range(2000))
+    windows = [end - loop.began[a] for (a, _, _), (_, _, end) in zip(loop.durable, loop.durable[1:], strict=False)]
+    assert len(windows) > 5 and max(windows[1:]) <= 60 + 0.5, windows
 
 
 def test_continuous_starts_the_next_durable_save_when_the_last_write_ends():

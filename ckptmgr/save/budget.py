@@ -203,7 +203,8 @@ class BudgetPlanner:
         self._first_save_t: float | None = None
         self._saves = 0
         self._in_flight: set[int] = set()  # steps sent durable, not resolved yet
-        self._last_durable_t: float | None = None  # when the last save sent durable was made
+        self._last_durable_t: float | None = None  # when the last save sent durable was made (its call began)
+        self._durable_step: int | None = None  # the step durable() last sent durable, until saved() of it
         self._last_commit_t: float | None = None  # when the last durable write ended
         self._commits: list[float] = []  # times of the durable commits (first and last kept)
         self._commit_count = 0
@@ -276,14 +277,17 @@ class BudgetPlanner:
             if go:
                 self._in_flight.add(step)
                 self._last_durable_t = now
+                self._durable_step = step  # (saved() moves the time back to when the call began)
         return go
 
-    def durable_asked(self, step: int) -> None:
+    def durable_asked(self, step: int, *, started: float | None = None) -> None:
         """The save of ``step`` goes to the durable target because its caller asked
-        (``save(durable=True)``), not because :meth:`durable` said so."""
+        (``save(durable=True)``), not because :meth:`durable` said so. ``started``: when the
+        save call began (default: now)."""
+        now = self._clock()
         with self._lock:
             self._in_flight.add(step)
-            self._last_durable_t = self._clock()
+            self._last_durable_t = now if started is None else min(started, now)
 
     def _affordable(self, now: float) -> bool:
         """``max_overhead`` as a budget over the run so far: the saves' costs (one-time parts
@@ -353,8 +357,9 @@ class BudgetPlanner:
         ``one_time_s``, the seconds that took, is taken off what the save's window measures;
         None (not known): the save is not counted at all. ``started``: when the save call
         began, on the planner's clock (default: now). The state saved is the state then, so
-        the time lost to a crash (``max_lost_s``) and the interval achieved count from there:
-        a save that waited for a slot must not move the next one later by its wait."""
+        the time lost to a crash (``max_lost_s``, ``durable_max_lost_s``) and the interval
+        achieved count from there: a save that waited for a slot must not move the next one
+        later by its wait."""
         now = self._clock()
         began = now if started is None else min(started, now)
         one_time = max(0.0, one_time_s or 0.0) if allocated else 0.0
@@ -363,6 +368,10 @@ class BudgetPlanner:
             # [intervals left, extra seconds so far less the one-time part, count it, the one-time part]
             self._window = [float(WINDOW), -one_time, 0.0 if allocated and one_time_s is None else 1.0, one_time]
             self._last_save = (step, began)
+            if self._durable_step == step:  # sent durable by durable(), inside this save's call
+                self._durable_step = None
+                if self._last_durable_t is not None:
+                    self._last_durable_t = min(self._last_durable_t, began)
             self._saves += 1
             if self._first_save_t is None:
                 self._first_save_t = began
