@@ -255,9 +255,10 @@ def test_a_spares_files_are_made_two_at_a_time_until_a_save_waits_for_it(monkeyp
         maker.join(30)
 
 
-def test_closing_the_pool_lets_a_spares_files_waiting_for_their_turn_go_at_once(monkeypatch):
-    """``close`` (``stop``) ends the wait of a spare's files for their turn at once: they do
-    not wait for a file being made to finish first."""
+def test_closing_the_pool_ends_a_spares_making_without_making_the_files_still_waiting(monkeypatch):
+    """``close`` (``stop``) ends the wait of a spare's files for their turn at once (not after a
+    file being made finishes), and they are not made: the slot's making gives up, and the
+    files made before are dropped."""
     from ckptmgr.save import slot_buffers
 
     monkeypatch.setattr(cuda_shim, "available", lambda: False)
@@ -265,9 +266,10 @@ def test_closing_the_pool_lets_a_spares_files_waiting_for_their_turn_go_at_once(
     pool = SlotPool(1, tier=None, max_host_bytes=None, memory=None)
     pool._cond = gate = _CountingCondition(files)
     entered: list[str] = []  # the files whose making began (guarded by ``seen``)
+    gave_up: list[str] = []  # the files that left the gate without being made (guarded by ``seen``)
     seen = threading.Condition()
     release = threading.Event()  # (the files being made finish only once it is set)
-    real_make = SlotPool._make
+    real_make, real_gently = SlotPool._make, SlotPool._make_gently
 
     def make(self, index, name, nbytes, kind):
         with seen:
@@ -276,10 +278,28 @@ def test_closing_the_pool_lets_a_spares_files_waiting_for_their_turn_go_at_once(
         assert release.wait(120)  # (longer than the test waits for the others: they must not need it)
         return real_make(self, index, name, nbytes, kind)
 
+    def gently(self, index, name, nbytes, kind):
+        try:
+            return real_gently(self, index, name, nbytes, kind)
+        except slot_buffers.Closing:
+            with seen:
+                gave_up.append(name)
+                seen.notify_all()
+            raise
+
     monkeypatch.setattr(SlotPool, "_make", make)
+    monkeypatch.setattr(SlotPool, "_make_gently", gently)
     slot = pool.slots[0]
     slot.preparing = True
-    maker = threading.Thread(target=pool.fit, args=(slot, [CHUNK] * files), kwargs={"hurry": False, "spare": True})
+    raised: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            pool.fit(slot, [CHUNK] * files, hurry=False, spare=True)
+        except BaseException as exc:  # (told to the test)
+            raised.append(exc)
+
+    maker = threading.Thread(target=fit)
     maker.start()
     try:
         assert gate.all_made.wait(30)  # every file has come to the gate,
@@ -287,12 +307,15 @@ def test_closing_the_pool_lets_a_spares_files_waiting_for_their_turn_go_at_once(
             assert seen.wait_for(lambda: len(entered) >= slot_buffers.SPARE_THREADS, timeout=30)
             assert len(entered) == slot_buffers.SPARE_THREADS, entered  # two are being made (and held there)
         pool.close()
-        with seen:  # the others go while those two are still being made
-            assert seen.wait_for(lambda: len(entered) == files, timeout=30), entered
+        with seen:  # the others leave while those two are still being made, unmade
+            assert seen.wait_for(lambda: len(gave_up) == files - slot_buffers.SPARE_THREADS, timeout=30), gave_up
+            assert len(entered) == slot_buffers.SPARE_THREADS, entered
     finally:
         release.set()
         maker.join(30)
     assert not maker.is_alive() and pool._making == 0
+    assert len(raised) == 1 and isinstance(raised[0], slot_buffers.Closing), raised
+    assert slot.buffers == [] and slot.kind == "none"  # the two made are dropped
 
 
 class _WakeCountingCondition(threading.Condition):

@@ -27,7 +27,7 @@ from ..storage.tier import LocalTier
 from ..storage.tier_pinning import Pinning
 from .buffers import SPARE_DUTY, Flag, HostBuffer, PopulateAhead, anonymous_buffer, file_buffer
 
-__all__ = ["Slot", "SlotBuffers"]
+__all__ = ["Closing", "Slot", "SlotBuffers"]
 
 log = logging.getLogger("ckptmgr")
 _NOW = threading.Event()  # always set: pin without pauses (the caller itself waits for it)
@@ -35,6 +35,10 @@ _NOW.set()
 MAKE_THREADS = 8  # files of a slot made (mapped and populated) at once
 SPARE_THREADS = 2  # ... of a spare slot (made while training runs, for a later save), until a save waits for it
 GATE_WAIT_S = 600.0  # at most this long, a spare's file waits for its turn to be made
+
+
+class Closing(Exception):
+    """A spare slot's making given up because the pool is closing (not an error to report)."""
 
 
 @dataclass
@@ -119,6 +123,8 @@ class SlotBuffers:
                 try:
                     if not self.stop.is_set():
                         self.fit(s, sizes, hurry=False, spare=not (first and j == 0))
+                except Closing as exc:
+                    log.debug("%s", exc)
                 except Exception as exc:  # the next save() fits again and raises there
                     log.warning("preparing staging slot %d failed: %s", s.index, exc)
                 finally:
@@ -177,10 +183,14 @@ class SlotBuffers:
     def _make_gently(self, index: int, name: str, nbytes: int, kind: str) -> HostBuffer:
         """:meth:`_make` for a spare: at most :data:`SPARE_THREADS` at once, unless a save waits
         for a slot being made (``hurry``: then every file left starts at once) or the pool stops.
-        Each file waits its turn for at most :data:`GATE_WAIT_S` seconds, then goes anyway."""
+        Each file waits its turn for at most :data:`GATE_WAIT_S` seconds, then goes anyway; a
+        file whose turn comes after the pool stopped is not made (:class:`Closing`: the slot's
+        files made so far are dropped, nothing is pinned)."""
         with self._cond:
             self._cond.wait_for(lambda: self._making < SPARE_THREADS or self.hurry.is_set() or self.stop.is_set(),
                                 timeout=GATE_WAIT_S)
+            if self.stop.is_set():
+                raise Closing(f"staging slot {index} is not made: the manager is closing")
             self._making += 1
         try:
             return self._make(index, name, nbytes, kind)
