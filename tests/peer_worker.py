@@ -249,6 +249,8 @@ def exchange(node_dir: str, root: str) -> dict:
             bad[20_000] ^= 1
             mover.transfer([(1, rec, dict.fromkeys(files, bad))], [], own_node_ok=False)
             mover.transfer([(1, rec, files)], [], own_node_ok=False)
+            rec, files = _shard(7, 0, data, "A", chunk)
+            mover.transfer([(1, rec, files)], [], own_node_ok=False)
         else:
             try:
                 ShardMover(t, area, "B", chunk, None, io).transfer([], [0], own_node_ok=False)
@@ -261,6 +263,17 @@ def exchange(node_dir: str, root: str) -> dict:
             with area.mapped(copies[0]) as held:
                 out["copy_exact"] = next(iter(held.values())).tobytes() == data
             out["stats"] = mover.stats()
+            closed = ThreadPoolExecutor(1)  # its checks cannot run (closing): the slot taken is given back
+            closed.shutdown()
+            try:
+                ShardMover(seg, area, "B", chunk, None, closed).transfer([], [0], own_node_ok=False)
+            except RuntimeError as exc:
+                out["closed_io"] = str(exc)
+            slot = area.take_slot(0)
+            out["slot_after_failure"] = slot is not None and not os.listdir(
+                os.path.join(area.path, "r00000", f"s{slot}"))
+            if slot is not None:
+                area.abort(0, slot)
     out["staging_bytes"] = seg.staging_bytes()
     seg.close()
     t.close()

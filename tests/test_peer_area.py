@@ -134,3 +134,16 @@ def test_a_planted_symlink_is_never_followed(tmp_path):
     assert area.copies() == []
     with pytest.raises(UnsafePathError):
         area.take_slot(3)
+
+
+def test_a_slot_whose_directory_is_refused_is_not_held_for_good(tmp_path):
+    area = PeerArea(str(tmp_path), "/root")
+    outside = tmp_path / "outside"
+    outside.mkdir(mode=0o700)
+    os.mkdir(os.path.join(area.path, "r00003"), 0o700)
+    planted = os.path.join(area.path, "r00003", "s0")
+    os.symlink(outside, planted)
+    with pytest.raises(UnsafePathError):
+        area.take_slot(3)
+    os.unlink(planted)  # once the directory is sound again, both slots may be taken
+    assert {area.take_slot(3), area.take_slot(3)} == {0, 1}

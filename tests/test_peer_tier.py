@@ -300,8 +300,8 @@ def test_the_restore_transport_runs_on_the_job_group_and_keeps_the_untrusted_inp
     different sizes in one exchange through segments of several sizes (on CUDA with every
     copy method and a split host copy); through a
     ShardMover on it, an oversized header is refused before any allocation, a record the
-    receiver must refuse is drained, a copy failing its checksums is not kept, and a good
-    copy is."""
+    receiver must refuse is drained, a copy failing its checksums is not kept, a good copy
+    is, and a transfer that fails once its slot is taken gives that slot back, emptied."""
     (tmp_path / "out").mkdir()
     (tmp_path / "nodes").mkdir()
     reports = _run("exchange", str(tmp_path / "ckpt"), tmp_path / "out", ["A", "B"], tmp_path / "nodes",
@@ -320,3 +320,5 @@ def test_the_restore_transport_runs_on_the_job_group_and_keeps_the_untrusted_inp
     assert got["copies"] == [[0, 6]] and got["copy_exact"]
     assert got["stats"]["peer_bad_copies"] == 1
     assert got["stats"]["peer_bytes_received"] == 3 * 50_000  # the drained bytes too, all of them consumed
+    # a transfer failing after its slot was taken (here: the checks' threads are shut down) gives the slot back
+    assert "shutdown" in got["closed_io"] and got["slot_after_failure"]

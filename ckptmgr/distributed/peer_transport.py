@@ -394,31 +394,37 @@ class ShardMover:
         t.exchange([(d, np.frombuffer(rec.raw, dtype=np.uint8).copy()) for d, rec, _ in sends if rec is not None],
                    list(raws.items()))
         incoming: dict[int, _Incoming] = {}
+        out: dict[int, tuple[ShardRecord | None, bool]] = {}  # (also: the slots committed or aborted)
         try:
-            for s in recvs:
-                incoming[s] = self._open(s, raws.get(s), int(heads[s][2]), own_node_ok)
-            self._pump(sends, incoming)
-            mapped = {s: [f.mapped() for f in inc.files] for s, inc in incoming.items() if inc.rec is not None}
-        finally:
-            for inc in incoming.values():
-                for f in inc.files:
-                    f.close()
-        out: dict[int, tuple[ShardRecord | None, bool]] = {}
-        for s, inc in incoming.items():
-            rec, slot = inc.rec, inc.slot
-            if rec is None or slot is None:
-                out[s] = (None, False)
-                continue
-            bad = check_files(rec, dict(zip(rec.manifest.files, mapped[s], strict=True)), self.io)
-            if bad is None:
-                self.area.commit(rec.rank, slot, rec)
-            else:
-                self.area.abort(rec.rank, slot)
-                with self._mu:
-                    self.counts["peer_bad_copies"] += 1
-                log.warning("peer tier: the copy of step %d of rank %d that rank %d sent fails its check (%s); "
-                            "not kept", rec.step, rec.rank, s, bad)
-            out[s] = (rec, bad is None)
+            try:
+                for s in recvs:
+                    incoming[s] = self._open(s, raws.get(s), int(heads[s][2]), own_node_ok)
+                self._pump(sends, incoming)
+                mapped = {s: [f.mapped() for f in inc.files] for s, inc in incoming.items() if inc.rec is not None}
+            finally:
+                for inc in incoming.values():
+                    for f in inc.files:
+                        f.close()
+            for s, inc in incoming.items():
+                rec, slot = inc.rec, inc.slot
+                if rec is None or slot is None:
+                    out[s] = (None, False)
+                    continue
+                bad = check_files(rec, dict(zip(rec.manifest.files, mapped[s], strict=True)), self.io)
+                if bad is None:
+                    self.area.commit(rec.rank, slot, rec)
+                else:
+                    self.area.abort(rec.rank, slot)
+                    with self._mu:
+                        self.counts["peer_bad_copies"] += 1
+                    log.warning("peer tier: the copy of step %d of rank %d that rank %d sent fails its check (%s); "
+                                "not kept", rec.step, rec.rank, s, bad)
+                out[s] = (rec, bad is None)
+        except BaseException:  # a slot taken and not settled is given back, emptied (never committed)
+            for s, inc in incoming.items():
+                if s not in out and inc.rec is not None and inc.slot is not None:
+                    self.area.abort(inc.rec.rank, inc.slot)
+            raise
         return out
 
     def _open(self, s: int, raw: np.ndarray[Any, Any] | None, nbytes: int, own_node_ok: bool) -> _Incoming:
@@ -442,6 +448,10 @@ class ShardMover:
                 if rec is not None and slot is not None:
                     self.area.abort(rec.rank, slot)
                 rec, slot, files = None, None, []
+            except BaseException:
+                if rec is not None and slot is not None:
+                    self.area.abort(rec.rank, slot)
+                raise
         if sum(f.size for f in files) != nbytes:
             for f in files:
                 f.close()

@@ -276,14 +276,20 @@ class PeerArea:
                 return None
             slot = min(free, key=lambda s: (s in newest, newest.get(s, -1)))
             self._writing.add((rank, slot))  # until commit/abort
-        d = self._dir(rank, slot)
         try:
-            for name in (RECORD, _TMP_RECORD):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name, dir_fd=d)
-            empty_dir(d)
-        finally:
-            os.close(d)
+            d = self._dir(rank, slot)
+            try:
+                for name in (RECORD, _TMP_RECORD):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=d)
+                empty_dir(d)
+            finally:
+                os.close(d)
+        except BaseException:  # (the slot is not taken: not held as being written)
+            with self._mu:
+                self._writing.discard((rank, slot))
+                self._mu.notify_all()
+            raise
         return slot
 
     def create(self, rank: int, slot: int, record: ShardRecord) -> dict[str, np.ndarray[Any, Any]]:
