@@ -69,8 +69,12 @@ def submit(p: Parts, step: int, state: Any, metadata: dict[str, Any] | None, *, 
     if budget is None:
         return p.saver.save(manifest, plan, sizes, block=block, t0=t0, commit=join, schedule=p.schedule,
                             durable=durable)
-    ticket = p.saver.save(manifest, plan, sizes, block=block, t0=t0, commit=join, schedule=budget,
-                          durable=durable, spare_after_copies=budget.schedule.max_overhead is not None)
+    try:
+        ticket = p.saver.save(manifest, plan, sizes, block=block, t0=t0, commit=join, schedule=budget,
+                              durable=durable, spare_after_copies=budget.schedule.max_overhead is not None)
+    except BaseException:
+        budget.abandoned(step)  # (the schedule may have sent it durable inside the call)
+        raise
     if ticket.skipped:  # (nothing staged: no cost to measure, no write to wait for)
         return ticket
     # the seconds the save spent making its slot, or waiting while one was made in the background,

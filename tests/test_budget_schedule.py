@@ -400,3 +400,32 @@ def test_a_framework_save_told_once_per_file_counts_once_and_its_first_is_not_ch
         t[0] += 2.0  # every step in the window 1 s slower: a cost, but the first save's is not charged
         p.should_save(step)
     assert p._saves == 1 and p.save_cost_s is None
+
+
+def test_a_save_that_raises_after_the_schedule_sent_it_durable_does_not_stop_durable_saves(root, tmp_path,
+                                                                                          monkeypatch):
+    """In continuous mode the next durable save waits for the last one's write to end. A save
+    that raised inside the call, after the schedule had sent it durable, has no write to wait
+    for: the next save goes durable (before, the schedule waited for it for ever)."""
+    from ckptmgr.save.saver import Saver
+
+    local = tmp_path / "shm"
+    local.mkdir()
+    state = {"w": torch.arange(64, dtype=torch.float32)}
+    real = Saver._enqueue
+    failing = [True]
+
+    def enqueue(self, job, ticket):
+        if failing[0]:
+            failing[0] = False
+            raise RuntimeError("injected: the save fails once its durable write was decided")
+        return real(self, job, ticket)
+
+    monkeypatch.setattr(Saver, "_enqueue", enqueue)
+    with CheckpointManager(root, schedule=Schedule(continuous=True),
+                           staging=StagingOptions(local_dir=str(local))) as mgr:
+        with pytest.raises(RuntimeError, match="injected"):
+            mgr.save(1, state)
+        info = mgr.save(2, state).result(timeout=60)
+        assert info.durable, info
+        assert 2 in mgr.steps()

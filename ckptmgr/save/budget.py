@@ -280,6 +280,14 @@ class BudgetPlanner:
                 self._durable_step = step  # (saved() moves the time back to when the call began)
         return go
 
+    def abandoned(self, step: int) -> None:
+        """The save of ``step`` raised before it was queued: no durable write of it is in flight
+        (else the schedule would wait for it for ever and send no durable save again)."""
+        with self._lock:
+            self._in_flight.discard(step)
+            if self._durable_step == step:
+                self._durable_step = None
+
     def durable_asked(self, step: int, *, started: float | None = None) -> None:
         """The save of ``step`` goes to the durable target because its caller asked
         (``save(durable=True)``), not because :meth:`durable` said so. ``started``: when the
