@@ -7,8 +7,10 @@ import time
 import weakref
 
 import numpy as np
+import pytest
 import torch
 
+from ckptmgr import CheckpointManager, StagingOptions
 from ckptmgr.format.checksum import crc32c_hex
 from ckptmgr.save.staging import _copy_all
 
@@ -69,3 +71,48 @@ def test_a_pool_keeps_nothing_of_a_call_once_its_future_is_cancelled_or_done():
     finally:
         gate.set()
         pool.stop(timeout=30)
+
+
+class _InterruptedWait(threading.Condition):
+    """A condition whose wait ends as CPython's can under a signal: the lock is released for the
+    wait, then a KeyboardInterrupt is raised before the lock is taken back."""
+
+    def wait(self, timeout=None):  # type: ignore[override]
+        self._release_save()  # type: ignore[attr-defined]
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_that_lands_before_a_wait_takes_its_lock_back_is_raised_as_itself():
+    """``with cond: cond.wait()`` turns such an interrupt into RuntimeError("cannot release
+    un-acquired lock"); :func:`holding` raises the interrupt, and the lock is free after."""
+    from ckptmgr._threads import holding
+
+    cond = _InterruptedWait()
+    with pytest.raises(RuntimeError, match="un-acquired"), cond:  # what plain ``with`` does
+        cond.wait(1)
+    cond = _InterruptedWait()
+    with pytest.raises(KeyboardInterrupt), holding(cond):
+        cond.wait(1)
+    assert cond.acquire(timeout=1)  # (free: nobody holds it)
+    cond.release()
+    with pytest.raises(ValueError, match="passes as it is"), holding(threading.Condition()):
+        raise ValueError("passes as it is")
+
+
+def test_close_raises_a_ctrl_c_that_lands_in_its_wait_as_itself(root, monkeypatch):
+    """The wait of ``close()`` (the save engine's) raises the interrupt, not a RuntimeError, so
+    that ``close()`` names it and the exit hook waits for the writes again."""
+    mgr = CheckpointManager(root, staging=StagingOptions(local_tier=False))
+    try:
+        mgr.save(1, {"w": torch.ones(4)}).result(timeout=60)
+        eng = mgr._saver._engine  # (the engine the manager made)
+        monkeypatch.setattr(eng, "_mu", _InterruptedWait())
+        eng._unsettled += 1  # something still running: the wait must wait (no other thread runs now)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                eng.wait(5)
+        finally:
+            eng._unsettled -= 1
+    finally:
+        monkeypatch.undo()
+        mgr.close()

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from .. import _lifecycle
+from .._threads import holding
 from ..errors import CkptTimeoutError, SaveError
 from ..format.layout import FilePlan, Plan
 from ..storage.tier import LocalTier
@@ -360,7 +361,7 @@ class AsyncWriter:
         Raises:
             CkptTimeoutError: still busy after ``timeout`` seconds (``what()`` says what).
         """
-        with self._mu:
+        with holding(self._mu):  # (a Ctrl-C here is raised as itself)
             if not self._mu.wait_for(lambda: not self._unsettled, timeout):
                 told = what() if what is not None else f"{self._unsettled} checkpoint write(s) still running"
                 raise CkptTimeoutError(f"{told} after {timeout} s")

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from .._threads import DaemonPool
+from .._threads import DaemonPool, holding
 from ..errors import CkptTimeoutError
 from ..storage.tier import LocalTier
 from .memory import MemoryProbe, read_host_memory
@@ -176,7 +176,7 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         deadline = None if timeout is None else t0 + timeout
         grown: Slot | None = None
         prep_wait = 0.0  # of ``waited``: while a slot was being made (a one-time cost, not a busy slot)
-        with self._cond:
+        with holding(self._cond):  # (a Ctrl-C while the save waits is raised as itself)
             self.counts["saves"] += 1
             try:
                 while True:
