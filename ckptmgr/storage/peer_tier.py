@@ -52,6 +52,7 @@ from ..errors import CheckpointCorruptError, CkptError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import Manifest
 from ..format.schema import MAX_MANIFEST_BYTES
+from .posix import pwrite_all
 from .private import NOFOLLOW, check_private_dir, empty_dir, open_private_dir, read_small, write_small
 from .tier import tier_dir
 
@@ -295,22 +296,12 @@ class PeerArea:
     def create(self, rank: int, slot: int, record: ShardRecord) -> dict[str, np.ndarray[Any, Any]]:
         """The slot's files for ``record``, created at their sizes (tmpfs pages reserved) and
         mapped writable; the caller fills them, then :meth:`commit` or :meth:`abort`."""
-        d = self._dir(rank, slot)
-        out = {}
+        files = self.receive(rank, slot, record)
         try:
-            for name, frec in record.manifest.files.items():
-                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC | NOFOLLOW, 0o600, dir_fd=d)
-                try:
-                    if frec.size:
-                        os.posix_fallocate(fd, 0, frec.size)
-                        out[name] = np.frombuffer(mmap.mmap(fd, frec.size), dtype=np.uint8)
-                    else:
-                        out[name] = np.empty(0, dtype=np.uint8)
-                finally:
-                    os.close(fd)
+            return {name: f.mapped(writable=True) for name, f in files.items()}
         finally:
-            os.close(d)
-        return out
+            for f in files.values():
+                f.close()  # (a mapping keeps its own reference to the file)
 
     def receive(self, rank: int, slot: int, record: ShardRecord) -> dict[str, IncomingFile]:
         """The slot's files for ``record``, created at their sizes (tmpfs pages reserved), each
@@ -389,20 +380,17 @@ class IncomingFile:
         n = data.size
         if self.fd is None or not 0 <= offset <= offset + n <= self.size:
             raise CkptError(f"peer area file {self.name}: {n} bytes at {offset} do not fit its {self.size} bytes")
-        view, done = data.data.cast("B"), 0
-        while done < n:
-            wrote = os.pwrite(self.fd, view[done:], offset + done)
-            if wrote <= 0:
-                raise OSError(f"peer area file {self.name}: a write at {offset + done} wrote nothing")
-            done += wrote
+        pwrite_all(self.fd, data, offset)
 
-    def mapped(self) -> np.ndarray[Any, Any]:
-        """The file's bytes, mapped read-only (shared: no second copy in memory)."""
+    def mapped(self, *, writable: bool = False) -> np.ndarray[Any, Any]:
+        """The file's bytes, mapped shared (no second copy in memory): read-only unless
+        ``writable``."""
         if self.fd is None:
             raise CkptError(f"peer area file {self.name} is closed")
         if not self.size:
             return np.empty(0, dtype=np.uint8)
-        return np.frombuffer(mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ), dtype=np.uint8)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return np.frombuffer(mmap.mmap(self.fd, self.size, prot=prot), dtype=np.uint8)
 
     def close(self) -> None:
         if self.fd is not None:

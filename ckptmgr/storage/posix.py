@@ -187,9 +187,12 @@ def makedirs_durable(path: str, mode: int = 0o777) -> list[str]:
 
 
 def pwrite_all(fd: int, data: np.ndarray[Any, Any], offset: int) -> None:
+    """Write all of ``data`` (contiguous) at ``offset``; OSError if a write makes no progress."""
     view = memoryview(data)  # type: ignore[arg-type]
     while view:
         n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(f"a write of {len(view)} bytes at {offset} wrote nothing")
         view, offset = view[n:], offset + n
 
 
