@@ -29,6 +29,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -173,9 +174,11 @@ def commit_local(job: PersistJob, tier: LocalTier, chunk_size: int) -> dict[str,
     return records
 
 
-def persist(job: PersistJob, *, target: Target, chunk_size: int) -> SaveInfo:
+def persist(job: PersistJob, *, target: Target, chunk_size: int,
+            progress: Callable[[int], None] | None = None) -> SaveInfo:
     """Write ``job``'s slot to ``target`` and commit it there, with the checksums of the job's
-    local commit when it has one (waited for). Runs on the persist thread.
+    local commit when it has one (waited for). Runs on the persist thread. ``progress``: told
+    the bytes written as they are (by targets that can tell, see ``StepWriter.progress``).
 
     Raises:
         Exception: whatever failed; the durable step is then not committed (its partial files
@@ -190,6 +193,7 @@ def persist(job: PersistJob, *, target: Target, chunk_size: int) -> SaveInfo:
     writer: StepWriter | None = None
     try:
         writer = job.commit.begin(target, m.step)
+        writer.progress = progress
         chunk = next(iter(m.files.values())).chunk_size if m.files else chunk_size
         known_ahead = bool(m.files) or local is not None  # checksums computed once, not twice
         written = writer.write_files(files, chunk, checksum=not known_ahead or job.adopted)

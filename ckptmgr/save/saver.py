@@ -13,6 +13,8 @@ Who owns what (each piece of mutable state has one owner)::
         _protect      steps to protect as soon as they commit
         _counts       steps superseded for the durable tier, steps kept local only
         _last_durable when the last save meant for the durable target was made (the schedule)
+        _writes       the durable writes' timing (the write in flight, the last rate), for the
+                      forecast that decides when the default options make a third slot
     AsyncWriter._mu   the saves not settled and the failures nobody was told of (engine.py):
                       lock order Saver._mu -> engine
     SlotPool._cond    the slot table (see slots.py); lock order: Saver._mu -> pool -> tier
@@ -67,6 +69,7 @@ from ..storage import Target
 from ..storage.tier import LocalTier
 from .coalesce import RETRY_FIRST_S, RETRY_MAX_S, Coalescing
 from .engine import AsyncWriter
+from .forecast import Progress, WriteWatch
 from .outcome import Ticket, permanent, report_interrupted, report_permanent, retryable
 from .persist import PersistJob, SaveInfo, StepCommit, persist
 from .slots import Slot
@@ -122,6 +125,7 @@ class Saver(TierSaves):
         self._failed: set[int] = set()  # steps whose durable write failed and is not retried
         self._counts = {"durable_superseded": 0, "local_only": 0}
         self._last_durable: float | None = None  # monotonic time of the last save sent to the durable target
+        self._writes = WriteWatch()  # the durable writes' timing, for the slot forecast (see forecast.py)
         self._closing = False
         self._root_bound = False  # (local-commit thread) the tier recorded the root's identity
         if durable:
@@ -196,7 +200,7 @@ class Saver(TierSaves):
                 finally:
                     self.pool.release(slot, step=None, durable=False)
                 raise
-        if self.pool.spare():  # a slot for the next save, made in the background (default options)
+        if self._spare():  # a slot for the next saves, made in the background (default options)
             self.prepare(sizes, after=job if spare_after_copies else None)
         local = self._tier is not None and slot.kind == "tmpfs"
         wanted = True if durable is None else durable
@@ -218,6 +222,14 @@ class Saver(TierSaves):
         pjob.blocked_s = time.perf_counter() - t0
         self._enqueue(pjob, ticket)
         return ticket
+
+    def _spare(self) -> bool:
+        """Whether the pool added a slot to make in the background (see :meth:`SlotPool.spare`),
+        by the forecast of the next saves against the durable writes as timed so far."""
+        nbytes = self.pool.slot_bytes()
+        with self._mu:
+            writes = None if nbytes is None else self._writes.view(time.monotonic(), nbytes)
+        return self.pool.spare(writes)
 
     def _enqueue(self, job: PersistJob, ticket: Ticket) -> None:
         with self._mu:
@@ -334,11 +346,17 @@ class Saver(TierSaves):
     def _run(self, job: PersistJob, ticket: Ticket | None) -> None:
         info: SaveInfo | None = None
         error: BaseException | None = None
+        progress = Progress()
         try:
-            info = persist(job, target=self._target, chunk_size=self._chunk_size)
+            job.staging.wait()  # (the write's time, for the slot forecast, starts once its bytes are staged)
+            with self._mu:
+                self._writes.begin(job.slot.index, job.nbytes, time.monotonic(), progress)
+            info = persist(job, target=self._target, chunk_size=self._chunk_size, progress=progress.add)
         except BaseException as exc:  # settled below, reported on the ticket
             error = exc
         finally:
+            with self._mu:
+                self._writes.end(time.monotonic(), ok=error is None)
             self._settle(job, ticket, info, error)
 
     def _settle(self, job: PersistJob, ticket: Ticket | None, info: SaveInfo | None,
@@ -390,6 +408,9 @@ class Saver(TierSaves):
                 self._mark_protected(step)
             if error is None and self._retention and not self._closing:
                 self._deleter.schedule()
+            sizes = self.pool.sizes()
+            if sizes is not None and not self._closing and self._spare():  # the forecast, with this write's time
+                self.prepare(sizes)
         except BaseException as exc:  # reported like a deletion failure; the accounting still runs
             log.error("after the save of step %d: %s: %s", step, type(exc).__name__, exc)
             self._deleter.report(StorageError(f"after the save of step {step}: {type(exc).__name__}: {exc}"))

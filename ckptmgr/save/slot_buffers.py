@@ -77,6 +77,7 @@ class SlotBuffers:
     allocations: int
     registrations: int
     _making: int  # spare files being made now (guarded by _cond)
+    _make_s: float | None  # seconds the last spare slot took to make (guarded by _cond)
     _cond: threading.Condition
 
     def fit(self, slot: Slot, sizes: list[int], *, hurry: bool = True, spare: bool = False) -> None:
@@ -122,7 +123,11 @@ class SlotBuffers:
             for j, s in enumerate(fresh):
                 try:
                     if not self.stop.is_set():
+                        t0 = time.monotonic()
                         self.fit(s, sizes, hurry=False, spare=not (first and j == 0))
+                        if not (first and j == 0):
+                            with self._cond:  # (how long a slot takes to make: the forecast's lead)
+                                self._make_s = time.monotonic() - t0
                 except Closing as exc:
                     log.debug("%s", exc)
                 except Exception as exc:  # the next save() fits again and raises there

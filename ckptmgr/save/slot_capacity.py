@@ -4,22 +4,28 @@
 state whose slots would not fit (:meth:`SlotCapacity.check_capacity`, before anything is
 allocated) and, with the default options, adds slots as long as every slot fits the share of
 host memory the default may use (see :mod:`ckptmgr.save.memory`): ahead of need, made in the
-background after a save took the last free slot (:meth:`SlotCapacity._spare`: a second slot at
-once, a third once saves overlap), and, where none was made in time, on the spot for a save
-that would otherwise wait (:meth:`SlotCapacity._grow`). Its state is the pool's, guarded by the pool's ``_cond``.
+background (:meth:`SlotCapacity._spare`: a second slot once a save holds the first, a third
+when the forecast of the next saves against the durable writes says a save would otherwise
+wait, see :mod:`ckptmgr.save.forecast`), and, where none was made in time, on the spot for a
+save that would otherwise wait (:meth:`SlotCapacity._grow`). Its state is the pool's, guarded
+by the pool's ``_cond``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from ..errors import CapacityError
 from ..format.layout import DATA_ALIGN
+from .forecast import Writes, first_wait
 from .memory import DEFAULT_HOST_SHARE, MAX_HOST_SHARE, HostMemory, MemoryProbe, allowed_bytes
 from .slot_buffers import Slot
 
 EAGER_SLOTS = 2  # slots the default makes ahead of need (in the background) when they fit
+MAKE_LEAD = 1.5  # a slot beyond them is made this many times its expected making time before it is needed
+DEFAULT_MAKE_S = 2.0  # a slot's expected making time before one was made
 
 __all__ = ["EAGER_SLOTS", "SlotCapacity", "slot_bytes"]
 
@@ -48,6 +54,8 @@ class SlotCapacity:
     _last_save: float | None
     _told_no_room: bool
     _overlapped: bool
+    _interval: float | None
+    _make_s: float | None
     _cond: threading.Condition
 
     def check_capacity(self, sizes: list[int]) -> None:
@@ -93,21 +101,37 @@ class SlotCapacity:
         extra = f" + {held / 2**30:.2f} GiB the slots hold" if held else ""
         return mem.describe() + extra
 
-    def _spare(self) -> bool:
-        """(lock held, default options only) After a save took a slot: add a slot, to be made
-        in the background, when none is left for the next save (every other slot busy) and one
-        more fits the share of host memory the default may use. Up to
-        :data:`EAGER_SLOTS` this happens at once (the next save then never waits for the
-        previous one's durable write, nor makes its slot on the training thread); beyond, up
-        to ``max_slots``, once saves have come while an earlier one was still in flight. Returns
-        True when the pool has a slot never made, added here or configured (the caller starts
-        :meth:`prepare`)."""
+    def _spare(self, writes: Writes | None = None) -> bool:
+        """(lock held, default options only) After a save took a slot, or a durable write
+        ended: add a slot, to be made in the background, when one more fits the share of host
+        memory the default may use and it is needed. Up to :data:`EAGER_SLOTS`, when none is
+        left for the next save (every other slot busy): the next save then never waits for the
+        previous one's durable write, nor makes its slot on the training thread. Beyond, up to
+        ``max_slots``, once saves have come while an earlier one was still in flight: when the
+        forecast of the next saves against the durable writes (``writes``, see
+        :mod:`ckptmgr.save.forecast`) says one would wait, soon enough to make the slot first;
+        without a forecast (no write's duration known yet), when every slot is busy. Returns True when the pool has a
+        slot never made, added here or configured (the caller starts :meth:`prepare`)."""
         fresh = any(s.kind == "none" and not s.busy and not s.preparing for s in self.slots)
         if not self.auto or self._sizes is None:
             return fresh  # (configured slots: the others are made in the background after the first save)
-        cap = self.max_slots if self._overlapped else min(EAGER_SLOTS, self.max_slots)
-        if fresh or len(self.slots) >= cap or any(not s.busy for s in self.slots):
+        if fresh or len(self.slots) >= self.max_slots or any(s.preparing for s in self.slots):
             return fresh
+        if len(self.slots) < EAGER_SLOTS:
+            if any(not s.busy for s in self.slots):
+                return False
+            why = "previous one's durable write"
+        elif not self._overlapped:
+            return False  # (a caller whose saves never overlap a durable write never needs one)
+        elif writes is not None:
+            wait_at = self._forecast(writes)
+            if wait_at is None:
+                return False
+            why = f"durable writes still running (a save in {wait_at - time.monotonic():.2f} s would wait)"
+        elif all(s.busy for s in self.slots):
+            why = "durable writes still running"
+        else:
+            return False
         per = slot_bytes(self._sizes)
         count = len(self.slots)
         mem = self.memory() if self.memory is not None else None
@@ -118,10 +142,34 @@ class SlotCapacity:
         room = "" if allowed is None else f"; all slots {_size(per * (count + 1))} of {_size(allowed)} allowed"
         log.info("staging slot %d of at most %d is being made in the background (%s of host memory%s), so that the "
                  "next save need not wait for the %s (StagingOptions(slots=%d) keeps %d)", count + 1,
-                 self.max_slots, _size(per), room,
-                 "durable writes still running" if self._overlapped else "previous one's durable write",
-                 count, count)
+                 self.max_slots, _size(per), room, why, count, count)
         return True
+
+    def _forecast(self, writes: Writes) -> float | None:
+        """(lock held) When a save would first find no slot free, soon enough that a slot made
+        from now would be needed (see :func:`~ckptmgr.save.forecast.first_wait`); None when none
+        would or the saves' spacing is not known yet."""
+        if self._last_save is None or not self._interval:
+            return None
+        now = time.monotonic()
+        newest, wanted = self._newest_committed(), self._newest_wanted()
+        free_at: list[float] = []
+        queued = 0
+        for s in self.slots:
+            if s.index == writes.slot:
+                free_at.append(writes.ends)
+            elif s.busy or self._reusable(s, newest, wanted) is None:
+                queued += 1  # being staged, or the newest step: its write comes after the one in flight
+            else:
+                free_at.append(now)
+        make_s = self._make_s if self._make_s is not None else DEFAULT_MAKE_S
+        return first_wait(now=now, last_save=self._last_save, interval=self._interval, write_s=writes.write_s,
+                          free_at=free_at, queued=queued, writing_ends=writes.ends,
+                          horizon_s=self._interval + MAKE_LEAD * make_s)
+
+    def _newest_committed(self) -> int | None: ...
+    def _newest_wanted(self) -> int | None: ...
+    def _reusable(self, s: Slot, newest: int | None, newest_wanted: int | None) -> int | None: ...
 
     def _grow(self, now: float) -> Slot | None:
         """(lock held, default options only) A new slot for a save that would otherwise wait,

@@ -45,6 +45,7 @@ from concurrent.futures import Future
 from .._threads import DaemonPool, holding
 from ..errors import CkptTimeoutError
 from ..storage.tier import LocalTier
+from .forecast import Writes
 from .memory import MemoryProbe, read_host_memory
 from .slot_adoption import SlotAdoption
 from .slot_buffers import Slot, SlotBuffers
@@ -82,6 +83,8 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         self._last_save: float | None = None  # monotonic time of the last acquire (for messages)
         self._told_no_room = False
         self._overlapped = False  # a save came while another was in flight (guarded by _cond)
+        self._interval: float | None = None  # seconds between the last two acquires (guarded by _cond)
+        self._make_s: float | None = None  # seconds the last spare slot took to make (guarded by _cond)
         self._cond = threading.Condition()
         self.hurry = threading.Event()  # set while a save waits for a slot being prepared
         self.on_wait: Callable[[], None] | None = None  # called (lock held) when a save starts waiting
@@ -217,6 +220,8 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
                             "is dropped", slot.index, slot.step)
             self._overlapped = self._overlapped or any(s.busy for s in self.slots if s is not slot)
             old, slot.busy, slot.since, slot.prep_wait_s = slot.step, True, t0, prep_wait
+            if self._last_save is not None:
+                self._interval = t0 - self._last_save
             self._last_save = t0
             slot.replaced = old if not slot.durable else None
             slot.step, slot.durable, slot.wanted, slot.local_only = None, False, False, False
@@ -253,13 +258,23 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
                 self._cond.notify_all()
         return True
 
-    def spare(self) -> bool:
-        """After a save took a slot (default options): add a slot to make in the background
-        when none is left for the next save and one fits (see :meth:`SlotCapacity._spare`);
-        True when a slot waits to be made (the caller then runs :meth:`prepare` off the
-        training thread)."""
+    def spare(self, writes: Writes | None = None) -> bool:
+        """After a save took a slot, or a durable write ended (default options): add a slot to
+        make in the background when one fits and the next saves need it, by the forecast of
+        them against ``writes`` (see :meth:`SlotCapacity._spare`); True when a slot waits to
+        be made (the caller then runs :meth:`prepare` off the training thread)."""
         with self._cond:
-            return self._spare()
+            return self._spare(writes)
+
+    def slot_bytes(self) -> int | None:
+        """Host bytes of one slot of the state last checked (None before the first)."""
+        with self._cond:
+            return None if self._sizes is None else slot_bytes(self._sizes)
+
+    def sizes(self) -> list[int] | None:
+        """The file sizes of the state last checked (None before the first)."""
+        with self._cond:
+            return None if self._sizes is None else list(self._sizes)
 
     def release(self, slot: Slot, *, step: int | None, durable: bool, wanted: bool = False,
                 given_up: bool = False) -> None:

@@ -26,6 +26,7 @@ being opened for reading; deleting and marking never act through a link.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
@@ -43,6 +44,9 @@ class StepWriter(Protocol):
     """
 
     location: str  # where this writer's files are before the commit ("" where they are in place)
+    # set by the caller before write_files: told the bytes written as they are, from the I/O
+    # threads (a writer that cannot tell leaves it uncalled; a hint for pacing, never for correctness)
+    progress: Callable[[int], None] | None
 
     def adopt(self, parts: list[tuple[str, list[str]]]) -> None:
         """Take other writers' files of this step, given as ``(location, names)``."""

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import posixpath
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor
 from datetime import datetime
 from typing import Any
@@ -59,6 +60,8 @@ def check_step(step: object) -> int:
 class _FsspecStepWriter:
     """Writes a step's files with ``fs.open``; the strategy commits or aborts."""
 
+    progress: Callable[[int], None] | None = None  # (see StepWriter)
+
     def __init__(self, target: FsspecTarget, commit: ManifestLastCommit) -> None:
         self.target = target
         self.strategy = commit
@@ -83,6 +86,8 @@ class _FsspecStepWriter:
                 f.write(memoryview(chunk))  # type: ignore[arg-type]
                 if checksum:
                     crcs.append(crc32c_hex(chunk))
+                if self.progress is not None:
+                    self.progress(e - b)
         self.strategy.wrote(name, data.size)
         return tuple(crcs)
 

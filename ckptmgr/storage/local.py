@@ -22,6 +22,7 @@ import os
 import secrets
 import stat
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -68,6 +69,8 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class _LocalStepWriter:
+    progress: Callable[[int], None] | None = None  # (see StepWriter)
+
     def __init__(self, target: LocalTarget, commit: RenameCommit) -> None:
         self.target = target
         self.strategy = commit
@@ -109,6 +112,8 @@ class _LocalStepWriter:
                         pwrite_all(fd, data[split:e], split)
                     if checksum:
                         crcs.append(crc32c_hex(chunk))
+                    if self.progress is not None:
+                        self.progress(e - b)
                 os.fsync(fd)
         finally:
             if dfd >= 0:

@@ -79,6 +79,7 @@ class _TierWriter:
     """Commits a slot whose files the staging copy has already written in place."""
 
     location = ""
+    progress: Callable[[int], None] | None = None  # (see StepWriter; nothing is written here)
 
     def __init__(self, tier: LocalTier, step: int, index: int) -> None:
         self.tier, self.step, self.index = tier, step, index

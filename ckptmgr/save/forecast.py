@@ -1,0 +1,140 @@
+"""When the default options need one more staging slot: a forecast of the next saves against
+the durable writes.
+
+Two slots carry saves as long as each durable write ends before the save after next comes:
+one slot holds the step being written, the other the newest step (the only copy of it, never
+overwritten), and the next save reuses the first once its write is done. A third slot is what
+lets a save come while both are busy (the queued step is then superseded by the newer one
+instead of being waited for), and it costs gigabytes of pinned host memory, made while
+training runs. So it is made when the forecast says a save would otherwise wait, early enough
+to be made in time, and not at the first sign of overlap: a decoder saving every 2.45 s to a
+disk that writes its 4.02 GB in 3.0 s waits first at its seventh save, not its third.
+
+The forecast needs how long a durable write takes. :class:`WriteWatch` (owned by the saver,
+under its lock) knows it from the last completed write, or, before any completed, from the
+bytes the write in flight has reported so far (see ``StepWriter.progress``); where neither is
+known it says so, and the pool keeps its simpler rule (a slot once saves overlap).
+:func:`first_wait` is the forecast itself: a pure function of times and slot states, tested
+against simulated clocks.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+__all__ = ["Progress", "WriteWatch", "Writes", "first_wait"]
+
+MIN_PROGRESS = 0.05  # of a write's bytes reported before its rate is trusted
+MIN_ELAPSED_S = 0.05  # ... and seconds since it began
+TOLERANCE = 0.02  # of the save interval: a slot free this close after a save comes counts as free
+MAX_SAVES = 64  # saves the forecast looks ahead at most
+
+
+class Progress:
+    """Bytes a durable write has reported so far; written by the target's I/O threads, read
+    by anyone (guarded by its own lock)."""
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self._n = 0
+
+    def add(self, n: int) -> None:
+        with self._mu:
+            self._n += n
+
+    @property
+    def bytes(self) -> int:
+        with self._mu:
+            return self._n
+
+
+@dataclass(frozen=True)
+class Writes:
+    """What the forecast knows of the durable writes at ``now`` (see :meth:`WriteWatch.view`)."""
+
+    write_s: float  # how long one save's durable write takes
+    slot: int | None  # the slot whose write is in flight, or None
+    ends: float  # when that write is expected to end (``now`` when none is in flight)
+
+
+class WriteWatch:
+    """The durable writes' timing, for the forecast (the owner guards it with its lock)."""
+
+    def __init__(self) -> None:
+        self.rate: float | None = None  # bytes per second of the last completed durable write
+        self._slot: int | None = None
+        self._began = 0.0
+        self._nbytes = 0
+        self._progress: Progress | None = None
+
+    def begin(self, slot: int, nbytes: int, now: float, progress: Progress) -> None:
+        self._slot, self._began, self._nbytes, self._progress = slot, now, nbytes, progress
+
+    def end(self, now: float, ok: bool) -> None:
+        """The write in flight ended; a successful one sets the rate."""
+        if ok and self._slot is not None and self._nbytes > 0 and now > self._began:
+            self.rate = self._nbytes / (now - self._began)
+        self._slot, self._progress = None, None
+
+    def view(self, now: float, nbytes: int) -> Writes | None:
+        """The writes as the forecast sees them, for saves of ``nbytes``; None when no rate is
+        known yet (no write completed, and the one in flight has reported too little)."""
+        rate = self.rate
+        if self._slot is not None and self._progress is not None:
+            done, elapsed = self._progress.bytes, now - self._began
+            if self._nbytes > 0 and done >= MIN_PROGRESS * self._nbytes and elapsed >= MIN_ELAPSED_S:
+                now_rate = done / elapsed
+                rate = now_rate if rate is None else min(rate, now_rate)  # a slower disk now counts at once
+            if rate is None:
+                return None
+            left = max(self._nbytes - done, 0) / rate
+            return Writes(write_s=nbytes / rate, slot=self._slot, ends=now + left)
+        if rate is None:
+            return None
+        return Writes(write_s=nbytes / rate, slot=None, ends=now)
+
+
+def first_wait(*, now: float, last_save: float, interval: float, write_s: float, free_at: list[float],
+               queued: int, writing_ends: float, horizon_s: float) -> float | None:
+    """When the first save from now on would find no slot free, or None if none does before
+    ``now + horizon_s``.
+
+    Saves come every ``interval`` seconds after ``last_save``; each takes the slot free
+    soonest and queues its durable write behind the others (one at a time, ``write_s`` each).
+
+    Args:
+        now: the present (any clock, the same for every argument).
+        last_save: when the last save came.
+        interval: seconds between saves.
+        write_s: seconds one durable write takes.
+        free_at: for each slot whose step needs no further write: when it can be reused
+            (``now`` for one reusable now, the expected end of its write for one being
+            written).
+        queued: slots whose step waits for a durable write not begun yet (the one a save just
+            took among them); each is free once its write, queued behind the others, ends.
+        writing_ends: when the write in flight ends (``now`` when none is).
+        horizon_s: how far ahead to look.
+    """
+    if interval <= 0 or write_s < 0:
+        return None
+    slots = list(free_at)
+    cursor = max(now, writing_ends)
+    for _ in range(queued):
+        cursor += write_s
+        slots.append(cursor)
+    if not slots:
+        return None
+    t = last_save + interval
+    while t < now:  # (a save due already counts from now)
+        t += interval
+    for _ in range(MAX_SAVES):
+        if t > now + horizon_s:
+            return None
+        i = min(range(len(slots)), key=slots.__getitem__)
+        if slots[i] > t + TOLERANCE * interval:
+            return t
+        cursor = max(cursor, t) + write_s
+        slots[i] = cursor
+        t += interval
+    return None

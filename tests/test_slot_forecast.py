@@ -1,0 +1,237 @@
+"""When the default options make a third staging slot: the forecast of the next saves against
+the durable writes (ckptmgr.save.forecast), on its own and driving the real slot pool on a
+simulated clock (saves every ``interval`` seconds, one durable write at a time, each taking
+``write_s``): two slots while the writes keep pace, a third made early enough before the
+first save that would wait, never at the first sign of overlap, and at once when the disk
+slows down mid-run."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from ckptmgr import CheckpointManager, StagingOptions
+from ckptmgr.save import slot_capacity, slots
+from ckptmgr.save.forecast import Progress, Writes, WriteWatch, first_wait
+from ckptmgr.save.slots import SlotPool, slot_bytes
+from ckptmgr.storage.local import LocalTarget
+
+MIB = 1 << 20
+SIZES = [3 * MIB, MIB]
+PER = slot_bytes(SIZES)
+
+
+# ------------------------------------------------------------------ the forecast on its own
+
+def test_two_slots_carry_saves_while_each_write_ends_before_the_save_after_next():
+    # a decoder saving every 2.45 s, its write 3.0 s: at its second save the first write ends at
+    # 3.1 s; the third save (4.9 s) reuses that slot, the fourth the second's (ends 6.1 s)
+    assert first_wait(now=2.45, last_save=2.45, interval=2.45, write_s=3.0, free_at=[3.1], queued=1,
+                      writing_ends=3.1, horizon_s=2.45 + 1.5 * 1.3) is None
+    # looking far enough ahead, the backlog (0.55 s a save) makes the seventh save wait
+    assert first_wait(now=2.45, last_save=2.45, interval=2.45, write_s=3.0, free_at=[3.1], queued=1,
+                      writing_ends=3.1, horizon_s=60) == pytest.approx(6 * 2.45)
+    # at its sixth save, that wait is the next save's
+    assert first_wait(now=12.25, last_save=12.25, interval=2.45, write_s=3.0, free_at=[15.1], queued=1,
+                      writing_ends=15.1, horizon_s=4.4) == pytest.approx(14.7)
+
+
+def test_saves_faster_than_the_first_write_want_the_slot_at_once():
+    # 4.83 GB every 1.32 s, its first write 2.6 s: the third save (2.64 s) finds both slots busy
+    assert first_wait(now=1.32, last_save=1.32, interval=1.32, write_s=2.6, free_at=[2.7], queued=1,
+                      writing_ends=2.7, horizon_s=1.32 + 1.5 * 1.5) == pytest.approx(2.64)
+
+
+def test_writes_faster_than_the_saves_never_need_a_third_slot():
+    assert first_wait(now=5.0, last_save=5.0, interval=2.0, write_s=1.9, free_at=[5.5], queued=1,
+                      writing_ends=5.5, horizon_s=1e6) is None
+
+
+def test_a_slot_free_now_and_nothing_known_of_the_spacing():
+    assert first_wait(now=1.0, last_save=1.0, interval=1.0, write_s=5.0, free_at=[1.0, 1.0], queued=0,
+                      writing_ends=1.0, horizon_s=1.5) is None
+    assert first_wait(now=1.0, last_save=1.0, interval=0.0, write_s=5.0, free_at=[9.0], queued=1,
+                      writing_ends=9.0, horizon_s=100) is None
+
+
+def test_the_watch_times_a_write_from_its_progress_before_any_completed():
+    watch = WriteWatch()
+    assert watch.view(0.0, 100) is None  # nothing known
+    p = Progress()
+    watch.begin(0, 1000, 10.0, p)
+    p.add(10)  # 1%: too little to trust
+    assert watch.view(11.0, 1000) is None
+    p.add(390)  # 40% after 2 s: 200 B/s, 3 s left
+    w = watch.view(12.0, 1000)
+    assert w == Writes(write_s=pytest.approx(5.0), slot=0, ends=pytest.approx(15.0))
+    watch.end(15.0, ok=True)
+    assert watch.rate == pytest.approx(200.0)
+    assert watch.view(20.0, 500) == Writes(write_s=pytest.approx(2.5), slot=None, ends=20.0)
+
+
+def test_a_disk_that_slows_down_counts_at_once_and_a_failed_write_sets_no_rate():
+    watch = WriteWatch()
+    watch.begin(1, 1000, 0.0, Progress())
+    watch.end(1.0, ok=True)  # 1000 B/s
+    p = Progress()
+    watch.begin(0, 1000, 2.0, p)
+    p.add(100)  # 100 B/s now
+    w = watch.view(3.0, 1000)
+    assert w is not None and w.write_s == pytest.approx(10.0) and w.ends == pytest.approx(12.0)
+    watch.end(4.0, ok=False)
+    assert watch.rate == pytest.approx(1000.0)
+
+
+# ------------------------------------------------------- the real pool on a simulated clock
+
+class _Run:
+    """Saves every ``interval`` s into a real SlotPool (no local tier: a slot is busy until its
+    durable write ends) and durable writes one at a time; the pool's clock is simulated.
+
+    Without a local tier nothing supersedes a step waiting for its write: where the disk is
+    slower than the saves, even three slots only put the first wait off. With one (the default),
+    the third slot lets the newest step supersede the queued one, and no save waits; the
+    forecast decides the same in both: when two slots would first make a save wait."""
+
+    def __init__(self, monkeypatch, interval: float, write_s, make_s: float = 1.3) -> None:
+        self.now = 0.0
+        monkeypatch.setattr(slots.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(slot_capacity.time, "monotonic", lambda: self.now)
+        self.pool = SlotPool(None, tier=None, max_host_bytes=None, memory=None)
+        self.pool.check_capacity(SIZES)
+        self.interval, self.write_s, self.make_s = interval, write_s, make_s
+        self.watch = WriteWatch()
+        self.queue: list = []  # (slot, step) waiting for their write
+        self.writing: tuple | None = None  # (slot, step, began, ends, progress)
+        self.waits: list[int] = []  # saves that found no slot
+        self.added: list[tuple[float, int]] = []  # (time, slots after) each time the pool added one
+        self.used: dict[int, float] = {}  # slot index -> when a save first took it
+
+    def _decide(self) -> None:
+        if self.writing is not None:  # the write in flight reports its bytes so far
+            _, _, began, ends, progress = self.writing
+            want = int(PER * min(1.0, (self.now - began) / (ends - began)))
+            progress.add(want - progress.bytes)
+        if self.pool.spare(self.watch.view(self.now, PER)):
+            reserved = self.pool.reserve()
+            self.pool.prepare(SIZES, reserved)  # (made at once here; make_s is what the pool plans with)
+            self.pool._make_s = self.make_s
+            self.added.append((self.now, len(self.pool.slots)))
+
+    def _start_write(self) -> None:
+        if self.writing is None and self.queue:
+            slot, step = self.queue.pop(0)
+            p = Progress()
+            self.watch.begin(slot.index, PER, self.now, p)
+            self.writing = (slot, step, self.now, self.now + self.write_s(self.now), p)
+
+    def run(self, saves: int) -> None:
+        for k in range(saves):
+            t_save = k * self.interval
+            while self.writing is not None and self.writing[3] <= t_save:  # writes ending first
+                slot, step, _, ends, _ = self.writing
+                self.now = ends
+                self.watch.end(ends, ok=True)
+                self.pool.release(slot, step=step, durable=True)
+                self.writing = None
+                self._decide()
+                self._start_write()
+            self.now = t_save
+            slot, _ = self.pool.acquire(wait=False, timeout=None)
+            if slot is None:
+                self.waits.append(k)
+                continue
+            self.used.setdefault(slot.index, t_save)
+            if slot.kind == "none":
+                self.pool.fit(slot, SIZES)  # the first save makes its own slot
+            self.queue.append((slot, k))
+            self._start_write()
+            self._decide()
+
+
+def test_a_decoder_whose_disk_lags_gets_its_third_slot_just_before_it_is_needed(monkeypatch):
+    two = _Run(monkeypatch, interval=2.45, write_s=lambda now: 3.0)
+    two.pool.max_slots = 2
+    two.run(40)
+    assert two.waits[0] == 6  # two slots alone: the seventh save is the first to wait
+    run = _Run(monkeypatch, interval=2.45, write_s=lambda now: 3.0)
+    run.run(40)
+    assert [n for _, n in run.added] == [2, 3]
+    when, _ = run.added[1]
+    assert when > 4 * 2.45, run.added  # not within the first four saves: two slots carry them
+    assert when <= 6 * 2.45 - 1.5 * run.make_s + 1e-9, run.added  # made in time for that seventh save
+    assert run.waits[0] > 6, run.waits  # (later waits: no tier here, nothing supersedes)
+
+
+def test_saves_that_outpace_the_first_write_get_the_third_slot_at_the_second_save(monkeypatch):
+    run = _Run(monkeypatch, interval=1.32, write_s=lambda now: 2.6, make_s=1.5)
+    run.run(20)
+    assert run.added == [(0.0, 2), (1.32, 3)]
+    assert run.used[2] == pytest.approx(2 * 1.32) and run.waits[0] > 2
+
+
+def test_a_disk_that_keeps_pace_never_costs_a_third_slot(monkeypatch):
+    run = _Run(monkeypatch, interval=2.45, write_s=lambda now: 2.2)
+    run.run(60)
+    assert run.waits == [] and [n for _, n in run.added] == [2] and len(run.pool.slots) == 2
+
+
+def test_a_disk_that_slows_down_mid_run_gets_the_third_slot_before_a_save_waits(monkeypatch):
+    two = _Run(monkeypatch, interval=2.0, write_s=lambda now: 1.5 if now < 30 else 4.0)
+    two.pool.max_slots = 2
+    two.run(60)
+    first = two.waits[0] * 2.0  # when two slots alone first make a save wait
+    run = _Run(monkeypatch, interval=2.0, write_s=lambda now: 1.5 if now < 30 else 4.0)
+    run.run(60)
+    assert [n for _, n in run.added] == [2, 3]
+    assert 30 <= run.added[1][0] <= first - 1.5 * run.make_s + 1e-9, (run.added, first)  # once slower, in time
+    assert run.waits[0] * 2.0 > first, run.waits
+
+
+# ------------------------------------------------------------------ the manager's wiring
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(256, 1024, generator=g), "step": seed}  # 1 MiB
+
+
+def test_the_durable_write_reports_its_bytes_and_the_forecast_runs_when_it_ends(tmp_path, monkeypatch, caplog):
+    reported: list[int] = []
+    real_begin = LocalTarget.begin
+
+    def begin(self, step, prefix=""):
+        w = real_begin(self, step, prefix)
+        real_write = w.write_files
+
+        def write_files(files, chunk_size, *, checksum=True):
+            outer = w.progress
+            assert outer is not None  # the saver asks every durable write for its progress
+            w.progress = lambda n: (reported.append(n), outer(n))
+            return real_write(files, chunk_size, checksum=checksum)
+
+        w.write_files = write_files
+        return w
+
+    monkeypatch.setattr(LocalTarget, "begin", begin)
+    asked: list[tuple[str, Writes | None]] = []
+    real_spare = SlotPool.spare
+
+    def spare(self, writes=None):
+        asked.append((threading.current_thread().name, writes))
+        return real_spare(self, writes)
+
+    monkeypatch.setattr(SlotPool, "spare", spare)
+    with CheckpointManager(str(tmp_path / "root"), staging=StagingOptions(local_tier=False)) as mgr:
+        info = mgr.save(1, _state(1)).result(timeout=30)
+        mgr.wait(timeout=30)
+        assert sum(reported) == info.bytes  # every data byte, as written
+        assert mgr._saver._writes.rate is not None and mgr._saver._writes.rate > 0
+        after = [w for name, w in asked if name.startswith("ckptmgr-persist")]
+        assert after and after[-1] is not None and after[-1].slot is None, asked  # timed, nothing in flight
+        with caplog.at_level(logging.INFO, logger="ckptmgr"):
+            for step in (2, 3):
+                mgr.save(step, _state(step)).result(timeout=30)
+        assert mgr.stats()["slots"] == 2, mgr.stats()  # writes that end before the next save: no third
