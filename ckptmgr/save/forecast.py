@@ -95,18 +95,19 @@ class WriteWatch:
         return Writes(write_s=nbytes / rate, slot=None, ends=now)
 
 
-def first_wait(*, now: float, last_save: float, interval: float, write_s: float, free_at: list[float],
+def first_wait(*, now: float, since: float, interval: float, write_s: float, free_at: list[float],
                queued: int, writing_ends: float, horizon_s: float) -> float | None:
     """When the first save from now on would find no slot free, or None if none does before
     ``now + horizon_s``.
 
-    Saves come every ``interval`` seconds after ``last_save``; each takes the slot free
-    soonest and queues its durable write behind the others (one at a time, ``write_s`` each).
+    Saves come every ``interval`` seconds of training, the next one ``interval`` after
+    ``since``; each takes the slot free soonest and queues its durable write behind the others
+    (one at a time, ``write_s`` each).
 
     Args:
         now: the present (any clock, the same for every argument).
-        last_save: when the last save came.
-        interval: seconds between saves.
+        since: when the last save returned to training (``now`` while it has not yet).
+        interval: seconds of training between saves.
         write_s: seconds one durable write takes.
         free_at: for each slot whose step needs no further write: when it can be reused
             (``now`` for one reusable now, the expected end of its write for one being
@@ -125,7 +126,7 @@ def first_wait(*, now: float, last_save: float, interval: float, write_s: float,
         slots.append(cursor)
     if not slots:
         return None
-    t = last_save + interval
+    t = since + interval
     while t < now:  # (a save due already counts from now)
         t += interval
     for _ in range(MAX_SAVES):

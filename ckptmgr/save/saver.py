@@ -221,6 +221,7 @@ class Saver(TierSaves):
         ticket = Ticket(step, Future(), job)
         pjob.blocked_s = time.perf_counter() - t0
         self._enqueue(pjob, ticket)
+        self.pool.returned()
         return ticket
 
     def _spare(self) -> bool:

@@ -55,6 +55,7 @@ class SlotCapacity:
     _told_no_room: bool
     _overlapped: bool
     _interval: float | None
+    _returned: float | None
     _make_s: float | None
     _cond: threading.Condition
 
@@ -163,7 +164,9 @@ class SlotCapacity:
             else:
                 free_at.append(now)
         make_s = self._make_s if self._make_s is not None else DEFAULT_MAKE_S
-        return first_wait(now=now, last_save=self._last_save, interval=self._interval, write_s=writes.write_s,
+        returned = self._returned
+        since = returned if returned is not None and returned >= self._last_save else now  # (a save being made: now)
+        return first_wait(now=now, since=since, interval=self._interval, write_s=writes.write_s,
                           free_at=free_at, queued=queued, writing_ends=writes.ends,
                           horizon_s=self._interval + MAKE_LEAD * make_s)
 

@@ -83,7 +83,8 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         self._last_save: float | None = None  # monotonic time of the last acquire (for messages)
         self._told_no_room = False
         self._overlapped = False  # a save came while another was in flight (guarded by _cond)
-        self._interval: float | None = None  # seconds between the last two acquires (guarded by _cond)
+        self._interval: float | None = None  # seconds of training between the last two saves (guarded by _cond)
+        self._returned: float | None = None  # monotonic time the last save's call returned (guarded by _cond)
         self._make_s: float | None = None  # seconds the last spare slot took to make (guarded by _cond)
         self._cond = threading.Condition()
         self.hurry = threading.Event()  # set while a save waits for a slot being prepared
@@ -220,8 +221,10 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
                             "is dropped", slot.index, slot.step)
             self._overlapped = self._overlapped or any(s.busy for s in self.slots if s is not slot)
             old, slot.busy, slot.since, slot.prep_wait_s = slot.step, True, t0, prep_wait
-            if self._last_save is not None:
-                self._interval = t0 - self._last_save
+            if self._last_save is not None:  # (from the previous save's return: its own stall, a slot made on
+                returned = self._returned   # the spot the first time, is not part of the spacing of the saves)
+                since = returned if returned is not None and returned >= self._last_save else self._last_save
+                self._interval = t0 - since
             self._last_save = t0
             slot.replaced = old if not slot.durable else None
             slot.step, slot.durable, slot.wanted, slot.local_only = None, False, False, False
@@ -265,6 +268,12 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         be made (the caller then runs :meth:`prepare` off the training thread)."""
         with self._cond:
             return self._spare(writes)
+
+    def returned(self) -> None:
+        """The save that acquired last has returned to the training loop (the saves' spacing,
+        for the forecast, is counted from here to the next save)."""
+        with self._cond:
+            self._returned = time.monotonic()
 
     def slot_bytes(self) -> int | None:
         """Host bytes of one slot of the state last checked (None before the first)."""
