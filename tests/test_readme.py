@@ -455,7 +455,8 @@ def test_readme_checkpoint_frequency_table_comes_from_its_json():
         seen += 1
     assert seen == len(rows)
     prose = {f"{v:+.2f}%" for path, mode in (("h100-2026-11-27-spare-gate/call2/budget-long.json", "ckptmgr budget"),
-                                             ("h100-2026-11-27-spare-gate/call2/decoder.json", "ckptmgr overlap"))
+                                             ("h100-2026-11-27-spare-gate/call2/decoder.json", "ckptmgr overlap"),
+                                             ("h100x2-2026-11-28-forecast/call1/decoder.json", "ckptmgr overlap"))
              for values in [pct(path, mode)] for v in (statistics.median(values), min(values), max(values))}
     old = []
     for name in ("old1.json", "old2.json", "old3.json"):
