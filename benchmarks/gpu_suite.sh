@@ -24,7 +24,9 @@
 #   lightning  per-save cost of the Lightning plugin (30 steps, a save every 10; the peers with
 #              CKPTMGR_LIGHTNING_PLUGINS="TorchCheckpointIO (Lightning default),AsyncCheckpointIO(TorchCheckpointIO),CkptmgrCheckpointIO")
 #   hf         per-save cost of the Hugging Face Trainer integration against the stock Trainer
-#   dist       FSDP2 save and restore against torch.distributed.checkpoint (needs 2 GPUs or more)
+#              (extra arguments: $CKPTMGR_HF_ARGS, e.g. "--steps 100 --save-steps 25" for a shorter run)
+#   dist       FSDP2 save and restore against torch.distributed.checkpoint (needs 2 GPUs or more;
+#              rounds stop starting after $CKPTMGR_DIST_WALL_S seconds, default 200)
 #   reshard    FSDP2 saved at one world size, restored at others, against DCP (needs 2 GPUs or more)
 #
 # MODE@old runs the mode against another source tree, $CKPTMGR_OLD (default .old in the working
@@ -142,7 +144,9 @@ mode() {
         --plugins "${CKPTMGR_LIGHTNING_PLUGINS:-CkptmgrCheckpointIO}" --out "$o.json" 2>&1 | tee "$o.txt" ;;
     hf)
       local q=(); [ -n "$small" ] && q=(--tiny --cpu --steps 12 --save-steps 4)
-      python3 benchmarks/bench_hf_trainer.py --rounds "$r" "${q[@]}" --workdir "$scratch" --out "$o" 2>&1 | tee "$o.txt" ;;
+      # shellcheck disable=SC2086  # the extra arguments are words
+      python3 benchmarks/bench_hf_trainer.py --rounds "$r" "${q[@]}" ${CKPTMGR_HF_ARGS:-} --workdir "$scratch" \
+        --out "$o" 2>&1 | tee "$o.txt" ;;
     dist|reshard)
       local n="$gpus" dev=cuda q=()
       [ -n "$small" ] && n=2 dev=cpu q=(--width 256 --layers 2)
@@ -150,7 +154,7 @@ mode() {
         echo "$m: needs 2 GPUs or more, this machine has $n: skipped" | tee "$o.txt"
       elif [ "$m" = dist ]; then  # rounds stop starting after 200 s
         NCCL_NVLS_ENABLE=0 timeout 330 python3 benchmarks/bench_distributed.py --gpus "$n" --modes fsdp2 --layers 4 \
-          --rounds "$r" --saves 3 --max-wall-s 200 --device "$dev" "${q[@]}" --dir "$scratch/dist" \
+          --rounds "$r" --saves 3 --max-wall-s "${CKPTMGR_DIST_WALL_S:-200}" --device "$dev" "${q[@]}" --dir "$scratch/dist" \
           --commit "$CKPTMGR_COMMIT" --out "$o.json" 2>&1 | tee "$o.txt"
       else
         local spec="${CKPTMGR_RESHARD:-$([ "$n" -ge 4 ] && echo 4:2,4 || echo 2:1,2)}"
