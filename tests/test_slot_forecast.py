@@ -72,6 +72,31 @@ def test_the_watch_times_a_write_from_its_progress_before_any_completed():
     assert watch.view(20.0, 500) == Writes(write_s=pytest.approx(2.5), slot=None, ends=20.0)
 
 
+def test_a_write_that_reported_all_its_bytes_is_timed_from_its_start_not_taken_as_done():
+    """Bytes can run ahead of a write's end (an fsync, an upload at close, a multi-rank commit):
+    once all are reported, the write is timed by the last completed write's rate, from its start;
+    before any write completed, it cannot be timed at all."""
+    watch = WriteWatch()
+    p = Progress()
+    watch.begin(0, 1000, 0.0, p)
+    p.add(1000)
+    assert watch.view(0.5, 1000) is None  # (all reported, still running, nothing completed)
+    watch.end(4.0, ok=True)  # 250 B/s, tail included
+    p = Progress()
+    watch.begin(1, 1000, 10.0, p)
+    p.add(1000)
+    assert watch.view(10.5, 1000) == Writes(write_s=pytest.approx(4.0), slot=1, ends=pytest.approx(14.0))
+
+
+def test_a_target_that_reports_no_bytes_is_timed_from_the_writes_start():
+    watch = WriteWatch()
+    watch.begin(1, 1000, 0.0, Progress())
+    watch.end(2.0, ok=True)  # 500 B/s
+    watch.begin(0, 1000, 10.0, Progress())  # (S3, GDS: nothing reported)
+    assert watch.view(11.5, 1000) == Writes(write_s=pytest.approx(2.0), slot=0, ends=pytest.approx(12.0))
+    assert watch.view(13.0, 1000).ends == pytest.approx(13.0)  # overdue: it ends no sooner than now
+
+
 def test_a_disk_that_slows_down_counts_at_once_and_a_failed_write_sets_no_rate():
     watch = WriteWatch()
     watch.begin(1, 1000, 0.0, Progress())
@@ -138,7 +163,6 @@ class _Run:
                 self.watch.end(ends, ok=True)
                 self.pool.release(slot, step=step, durable=True)
                 self.writing = None
-                self._decide()
                 self._start_write()
             self.now = t_save
             slot, _ = self.pool.acquire(wait=False, timeout=None)
@@ -205,7 +229,7 @@ def _state(seed: int) -> dict:
     return {"w": torch.randn(256, 1024, generator=g), "step": seed}  # 1 MiB
 
 
-def test_the_durable_write_reports_its_bytes_and_the_forecast_runs_when_it_ends(tmp_path, monkeypatch, caplog):
+def test_every_durable_write_reports_its_bytes_and_sets_the_rate(tmp_path, monkeypatch):
     reported: list[int] = []
     real_begin = LocalTarget.begin
 
@@ -223,22 +247,50 @@ def test_the_durable_write_reports_its_bytes_and_the_forecast_runs_when_it_ends(
         return w
 
     monkeypatch.setattr(LocalTarget, "begin", begin)
-    asked: list[tuple[str, Writes | None]] = []
-    real_spare = SlotPool.spare
-
-    def spare(self, writes=None):
-        asked.append((threading.current_thread().name, writes))
-        return real_spare(self, writes)
-
-    monkeypatch.setattr(SlotPool, "spare", spare)
     with CheckpointManager(str(tmp_path / "root"), staging=StagingOptions(local_tier=False)) as mgr:
         info = mgr.save(1, _state(1)).result(timeout=30)
-        mgr.wait(timeout=30)
         assert sum(reported) == info.bytes  # every data byte, as written
         assert mgr._saver._writes.rate is not None and mgr._saver._writes.rate > 0
-        after = [w for name, w in asked if name.startswith("ckptmgr-persist")]
-        assert after and after[-1] is not None and after[-1].slot is None, asked  # timed, nothing in flight
-        with caplog.at_level(logging.INFO, logger="ckptmgr"):
-            for step in (2, 3):
-                mgr.save(step, _state(step)).result(timeout=30)
-        assert mgr.stats()["slots"] == 2, mgr.stats()  # writes that end before the next save: no third
+
+
+@pytest.mark.parametrize("wait_predicted", [False, True], ids=["no-wait", "wait"])
+def test_a_save_that_overlaps_a_write_gets_a_third_slot_only_when_the_forecast_says_so(
+        tmp_path, monkeypatch, caplog, wait_predicted):
+    """Step 2's durable write is held (a gate at its start) while step 3 is saved: both slots
+    are then busy and saves overlap, where the earlier rule always made a third slot. With a
+    write timed (step 1's), the pool follows the forecast, whose answer is fixed here."""
+    gate, held = threading.Event(), threading.Event()
+    real_begin = LocalTarget.begin
+
+    def begin(self, step, prefix=""):
+        if step >= 2:
+            held.set()
+            assert gate.wait(30)
+        return real_begin(self, step, prefix)
+
+    monkeypatch.setattr(LocalTarget, "begin", begin)
+    asked: list[Writes] = []
+
+    def forecast(**kw):
+        asked.append(kw)
+        return kw["now"] + 0.5 if wait_predicted else None
+
+    monkeypatch.setattr(slot_capacity, "first_wait", forecast)
+    caplog.set_level(logging.INFO, logger="ckptmgr")
+    mgr = CheckpointManager(str(tmp_path / "root"), staging=StagingOptions(local_tier=False))
+    try:
+        mgr.save(1, _state(1)).result(timeout=30)
+        mgr.wait(timeout=30)  # (the second slot, made in the background)
+        h2 = mgr.save(2, _state(2))
+        assert held.wait(30)  # step 2's write is in flight
+        h3 = mgr.save(3, _state(3))
+        h3.wait_staged(30)
+        assert len(asked) == 1 and asked[0]["write_s"] > 0, asked  # asked once, with step 1's rate
+        assert mgr.stats()["slots"] == (3 if wait_predicted else 2), mgr.stats()
+        told = [r.getMessage() for r in caplog.records if "staging slot 3 of at most 3" in r.getMessage()]
+        assert len(told) == (1 if wait_predicted else 0) and all("would wait" in m for m in told), told
+    finally:
+        gate.set()
+    h2.result(timeout=30)
+    h3.result(timeout=30)
+    mgr.close()

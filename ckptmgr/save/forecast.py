@@ -20,6 +20,7 @@ against simulated clocks.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -79,20 +80,24 @@ class WriteWatch:
 
     def view(self, now: float, nbytes: int) -> Writes | None:
         """The writes as the forecast sees them, for saves of ``nbytes``; None when no rate is
-        known yet (no write completed, and the one in flight has reported too little)."""
+        known yet (no write completed, and the one in flight has not reported enough of its
+        bytes to time it, or has reported all of them and is still running: its tail, an
+        fsync, an upload at close, a multi-rank commit, cannot be timed from its bytes)."""
         rate = self.rate
-        if self._slot is not None and self._progress is not None:
-            done, elapsed = self._progress.bytes, now - self._began
-            if self._nbytes > 0 and done >= MIN_PROGRESS * self._nbytes and elapsed >= MIN_ELAPSED_S:
-                now_rate = done / elapsed
-                rate = now_rate if rate is None else min(rate, now_rate)  # a slower disk now counts at once
-            if rate is None:
-                return None
-            left = max(self._nbytes - done, 0) / rate
-            return Writes(write_s=nbytes / rate, slot=self._slot, ends=now + left)
-        if rate is None:
+        if self._slot is None or self._progress is None:
+            return None if rate is None else Writes(write_s=nbytes / rate, slot=None, ends=now)
+        done, elapsed, total = self._progress.bytes, now - self._began, self._nbytes
+        reporting = 0 < done < total
+        if reporting and done >= MIN_PROGRESS * total and elapsed >= MIN_ELAPSED_S:
+            now_rate = done / elapsed
+            rate = now_rate if rate is None else min(rate, now_rate)  # a slower disk now counts at once
+        elif self.rate is None:
             return None
-        return Writes(write_s=nbytes / rate, slot=None, ends=now)
+        assert rate is not None
+        ends = self._began + total / rate  # the whole write, timed from its start (bytes reported or not)
+        if reporting:
+            ends = max(ends, now + (total - done) / rate)
+        return Writes(write_s=nbytes / rate, slot=self._slot, ends=max(now, ends))
 
 
 def first_wait(*, now: float, since: float, interval: float, write_s: float, free_at: list[float],
@@ -127,8 +132,8 @@ def first_wait(*, now: float, since: float, interval: float, write_s: float, fre
     if not slots:
         return None
     t = since + interval
-    while t < now:  # (a save due already counts from now)
-        t += interval
+    if t < now:  # (saves due already: the next one counts from now)
+        t += math.ceil((now - t) / interval) * interval
     for _ in range(MAX_SAVES):
         if t > now + horizon_s:
             return None

@@ -409,9 +409,6 @@ class Saver(TierSaves):
                 self._mark_protected(step)
             if error is None and self._retention and not self._closing:
                 self._deleter.schedule()
-            sizes = self.pool.sizes()
-            if sizes is not None and not self._closing and self._spare():  # the forecast, with this write's time
-                self.prepare(sizes)
         except BaseException as exc:  # reported like a deletion failure; the accounting still runs
             log.error("after the save of step %d: %s: %s", step, type(exc).__name__, exc)
             self._deleter.report(StorageError(f"after the save of step {step}: {type(exc).__name__}: {exc}"))

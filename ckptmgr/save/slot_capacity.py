@@ -103,16 +103,17 @@ class SlotCapacity:
         return mem.describe() + extra
 
     def _spare(self, writes: Writes | None = None) -> bool:
-        """(lock held, default options only) After a save took a slot, or a durable write
-        ended: add a slot, to be made in the background, when one more fits the share of host
-        memory the default may use and it is needed. Up to :data:`EAGER_SLOTS`, when none is
-        left for the next save (every other slot busy): the next save then never waits for the
-        previous one's durable write, nor makes its slot on the training thread. Beyond, up to
-        ``max_slots``, once saves have come while an earlier one was still in flight: when the
-        forecast of the next saves against the durable writes (``writes``, see
-        :mod:`ckptmgr.save.forecast`) says one would wait, soon enough to make the slot first;
-        without a forecast (no write's duration known yet), when every slot is busy. Returns True when the pool has a
-        slot never made, added here or configured (the caller starts :meth:`prepare`)."""
+        """(lock held, default options only) After a save took a slot: add a slot, to be made
+        in the background, when one more fits the share of host memory the default may use
+        and it is needed. Up to :data:`EAGER_SLOTS`, when none is left for the next save (every
+        other slot busy): the next save then never waits for the previous one's durable write,
+        nor makes its slot on the training thread. Beyond, up to ``max_slots``, once saves
+        have come while an earlier one was still in flight: when the forecast of the next
+        saves against the durable writes (``writes``, see :mod:`ckptmgr.save.forecast`) says
+        one would wait before the save after next (the next decision), soon enough to make the
+        slot first; without a forecast (no write timed yet), when every slot is busy. Returns
+        True when the pool has a slot never made, added here or configured (the caller starts
+        :meth:`prepare`)."""
         fresh = any(s.kind == "none" and not s.busy and not s.preparing for s in self.slots)
         if not self.auto or self._sizes is None:
             return fresh  # (configured slots: the others are made in the background after the first save)

@@ -64,7 +64,8 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
 
     ``count=None`` (the default options) sizes the pool itself: one slot, a second made in the
     background once a save holds the first, and a third (up to :data:`AUTO_MAX_SLOTS`) once
-    saves come while earlier ones are still in flight (see :meth:`spare`); a save that finds
+    saves come while earlier ones are still in flight and a forecast of the next saves against
+    the durable writes says one would otherwise wait (see :meth:`spare`); a save that finds
     none free adds one on the spot; all of them only as long as they fit
     :data:`~ckptmgr.save.memory.DEFAULT_HOST_SHARE` of the host memory available.
     ``memory``: how much host memory is available (see :mod:`ckptmgr.save.memory`; injectable
@@ -262,7 +263,7 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         return True
 
     def spare(self, writes: Writes | None = None) -> bool:
-        """After a save took a slot, or a durable write ended (default options): add a slot to
+        """After a save took a slot (default options): add a slot to
         make in the background when one fits and the next saves need it, by the forecast of
         them against ``writes`` (see :meth:`SlotCapacity._spare`); True when a slot waits to
         be made (the caller then runs :meth:`prepare` off the training thread)."""
@@ -279,11 +280,6 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         """Host bytes of one slot of the state last checked (None before the first)."""
         with self._cond:
             return None if self._sizes is None else slot_bytes(self._sizes)
-
-    def sizes(self) -> list[int] | None:
-        """The file sizes of the state last checked (None before the first)."""
-        with self._cond:
-            return None if self._sizes is None else list(self._sizes)
 
     def release(self, slot: Slot, *, step: int | None, durable: bool, wanted: bool = False,
                 given_up: bool = False) -> None:
