@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckptmgr import CheckpointManager, StagingOptions
-from ckptmgr.save import slot_capacity, slots
+from ckptmgr.save import slot_capacity
 from ckptmgr.save.forecast import Progress, Writes, WriteWatch, first_wait
 from ckptmgr.save.slots import SlotPool, slot_bytes
 from ckptmgr.storage.local import LocalTarget
@@ -123,9 +123,8 @@ class _Run:
 
     def __init__(self, monkeypatch, interval: float, write_s, make_s: float = 1.3, first_stall: float = 0.0) -> None:
         self.now = 0.0
-        monkeypatch.setattr(slots.time, "monotonic", lambda: self.now)
-        monkeypatch.setattr(slot_capacity.time, "monotonic", lambda: self.now)
         self.pool = SlotPool(None, tier=None, max_host_bytes=None, memory=None)
+        self.pool.clock = lambda: self.now
         self.pool.check_capacity(SIZES)
         self.interval, self.write_s, self.make_s = interval, write_s, make_s
         self.first_stall = first_stall  # the first save's own stall (it makes its slot on the spot)

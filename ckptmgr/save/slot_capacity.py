@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
+from collections.abc import Callable
 
 from ..errors import CapacityError
 from ..format.layout import DATA_ALIGN
@@ -56,6 +56,7 @@ class SlotCapacity:
     _overlapped: bool
     _interval: float | None
     _returned: float | None
+    clock: Callable[[], float]
     _make_s: float | None
     _cond: threading.Condition
 
@@ -129,7 +130,7 @@ class SlotCapacity:
             wait_at = self._forecast(writes)
             if wait_at is None:
                 return False
-            why = f"durable writes still running (a save in {wait_at - time.monotonic():.2f} s would wait)"
+            why = f"durable writes still running (a save in {wait_at - self.clock():.2f} s would wait)"
         elif all(s.busy for s in self.slots):
             why = "durable writes still running"
         else:
@@ -153,7 +154,7 @@ class SlotCapacity:
         would or the saves' spacing is not known yet."""
         if self._last_save is None or not self._interval:
             return None
-        now = time.monotonic()
+        now = self.clock()
         newest, wanted = self._newest_committed(), self._newest_wanted()
         free_at: list[float] = []
         queued = 0

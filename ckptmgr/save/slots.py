@@ -86,6 +86,7 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         self._overlapped = False  # a save came while another was in flight (guarded by _cond)
         self._interval: float | None = None  # seconds of training between the last two saves (guarded by _cond)
         self._returned: float | None = None  # monotonic time the last save's call returned (guarded by _cond)
+        self.clock: Callable[[], float] = time.monotonic  # the saves' times, for the forecast (injectable for tests)
         self._make_s: float | None = None  # seconds the last spare slot took to make (guarded by _cond)
         self._cond = threading.Condition()
         self.hurry = threading.Event()  # set while a save waits for a slot being prepared
@@ -177,7 +178,7 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         Raises:
             CkptTimeoutError: none became free within ``timeout`` seconds.
         """
-        t0 = time.monotonic()
+        t0 = self.clock()
         deadline = None if timeout is None else t0 + timeout
         grown: Slot | None = None
         prep_wait = 0.0  # of ``waited``: while a slot was being made (a one-time cost, not a busy slot)
@@ -195,25 +196,25 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
                             break
                     if not wait and not preparing:
                         self.counts["skips"] += 1
-                        return None, time.monotonic() - t0
+                        return None, self.clock() - t0
                     if preparing:
                         if not self.hurry.is_set():  # the caller waits: pin without pauses, make every file at once
                             self.hurry.set()
                             # (spare files waiting for their turn start now; only when hurry is new: a save
                             # already waiting here would be woken, and wake this one back, without end)
                             self._cond.notify_all()
-                    elif self.on_wait is not None and time.monotonic() - t0 < 1e-3:
+                    elif self.on_wait is not None and self.clock() - t0 < 1e-3:
                         self.on_wait()
-                    left = None if deadline is None else deadline - time.monotonic()
+                    left = None if deadline is None else deadline - self.clock()
                     if left is not None and left <= 0:
                         raise CkptTimeoutError(f"no staging slot became free within {timeout} s")
-                    t_wait = time.monotonic()
+                    t_wait = self.clock()
                     self._cond.wait(left)
                     if preparing:
-                        prep_wait += time.monotonic() - t_wait
+                        prep_wait += self.clock() - t_wait
             finally:
                 self.hurry.clear()
-            waited = time.monotonic() - t0
+            waited = self.clock() - t0
             if waited > 1e-3 and grown is None:  # (a slot added instead is no wait)
                 self.counts["busy_waits"] += 1
                 self.counts["busy_wait_s"] += waited
@@ -274,7 +275,7 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         """The save that acquired last has returned to the training loop (the saves' spacing,
         for the forecast, is counted from here to the next save)."""
         with self._cond:
-            self._returned = time.monotonic()
+            self._returned = self.clock()
 
     def slot_bytes(self) -> int | None:
         """Host bytes of one slot of the state last checked (None before the first)."""
