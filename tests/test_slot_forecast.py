@@ -252,9 +252,10 @@ def test_every_durable_write_reports_its_bytes_and_sets_the_rate(tmp_path, monke
         assert mgr._saver._writes.rate is not None and mgr._saver._writes.rate > 0
 
 
+@pytest.mark.parametrize("tier", [True, False], ids=["local-tier", "no-tier"])
 @pytest.mark.parametrize("wait_predicted", [False, True], ids=["no-wait", "wait"])
 def test_a_save_that_overlaps_a_write_gets_a_third_slot_only_when_the_forecast_says_so(
-        tmp_path, monkeypatch, caplog, wait_predicted):
+        tmp_path, monkeypatch, caplog, wait_predicted, tier):
     """Step 2's durable write is held (a gate at its start) while step 3 is saved: both slots
     are then busy and saves overlap, where the earlier rule always made a third slot. With a
     write timed (step 1's), the pool follows the forecast, whose answer is fixed here."""
@@ -276,7 +277,9 @@ def test_a_save_that_overlaps_a_write_gets_a_third_slot_only_when_the_forecast_s
 
     monkeypatch.setattr(slot_capacity, "first_wait", forecast)
     caplog.set_level(logging.INFO, logger="ckptmgr")
-    mgr = CheckpointManager(str(tmp_path / "root"), staging=StagingOptions(local_tier=False))
+    local = tmp_path / "shm"
+    local.mkdir()
+    mgr = CheckpointManager(str(tmp_path / "root"), staging=StagingOptions(local_tier=tier, local_dir=str(local)))
     try:
         mgr.save(1, _state(1)).result(timeout=30)
         mgr.wait(timeout=30)  # (the second slot, made in the background)
@@ -285,6 +288,8 @@ def test_a_save_that_overlaps_a_write_gets_a_third_slot_only_when_the_forecast_s
         h3 = mgr.save(3, _state(3))
         h3.wait_staged(30)
         assert len(asked) == 1 and asked[0]["write_s"] > 0, asked  # asked once, with step 1's rate
+        # the slot being written is free once its write ends; the one step 3 took waits for its write
+        assert len(asked[0]["free_at"]) == 1 and asked[0]["queued"] == 1, asked
         assert mgr.stats()["slots"] == (3 if wait_predicted else 2), mgr.stats()
         told = [r.getMessage() for r in caplog.records if "staging slot 3 of at most 3" in r.getMessage()]
         assert len(told) == (1 if wait_predicted else 0) and all("would wait" in m for m in told), told
