@@ -28,7 +28,6 @@ __all__ = ["Progress", "WriteWatch", "Writes", "first_wait"]
 
 MIN_PROGRESS = 0.05  # of a write's bytes reported before its rate is trusted
 MIN_ELAPSED_S = 0.05  # ... and seconds since it began
-TOLERANCE = 0.02  # of the save interval: a slot free this close after a save comes counts as free
 MAX_SAVES = 64  # saves the forecast looks ahead at most
 
 
@@ -79,10 +78,11 @@ class WriteWatch:
         self._slot, self._progress = None, None
 
     def view(self, now: float, nbytes: int) -> Writes | None:
-        """The writes as the forecast sees them, for saves of ``nbytes``; None when no rate is
-        known yet (no write completed, and the one in flight has not reported enough of its
-        bytes to time it, or has reported all of them and is still running: its tail, an
-        fsync, an upload at close, a multi-rank commit, cannot be timed from its bytes)."""
+        """The writes as the forecast sees them, for saves of ``nbytes``; None when the write
+        in flight cannot be timed: no write completed and it has not reported enough of its
+        bytes (or all of them: its tail, an fsync, a commit, is not in its bytes), or it runs
+        past what the last completed write's rate allows and reports nothing more (a target
+        that reports no bytes, or a long tail). The pool then keeps its earlier rule."""
         rate = self.rate
         if self._slot is None or self._progress is None:
             return None if rate is None else Writes(write_s=nbytes / rate, slot=None, ends=now)
@@ -97,7 +97,9 @@ class WriteWatch:
         ends = self._began + total / rate  # the whole write, timed from its start (bytes reported or not)
         if reporting:
             ends = max(ends, now + (total - done) / rate)
-        return Writes(write_s=nbytes / rate, slot=self._slot, ends=max(now, ends))
+        elif ends < now:
+            return None  # overdue, and its bytes tell nothing more (none reported, or all): it cannot be timed
+        return Writes(write_s=nbytes / rate, slot=self._slot, ends=ends)
 
 
 def first_wait(*, now: float, since: float, interval: float, write_s: float, free_at: list[float],
@@ -138,7 +140,7 @@ def first_wait(*, now: float, since: float, interval: float, write_s: float, fre
         if t > now + horizon_s:
             return None
         i = min(range(len(slots)), key=slots.__getitem__)
-        if slots[i] > t + TOLERANCE * interval:
+        if slots[i] > t:  # (a save that finds none free makes one on the spot: no tolerance)
             return t
         cursor = max(cursor, t) + write_s
         slots[i] = cursor

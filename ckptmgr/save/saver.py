@@ -71,7 +71,7 @@ from .coalesce import RETRY_FIRST_S, RETRY_MAX_S, Coalescing
 from .engine import AsyncWriter
 from .forecast import Progress, WriteWatch
 from .outcome import Ticket, permanent, report_interrupted, report_permanent, retryable
-from .persist import PersistJob, SaveInfo, StepCommit, persist
+from .persist import PLAIN, PersistJob, SaveInfo, StepCommit, persist
 from .slots import Slot
 from .staging import StagingJob
 from .tiered import TierSaves
@@ -352,7 +352,9 @@ class Saver(TierSaves):
             job.staging.wait()  # (the write's time, for the slot forecast, starts once its bytes are staged)
             with self._mu:
                 self._writes.begin(job.slot.index, job.nbytes, time.monotonic(), progress)
-            info = persist(job, target=self._target, chunk_size=self._chunk_size, progress=progress.add)
+            # (a multi-rank commit's tail, waiting for the other ranks, is not in this rank's bytes)
+            info = persist(job, target=self._target, chunk_size=self._chunk_size,
+                           progress=progress.add if job.commit is PLAIN else None)
         except BaseException as exc:  # settled below, reported on the ticket
             error = exc
         finally:

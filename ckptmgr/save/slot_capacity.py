@@ -55,7 +55,6 @@ class SlotCapacity:
     _told_no_room: bool
     _overlapped: bool
     _interval: float | None
-    _returned: float | None
     clock: Callable[[], float]
     _make_s: float | None
     _cond: threading.Condition
@@ -166,9 +165,8 @@ class SlotCapacity:
             else:
                 free_at.append(now)
         make_s = self._make_s if self._make_s is not None else DEFAULT_MAKE_S
-        returned = self._returned
-        since = returned if returned is not None and returned >= self._last_save else now  # (a save being made: now)
-        return first_wait(now=now, since=since, interval=self._interval, write_s=writes.write_s,
+        # (asked by a save before it returns: the next save comes an interval of training from now)
+        return first_wait(now=now, since=now, interval=self._interval, write_s=writes.write_s,
                           free_at=free_at, queued=queued, writing_ends=writes.ends,
                           horizon_s=self._interval + MAKE_LEAD * make_s)
 

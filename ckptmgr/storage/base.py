@@ -44,8 +44,9 @@ class StepWriter(Protocol):
     """
 
     location: str  # where this writer's files are before the commit ("" where they are in place)
-    # set by the caller before write_files: told the bytes written as they are, from the I/O
-    # threads (a writer that cannot tell leaves it uncalled; a hint for pacing, never for correctness)
+    # set by the caller before write_files: told the bytes that reached the storage itself as
+    # they do (not a cache that flushes later), from the I/O threads; a writer that cannot tell
+    # leaves it uncalled (a hint for pacing, never for correctness)
     progress: Callable[[int], None] | None
 
     def adopt(self, parts: list[tuple[str, list[str]]]) -> None:

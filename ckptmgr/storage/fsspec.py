@@ -60,7 +60,7 @@ def check_step(step: object) -> int:
 class _FsspecStepWriter:
     """Writes a step's files with ``fs.open``; the strategy commits or aborts."""
 
-    progress: Callable[[int], None] | None = None  # (see StepWriter)
+    progress: Callable[[int], None] | None = None  # (see StepWriter; never called: file objects buffer)
 
     def __init__(self, target: FsspecTarget, commit: ManifestLastCommit) -> None:
         self.target = target
@@ -86,8 +86,6 @@ class _FsspecStepWriter:
                 f.write(memoryview(chunk))  # type: ignore[arg-type]
                 if checksum:
                     crcs.append(crc32c_hex(chunk))
-                if self.progress is not None:
-                    self.progress(e - b)
         self.strategy.wrote(name, data.size)
         return tuple(crcs)
 

@@ -108,12 +108,12 @@ class _LocalStepWriter:
                     split = min(max(direct_end, b), e)
                     if split > b:
                         pwrite_all(dfd, data[b:split], b)
+                        if self.progress is not None:  # (O_DIRECT: on the device; buffered bytes are not yet)
+                            self.progress(split - b)
                     if e > split:
                         pwrite_all(fd, data[split:e], split)
                     if checksum:
                         crcs.append(crc32c_hex(chunk))
-                    if self.progress is not None:
-                        self.progress(e - b)
                 os.fsync(fd)
         finally:
             if dfd >= 0:
