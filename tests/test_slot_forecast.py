@@ -29,31 +29,31 @@ PER = slot_bytes(SIZES)
 def test_two_slots_carry_saves_while_each_write_ends_before_the_save_after_next():
     # a decoder saving every 2.45 s, its write 3.0 s: at its second save the first write ends at
     # 3.1 s; the third save (4.9 s) reuses that slot, the fourth the second's (ends 6.1 s)
-    assert first_wait(now=2.45, since=2.45, interval=2.45, write_s=3.0, free_at=[3.1], queued=1,
+    assert first_wait(now=2.45, interval=2.45, write_s=3.0, free_at=[3.1], queued=1,
                       writing_ends=3.1, horizon_s=2.45 + 1.5 * 1.3) is None
     # looking far enough ahead, the backlog (0.55 s a save) makes the seventh save wait
-    assert first_wait(now=2.45, since=2.45, interval=2.45, write_s=3.0, free_at=[3.1], queued=1,
+    assert first_wait(now=2.45, interval=2.45, write_s=3.0, free_at=[3.1], queued=1,
                       writing_ends=3.1, horizon_s=60) == pytest.approx(6 * 2.45)
     # at its sixth save, that wait is the next save's
-    assert first_wait(now=12.25, since=12.25, interval=2.45, write_s=3.0, free_at=[15.1], queued=1,
+    assert first_wait(now=12.25, interval=2.45, write_s=3.0, free_at=[15.1], queued=1,
                       writing_ends=15.1, horizon_s=4.4) == pytest.approx(14.7)
 
 
 def test_saves_faster_than_the_first_write_want_the_slot_at_once():
     # 4.83 GB every 1.32 s, its first write 2.6 s: the third save (2.64 s) finds both slots busy
-    assert first_wait(now=1.32, since=1.32, interval=1.32, write_s=2.6, free_at=[2.7], queued=1,
+    assert first_wait(now=1.32, interval=1.32, write_s=2.6, free_at=[2.7], queued=1,
                       writing_ends=2.7, horizon_s=1.32 + 1.5 * 1.5) == pytest.approx(2.64)
 
 
 def test_writes_faster_than_the_saves_never_need_a_third_slot():
-    assert first_wait(now=5.0, since=5.0, interval=2.0, write_s=1.9, free_at=[5.5], queued=1,
+    assert first_wait(now=5.0, interval=2.0, write_s=1.9, free_at=[5.5], queued=1,
                       writing_ends=5.5, horizon_s=1e6) is None
 
 
 def test_a_slot_free_now_and_nothing_known_of_the_spacing():
-    assert first_wait(now=1.0, since=1.0, interval=1.0, write_s=5.0, free_at=[1.0, 1.0], queued=0,
+    assert first_wait(now=1.0, interval=1.0, write_s=5.0, free_at=[1.0, 1.0], queued=0,
                       writing_ends=1.0, horizon_s=1.5) is None
-    assert first_wait(now=1.0, since=1.0, interval=0.0, write_s=5.0, free_at=[9.0], queued=1,
+    assert first_wait(now=1.0, interval=0.0, write_s=5.0, free_at=[9.0], queued=1,
                       writing_ends=9.0, horizon_s=100) is None
 
 

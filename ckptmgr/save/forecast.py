@@ -20,7 +20,6 @@ against simulated clocks.
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass
 
@@ -102,18 +101,17 @@ class WriteWatch:
         return Writes(write_s=nbytes / rate, slot=self._slot, ends=ends)
 
 
-def first_wait(*, now: float, since: float, interval: float, write_s: float, free_at: list[float],
+def first_wait(*, now: float, interval: float, write_s: float, free_at: list[float],
                queued: int, writing_ends: float, horizon_s: float) -> float | None:
     """When the first save from now on would find no slot free, or None if none does before
     ``now + horizon_s``.
 
-    Saves come every ``interval`` seconds of training, the next one ``interval`` after
-    ``since``; each takes the slot free soonest and queues its durable write behind the others
-    (one at a time, ``write_s`` each).
+    Saves come every ``interval`` seconds of training, the next one ``interval`` from now (the
+    forecast is asked by a save before it returns to training); each takes the slot free
+    soonest and queues its durable write behind the others (one at a time, ``write_s`` each).
 
     Args:
         now: the present (any clock, the same for every argument).
-        since: when the last save returned to training (``now`` while it has not yet).
         interval: seconds of training between saves.
         write_s: seconds one durable write takes.
         free_at: for each slot whose step needs no further write: when it can be reused
@@ -133,9 +131,7 @@ def first_wait(*, now: float, since: float, interval: float, write_s: float, fre
         slots.append(cursor)
     if not slots:
         return None
-    t = since + interval
-    if t < now:  # (saves due already: the next one counts from now)
-        t += math.ceil((now - t) / interval) * interval
+    t = now + interval
     for _ in range(MAX_SAVES):
         if t > now + horizon_s:
             return None

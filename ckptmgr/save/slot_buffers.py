@@ -123,9 +123,9 @@ class SlotBuffers:
             for j, s in enumerate(fresh):
                 try:
                     if not self.stop.is_set():
-                        t0 = time.monotonic()
-                        self.fit(s, sizes, hurry=False, spare=not (first and j == 0))
-                        if not (first and j == 0):
+                        spare, t0 = not (first and j == 0), time.monotonic()
+                        self.fit(s, sizes, hurry=False, spare=spare)
+                        if spare:
                             with self._cond:  # (how long a slot takes to make: the forecast's lead)
                                 self._make_s = time.monotonic() - t0
                 except Closing as exc:

@@ -58,6 +58,10 @@ class SlotCapacity:
     clock: Callable[[], float]
     _make_s: float | None
     _cond: threading.Condition
+    # the pool's, declared here for the forecast (SlotPool's)
+    _newest_committed: Callable[[], int | None]
+    _newest_wanted: Callable[[], int | None]
+    _reusable: Callable[[Slot, int | None, int | None], int | None]
 
     def check_capacity(self, sizes: list[int]) -> None:
         """Raise CapacityError, before anything is allocated, when the slots of this state
@@ -165,14 +169,9 @@ class SlotCapacity:
             else:
                 free_at.append(now)
         make_s = self._make_s if self._make_s is not None else DEFAULT_MAKE_S
-        # (asked by a save before it returns: the next save comes an interval of training from now)
-        return first_wait(now=now, since=now, interval=self._interval, write_s=writes.write_s,
+        return first_wait(now=now, interval=self._interval, write_s=writes.write_s,
                           free_at=free_at, queued=queued, writing_ends=writes.ends,
                           horizon_s=self._interval + MAKE_LEAD * make_s)
-
-    def _newest_committed(self) -> int | None: ...
-    def _newest_wanted(self) -> int | None: ...
-    def _reusable(self, s: Slot, newest: int | None, newest_wanted: int | None) -> int | None: ...
 
     def _grow(self, now: float) -> Slot | None:
         """(lock held, default options only) A new slot for a save that would otherwise wait,

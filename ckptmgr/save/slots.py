@@ -86,7 +86,7 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         self._overlapped = False  # a save came while another was in flight (guarded by _cond)
         self._interval: float | None = None  # seconds of training between the last two saves (guarded by _cond)
         self._returned: float | None = None  # monotonic time the last save's call returned (guarded by _cond)
-        self.clock: Callable[[], float] = time.monotonic  # the saves' times, for the forecast (injectable for tests)
+        self.clock: Callable[[], float] = time.monotonic  # the pool's clock: the saves' times (injectable for tests)
         self._make_s: float | None = None  # seconds the last spare slot took to make (guarded by _cond)
         self._cond = threading.Condition()
         self.hurry = threading.Event()  # set while a save waits for a slot being prepared
