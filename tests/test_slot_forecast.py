@@ -349,3 +349,64 @@ def test_a_save_that_overlaps_a_write_gets_a_third_slot_only_when_the_forecast_s
     h2.result(timeout=30)
     h3.result(timeout=30)
     mgr.close()
+
+
+def test_a_slot_the_forecast_adds_is_made_once_the_copies_of_its_save_have_landed(tmp_path, monkeypatch):
+    """Making a slot beside a save's copies slows them while the training step waits for them.
+    The default's second slot, asked for by the first save, starts at once (the next save may
+    come soon); a slot the forecast adds ahead of need starts once the copies of the save that
+    asked for it have landed (reserved at once: a save that needs it waits for it)."""
+    from ckptmgr.save.staging import StagingJob
+
+    gate, held = threading.Event(), threading.Event()  # step 2's durable write, held at its start
+    copies_land = threading.Event()  # the copies "land" for a slot's maker when the test opens this
+    real_begin, real_wait, real_fit = LocalTarget.begin, StagingJob.wait, SlotPool.fit
+    started: list[tuple[int, bool]] = []  # (slot, copies landed) as each slot's making starts
+    makers_waited: list[str] = []
+    third_started = threading.Event()
+
+    def begin(self, step, prefix=""):
+        if step >= 2:
+            held.set()
+            assert gate.wait(30)
+        return real_begin(self, step, prefix)
+
+    def wait(self, timeout=None):
+        if threading.current_thread().name.startswith("ckptmgr-prepare"):  # (a slot's maker)
+            makers_waited.append(threading.current_thread().name)
+            assert copies_land.wait(30)
+        return real_wait(self, timeout)
+
+    def fit(self, slot, sizes, *, hurry=True, spare=False):
+        if slot.kind == "none" and threading.current_thread().name.startswith("ckptmgr-prepare"):
+            started.append((slot.index, copies_land.is_set()))
+            if slot.index == 2:
+                third_started.set()
+        return real_fit(self, slot, sizes, hurry=hurry, spare=spare)
+
+    monkeypatch.setattr(LocalTarget, "begin", begin)
+    monkeypatch.setattr(StagingJob, "wait", wait)
+    monkeypatch.setattr(SlotPool, "fit", fit)
+    monkeypatch.setattr(slot_capacity, "first_wait", lambda **kw: kw["now"] + 0.5)  # a save would wait
+    mgr = CheckpointManager(str(tmp_path / "root"), staging=StagingOptions(local_tier=False))
+    try:
+        mgr.save(1, _state(1)).result(timeout=30)
+        mgr.wait(timeout=30)  # the second slot: made at once, while copies_land is still shut
+        assert started == [(1, False)] and not makers_waited, (started, makers_waited)
+        with mgr._saver._mu:
+            mgr._saver._writes.rate = 1e3  # (a slow disk: see the test above)
+        h2 = mgr.save(2, _state(2))
+        assert held.wait(30)
+        h3 = mgr.save(3, _state(3))
+        assert mgr.stats()["slots"] == 3  # reserved at once
+        assert not third_started.wait(0.5)  # (a bounded look: it must not start while the copies run)
+        assert len(makers_waited) == 1, makers_waited
+        copies_land.set()
+        assert third_started.wait(30)
+        assert started == [(1, False), (2, True)], started
+    finally:
+        copies_land.set()
+        gate.set()
+    h2.result(timeout=30)
+    h3.result(timeout=30)
+    mgr.close()

@@ -72,6 +72,7 @@ from .engine import AsyncWriter
 from .forecast import Progress, WriteWatch
 from .outcome import Ticket, permanent, report_interrupted, report_permanent, retryable
 from .persist import PLAIN, PersistJob, SaveInfo, StepCommit, persist
+from .slot_capacity import MAKE_AFTER_COPIES
 from .slots import Slot
 from .staging import StagingJob
 from .tiered import TierSaves
@@ -200,8 +201,9 @@ class Saver(TierSaves):
                 finally:
                     self.pool.release(slot, step=None, durable=False)
                 raise
-        if self._spare():  # a slot for the next saves, made in the background (default options)
-            self.prepare(sizes, after=job if spare_after_copies else None)
+        when = self._spare()  # a slot for the next saves, made in the background (default options)
+        if when is not None:
+            self.prepare(sizes, after=job if spare_after_copies or when == MAKE_AFTER_COPIES else None)
         local = self._tier is not None and slot.kind == "tmpfs"
         wanted = True if durable is None else durable
         if schedule is not None or durable is not None:
@@ -224,9 +226,10 @@ class Saver(TierSaves):
         self.pool.returned()
         return ticket
 
-    def _spare(self) -> bool:
-        """Whether the pool added a slot to make in the background (see :meth:`SlotPool.spare`),
-        by the forecast of the next saves against the durable writes as timed so far."""
+    def _spare(self) -> str | None:
+        """Whether the pool added a slot to make in the background, and when to start it (see
+        :meth:`SlotPool.spare`), by the forecast of the next saves against the durable writes
+        as timed so far."""
         nbytes = self.pool.slot_bytes()
         with self._mu:
             writes = None if nbytes is None else self._writes.view(time.monotonic(), nbytes)
@@ -273,8 +276,10 @@ class Saver(TierSaves):
         for that save's copies to land: making a slot (populating pages, pinning them under
         the CUDA driver's lock) beside the copies slowed them about fourfold on an H100
         (4.83 GB safe to mutate after 0.366 s instead of ~0.09 s), and the training step waits
-        for those copies. Only where the next save is far off: saves 1.3 s apart (4.83 GB, a
-        save every 25 steps, the defaults) then waited up to 2.9 s for a slot made too late."""
+        for those copies. Only where the next save is far off (a ``Schedule(max_overhead=...)``)
+        or the slot was added ahead of need by the forecast, whose lead covers the delay: the
+        default's second slot, asked for by the first save, starts at once (saves 1.3 s apart,
+        4.83 GB, a save every 25 steps, waited up to 2.9 s for it made later)."""
         if plan is not None:
             self._stager.reserve(plan)
         with self._mu:

@@ -26,8 +26,10 @@ from .slot_buffers import Slot
 EAGER_SLOTS = 2  # slots the default makes ahead of need (in the background) when they fit
 MAKE_LEAD = 1.5  # a slot beyond them is made this many times its expected making time before it is needed
 DEFAULT_MAKE_S = 2.0  # a slot's expected making time before one was made
+MAKE_NOW = "now"  # what SlotCapacity._spare answers: make the new slot at once (the next save may need it)
+MAKE_AFTER_COPIES = "after copies"  # ... once the copies of the save that asked have landed (a forecast's lead)
 
-__all__ = ["EAGER_SLOTS", "SlotCapacity", "slot_bytes"]
+__all__ = ["EAGER_SLOTS", "MAKE_AFTER_COPIES", "MAKE_NOW", "SlotCapacity", "slot_bytes"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -106,7 +108,7 @@ class SlotCapacity:
         extra = f" + {held / 2**30:.2f} GiB the slots hold" if held else ""
         return mem.describe() + extra
 
-    def _spare(self, writes: Writes | None = None) -> bool:
+    def _spare(self, writes: Writes | None = None) -> str | None:
         """(lock held, default options only) After a save took a slot: add a slot, to be made
         in the background, when one more fits the share of host memory the default may use
         and it is needed. Up to :data:`EAGER_SLOTS`, when none is left for the next save (every
@@ -115,41 +117,46 @@ class SlotCapacity:
         have come while an earlier one was still in flight: when the forecast of the next
         saves against the durable writes (``writes``, see :mod:`ckptmgr.save.forecast`) says
         one would wait before the save after next (the next decision), soon enough to make the
-        slot first; without a forecast (no write timed yet), when every slot is busy. Returns
-        True when the pool has a slot never made, added here or configured (the caller starts
-        :meth:`prepare`)."""
-        fresh = any(s.kind == "none" and not s.busy and not s.preparing for s in self.slots)
+        slot first; without a forecast (no write timed yet), when every slot is busy.
+
+        Returns when the caller is to start :meth:`prepare` for a slot never made, added here
+        or configured: :data:`MAKE_NOW`, or :data:`MAKE_AFTER_COPIES` for a slot the forecast
+        added ahead of need (made beside the save's copies it would slow them, and the training
+        step waits for those; the forecast's lead covers the delay); None: nothing to make."""
+        fresh = MAKE_NOW if any(s.kind == "none" and not s.busy and not s.preparing for s in self.slots) else None
         if not self.auto or self._sizes is None:
             return fresh  # (configured slots: the others are made in the background after the first save)
         if fresh or len(self.slots) >= self.max_slots or any(s.preparing for s in self.slots):
             return fresh
+        when = MAKE_NOW
         if len(self.slots) < EAGER_SLOTS:
             if any(not s.busy for s in self.slots):
-                return False
+                return None
             why = "previous one's durable write"
         elif not self._overlapped:
-            return False  # (a caller whose saves never overlap a durable write never needs one)
+            return None  # (a caller whose saves never overlap a durable write never needs one)
         elif writes is not None:
             wait_at = self._forecast(writes)
             if wait_at is None:
-                return False
+                return None
             why = f"durable writes still running (a save in {wait_at - self.clock():.2f} s would wait)"
+            when = MAKE_AFTER_COPIES
         elif all(s.busy for s in self.slots):
             why = "durable writes still running"
         else:
-            return False
+            return None
         per = slot_bytes(self._sizes)
         count = len(self.slots)
         mem = self.memory() if self.memory is not None else None
         allowed = allowed_bytes(mem, self._held(), default=True, max_host_bytes=self.max_host_bytes)
         if allowed is not None and per * (count + 1) > allowed:
-            return False
+            return None
         self.slots.append(Slot(count))
         room = "" if allowed is None else f"; all slots {_size(per * (count + 1))} of {_size(allowed)} allowed"
         log.info("staging slot %d of at most %d is being made in the background (%s of host memory%s), so that the "
                  "next save need not wait for the %s (StagingOptions(slots=%d) keeps %d)", count + 1,
                  self.max_slots, _size(per), room, why, count, count)
-        return True
+        return when
 
     def _forecast(self, writes: Writes) -> float | None:
         """(lock held) When a save would first find no slot free, soon enough that a slot made

@@ -263,11 +263,12 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
                 self._cond.notify_all()
         return True
 
-    def spare(self, writes: Writes | None = None) -> bool:
+    def spare(self, writes: Writes | None = None) -> str | None:
         """After a save took a slot (default options): add a slot to
         make in the background when one fits and the next saves need it, by the forecast of
-        them against ``writes`` (see :meth:`SlotCapacity._spare`); True when a slot waits to
-        be made (the caller then runs :meth:`prepare` off the training thread)."""
+        them against ``writes`` (see :meth:`SlotCapacity._spare`); when a slot waits to be
+        made, when to start making it (the caller then runs :meth:`prepare` off the training
+        thread), else None."""
         with self._cond:
             return self._spare(writes)
 
