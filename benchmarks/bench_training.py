@@ -2,6 +2,7 @@
 
     python benchmarks/bench_training.py --dir /path/on/disk
     python benchmarks/bench_training.py --model linear --every 25 --modes none,ckptmgr overlap
+    python benchmarks/bench_training.py --merge round1.json round2.json --out all.json  # rounds run apart
 
 Two models: ``decoder`` (the default), a ~350M-parameter decoder-only transformer (24 layers,
 d=1024, bf16 autocast, ~4 GiB of model and AdamW state), and ``linear``, 24 x Linear(4096)
@@ -345,6 +346,9 @@ def main() -> None:
     ap.add_argument("--modes", default="none,ckptmgr block,ckptmgr overlap,Lightning AsyncCheckpointIO,"
                                        "DCP async_save")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "training.json"))
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="run nothing: report the rounds of these earlier runs (same model, steps and modes; "
+                         "rounds run as separate calls, e.g. interleaved with another build's) as one run")
     ap.add_argument("--child", metavar="MODE", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.dim is None:
@@ -354,11 +358,26 @@ def main() -> None:
     if args.child:
         print("RESULT " + json.dumps(run(args.child, args, args.dir)), flush=True)
         return
-    modes = args.modes.split(",")
     rounds: list[dict[str, Any]] = []
+    made_by = None
+    if args.merge:
+        runs = []
+        for path in args.merge:
+            with open(path) as f:
+                runs.append(json.load(f))
+        keys = ("model", "dim", "layers", "batch", "steps", "every", "modes", "max_lost_s", "max_overhead")
+        for path, run_ in zip(args.merge, runs, strict=True):
+            differs = [k for k in keys if run_["args"].get(k) != runs[0]["args"].get(k)]
+            if differs or {run_["commit"], run_["device"]} != {runs[0]["commit"], runs[0]["device"]}:
+                raise SystemExit(f"{path}: not the same benchmark as {args.merge[0]} ({differs or 'commit/device'})")
+            rounds += run_["rounds"]
+        for k in keys:
+            setattr(args, k, runs[0]["args"][k])
+        args.repeat, made_by = len(rounds), runs[0]["commit"]
+    modes = args.modes.split(",")
     passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                    if k not in ("out", "child", "sync_each", "repeat")] + (["--sync-each"] if args.sync_each else [])
-    for r in range(args.repeat):
+    for r in range(0 if args.merge else args.repeat):
         got: dict[str, Any] = {}
         for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             p = subprocess.run([sys.executable, os.path.abspath(__file__), *passthrough, "--child", mode],
@@ -420,7 +439,7 @@ def main() -> None:
     print("\n".join(lines + (["", *notes] if notes else [])))
     report = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-              "commit": commit(),
+              "commit": made_by or commit(),
               "args": vars(args), "summary": summary, "rounds": rounds}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

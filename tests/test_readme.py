@@ -429,11 +429,11 @@ def test_readme_checkpoint_frequency_table_comes_from_its_json():
         assert len(values) >= 2  # fresh-process rounds
         return {f"{v:+.2f}%" for v in (statistics.median(values), min(values), max(values))}
 
-    final = "h100-2026-11-27-spare-gate/call1/budget.json"
-    continuous = "h100-2026-11-27-spare-gate/call3/budget-sched.json"
+    final = "h200-2026-11-28-defaults/call3/ln.json"
+    continuous = "h200-2026-11-28-defaults/call1/budget.json"
     modes = {"the defaults": (final, "ckptmgr overlap"),
              "Schedule(continuous=True)": (continuous, "ckptmgr continuous"),
-             "Schedule(max_lost_s=2)": (continuous, "ckptmgr lost")}
+             "Schedule(max_lost_s=2)": (final, "ckptmgr lost")}
     rows = {row: spread(pct(path, mode)) for row, (path, mode) in modes.items()}
     rounds = {}
     for path in {final, continuous}:
@@ -454,9 +454,9 @@ def test_readme_checkpoint_frequency_table_comes_from_its_json():
             assert any(f"{v:.{digits}f}" == fig for v in stats), (fig, line)
         seen += 1
     assert seen == len(rows)
-    prose = {f"{v:+.2f}%" for path, mode in (("h100-2026-11-27-spare-gate/call2/budget-long.json", "ckptmgr budget"),
-                                             ("h100-2026-11-27-spare-gate/call2/decoder.json", "ckptmgr overlap"),
-                                             ("h100x2-2026-11-28-forecast/call1/decoder.json", "ckptmgr overlap"))
+    prose = {f"{v:+.2f}%" for path, mode in (("h200-2026-11-28-defaults/call2/budget-long.json", "ckptmgr budget"),
+                                             ("h200-2026-11-28-defaults/call3/dn.json", "ckptmgr overlap"),
+                                             ("h200-2026-11-28-defaults/call1/decoder.json", "ckptmgr overlap"))
              for values in [pct(path, mode)] for v in (statistics.median(values), min(values), max(values))}
     old = []
     for name in ("old1.json", "old2.json", "old3.json"):
