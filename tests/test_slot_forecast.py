@@ -351,62 +351,148 @@ def test_a_save_that_overlaps_a_write_gets_a_third_slot_only_when_the_forecast_s
     mgr.close()
 
 
-def test_a_slot_the_forecast_adds_is_made_once_the_copies_of_its_save_have_landed(tmp_path, monkeypatch):
+
+class _Gated:
+    """A manager whose steps from 2 on are held at the start of their durable write, and whose
+    slot makers (the ``ckptmgr-prepare`` threads) find the copies they wait for still running
+    until ``copies_land`` is set; the forecast says a save would wait."""
+
+    def __init__(self, tmp_path, monkeypatch, tier: bool) -> None:
+        from ckptmgr.errors import CkptTimeoutError
+        from ckptmgr.save.staging import StagingJob
+
+        self.gate, self.held = threading.Event(), threading.Event()
+        self.copies_land = threading.Event()
+        self.maker_waiting = threading.Event()  # a maker waits for a save's copies
+        self.third_started = threading.Event()
+        self.started: list[tuple[int, bool]] = []  # (slot, copies landed) as each slot's making starts
+        real_begin, real_wait, real_fit = LocalTarget.begin, StagingJob.wait, SlotPool.fit
+
+        def begin(target, step, prefix=""):
+            if step >= 2:
+                self.held.set()
+                assert self.gate.wait(30)
+            return real_begin(target, step, prefix)
+
+        def wait(job, timeout=None):
+            if threading.current_thread().name.startswith("ckptmgr-prepare"):
+                self.maker_waiting.set()
+                if not self.copies_land.wait(30 if timeout is None else timeout):
+                    raise CkptTimeoutError("(the test's gate: the copies are still running)")
+            return real_wait(job, timeout)
+
+        def fit(pool, slot, sizes, *, hurry=True, spare=False):
+            if slot.kind == "none" and threading.current_thread().name.startswith("ckptmgr-prepare"):
+                self.started.append((slot.index, self.copies_land.is_set()))
+                if slot.index == 2:
+                    self.third_started.set()
+            return real_fit(pool, slot, sizes, hurry=hurry, spare=spare)
+
+        monkeypatch.setattr(LocalTarget, "begin", begin)
+        monkeypatch.setattr(StagingJob, "wait", wait)
+        monkeypatch.setattr(SlotPool, "fit", fit)
+        monkeypatch.setattr(slot_capacity, "first_wait", lambda **kw: kw["now"] + 0.5)
+        local = tmp_path / "shm"
+        local.mkdir()
+        self.mgr = CheckpointManager(str(tmp_path / "root"),
+                                     staging=StagingOptions(local_tier=tier, local_dir=str(local)))
+
+    def overlap(self) -> list:
+        """Saves 1 to 3: the second slot made (at once), then step 2's write held while step 3
+        is saved, which asks for a third slot."""
+        mgr = self.mgr
+        mgr.save(1, _state(1)).result(timeout=30)
+        mgr.wait(timeout=30)  # the second slot: made at once, while copies_land is still shut
+        assert self.started == [(1, False)] and not self.maker_waiting.is_set(), self.started
+        with mgr._saver._mu:
+            mgr._saver._writes.rate = 1e3  # (a slow disk: see the test above)
+        h2 = mgr.save(2, _state(2))
+        assert self.held.wait(30)
+        h3 = mgr.save(3, _state(3))
+        assert mgr.stats()["slots"] == 3  # reserved at once
+        assert self.maker_waiting.wait(30)  # its maker waits for step 3's copies,
+        assert not self.third_started.is_set()  # and has not started it
+        return [h2, h3]
+
+    def end(self, handles: list) -> None:
+        self.copies_land.set()
+        self.gate.set()
+        for h in handles:
+            h.result(timeout=30)
+        self.mgr.close()
+
+
+@pytest.mark.parametrize("tier", [True, False], ids=["local-tier", "no-tier"])
+def test_a_slot_the_forecast_adds_is_made_once_the_copies_of_its_save_have_landed(tmp_path, monkeypatch, tier):
     """Making a slot beside a save's copies slows them while the training step waits for them.
     The default's second slot, asked for by the first save, starts at once (the next save may
     come soon); a slot the forecast adds ahead of need starts once the copies of the save that
     asked for it have landed (reserved at once: a save that needs it waits for it)."""
-    from ckptmgr.save.staging import StagingJob
-
-    gate, held = threading.Event(), threading.Event()  # step 2's durable write, held at its start
-    copies_land = threading.Event()  # the copies "land" for a slot's maker when the test opens this
-    real_begin, real_wait, real_fit = LocalTarget.begin, StagingJob.wait, SlotPool.fit
-    started: list[tuple[int, bool]] = []  # (slot, copies landed) as each slot's making starts
-    makers_waited: list[str] = []
-    third_started = threading.Event()
-
-    def begin(self, step, prefix=""):
-        if step >= 2:
-            held.set()
-            assert gate.wait(30)
-        return real_begin(self, step, prefix)
-
-    def wait(self, timeout=None):
-        if threading.current_thread().name.startswith("ckptmgr-prepare"):  # (a slot's maker)
-            makers_waited.append(threading.current_thread().name)
-            assert copies_land.wait(30)
-        return real_wait(self, timeout)
-
-    def fit(self, slot, sizes, *, hurry=True, spare=False):
-        if slot.kind == "none" and threading.current_thread().name.startswith("ckptmgr-prepare"):
-            started.append((slot.index, copies_land.is_set()))
-            if slot.index == 2:
-                third_started.set()
-        return real_fit(self, slot, sizes, hurry=hurry, spare=spare)
-
-    monkeypatch.setattr(LocalTarget, "begin", begin)
-    monkeypatch.setattr(StagingJob, "wait", wait)
-    monkeypatch.setattr(SlotPool, "fit", fit)
-    monkeypatch.setattr(slot_capacity, "first_wait", lambda **kw: kw["now"] + 0.5)  # a save would wait
-    mgr = CheckpointManager(str(tmp_path / "root"), staging=StagingOptions(local_tier=False))
+    run = _Gated(tmp_path, monkeypatch, tier)
+    handles: list = []
     try:
-        mgr.save(1, _state(1)).result(timeout=30)
-        mgr.wait(timeout=30)  # the second slot: made at once, while copies_land is still shut
-        assert started == [(1, False)] and not makers_waited, (started, makers_waited)
-        with mgr._saver._mu:
-            mgr._saver._writes.rate = 1e3  # (a slow disk: see the test above)
-        h2 = mgr.save(2, _state(2))
-        assert held.wait(30)
-        h3 = mgr.save(3, _state(3))
-        assert mgr.stats()["slots"] == 3  # reserved at once
-        assert not third_started.wait(0.5)  # (a bounded look: it must not start while the copies run)
-        assert len(makers_waited) == 1, makers_waited
-        copies_land.set()
-        assert third_started.wait(30)
-        assert started == [(1, False), (2, True)], started
+        handles = run.overlap()
+        run.copies_land.set()
+        assert run.third_started.wait(30)
+        assert run.started == [(1, False), (2, True)], run.started
     finally:
-        copies_land.set()
-        gate.set()
-    h2.result(timeout=30)
-    h3.result(timeout=30)
-    mgr.close()
+        run.end(handles)
+
+
+def test_a_save_that_comes_to_wait_for_that_slot_starts_it_without_the_copies(tmp_path, monkeypatch):
+    """While the third slot's maker waits for step 3's copies, step 4 finds no slot free (step
+    2's write is held, step 3's queued behind it): it waits for the slot being made, and its
+    wait (the pool's ``hurry``) starts the making at once, copies landed or not."""
+    run = _Gated(tmp_path, monkeypatch, tier=False)
+    handles: list = []
+    try:
+        handles = run.overlap()
+        got: list = []
+        saver = threading.Thread(target=lambda: got.append(run.mgr.save(4, _state(4))), daemon=True)
+        saver.start()
+        assert run.third_started.wait(30)  # with the copies still "running"
+        saver.join(30)
+        assert not saver.is_alive() and len(got) == 1
+        handles.append(got[0])
+        assert run.started == [(1, False), (2, False)], run.started
+        assert not run.copies_land.is_set()
+    finally:
+        run.end(handles)
+
+
+def test_a_maker_that_fails_before_making_gives_its_slot_up(tmp_path, monkeypatch):
+    """A maker interrupted while it waits for a save's copies (any BaseException) gives up
+    the slot it reserved: a save never waits for a slot nobody makes, and the pool may add it
+    again."""
+    from ckptmgr.save.saver import Saver
+
+    def interrupted(saver, after):
+        raise KeyboardInterrupt  # (as a helper thread cannot be interrupted, a stand-in for any BaseException)
+
+    monkeypatch.setattr(Saver, "_await_copies", interrupted)
+    errors: list = []
+    told = threading.Event()  # the maker's thread ended with its error
+
+    def hook(args):
+        errors.append(args.exc_type)
+        told.set()
+
+    monkeypatch.setattr(threading, "excepthook", hook)
+    run = _Gated(tmp_path, monkeypatch, tier=False)
+    handles: list = []
+    try:
+        mgr = run.mgr
+        mgr.save(1, _state(1)).result(timeout=30)
+        mgr.wait(timeout=30)
+        with mgr._saver._mu:
+            mgr._saver._writes.rate = 1e3
+        handles.append(mgr.save(2, _state(2)))
+        assert run.held.wait(30)
+        handles.append(mgr.save(3, _state(3)))
+        assert told.wait(30)  # (after the maker's finally)
+        assert errors == [KeyboardInterrupt], errors
+        pool = mgr._saver.pool
+        assert not any(sl.preparing for sl in pool.slots)  # nothing left reserved
+        assert [sl.index for sl in pool.slots if sl.kind == "none"] == [2]  # never made, to be made again
+    finally:
+        run.end(handles)

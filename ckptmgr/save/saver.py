@@ -72,7 +72,7 @@ from .engine import AsyncWriter
 from .forecast import Progress, WriteWatch
 from .outcome import Ticket, permanent, report_interrupted, report_permanent, retryable
 from .persist import PLAIN, PersistJob, SaveInfo, StepCommit, persist
-from .slot_capacity import MAKE_AFTER_COPIES
+from .slot_capacity import Make
 from .slots import Slot
 from .staging import StagingJob
 from .tiered import TierSaves
@@ -86,6 +86,7 @@ __all__ = ["RETRY_FIRST_S", "RETRY_MAX_S", "Saver", "Ticket"]
 
 log = logging.getLogger("ckptmgr")
 AFTER_COPIES_WAIT_S = 60.0  # a spare slot is made once the copies of the save that asked for it land
+AFTER_COPIES_LOOK_S = 0.02  # meanwhile, this often its maker looks whether a save waits for the slot
 
 
 class Saver(TierSaves):
@@ -203,7 +204,7 @@ class Saver(TierSaves):
                 raise
         when = self._spare()  # a slot for the next saves, made in the background (default options)
         if when is not None:
-            self.prepare(sizes, after=job if spare_after_copies or when == MAKE_AFTER_COPIES else None)
+            self.prepare(sizes, after=job if spare_after_copies or when is Make.AFTER_COPIES else None)
         local = self._tier is not None and slot.kind == "tmpfs"
         wanted = True if durable is None else durable
         if schedule is not None or durable is not None:
@@ -226,10 +227,10 @@ class Saver(TierSaves):
         self.pool.returned()
         return ticket
 
-    def _spare(self) -> str | None:
-        """Whether the pool added a slot to make in the background, and when to start it (see
-        :meth:`SlotPool.spare`), by the forecast of the next saves against the durable writes
-        as timed so far."""
+    def _spare(self) -> Make | None:
+        """Whether a slot waits to be made in the background (one the pool added now, by the
+        forecast of the next saves against the durable writes as timed so far, or one
+        configured and never made), and when to start making it (see :meth:`SlotPool.spare`)."""
         nbytes = self.pool.slot_bytes()
         with self._mu:
             writes = None if nbytes is None else self._writes.view(time.monotonic(), nbytes)
@@ -276,8 +277,9 @@ class Saver(TierSaves):
         for that save's copies to land: making a slot (populating pages, pinning them under
         the CUDA driver's lock) beside the copies slowed them about fourfold on an H100
         (4.83 GB safe to mutate after 0.366 s instead of ~0.09 s), and the training step waits
-        for those copies. Only where the next save is far off (a ``Schedule(max_overhead=...)``)
-        or the slot was added ahead of need by the forecast, whose lead covers the delay: the
+        for those copies. A save that comes to wait for the slot meanwhile ends that wait (the
+        pool's ``hurry``), as does closing. Only where the next save is far off (a
+        ``Schedule(max_overhead=...)``) or the slot was added ahead of need by the forecast: the
         default's second slot, asked for by the first save, starts at once (saves 1.3 s apart,
         4.83 GB, a save every 25 steps, waited up to 2.9 s for it made later)."""
         if plan is not None:
@@ -296,15 +298,33 @@ class Saver(TierSaves):
             raise
 
     def _prepare(self, sizes: list[int], reserved: tuple[list[Slot], bool], after: StagingJob | None) -> None:
+        started = False
         try:
             if after is not None:
-                try:
-                    after.wait(AFTER_COPIES_WAIT_S)
-                except Exception:  # (failed or slow copies are the save's to report: make the slot anyway)
-                    pass
-            self.pool.prepare(sizes, reserved)
+                self._await_copies(after)
+            started = True
+            self.pool.prepare(sizes, reserved)  # (which ends the reservation however it ends)
         finally:
+            if not started:
+                self.pool.unreserve(reserved)
             self._engine.settled()
+
+    def _await_copies(self, after: StagingJob) -> None:
+        """Wait, up to :data:`AFTER_COPIES_WAIT_S`, for ``after``'s copies to land; no longer
+        once a save waits for the slot being made (the pool's ``hurry``) or the pool stops.
+        Failed or slow copies are the save's to report: the slot is made anyway."""
+        deadline = time.monotonic() + AFTER_COPIES_WAIT_S
+        while not (self.pool.hurry.is_set() or self.pool.stop.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                after.wait(min(AFTER_COPIES_LOOK_S, left))
+                return
+            except CkptTimeoutError:
+                continue
+            except Exception:
+                return
 
     def defer_protection(self, step: int, protected: bool) -> bool:
         """Record a protection for ``step`` to apply when it commits; False when the step is

@@ -13,6 +13,7 @@ by the pool's ``_cond``.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections.abc import Callable
@@ -26,12 +27,17 @@ from .slot_buffers import Slot
 EAGER_SLOTS = 2  # slots the default makes ahead of need (in the background) when they fit
 MAKE_LEAD = 1.5  # a slot beyond them is made this many times its expected making time before it is needed
 DEFAULT_MAKE_S = 2.0  # a slot's expected making time before one was made
-MAKE_NOW = "now"  # what SlotCapacity._spare answers: make the new slot at once (the next save may need it)
-MAKE_AFTER_COPIES = "after copies"  # ... once the copies of the save that asked have landed (a forecast's lead)
 
-__all__ = ["EAGER_SLOTS", "MAKE_AFTER_COPIES", "MAKE_NOW", "SlotCapacity", "slot_bytes"]
+__all__ = ["EAGER_SLOTS", "Make", "SlotCapacity", "slot_bytes"]
 
 log = logging.getLogger("ckptmgr")
+
+
+class Make(enum.Enum):
+    """When the caller of :meth:`SlotCapacity._spare` starts making the slot it waits for."""
+
+    NOW = "now"  # at once: the next save may need it
+    AFTER_COPIES = "after copies"  # once the copies of the save that asked have landed (a forecast's slot)
 
 
 def _size(n: int) -> str:
@@ -108,7 +114,7 @@ class SlotCapacity:
         extra = f" + {held / 2**30:.2f} GiB the slots hold" if held else ""
         return mem.describe() + extra
 
-    def _spare(self, writes: Writes | None = None) -> str | None:
+    def _spare(self, writes: Writes | None = None) -> Make | None:
         """(lock held, default options only) After a save took a slot: add a slot, to be made
         in the background, when one more fits the share of host memory the default may use
         and it is needed. Up to :data:`EAGER_SLOTS`, when none is left for the next save (every
@@ -120,15 +126,16 @@ class SlotCapacity:
         slot first; without a forecast (no write timed yet), when every slot is busy.
 
         Returns when the caller is to start :meth:`prepare` for a slot never made, added here
-        or configured: :data:`MAKE_NOW`, or :data:`MAKE_AFTER_COPIES` for a slot the forecast
+        or configured: :attr:`Make.NOW`, or :attr:`Make.AFTER_COPIES` for a slot the forecast
         added ahead of need (made beside the save's copies it would slow them, and the training
-        step waits for those; the forecast's lead covers the delay); None: nothing to make."""
-        fresh = MAKE_NOW if any(s.kind == "none" and not s.busy and not s.preparing for s in self.slots) else None
+        step waits for those; a save that comes to wait for the slot meanwhile starts it);
+        None: nothing to make."""
+        fresh = Make.NOW if any(s.kind == "none" and not s.busy and not s.preparing for s in self.slots) else None
         if not self.auto or self._sizes is None:
             return fresh  # (configured slots: the others are made in the background after the first save)
         if fresh or len(self.slots) >= self.max_slots or any(s.preparing for s in self.slots):
             return fresh
-        when = MAKE_NOW
+        when = Make.NOW
         if len(self.slots) < EAGER_SLOTS:
             if any(not s.busy for s in self.slots):
                 return None
@@ -140,7 +147,7 @@ class SlotCapacity:
             if wait_at is None:
                 return None
             why = f"durable writes still running (a save in {wait_at - self.clock():.2f} s would wait)"
-            when = MAKE_AFTER_COPIES
+            when = Make.AFTER_COPIES
         elif all(s.busy for s in self.slots):
             why = "durable writes still running"
         else:

@@ -49,7 +49,7 @@ from .forecast import Writes
 from .memory import MemoryProbe, read_host_memory
 from .slot_adoption import SlotAdoption
 from .slot_buffers import Slot, SlotBuffers
-from .slot_capacity import SlotCapacity, slot_bytes
+from .slot_capacity import Make, SlotCapacity, slot_bytes
 
 __all__ = ["AUTO_MAX_SLOTS", "Slot", "SlotPool", "slot_bytes"]  # (Slot and slot_bytes: from their modules)
 
@@ -263,7 +263,7 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
                 self._cond.notify_all()
         return True
 
-    def spare(self, writes: Writes | None = None) -> str | None:
+    def spare(self, writes: Writes | None = None) -> Make | None:
         """After a save took a slot (default options): add a slot to
         make in the background when one fits and the next saves need it, by the forecast of
         them against ``writes`` (see :meth:`SlotCapacity._spare`); when a slot waits to be
