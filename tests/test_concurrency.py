@@ -99,6 +99,8 @@ def test_a_failed_write_never_leaves_steps_empty(faulty, local_dir, monkeypatch,
     # the write of step 1 is retried while the slot holds it; once the target is back, it lands
     faulty.fail_writes = False
     assert wait_until(lambda: FaultyFS().exists("faulty://never-empty/step_000000000001/manifest.json"))
+    # (the manifest is the commit's last write; the slot is released just after it)
+    assert wait_until(lambda: not any(s.busy for s in mgr._saver.pool.slots))
     mgr.save(3, state(3)).result(timeout=30)  # the slot is free again
     assert mgr.steps() == [1, 3]
     mgr.close(timeout=30)
