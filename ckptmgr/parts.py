@@ -118,9 +118,10 @@ def open_parts(root: str | Any, *, retention: RetentionPolicy | None, storage_op
 def _start_up(target: Target, coord: Coordinator | None) -> list[int]:
     """Remove leftovers of interrupted saves whose writers are gone, then list the
     committed steps; in a multi-rank job rank 0 does both and the others receive the
-    listing (one LIST per start, whatever the number of ranks)."""
+    listing (one LIST per start, whatever the number of ranks). A read-only manager does
+    neither: it saves nothing, and what it reads it lists when asked."""
     durable: list[int] = []
-    if coord is None or coord.is_leader:
+    if (coord is None or coord.is_leader) and not target.read_only:  # (a reader saves nothing: no listing)
         removed = target.cleanup()
         if removed:
             log.info("removed %d leftovers of interrupted saves under %s", len(removed), target.url)

@@ -233,3 +233,39 @@ def test_a_restore_into_a_target_fetches_each_byte_once_and_changes_it_only_once
             assert not target["w"].any() and not target["b"].any()  # unchanged
     finally:
         proxy.close()
+
+
+def test_a_readers_restore_sends_one_list_and_no_head_before_its_ranges(server, bucket):
+    """The set-up a restore pays on a store, one request after another: a read-only manager
+    lists nothing when it opens (it saves nothing), the restore's discovery lists the steps
+    once, and the data file's size comes from that listing (checked against the manifest as
+    before), not from a HEAD. Then the manifest, the header and the ranges."""
+    s = saved(server, bucket, "setup")
+    proxy = FaultyProxy(server.endpoint)
+    try:
+        so = dict(server.options(), endpoint_url=proxy.endpoint)
+        proxy.reset_counts()
+        with manager(f"s3://{bucket}/setup", server, so, read_only=True) as mgr:
+            assert proxy.count("list") == 0
+            assert_tree_equal(mgr.restore(), s)
+        assert proxy.count("list") == 1 and proxy.count("head") == 0, dict(proxy.counts)
+        proxy.reset_counts()
+        with manager(f"s3://{bucket}/setup", server, so, read_only=True) as mgr:
+            assert_tree_equal(mgr.restore(1), s)  # a step named: nothing listed, so its size is asked
+        assert proxy.count("head") == 1, dict(proxy.counts)
+    finally:
+        proxy.close()
+
+
+def test_an_object_cut_short_after_the_listing_fails_the_restore_by_name(server, bucket):
+    """The size a listing gave is as good as a HEAD's was: the object may change after either.
+    A data object cut short between the listing and the reads fails the restore with an error
+    that names it, and nothing is returned."""
+    saved(server, bucket, "cut")
+    with manager(f"s3://{bucket}/cut", server, read_only=True) as mgr:
+        assert mgr.steps() == [1]  # the listing, with the object's full size
+        fs = s3fs.S3FileSystem(**server.options(), skip_instance_cache=True)
+        [key] = [k for k in fs.find(f"{bucket}/cut") if k.endswith(".safetensors")]
+        fs.pipe_file(key, fs.cat_file(key)[:-4096])
+        with pytest.raises(CheckpointCorruptError, match=r"data-00000\.[0-9a-f]+\.safetensors"):
+            mgr.restore(1)

@@ -128,8 +128,10 @@ class FsspecTarget:
             self._make_root()
         self.io_pool: Executor = DaemonPool(io_threads, thread_name_prefix="ckptmgr-io")
         self.keeper = LeaseKeeper(url, self.lease_stale_s / 5)
-        self._mu = threading.Lock()  # guards _root_id
+        self._mu = threading.Lock()  # guards _root_id and _listed
         self._root_id: str | None = None
+        # (step, name) -> size of each object of a committed step, from the last listing of the steps
+        self._listed: dict[tuple[int, str], int] = {}
 
     @property
     def conditional(self) -> bool:
@@ -223,7 +225,10 @@ class FsspecTarget:
     # ----------------------------------------------------------- the target
 
     def list_steps(self) -> list[int]:
-        return sorted(s for s, objs in step_objects(self.listing("step_")).items() if MANIFEST_NAME in objs)
+        committed = {s: objs for s, objs in step_objects(self.listing("step_")).items() if MANIFEST_NAME in objs}
+        with self._mu:  # (what file_size answers without asking the store)
+            self._listed = {(s, name): info.size for s, objs in committed.items() for name, info in objs.items()}
+        return sorted(committed)
 
     def cleanup(self) -> list[str]:
         if self.read_only:
@@ -266,6 +271,16 @@ class FsspecTarget:
             raise StepNotFoundError(f"step {step} is not committed under {self.url}") from None
 
     def file_size(self, step: int, name: str) -> int:
+        """The size of ``name`` in ``step``: as the last listing of the steps had it where it
+        listed the file (a committed step's objects are never rewritten, and each data object's
+        name carries its writer's claim token, so a step saved again names new objects), else
+        asked of the store (one request saved on a restore's path either way: the size is
+        checked against the manifest, and a read past the object's end fails)."""
+        with self._mu:
+            size = self._listed.get((step, name))
+        return self._stat_size(step, name) if size is None else size
+
+    def _stat_size(self, step: int, name: str) -> int:
         return int(self.fs.size(posixpath.join(self._step_dir(step), name)))
 
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:

@@ -388,7 +388,7 @@ class S3Target(FsspecTarget):
         window the writer uses too."""
         return ReadTuner(self.window)
 
-    def file_size(self, step: int, name: str) -> int:
+    def _stat_size(self, step: int, name: str) -> int:
         r = self.call("head_object", Key=self.key(step, name))
         return int(r["ContentLength"])
 
