@@ -70,7 +70,8 @@ class CheckpointManager:
             process alive.
         read_only: True opens the root for reading only: ``steps``, ``metadata`` and
             ``restore`` work, nothing is created, cleaned up or written (not even a bucket),
-            and ``save``, ``protect``, ``unprotect`` and ``apply_retention`` raise
+            nothing is listed until one of them asks (opening sends no request to an object
+            store), and ``save``, ``protect``, ``unprotect`` and ``apply_retention`` raise
             :class:`ConfigError`. None (the default) opens a local root that exists but is
             not writable by this process read-only, and any other root for writing (on an
             object store, pass True for read-only credentials). False always opens for writing.
