@@ -86,7 +86,6 @@ __all__ = ["RETRY_FIRST_S", "RETRY_MAX_S", "Saver", "Ticket"]
 
 log = logging.getLogger("ckptmgr")
 AFTER_COPIES_WAIT_S = 60.0  # a spare slot is made once the copies of the save that asked for it land
-AFTER_COPIES_LOOK_S = 0.02  # meanwhile, this often its maker looks whether a save waits for the slot
 
 
 class Saver(TierSaves):
@@ -313,18 +312,7 @@ class Saver(TierSaves):
         """Wait, up to :data:`AFTER_COPIES_WAIT_S`, for ``after``'s copies to land; no longer
         once a save waits for the slot being made (the pool's ``hurry``) or the pool stops.
         Failed or slow copies are the save's to report: the slot is made anyway."""
-        deadline = time.monotonic() + AFTER_COPIES_WAIT_S
-        while not (self.pool.hurry.is_set() or self.pool.stop.is_set()):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            try:
-                after.wait(min(AFTER_COPIES_LOOK_S, left))
-                return
-            except CkptTimeoutError:
-                continue
-            except Exception:
-                return
+        after.landed_or(lambda: self.pool.hurry.is_set() or self.pool.stop.is_set(), AFTER_COPIES_WAIT_S)
 
     def defer_protection(self, step: int, protected: bool) -> bool:
         """Record a protection for ``step`` to apply when it commits; False when the step is

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from ..format.layout import ST_TO_DTYPE, Plan, StoredTensor
 from .snapshot import DeviceBuffers, SnapshotPlan, buffer_view
 
 __all__ = ["Stager", "StagingJob"]
+LOOK_S = 0.02  # StagingJob.landed_or: this often it asks whether to give up
 
 _PIECE = 8 << 20  # bytes per CPU copy task
 _Pair = tuple[torch.Tensor, torch.Tensor]  # (destination, source)
@@ -225,6 +227,25 @@ class StagingJob:
         if self.safe_at is None:
             self.safe_at = self.finished_at
         self._keepalive = e.keepalive = None  # the sources may be freed now
+
+
+    def landed_or(self, given_up: Callable[[], bool], timeout: float) -> bool:
+        """Wait until every copy has landed (True), or until ``given_up()`` is true, the copies
+        failed or ``timeout`` seconds passed (False); ``given_up`` is asked every
+        :data:`LOOK_S` seconds."""
+        deadline = time.monotonic() + timeout
+        while not given_up():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                self.wait(min(LOOK_S, left))
+                return True
+            except CkptTimeoutError:
+                continue
+            except Exception:
+                return False
+        return False
 
 
 class Stager:
