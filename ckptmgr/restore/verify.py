@@ -113,7 +113,7 @@ def verify_step(target: Target, step: int, *, threads: int = 8, manifest: Manife
             path = local_path(target, step, fname)
             if path is not None:
                 check_regular(path, "it")
-            size = target.file_size(step, fname)
+            size = target.file_size(step, fname, fresh=True)  # (a walk may come long after a listing)
         except FileNotFoundError:
             fault(fname, "missing")
             continue

@@ -97,8 +97,9 @@ class Target(Protocol):
     def read_manifest(self, step: int) -> bytes:
         """The manifest of a committed step. Raises StepNotFoundError."""
 
-    def file_size(self, step: int, name: str) -> int:
-        """Size of a data file of ``step``. Raises FileNotFoundError."""
+    def file_size(self, step: int, name: str, *, fresh: bool = False) -> int:
+        """Size of a data file of ``step`` (``fresh``: asked of the storage now, never as an
+        earlier listing had it). Raises FileNotFoundError."""
 
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
         """Fill the uint8 buffers in ``out``, in order, with the file's bytes from ``offset``

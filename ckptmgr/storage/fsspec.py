@@ -226,8 +226,12 @@ class FsspecTarget:
 
     def list_steps(self) -> list[int]:
         committed = {s: objs for s, objs in step_objects(self.listing("step_")).items() if MANIFEST_NAME in objs}
-        with self._mu:  # (what file_size answers without asking the store)
-            self._listed = {(s, name): info.size for s, objs in committed.items() for name, info in objs.items()}
+        # what file_size answers without asking the store: the sizes of data objects whose names
+        # carry their writer's claim token (a name without one may be written again, with another size)
+        listed = {(s, name): info.size for s, objs in committed.items() for name, info in objs.items()
+                  if info.size > 0 and attempt_tag(name) is not None}
+        with self._mu:
+            self._listed = listed
         return sorted(committed)
 
     def cleanup(self) -> list[str]:
@@ -270,14 +274,15 @@ class FsspecTarget:
         except FileNotFoundError:
             raise StepNotFoundError(f"step {step} is not committed under {self.url}") from None
 
-    def file_size(self, step: int, name: str) -> int:
-        """The size of ``name`` in ``step``: as the last listing of the steps had it where it
-        listed the file (a committed step's objects are never rewritten, and each data object's
-        name carries its writer's claim token, so a step saved again names new objects), else
-        asked of the store (one request saved on a restore's path either way: the size is
-        checked against the manifest, and a read past the object's end fails)."""
+    def file_size(self, step: int, name: str, *, fresh: bool = False) -> int:
+        """The size of ``name`` in ``step``: unless ``fresh``, as the last listing of the steps
+        had it where it listed the object and its name carries its writer's claim token (a
+        committed step's objects are never rewritten, and a step saved again names new
+        objects), else asked of the store. Either way the size is checked against the manifest
+        before anything is read, and a read past the object's end fails; a restore saves a
+        request per file before its first byte."""
         with self._mu:
-            size = self._listed.get((step, name))
+            size = None if fresh else self._listed.get((step, name))
         return self._stat_size(step, name) if size is None else size
 
     def _stat_size(self, step: int, name: str) -> int:

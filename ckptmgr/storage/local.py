@@ -317,7 +317,7 @@ class LocalTarget:
         finally:
             os.close(fd)
 
-    def file_size(self, step: int, name: str) -> int:
+    def file_size(self, step: int, name: str, *, fresh: bool = False) -> int:  # (always fresh)
         with self._open_step(step) as d:
             return stat_regular(_plain(name), dir_fd=d, where=os.path.join(self._step_dir(step), name)).st_size
 

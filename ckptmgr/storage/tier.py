@@ -364,7 +364,7 @@ class LocalTier(TierScan):
         except FileNotFoundError:
             raise StepNotFoundError(f"step {step} is not in the {self.url}") from None
 
-    def file_size(self, step: int, name: str) -> int:
+    def file_size(self, step: int, name: str, *, fresh: bool = False) -> int:  # (always fresh)
         st = os.stat(name, dir_fd=self._slot_fd(self._slot_of(step)), follow_symlinks=False)
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointCorruptError(f"{self.url}: step {step}: {name} is not a regular file")
