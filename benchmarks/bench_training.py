@@ -368,7 +368,7 @@ def main() -> None:
         keys = ("model", "dim", "layers", "batch", "steps", "every", "modes", "max_lost_s", "max_overhead")
         for path, run_ in zip(args.merge, runs, strict=True):
             differs = [k for k in keys if run_["args"].get(k) != runs[0]["args"].get(k)]
-            if differs or {run_["commit"], run_["device"]} != {runs[0]["commit"], runs[0]["device"]}:
+            if differs or (run_["commit"], run_["device"]) != (runs[0]["commit"], runs[0]["device"]):
                 raise SystemExit(f"{path}: not the same benchmark as {args.merge[0]} ({differs or 'commit/device'})")
             rounds += run_["rounds"]
         for k in keys:

@@ -228,7 +228,6 @@ class StagingJob:
             self.safe_at = self.finished_at
         self._keepalive = e.keepalive = None  # the sources may be freed now
 
-
     def landed_or(self, given_up: Callable[[], bool], timeout: float) -> bool:
         """Wait until every copy has landed (True), or until ``given_up()`` is true, the copies
         failed or ``timeout`` seconds passed (False); ``given_up`` is asked every
