@@ -23,8 +23,9 @@ the range of each. Then each round restores the newest step in fresh processes p
 processes left in /dev/shm would serve it from RAM; ``DCP``: ``dcp.load`` + ``set_state_dict``,
 from the ``dcp.save`` checkpoint) into a freshly initialized model and optimizer, after dropping the files' page
 cache, and checks bit-identity with an exact, layout-independent fingerprint. Times are the
-slowest rank's. Prints a table and writes JSON (``--out``). ``--max-wall-s`` stops starting
-rounds after that long (the JSON says how many ran).
+slowest rank's; each restore also reports the most bytes any rank had the disk read (from
+/proc/self/io, the page cache dropped) beside that rank's shard of the state. Prints a table and writes JSON
+(``--out``). ``--max-wall-s`` stops starting rounds after that long (the JSON says how many ran).
 
 Resharding (``--reshard SAVE:R1,R2``, benchmarks/dist_reshard.py): an FSDP2 model + AdamW saved
 by SAVE processes with each tool, restored by R1 and then R2 processes:
@@ -50,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from common import evict, global_fingerprint
+from common import evict, global_fingerprint, proc_io
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ckptmgr import CheckpointManager, KeepLatest, PerRank, StagingOptions
@@ -196,6 +197,15 @@ def _one_save(tool: str, s: int, model: torch.nn.Module, opt: torch.optim.Optimi
             fresh.close()
 
 
+def _local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's own part of the model and optimizer state (a DTensor's local shard)."""
+    def local(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+    return sum(local(p) for p in model.parameters()) + sum(
+        local(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+
+
 def _restore(tool: str, mode: str, d: str, args: argparse.Namespace, dev: torch.device,
              saved: dict[str, list[int]]) -> dict[str, Any]:
     sync = _Sync(dev)
@@ -204,6 +214,7 @@ def _restore(tool: str, mode: str, d: str, args: argparse.Namespace, dev: torch.
     if dist.get_rank() == 0:
         evict(d)
     sync()
+    io0 = proc_io()
     t0 = time.perf_counter()
     if tool == "ckptmgr":  # from the durable files, as DCP (not the local tier the save left in RAM)
         with CheckpointManager(d, staging=StagingOptions(local_tier=False)) as mgr:
@@ -216,6 +227,10 @@ def _restore(tool: str, mode: str, d: str, args: argparse.Namespace, dev: torch.
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     sync()
     out = {"restore_s": time.perf_counter() - t0, "identical": global_fingerprint(model, opt) == saved}
+    io1 = proc_io()
+    if io0 and io1:  # what this rank had the disk read (the page cache was dropped) against its shard's size
+        out["read_mib"] = (io1["read_bytes"] - io0["read_bytes"]) / 2**20
+        out["shard_mib"] = _local_bytes(model, opt) / 2**20
     del model, opt
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -323,13 +338,17 @@ def summarize(rounds: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
                     "tool": tool, "mode": mode, "rounds": len(rs),
                     "restore_s": _spread([max(rk[mode]["restore_s"] for rk in ranks) for ranks in rs]),
                     "identical": all(rk[mode]["identical"] for ranks in rs for rk in ranks)}
+                if all("read_mib" in rk[mode] for ranks in rs for rk in ranks):  # the most any rank read
+                    out[f"{mode} {tool} restore"].update(
+                        read_mib=_spread([max(rk[mode]["read_mib"] for rk in ranks) for ranks in rs]),
+                        shard_mib=max(rk[mode]["shard_mib"] for ranks in rs for rk in ranks))
     return out
 
 
 def table(summary: dict[str, Any]) -> list[str]:
-    def cell(e: dict[str, Any], key: str) -> str:
+    def cell(e: dict[str, Any], key: str, fmt: str = ".3f") -> str:
         s = e.get(key)
-        return "-" if s is None else f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})"
+        return "-" if s is None else f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
 
     lines = ["| mode / tool | first: call s | first: staged s | first: durable s | later: call s | "
              "later: staged s | later: durable s |", "|---|---|---|---|---|---|---|"]
@@ -341,10 +360,13 @@ def table(summary: dict[str, Any]) -> list[str]:
     for name, e in summary.items():
         for err in e.get("reused_stager_error", []):
             lines.append(f"\n{name}: a reused DefaultStager failed ({err}); every save used a fresh stager")
-    lines += ["", "| mode / tool | restore s (fresh processes, cold cache) | identical |", "|---|---|---|"]
+    lines += ["", "| mode / tool | restore s (fresh processes, cold cache) | identical | MiB read by a rank (most) "
+              "| its shard, MiB |", "|---|---|---|---|---|"]
     for name, e in summary.items():
         if "restore_s" in e:
-            lines.append(f"| {name} | {cell(e, 'restore_s')} | {e['identical']} |")
+            shard = f"{e['shard_mib']:.0f}" if "shard_mib" in e else "-"
+            read = cell(e, "read_mib", ".0f")
+            lines.append(f"| {name} | {cell(e, 'restore_s')} | {e['identical']} | {read} | {shard} |")
     return lines
 
 

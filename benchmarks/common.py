@@ -82,6 +82,17 @@ def evict(directory: str) -> None:
     drop_cache([os.path.join(base, n) for base, _, names in os.walk(directory) for n in names])
 
 
+def proc_io() -> dict[str, int]:
+    """This process's I/O counters from /proc/self/io (every thread's): ``read_bytes`` is what
+    it had the storage read for it (page-cache misses and direct reads alike), ``rchar`` what
+    its read calls returned (empty elsewhere)."""
+    try:
+        with open("/proc/self/io") as f:
+            return {k: int(v) for k, v in (line.split(":") for line in f)}
+    except OSError:
+        return {}
+
+
 # ---------------------------------------------------------------------------- host memory
 
 def proc_status(field: str) -> int:
