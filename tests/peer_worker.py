@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from ckptmgr import CheckpointManager, ConfigError, PeerOptions, PerRank, WriteOptions
 from ckptmgr.distributed.coordinator import Coordinator
-from ckptmgr.distributed.peer_transport import ShardMover, Transport, restore_transport
+from ckptmgr.distributed.peer_mover import ShardMover
+from ckptmgr.distributed.peer_transport import Transport, restore_transport
 from ckptmgr.errors import CkptError
 from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
 from ckptmgr.format.manifest import FileRecord, Manifest

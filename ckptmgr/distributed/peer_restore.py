@@ -42,7 +42,8 @@ from ..format.manifest import Manifest
 from ..storage.peer_tier import Copy, ShardRecord
 from ..storage.posix import preadv_into
 from .coordinator import Coordinator
-from .peer_transport import ShardMover, Transport, restore_transport
+from .peer_mover import ShardMover
+from .peer_transport import Transport, restore_transport
 from .replicate import Replicator
 from .restore import RankMap, Restorer
 from .restore import _manifest as durable_manifest  # rank 0 reads it, every rank gets it

@@ -1,18 +1,9 @@
-"""How the peer tier moves a shard between two ranks: ``torch.distributed`` point-to-point calls.
+"""How the peer tier's bytes travel between two ranks: ``torch.distributed`` point-to-point calls.
 
-:class:`ShardMover` sends shards (a record, then the files' bytes) to ranks and receives shards
-from ranks into this node's peer area (:class:`~ckptmgr.storage.peer_tier.PeerArea`), in one
-call that every rank named on either side makes at the same time (the replication rounds and
-the restore's fetches are lock-step). Each exchange is a header (step, record size, data size),
-the record, then the bytes in pieces of ``chunk_bytes`` cut from the files' concatenated
-stream, paced by ``max_bytes_per_s``. What a rank receives is untrusted: the header is bounded
-before anything is allocated, the record is validated, and the copy is committed only when every
-chunk matches the record's checksums; a refused shard's bytes are drained through one reused
-buffer.
-
-Transport (:class:`Transport`): ``dist.batch_isend_irecv`` on one process group, through one
-device. Replication carries the arrays on the peer tier's gloo group (host memory, TCP): never
-on the job's group nor through NCCL or any CUDA call, since the replication thread runs while
+:class:`~ckptmgr.distributed.peer_mover.ShardMover` cuts a shard into exchanges; each runs on a
+:class:`Transport`: ``dist.batch_isend_irecv`` on one process group, through one device.
+Replication carries the arrays on the peer tier's gloo group (host memory, TCP): never on the
+job's group nor through NCCL or any CUDA call, since the replication thread runs while
 the training thread runs its own collectives (see :mod:`ckptmgr.distributed.replicate`). A
 restore's fetches (:func:`restore_transport`) run on the caller's thread while every rank is
 inside the restore, lock-step, with the rounds drained: they use the job's own group, through
@@ -20,42 +11,36 @@ GPU memory and NCCL when that group runs CUDA tensors on NCCL (at most ``RESTORE
 of GPU memory and as much pinned host memory; segments of ``SEGMENT_BYTES``, host copies by
 ``COPY_METHOD`` on ``COPY_THREADS`` threads), else host memory on gloo.
 
-Thread ownership: a mover is used by one thread at a time (the replication thread, or the
-caller's during a restore after the rounds are drained); ``_mu`` guards only its counters.
+Thread ownership: a transport is used by one thread at a time (its mover's: the replication
+thread, or the caller's during a restore after the rounds are drained).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import threading
-import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import CkptError, CkptTimeoutError, ConfigError
-from ..format.schema import MAX_MANIFEST_BYTES
-from ..storage.peer_tier import IncomingFile, PeerArea, ShardRecord, check_files
+from ..errors import CkptTimeoutError, ConfigError
 from .coordinator import Coordinator
 
-__all__ = ["COPY_METHOD", "COPY_METHODS", "COPY_THREADS", "MAX_SHARD_BYTES", "RESTORE_GPU_BYTES", "SEGMENT_BYTES",
-           "ShardMover", "Transport", "restore_transport", "split_copy"]
+__all__ = ["COPY_METHOD", "COPY_METHODS", "COPY_THREADS", "RESTORE_GPU_BYTES", "SEGMENT_BYTES", "Transport",
+           "restore_transport", "split_copy"]
 
 log = logging.getLogger("ckptmgr")
-MAX_SHARD_BYTES = 1 << 44  # the most bytes a peer may announce for one shard (16 TiB)
 RESTORE_GPU_BYTES = 256 << 20  # the most GPU memory a restore's NCCL transport stages through (and pinned host memory)
 SEGMENT_BYTES = 4 << 20  # the most bytes of an array a restore moves per sub-round
 COPY_METHODS = ("pinned", "pageable")  # how a CUDA transport moves a segment between a host array and the GPU
 COPY_METHOD = "pinned"  # a restore's: through pinned staging (see Transport)
 COPY_THREADS = 1  # a restore's threads per host copy of a segment into or out of pinned staging (1: the caller's)
 COPY_PIECE_BYTES = 512 << 10  # the fewest bytes one thread of a split host copy moves
-Sends = list[tuple[int, ShardRecord | None, dict[str, np.ndarray[Any, Any]]]]
 
 
 def split_copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], threads: int,
@@ -314,187 +299,3 @@ def restore_transport(coord: Coordinator, tier_group: Any, mode: str, timeout_s:
     if w is not None and w.wait(datetime.timedelta(seconds=timeout_s)) is False:
         raise CkptTimeoutError(f"joining {why} for the peer tier's restore took over {timeout_s:g} s")
     return t, why
-
-
-def _pieces(files: list[np.ndarray[Any, Any]], size: int) -> list[list[np.ndarray[Any, Any]]]:
-    """The files' bytes, concatenated, cut into pieces of ``size`` (:func:`_cut`): each piece as
-    the list of the file parts it covers (both sides cut the same stream the same way)."""
-    return [[files[k][at:at + n] for k, at, n in piece] for piece in _cut([a.size for a in files], size)]
-
-
-def _cut(sizes: list[int], size: int) -> list[list[tuple[int, int, int]]]:
-    """Files of ``sizes``, concatenated, cut into pieces of ``size``: each piece as (file index,
-    offset in it, bytes) for each file part it covers."""
-    out: list[list[tuple[int, int, int]]] = [[]]
-    room = size
-    for k, n_file in enumerate(sizes):
-        at = 0
-        while at < n_file:
-            if room == 0:
-                out.append([])
-                room = size
-            n = min(room, n_file - at)
-            out[-1].append((k, at, n))
-            at += n
-            room -= n
-    return [p for p in out if p]
-
-
-class _Incoming(NamedTuple):
-    """A shard being received from one rank: its record and slot (None: refused, its bytes
-    dropped), its files, the data bytes it announced."""
-
-    rec: ShardRecord | None
-    slot: int | None
-    files: list[IncomingFile]
-    nbytes: int
-
-
-class ShardMover:
-    """Sends and receives shards (see the module docstring).
-
-    Args:
-        transport: the groups the bytes travel on.
-        area: this node's peer area, where received shards land.
-        node: this rank's node identity.
-        chunk_bytes: bytes per piece.
-        max_bytes_per_s: the most bytes per second this rank sends (None: no limit).
-        io: the threads that check received copies' checksums.
-    """
-
-    def __init__(self, transport: Transport, area: PeerArea, node: str, chunk_bytes: int,
-                 max_bytes_per_s: float | None, io: Any) -> None:
-        self.transport, self.area, self.node, self.io = transport, area, node, io
-        self.chunk_bytes, self.max_bytes_per_s = chunk_bytes, max_bytes_per_s
-        self._mu = threading.Lock()
-        self.counts: dict[str, float] = {"peer_bytes_sent": 0, "peer_bytes_received": 0, "peer_bad_copies": 0,
-                                         "peer_transfer_s": 0.0}  # (_mu) peer_transfer_s: seconds moving bytes
-
-    def stats(self) -> dict[str, float]:
-        with self._mu:
-            return dict(self.counts)
-
-    def transfer(self, sends: Sends,
-                 recvs: list[int], *, own_node_ok: bool) -> dict[int, tuple[ShardRecord | None, bool]]:
-        """Send each (rank, record, files) (record None: tell the rank there is nothing);
-        receive a shard from each rank of ``recvs`` into this node's peer area. Returns, per
-        source, the record received (None: nothing, or refused) and whether the copy passed
-        its checks and was committed. Every rank named on one side must name this rank on the
-        other side in the same call."""
-        t = self.transport
-        heads = {s: np.zeros(3, dtype=np.int64) for s in recvs}
-        t.exchange([(d, np.array([rec.step, len(rec.raw), sum(a.size for a in fs.values())] if rec is not None
-                                 else [-1, 0, 0], dtype=np.int64).view(np.uint8)) for d, rec, fs in sends],
-                   [(s, h.view(np.uint8)) for s, h in heads.items()])
-        sends = [x for x in sends if x[1] is not None]
-        for s, h in heads.items():
-            if not 0 <= h[1] <= MAX_MANIFEST_BYTES or not 0 <= h[2] <= MAX_SHARD_BYTES:
-                raise CkptError(f"rank {s} announced a shard record of {h[1]} bytes and {h[2]} data bytes")
-        raws = {s: np.zeros(int(h[1]), dtype=np.uint8) for s, h in heads.items() if h[1]}
-        t.exchange([(d, np.frombuffer(rec.raw, dtype=np.uint8).copy()) for d, rec, _ in sends if rec is not None],
-                   list(raws.items()))
-        incoming: dict[int, _Incoming] = {}
-        out: dict[int, tuple[ShardRecord | None, bool]] = {}  # (also: the slots committed or aborted)
-        try:
-            try:
-                for s in recvs:
-                    incoming[s] = self._open(s, raws.get(s), int(heads[s][2]), own_node_ok)
-                self._pump(sends, incoming)
-                mapped = {s: [f.mapped() for f in inc.files] for s, inc in incoming.items() if inc.rec is not None}
-            finally:
-                for inc in incoming.values():
-                    for f in inc.files:
-                        f.close()
-            for s, inc in incoming.items():
-                rec, slot = inc.rec, inc.slot
-                if rec is None or slot is None:
-                    out[s] = (None, False)
-                    continue
-                bad = check_files(rec, dict(zip(rec.manifest.files, mapped[s], strict=True)), self.io)
-                if bad is None:
-                    self.area.commit(rec.rank, slot, rec)
-                else:
-                    self.area.abort(rec.rank, slot)
-                    with self._mu:
-                        self.counts["peer_bad_copies"] += 1
-                    log.warning("peer tier: the copy of step %d of rank %d that rank %d sent fails its check (%s); "
-                                "not kept", rec.step, rec.rank, s, bad)
-                out[s] = (rec, bad is None)
-        except BaseException:  # a slot taken and not settled is given back, emptied (never committed)
-            for s, inc in incoming.items():
-                if s not in out and inc.rec is not None and inc.slot is not None:
-                    self.area.abort(inc.rec.rank, inc.slot)
-            raise
-        return out
-
-    def _open(self, s: int, raw: np.ndarray[Any, Any] | None, nbytes: int, own_node_ok: bool) -> _Incoming:
-        """Where the shard rank ``s`` announced (its record ``raw``, ``nbytes`` of data) lands:
-        the files of a slot taken for it, or nowhere (refused: its bytes are received and
-        dropped)."""
-        rec: ShardRecord | None = None
-        slot = None
-        files: list[IncomingFile] = []
-        if raw is not None:
-            try:
-                rec = ShardRecord.parse(raw.tobytes(), f"the shard record rank {s} sent")
-                if not own_node_ok and rec.node == self.node:
-                    raise CkptError(f"rank {s} sent a shard saved on this very node ({rec.node})")
-                slot = self.area.take_slot(rec.rank)
-                if slot is None:
-                    raise CkptError(f"every slot of rank {rec.rank}'s shard here is held")
-                files = list(self.area.receive(rec.rank, slot, rec).values())
-            except (CkptError, OSError) as exc:
-                log.warning("peer tier: the shard rank %d sent is not kept: %s", s, exc)
-                if rec is not None and slot is not None:
-                    self.area.abort(rec.rank, slot)
-                rec, slot, files = None, None, []
-            except BaseException:
-                if rec is not None and slot is not None:
-                    self.area.abort(rec.rank, slot)
-                raise
-        if sum(f.size for f in files) != nbytes:
-            for f in files:
-                f.close()
-            if rec is not None and slot is not None:
-                self.area.abort(rec.rank, slot)
-            return _Incoming(None, None, [], nbytes)
-        return _Incoming(rec, slot, files, nbytes)
-
-    def _pump(self, sends: Sends, incoming: dict[int, _Incoming]) -> None:
-        """Move the files' bytes, piece by piece, paced by ``max_bytes_per_s``. Each source's
-        pieces are received into one buffer of ``chunk_bytes`` reused for all of them (never
-        an allocation of the size a peer announced), then written into the files they belong
-        to (:meth:`IncomingFile.write`); a refused shard's are dropped."""
-        size = self.chunk_bytes
-        out_pieces = [(d, _pieces(list(fs.values()), size)) for d, _, fs in sends]
-        in_pieces = {s: _cut([f.size for f in inc.files] or [inc.nbytes], size) for s, inc in incoming.items()}
-        scratch = {s: np.empty(min(size, inc.nbytes), dtype=np.uint8) for s, inc in incoming.items() if inc.nbytes}
-        rounds = max([*(len(p) for _, p in out_pieces), *(len(p) for p in in_pieces.values())], default=0)
-        start, sent = time.monotonic(), 0
-        for i in range(rounds):
-            tx: list[tuple[int, np.ndarray[Any, Any]]] = []
-            rx: list[tuple[int, np.ndarray[Any, Any]]] = []
-            for d, pieces in out_pieces:
-                if i < len(pieces):
-                    buf = pieces[i][0] if len(pieces[i]) == 1 else np.concatenate(pieces[i])
-                    tx.append((d, buf))
-                    sent += buf.size
-            for s, cuts in in_pieces.items():
-                if i < len(cuts):
-                    rx.append((s, scratch[s][:sum(n for _, _, n in cuts[i])]))
-            self.transport.exchange(tx, rx)
-            for s, cuts in in_pieces.items():
-                files = incoming[s].files
-                if i < len(cuts) and files:
-                    at = 0
-                    for k, offset, n in cuts[i]:
-                        files[k].write(offset, scratch[s][at:at + n])
-                        at += n
-            if self.max_bytes_per_s:  # pace: never ahead of the allowed rate
-                ahead = sent / self.max_bytes_per_s - (time.monotonic() - start)
-                if ahead > 0:
-                    time.sleep(ahead)
-        with self._mu:
-            self.counts["peer_bytes_sent"] += sent
-            self.counts["peer_bytes_received"] += sum(inc.nbytes for inc in incoming.values())
-            self.counts["peer_transfer_s"] += time.monotonic() - start

@@ -74,7 +74,8 @@ from ..save.persist import PersistJob, StepCommit
 from ..storage import StepWriter, Target
 from ..storage.peer_tier import Copy, PeerArea, ShardRecord
 from .coordinator import Coordinator
-from .peer_transport import ShardMover, Transport
+from .peer_mover import ShardMover
+from .peer_transport import Transport
 
 __all__ = ["NODE_ENV", "PeerOptions", "Replicator", "peers_of", "start_peers"]
 

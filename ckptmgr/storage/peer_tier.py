@@ -362,25 +362,30 @@ class IncomingFile:
     copy into a fresh shared mapping faults every page in first (1 GiB on the CPU machine:
     3.1-3.4 GB/s by ``pwrite`` into a preallocated file, 1.2-1.5 GB/s copied into its mapping;
     the peer fetch on 2 x H100 moved 1.2-1.3 GB/s per rank that way). Then mapped read-only
-    for its checks (:meth:`mapped`). Used by the receiving thread only; :meth:`close`
-    (idempotent) closes the descriptor."""
+    for its checks (:meth:`mapped`). Written by one thread (the mover's writer), mapped and
+    closed by the receiving thread once it has joined the writes; ``_mu`` makes a write and
+    :meth:`close` (idempotent) exclusive, so that a write that outlived its join never reaches
+    a descriptor number the process has since reused."""
 
     def __init__(self, fd: int, size: int, name: str) -> None:
-        self.fd: int | None = fd
+        self.fd: int | None = fd  # (_mu)
         self.size = size
         self.name = name
+        self._mu = threading.Lock()  # held across one pwrite, and by close
 
     def write(self, offset: int, data: np.ndarray[Any, Any]) -> None:
         """Write ``data`` (contiguous uint8) at ``offset``, inside the file's size.
 
         Raises:
-            CkptError: the bytes would not fit in the file.
+            CkptError: the bytes would not fit in the file, or it is closed.
             OSError: the write failed (ENOSPC: the tmpfs is full).
         """
         n = data.size
-        if self.fd is None or not 0 <= offset <= offset + n <= self.size:
-            raise CkptError(f"peer area file {self.name}: {n} bytes at {offset} do not fit its {self.size} bytes")
-        pwrite_all(self.fd, data, offset)
+        with self._mu:
+            if self.fd is None or not 0 <= offset <= offset + n <= self.size:
+                raise CkptError(f"peer area file {self.name}: {n} bytes at {offset} do not fit its {self.size} "
+                                "bytes, or it is closed")
+            pwrite_all(self.fd, data, offset)
 
     def mapped(self, *, writable: bool = False) -> np.ndarray[Any, Any]:
         """The file's bytes, mapped shared (no second copy in memory): read-only unless
@@ -393,9 +398,10 @@ class IncomingFile:
         return np.frombuffer(mmap.mmap(self.fd, self.size, prot=prot), dtype=np.uint8)
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        with self._mu:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
 
 
 def read_peer(local_dir: str, root_url: str) -> dict[int, dict[int, int]]:

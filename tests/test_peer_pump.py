@@ -1,0 +1,171 @@
+"""The peer tier's shard mover writes each received piece on a writer thread while the next
+piece travels (:meth:`~ckptmgr.distributed.peer_mover.ShardMover.transfer`), in one process:
+a loopback transport hands each sent piece to the receive buffer of the same round, and a gate
+holds the writer. The lock-step exchanges between real processes (gloo, NCCL) are in
+tests/test_peer_tier.py."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ckptmgr.distributed import peer_mover
+from ckptmgr.distributed.peer_mover import ShardMover
+from ckptmgr.errors import CkptError
+from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
+from ckptmgr.format.manifest import FileRecord, Manifest
+from ckptmgr.storage.peer_tier import PeerArea, ShardRecord
+
+WAIT = 30.0  # the longest any gate or event is waited for (a hang fails the test instead)
+CHUNK = 8192
+
+
+class Loopback:
+    """A transport whose exchange gives each piece sent to this rank's own receive of the same
+    round (one rank that sends to and receives from itself), calling ``seen`` first with the
+    round's receive buffers (round 0: the first piece; the header and the record travel in the
+    two exchanges before it, rounds -2 and -1)."""
+
+    def __init__(self, seen: Any) -> None:
+        self.timeout_s = WAIT
+        self.coord = SimpleNamespace(timeout_s=WAIT)
+        self.seen = seen
+        self.rounds = -2
+
+    def exchange(self, sends: list[tuple[int, np.ndarray]], recvs: list[tuple[int, np.ndarray]]) -> None:
+        self.seen(self.rounds, [a for _, a in recvs])
+        for (_, src), (_, dst) in zip(sends, recvs, strict=True):
+            dst[:] = src
+        self.rounds += 1
+
+
+def _shard(data: np.ndarray) -> tuple[ShardRecord, dict[str, np.ndarray]]:
+    crcs = tuple(crc32c_hex(data[b:e]) for b, e in chunk_ranges(data.size, CHUNK))
+    name = "data-r00000-00000.safetensors"
+    n = data.size - 4096
+    tensors = {"rank00000/x": {"file": name, "dtype": "U8", "shape": [n], "offsets": [0, n]}}
+    m = Manifest(step=3, state={"x": 1}, tensors=tensors, files={name: FileRecord(data.size, CHUNK, crcs, 4096)})
+    return ShardRecord.make(m, 0, 1, "A"), {name: data}
+
+
+def _transfer(tmp_path, seen, data):
+    (tmp_path / "node").mkdir(exist_ok=True)
+    area = PeerArea(str(tmp_path / "node"), str(tmp_path / "root"))
+    rec, files = _shard(data)
+    try:
+        with ThreadPoolExecutor(2) as io:
+            mover = ShardMover(Loopback(seen), area, "B", CHUNK, None, io)
+            got = mover.transfer([(0, rec, files)], [0], own_node_ok=True)
+        copies = area.copies()
+        held = None
+        if copies:
+            with area.mapped(copies[0]) as m:
+                held = next(iter(m.values())).tobytes()
+        return got, held
+    finally:
+        area.close()
+
+
+def test_a_piece_travels_while_the_one_before_is_written_and_no_buffer_is_refilled_before_its_write_ends(
+        tmp_path, monkeypatch):
+    """Round 1's exchange runs while round 0's write is held; round 2's, which reuses round 0's
+    buffer, waits for that write; every piece lands where it belongs and the copy is kept."""
+    data = np.random.default_rng(5).integers(0, 256, 6 * CHUNK + 123, dtype=np.uint8)
+    release = threading.Event()
+    in_write: set[int] = set()  # buffer addresses being written now
+    mu = threading.Lock()
+    late: list[int] = []  # rounds whose receive buffer was being written when they began
+    first_ahead = threading.Event()  # round 1 began while round 0's write was held
+    real = peer_mover._write_piece
+
+    def gated(jobs):
+        addrs = {buf.__array_interface__["data"][0] for _, _, buf in jobs}
+        with mu:
+            in_write.update(addrs)
+        try:
+            if not release.is_set():
+                assert release.wait(WAIT), "the test never released the first write"
+            real(jobs)
+        finally:
+            with mu:
+                in_write.difference_update(addrs)
+
+    def seen(i, bufs):
+        with mu:
+            if any(b.__array_interface__["data"][0] in in_write for b in bufs):
+                late.append(i)
+        if i == 1:
+            first_ahead.set()
+        if i == 2:
+            release.set()  # (a mover that did not wait would be here with round 0's write still held)
+
+    monkeypatch.setattr(peer_mover, "_write_piece", gated)
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["out"] = _transfer(tmp_path, seen, data)
+        except BaseException as exc:  # (raised below, on the test's thread)
+            result["error"] = exc
+            first_ahead.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert first_ahead.wait(WAIT), "round 1 did not start while round 0 was being written"
+        if "error" in result:
+            raise result["error"]
+        assert not release.is_set()  # round 2 has not begun: it waits for round 0's write
+        release.set()
+    finally:
+        release.set()
+        t.join(WAIT)
+    assert not t.is_alive()
+    got, held = result["out"]
+    assert late == []
+    assert got[0][1] is True and held == data.tobytes()
+
+
+def test_a_failed_write_fails_the_transfer_after_every_write_has_ended_and_gives_the_slot_back(tmp_path, monkeypatch):
+    data = np.random.default_rng(6).integers(0, 256, 4 * CHUNK, dtype=np.uint8)
+    calls = []
+    real = peer_mover._write_piece
+
+    def failing(jobs):
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(jobs)
+
+    monkeypatch.setattr(peer_mover, "_write_piece", failing)
+    with pytest.raises(OSError, match="No space left"):
+        _transfer(tmp_path, lambda i, bufs: None, data)
+    area = PeerArea(str(tmp_path / "node"), str(tmp_path / "root"))
+    try:
+        assert area.copies() == []
+        slot = area.take_slot(0)  # (the slot taken for the failed copy was given back)
+        assert slot is not None
+        area.abort(0, slot)
+    finally:
+        area.close()
+
+
+def test_a_write_after_close_is_refused_rather_than_written_to_a_reused_descriptor(tmp_path):
+    (tmp_path / "node").mkdir()
+    area = PeerArea(str(tmp_path / "node"), str(tmp_path / "root"))
+    try:
+        rec, _ = _shard(np.zeros(2 * CHUNK, dtype=np.uint8))
+        slot = area.take_slot(0)
+        assert slot is not None
+        f = next(iter(area.receive(0, slot, rec).values()))
+        f.close()
+        with pytest.raises(CkptError, match="closed"):
+            f.write(0, np.ones(16, dtype=np.uint8))
+        area.abort(0, slot)
+    finally:
+        area.close()
