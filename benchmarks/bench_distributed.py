@@ -26,6 +26,8 @@ cache, and checks bit-identity with an exact, layout-independent fingerprint. Ti
 slowest rank's; each restore also reports the most bytes any rank had the disk read (from
 /proc/self/io, the page cache dropped) beside that rank's shard of the state. Prints a table and writes JSON
 (``--out``). ``--max-wall-s`` stops starting rounds after that long (the JSON says how many ran).
+``--tools ckptmgr`` leaves DCP out (another ckptmgr build measured in the same call, beside a run
+that has it; the restores then check against the first save's fingerprint).
 
 Resharding (``--reshard SAVE:R1,R2``, benchmarks/dist_reshard.py): an FSDP2 model + AdamW saved
 by SAVE processes with each tool, restored by R1 and then R2 processes:
@@ -264,7 +266,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: st
                 times, fp = _saves(tool, mode, d, args, dev, reuse=False)
                 r["fresh_stager"] = True
             r["per_save"] = times
-            if tool == "DCP save" and rank == 0:  # what every restore of this round must give back
+            if rank == 0 and (tool == "DCP save" or not os.path.exists(fp_path)):  # what every restore of
+                # this round must give back (every saver trains alike; DCP's, when it runs, is the reference)
                 with open(fp_path, "w") as f:
                     json.dump(fp, f)
             result[mode] = r
@@ -376,6 +379,9 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--modes", default="ddp,fsdp2")
+    ap.add_argument("--tools", default="ckptmgr,DCP",
+                    help="ckptmgr, DCP (dcp.save, dcp.async_save and dcp.load), or both: the peer need not run "
+                         "again for another ckptmgr build measured in the same call")
     ap.add_argument("--rounds", type=int, default=3, help="launches per tool; medians and ranges over them")
     ap.add_argument("--saves", type=int, default=3, help="saves per launch: the first, and the later ones")
     ap.add_argument("--max-wall-s", type=float, default=0.0, help="start no round after this long (0: no limit)")
@@ -401,6 +407,11 @@ def main() -> None:
         raise SystemExit("--rounds and --saves must be at least 1")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     modes = args.modes.split(",")
+    chosen = set(args.tools.split(","))
+    if not chosen or chosen - {"ckptmgr", "DCP"}:
+        raise SystemExit(f"--tools {args.tools}: name ckptmgr, DCP or both")
+    savers = [t for t in SAVERS if t.split()[0] in chosen]
+    restorers = [t for t in RESTORERS if t in chosen]
     dev_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (gloo)"
     nbytes = (args.width * args.width + args.width) * 4 * args.layers * 3  # params + 2 AdamW moments, fp32
     t0 = time.perf_counter()
@@ -409,12 +420,12 @@ def main() -> None:
         if rounds and args.max_wall_s and time.perf_counter() - t0 > args.max_wall_s:
             print(f"--max-wall-s {args.max_wall_s:.0f}: stopping after {len(rounds)} round(s)")
             break
-        k = rnd % len(SAVERS)
-        order = SAVERS[k:] + SAVERS[:k]  # rotated: each tool runs first, second and third in turn
+        k = rnd % len(savers)
+        order = savers[k:] + savers[:k]  # rotated: each tool runs first, second and third in turn
         r: dict[str, Any] = {"order": list(order), "save": {}, "restore": {}}
         for tool in order:
             r["save"][tool] = _spawn(args, "save", tool, rnd)
-        for tool in RESTORERS if rnd % 2 == 0 else RESTORERS[::-1]:
+        for tool in restorers if rnd % 2 == 0 else restorers[::-1]:
             r["restore"][tool] = _spawn(args, "restore", tool, rnd)
         shutil.rmtree(os.path.join(args.dir, f"round{rnd}"), ignore_errors=True)
         rounds.append(r)

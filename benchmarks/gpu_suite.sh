@@ -19,14 +19,16 @@
 #   staging    save stall and durable time of a G GiB state to /dev/shm and to the disk
 #              (ckptmgr overlap; other tools with CKPTMGR_STAGING_TOOLS)
 #   restore    restore of a G GiB state from /dev/shm and from a cold disk (ckptmgr against
-#              fastsafetensors, with the disk's read ceiling measured in the same run)
+#              fastsafetensors, with the disk's read ceiling measured in the same run; restore@old:
+#              ckptmgr alone)
 #   tier       restore from the /dev/shm local tier after a SIGKILL, in a fresh process
 #   lightning  per-save cost of the Lightning plugin (30 steps, a save every 10; the peers with
 #              CKPTMGR_LIGHTNING_PLUGINS="TorchCheckpointIO (Lightning default),AsyncCheckpointIO(TorchCheckpointIO),CkptmgrCheckpointIO")
 #   hf         per-save cost of the Hugging Face Trainer integration against the stock Trainer
 #              (extra arguments: $CKPTMGR_HF_ARGS, e.g. "--steps 100 --save-steps 25" for a shorter run)
 #   dist       FSDP2 save and restore against torch.distributed.checkpoint (needs 2 GPUs or more;
-#              rounds stop starting after $CKPTMGR_DIST_WALL_S seconds, default 200)
+#              rounds stop starting after $CKPTMGR_DIST_WALL_S seconds, default 200; dist@old runs
+#              ckptmgr alone: DCP runs once a call, beside this tree)
 #   reshard    FSDP2 saved at one world size, restored at others, against DCP (needs 2 GPUs or more)
 #
 # MODE@old runs the mode against another source tree, $CKPTMGR_OLD (default .old in the working
@@ -130,9 +132,10 @@ mode() {
       python3 benchmarks/bench_staging.py --gib "$gib" --rounds "$r" --saves 3 --device "$device" \
         --tools "${CKPTMGR_STAGING_TOOLS:-ckptmgr overlap}" --targets shm,disk \
         --shm-dir "/dev/shm/ckptmgr-suite-staging" --disk-dir "$scratch/staging" --out "$o.json" 2>&1 | tee "$o.txt" ;;
-    restore)
+    restore)  # (restore@old: ckptmgr alone; fastsafetensors runs once a call, beside this tree)
+      local tools="ckptmgr restore(target),fastsafetensors (nogds)"; [ "$is_old" = 1 ] && tools="ckptmgr restore(target)"
       python3 benchmarks/bench_restore.py --gib "$gib" --repeat "$r" --device "$device" --sources shm,disk \
-        --tools "ckptmgr restore(target),fastsafetensors (nogds)" \
+        --tools "$tools" \
         --shm-dir /dev/shm/ckptmgr-suite-restore --disk-dir "$scratch/restore" --out "$o.json" 2>&1 | tee "$o.txt" ;;
     tier)
       local tg="4.5"; [ -n "$small" ] && tg="$gib"
@@ -153,8 +156,10 @@ mode() {
       if [ "$n" -lt 2 ]; then
         echo "$m: needs 2 GPUs or more, this machine has $n: skipped" | tee "$o.txt"
       elif [ "$m" = dist ]; then  # rounds stop starting after 200 s
+        local tools=ckptmgr,DCP; [ "$is_old" = 1 ] && tools=ckptmgr  # (DCP runs once a call, with this tree)
         NCCL_NVLS_ENABLE=0 timeout 330 python3 benchmarks/bench_distributed.py --gpus "$n" --modes fsdp2 --layers 4 \
           --rounds "$r" --saves 3 --max-wall-s "${CKPTMGR_DIST_WALL_S:-200}" --device "$dev" "${q[@]}" --dir "$scratch/dist" \
+          --tools "$tools" \
           --commit "$CKPTMGR_COMMIT" --out "$o.json" 2>&1 | tee "$o.txt"
       else
         local spec="${CKPTMGR_RESHARD:-$([ "$n" -ge 4 ] && echo 4:2,4 || echo 2:1,2)}"
