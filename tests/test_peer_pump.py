@@ -19,7 +19,7 @@ from ckptmgr.distributed.peer_mover import ShardMover
 from ckptmgr.errors import CkptError
 from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
 from ckptmgr.format.manifest import FileRecord, Manifest
-from ckptmgr.storage.peer_tier import PeerArea, ShardRecord
+from ckptmgr.storage.peer_tier import IncomingFile, PeerArea, ShardRecord
 
 WAIT = 30.0  # the longest any gate or event is waited for (a hang fails the test instead)
 CHUNK = 8192
@@ -131,20 +131,47 @@ def test_a_piece_travels_while_the_one_before_is_written_and_no_buffer_is_refill
     assert got[0][1] is True and held == data.tobytes()
 
 
-def test_a_failed_write_fails_the_transfer_after_every_write_has_ended_and_gives_the_slot_back(tmp_path, monkeypatch):
+def _closes_watched(monkeypatch) -> tuple[list[bool], Any, threading.Event]:
+    """Record, at every IncomingFile.close, whether a piece was being written then; returns
+    (that record, a wrapper of _write_piece that marks its writes, the mark)."""
+    running = threading.Event()
+    record: list[bool] = []
+    real_close, real_write = IncomingFile.close, peer_mover._write_piece
+
+    def close(self):
+        record.append(running.is_set())
+        real_close(self)
+
+    def write(jobs):
+        running.set()
+        try:
+            real_write(jobs)
+        finally:
+            running.clear()
+
+    monkeypatch.setattr(IncomingFile, "close", close)
+    return record, write, running
+
+
+@pytest.mark.parametrize("fails", [2, 4])
+def test_a_failed_write_fails_the_transfer_after_every_write_has_ended_and_gives_the_slot_back(tmp_path, monkeypatch,
+                                                                                             fails):
+    """A write that fails (the second piece's, or the last one's: never taken for a bad copy
+    from the sender) fails the transfer with its error; no file is closed while a write runs."""
     data = np.random.default_rng(6).integers(0, 256, 4 * CHUNK, dtype=np.uint8)
     calls = []
-    real = peer_mover._write_piece
+    closes, write, _ = _closes_watched(monkeypatch)
 
     def failing(jobs):
         calls.append(len(calls))
-        if len(calls) == 2:
+        if len(calls) == fails:
             raise OSError(28, "No space left on device")
-        real(jobs)
+        write(jobs)
 
     monkeypatch.setattr(peer_mover, "_write_piece", failing)
     with pytest.raises(OSError, match="No space left"):
         _transfer(tmp_path, lambda i, bufs: None, data)
+    assert closes and not any(closes)
     area = PeerArea(str(tmp_path / "node"), str(tmp_path / "root"))
     try:
         assert area.copies() == []
@@ -153,6 +180,39 @@ def test_a_failed_write_fails_the_transfer_after_every_write_has_ended_and_gives
         area.abort(0, slot)
     finally:
         area.close()
+
+
+def test_an_exchange_that_fails_while_a_piece_is_written_closes_the_files_only_after_that_write(tmp_path,
+                                                                                                monkeypatch):
+    """Round 2's exchange fails while round 1's piece is being written: the transfer raises the
+    exchange's error, and the files are closed only once that write has ended (it is let go as
+    the exchange fails, and then given a moment in which a close would be seen)."""
+    data = np.random.default_rng(7).integers(0, 256, 6 * CHUNK, dtype=np.uint8)
+    closes, write, running = _closes_watched(monkeypatch)
+    go = threading.Event()
+    never = threading.Event()
+
+    def gated(jobs):
+        if len(calls) == 1:  # round 1's piece
+            calls.append(1)
+            running.set()
+            assert go.wait(WAIT)
+            never.wait(0.3)  # (a window in which a close that does not wait for this write is seen)
+        else:
+            calls.append(0)
+        write(jobs)
+
+    calls: list[int] = []
+
+    def seen(i, bufs):
+        if i == 2:
+            go.set()
+            raise ConnectionError("peer gone")
+
+    monkeypatch.setattr(peer_mover, "_write_piece", gated)
+    with pytest.raises(ConnectionError, match="peer gone"):
+        _transfer(tmp_path, seen, data)
+    assert closes and not any(closes)
 
 
 def test_a_write_after_close_is_refused_rather_than_written_to_a_reused_descriptor(tmp_path):
@@ -168,4 +228,40 @@ def test_a_write_after_close_is_refused_rather_than_written_to_a_reused_descript
             f.write(0, np.ones(16, dtype=np.uint8))
         area.abort(0, slot)
     finally:
+        area.close()
+
+
+def test_closing_a_file_while_a_write_runs_does_not_wait_for_it_and_the_write_closes_it_as_it_ends(tmp_path, monkeypatch):
+    from ckptmgr.storage import peer_tier
+
+    (tmp_path / "node").mkdir()
+    area = PeerArea(str(tmp_path / "node"), str(tmp_path / "root"))
+    inside, release = threading.Event(), threading.Event()
+    real = peer_tier.pwrite_all
+
+    def held(fd, data, offset):
+        inside.set()
+        assert release.wait(WAIT)
+        real(fd, data, offset)
+
+    try:
+        rec, _ = _shard(np.zeros(2 * CHUNK, dtype=np.uint8))
+        slot = area.take_slot(0)
+        assert slot is not None
+        f = next(iter(area.receive(0, slot, rec).values()))
+        monkeypatch.setattr(peer_tier, "pwrite_all", held)
+        w = threading.Thread(target=f.write, args=(0, np.ones(16, dtype=np.uint8)))
+        w.start()
+        assert inside.wait(WAIT)
+        closer = threading.Thread(target=f.close)
+        closer.start()
+        closer.join(WAIT)
+        assert not closer.is_alive()  # it did not wait for the write
+        assert f.fd is not None  # (the write still uses it: not closed under it)
+        release.set()
+        w.join(WAIT)
+        assert not w.is_alive() and f.fd is None  # the write closed it as it ended
+        area.abort(0, slot)
+    finally:
+        release.set()
         area.close()

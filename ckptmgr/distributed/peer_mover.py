@@ -202,6 +202,16 @@ class ShardMover:
         wait_s = self.transport.timeout_s if self.transport.timeout_s is not None else self.transport.coord.timeout_s
         writes: list[Future[None] | None] = [None, None]  # the writes of the last two rounds' pieces, by buffer
         writer = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-peer-write") if incoming else None
+        stuck = False  # a write outlived its wait: the one below is not made again
+
+        def ended(w: Future[None] | None) -> None:
+            nonlocal stuck
+            try:
+                _ended(w, wait_s)
+            except CkptTimeoutError:
+                stuck = True
+                raise
+
         start, sent = time.monotonic(), 0
         try:
             for i in range(rounds):
@@ -212,7 +222,7 @@ class ShardMover:
                         buf = pieces[i][0] if len(pieces[i]) == 1 else np.concatenate(pieces[i])
                         tx.append((d, buf))
                         sent += buf.size
-                _ended(writes[i % 2], wait_s)  # (this round's buffers are free again)
+                ended(writes[i % 2])  # (this round's buffers are free again)
                 for s, cuts in in_pieces.items():
                     if i < len(cuts):
                         bufs = scratch[s]
@@ -227,12 +237,16 @@ class ShardMover:
                     if ahead > 0:
                         time.sleep(ahead)
             for w in writes:
-                _ended(w, wait_s)
+                ended(w)
         finally:  # (no write may be running once the caller closes or reads the files)
             if writer is not None:
-                for w in writes:
-                    if w is not None:
-                        wait_futures([w], timeout=wait_s)
+                late = [w for w in writes if w is not None and not w.done()]
+                if late and not stuck:
+                    _, still = wait_futures(late, timeout=wait_s)
+                    stuck = bool(still)
+                if stuck:  # (the files close as it ends: IncomingFile.close never waits)
+                    log.warning("peer tier: a write into the peer area still runs after %g s; its copy is dropped",
+                                wait_s)
                 writer.shutdown(wait=False, cancel_futures=True)
         with self._mu:
             self.counts["peer_bytes_sent"] += sent

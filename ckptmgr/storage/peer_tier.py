@@ -356,22 +356,27 @@ class PeerArea:
             self.abort(rank, c.slot)
 
 
+_CLOSE_WAIT_S = 1.0  # the most IncomingFile.close waits for a write that holds the descriptor
+
+
 class IncomingFile:
     """A file of a peer-area slot being received, written through its descriptor with
     ``pwrite``: the kernel puts the bytes in the file's tmpfs pages as it writes them, where a
     copy into a fresh shared mapping faults every page in first (1 GiB on the CPU machine:
     3.1-3.4 GB/s by ``pwrite`` into a preallocated file, 1.2-1.5 GB/s copied into its mapping;
     the peer fetch on 2 x H100 moved 1.2-1.3 GB/s per rank that way). Then mapped read-only
-    for its checks (:meth:`mapped`). Written by one thread (the mover's writer), mapped and
-    closed by the receiving thread once it has joined the writes; ``_mu`` makes a write and
-    :meth:`close` (idempotent) exclusive, so that a write that outlived its join never reaches
-    a descriptor number the process has since reused."""
+    for its checks (:meth:`mapped`). Written by one thread (the mover's writer); mapped and
+    closed by the receiving thread once it has joined the writes. ``_mu`` makes a write and
+    closing the descriptor exclusive, so that a write that outlived its join never reaches a
+    descriptor number the process has since reused; :meth:`close` never waits for it (a write
+    still running closes the descriptor itself when it ends)."""
 
     def __init__(self, fd: int, size: int, name: str) -> None:
-        self.fd: int | None = fd  # (_mu)
+        self.fd: int | None = fd  # (_mu; read without it by the receiving thread, once the writes are joined)
         self.size = size
         self.name = name
-        self._mu = threading.Lock()  # held across one pwrite, and by close
+        self._closing = False  # (_mu; set by close without it while a write holds it) that write closes the fd
+        self._mu = threading.Lock()  # held across one pwrite, and while the descriptor is closed
 
     def write(self, offset: int, data: np.ndarray[Any, Any]) -> None:
         """Write ``data`` (contiguous uint8) at ``offset``, inside the file's size.
@@ -382,10 +387,14 @@ class IncomingFile:
         """
         n = data.size
         with self._mu:
-            if self.fd is None or not 0 <= offset <= offset + n <= self.size:
-                raise CkptError(f"peer area file {self.name}: {n} bytes at {offset} do not fit its {self.size} "
-                                "bytes, or it is closed")
-            pwrite_all(self.fd, data, offset)
+            try:
+                if self.fd is None or self._closing or not 0 <= offset <= offset + n <= self.size:
+                    raise CkptError(f"peer area file {self.name}: {n} bytes at {offset} do not fit its "
+                                    f"{self.size} bytes, or it is closed")
+                pwrite_all(self.fd, data, offset)
+            finally:
+                if self._closing:
+                    self._close_fd()
 
     def mapped(self, *, writable: bool = False) -> np.ndarray[Any, Any]:
         """The file's bytes, mapped shared (no second copy in memory): read-only unless
@@ -398,10 +407,24 @@ class IncomingFile:
         return np.frombuffer(mmap.mmap(self.fd, self.size, prot=prot), dtype=np.uint8)
 
     def close(self) -> None:
-        with self._mu:
-            if self.fd is not None:
-                os.close(self.fd)
-                self.fd = None
+        """Close the descriptor (idempotent), at once, or, while a write runs, as that write
+        ends: never waits."""
+        if not self._mu.acquire(blocking=False):
+            # a write holds _mu: either it sees this in its finally and closes the descriptor, or
+            # it had looked already and releases _mu within moments
+            self._closing = True
+            if not self._mu.acquire(timeout=_CLOSE_WAIT_S):
+                return
+        try:
+            self._close_fd()
+        finally:
+            self._mu.release()
+
+    def _close_fd(self) -> None:  # (under _mu)
+        self._closing = False
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def read_peer(local_dir: str, root_url: str) -> dict[int, dict[int, int]]:
