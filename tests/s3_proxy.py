@@ -76,6 +76,7 @@ class FaultyProxy:
         self.inflight = 0
         self.counts: dict[str, int] = {}
         self.journal: list[tuple[float, str]] = []  # (time.time() at arrival, kind), every request
+        self.gets: list[tuple[str, str | None]] = []  # (path, Range header) of every GET
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -110,6 +111,8 @@ class FaultyProxy:
                     what = request_kind(self.command, self.path)
                     proxy.counts[what] = proxy.counts.get(what, 0) + 1
                     proxy.journal.append((time.time(), what))
+                    if self.command == "GET":
+                        proxy.gets.append((self.path, self.headers.get("Range")))
                     fault = (re.search(proxy.match, f"{self.command} {self.path}") is not None
                              and proxy.rng.random() < proxy.fail_rate)
                     kind = proxy.rng.choice(list(proxy.fail_kinds)) if fault else None
@@ -182,6 +185,7 @@ class FaultyProxy:
     def reset_counts(self) -> None:
         with self.mu:
             self.counts.clear()
+            self.gets.clear()
             self.journal.clear()
             self.requests = self.failed = self.throttled = 0
 

@@ -8,6 +8,7 @@ with the writer."""
 from __future__ import annotations
 
 import heapq
+import json
 import os
 
 import pytest
@@ -239,7 +240,8 @@ def test_a_readers_restore_sends_one_list_and_no_head_before_its_ranges(server, 
     """The set-up a restore pays on a store, one request after another: a read-only manager
     lists nothing when it opens (it saves nothing), the restore's discovery lists the steps
     once, and the data file's size comes from that listing (checked against the manifest as
-    before), not from a HEAD. Then the manifest, the header and the ranges."""
+    before), not from a HEAD. Then the manifest and the ranges: the data file's header comes with
+    its first range (checked there, against the manifest), not in a request of its own."""
     s = saved(server, bucket, "setup")
     proxy = FaultyProxy(server.endpoint)
     try:
@@ -249,6 +251,8 @@ def test_a_readers_restore_sends_one_list_and_no_head_before_its_ranges(server, 
             assert not any(proxy.counts.values()), dict(proxy.counts)  # opening sent no request
             assert_tree_equal(mgr.restore(), s)
         assert proxy.count("list") == 1 and proxy.count("head") == 0, dict(proxy.counts)
+        data = [r for path, r in proxy.gets if path.endswith(".safetensors")]
+        assert data and len([r for r in data if r is None or r.startswith("bytes=0-")]) == 1, data
         proxy.reset_counts()
         with manager(f"s3://{bucket}/setup", server, so, read_only=True) as mgr:
             assert_tree_equal(mgr.restore(1), s)  # a step named: nothing listed, so its size is asked
@@ -315,3 +319,45 @@ def test_verify_asks_the_store_for_each_size_however_recent_the_listing(server, 
         fs.pipe_file(key, fs.cat_file(key) + b"\0" * 4096)
         report = verify_step(mgr._target, 1)
         assert not report.ok and any("the manifest records" in p for p in report.problems), report.problems
+
+
+def test_a_header_that_disagrees_with_the_manifest_fails_a_restore_from_the_store_and_leaves_the_target(
+        server, bucket, tmp_path):
+    """A step whose data file's header says I32 where the manifest says F32 (sizes alike, the
+    manifest re-signed over the new checksum, copied to the store as `aws s3 sync` would): the
+    header, which comes with the first range, is checked there, and the restore fails naming
+    the tensor, before anything reaches the target."""
+    import crc32c
+    from manifest_tools import rewrite
+
+    local = tmp_path / "local"
+    s = state(100_000)
+    with CheckpointManager(str(local), staging=StagingOptions(local_tier=False)) as w:
+        w.save(1, s).result(timeout=120)
+    step = local / "step_000000000001"
+    [f] = [n for n in os.listdir(step) if n.endswith(".safetensors")]
+    raw = bytearray((step / f).read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    [key] = [k for k in header if k.endswith("b")]
+    header[key]["dtype"] = "I32"  # same size as F32
+    text = json.dumps(header, separators=(",", ":")).encode()
+    raw[8:8 + n] = text + b" " * (n - len(text))
+    (step / f).write_bytes(bytes(raw))
+
+    def resign(m):
+        rec = m["files"][f]
+        size = rec["chunk_size"]
+        rec["crc32c"] = [f"{crc32c.crc32c(bytes(raw[b:b + size])):08x}" for b in range(0, len(raw), size)]
+
+    rewrite(str(local), 1, resign)
+    fs = s3fs.S3FileSystem(**server.options(), skip_instance_cache=True)
+    for name in sorted(os.listdir(step)):
+        fs.put_file(str(step / name), f"{bucket}/forged/step_000000000001/{name}")
+    with manager(f"s3://{bucket}/forged", server, read_only=True) as mgr:
+        target = {k: torch.zeros_like(v) for k, v in s.items()}
+        with pytest.raises(CheckpointCorruptError, match=r"its header entry .* differs"):
+            mgr.restore(1, target=target)
+        assert not target["w"].any() and not target["b"].any()
+        with pytest.raises(CheckpointCorruptError, match=r"its header entry .* differs"):
+            mgr.restore(1)

@@ -149,10 +149,13 @@ def wait_all(futures: list[Future[None]]) -> None:
 
 
 def preflight(source: Source, step: int, manifest: Manifest, where: str,
-              images: dict[str, torch.Tensor] | None = None) -> None:
+              images: dict[str, torch.Tensor] | None = None, *, headers: bool = True) -> None:
     """Check every data file of ``step`` before anything is allocated: regular, of the
     recorded size, with a header that matches the index. With ``images`` (file images
     already in this process's memory), those are checked instead of the files.
+    ``headers=False`` leaves the headers to a read that lands in fresh memory and checks each
+    header there, as it comes with the file's first chunk, before anything reaches a target
+    (an object store's restore: one request fewer before the data).
 
     Raises:
         CheckpointCorruptError: naming the file and what is wrong.
@@ -173,6 +176,8 @@ def preflight(source: Source, step: int, manifest: Manifest, where: str,
             if size != rec.size:
                 raise CheckpointCorruptError(f"{what} has {size} bytes; the manifest says {rec.size} "
                                              "(truncated or replaced)")
+            if not headers:
+                return
             buf = np.empty(rec.header_size, dtype=np.uint8)
             source.read_into(step, fname, 0, [buf])
             head = buf.tobytes()

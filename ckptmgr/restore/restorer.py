@@ -283,14 +283,18 @@ class Restorer:
         if loader == "ring" and any(r.chunk_size > self.ring.slot_bytes for r in manifest.files.values()):
             loader = "host"  # chunks larger than the ring's buffers: read them whole
         use_images = loader == "inplace" and images is not None
-        preflight(source, step, manifest, where, images if use_images else None)
+        by_file = entries_by_file(manifest, where)  # (built once: the ring's loaders plan from them too)
+        entries = [e for file in by_file.values() for e in file]
+        store = getattr(source, "read_tuner", None) is not None  # an object store
+        # read by the host loader (unless verified beforehand, into fresh memory), each header is
+        # checked as it comes with its file's first chunk: no request for the headers beforehand
+        preflight(source, step, manifest, where, images if use_images else None,
+                  headers=not (store and loader == "host" and not verified))
         adopted: list[Future[None]] | None = None  # an adopted slot's checks, still running
         if use_images and isinstance(source, LocalTier) and not verified:
             adopted = self._adopted_checks(step, manifest)
             if adopted is not None and (all(f.done() for f in adopted) or dests is None or device.type != "cuda"):
                 verified, adopted = self._passed(adopted, where), None
-        by_file = entries_by_file(manifest, where)  # (built once: the ring's loaders plan from them too)
-        entries = [e for file in by_file.values() for e in file]
         direct = lands_in_target(entries, dests, _CPU if loader == "host" else device) and not verified
         paths = {name: local_path(source, step, name) or "" for name in manifest.files}
         # Into a target on a GPU: land through spare device memory when it fits (each chunk
@@ -325,9 +329,10 @@ class Restorer:
             if direct:
                 verify_files(source, step, manifest, self.ring.pool, self.ring.threads, where)
             return read_tensors_ring(source, step, manifest, device, self.ring, dests, entries=by_file)
-        if direct and getattr(source, "read_tuner", None) is not None:
-            # an object store: each byte fetched once, into fresh memory, verified as it lands;
-            # the target changes only after (finish copies it in), as if checked first
+        if direct and store:
+            # an object store: each byte fetched once, into fresh memory, verified as it lands
+            # (the headers checked there); the target changes only after (finish copies it in),
+            # as if checked first
             return read_tensors(source, step, manifest, device=device)
         if direct:
             verify_files(source, step, manifest, source.io_pool, _workers(source.io_pool), where)

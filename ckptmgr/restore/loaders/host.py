@@ -21,7 +21,7 @@ import torch
 from ...errors import CheckpointCorruptError
 from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import Manifest
-from ..preflight import Source
+from ..preflight import Source, header_problems
 from ..read import Mismatch, plan_check, run
 from ..transports.pread import PreadTransport
 from .landing import Entry, checked_dests, usable_dest
@@ -71,11 +71,11 @@ class _Scatter:
             pos += piece.size
 
 
-def _read_file(target: Source, step: int, manifest: Manifest, fname: str,
-               entries: list[tuple[str, dict[str, Any]]], out: dict[str, torch.Tensor], *,
-               dests: dict[str, torch.Tensor] | None) -> None:
+def _regions(manifest: Manifest, fname: str, entries: list[tuple[str, dict[str, Any]]],
+             out: dict[str, torch.Tensor], dests: dict[str, torch.Tensor] | None, where: str) -> list[_Region]:
+    """Allocate (or take from ``dests``) every tensor of file ``fname`` into ``out``; returns
+    the file's regions (its header's buffer, then each tensor's bytes), tiling the file."""
     rec = manifest.files[fname]
-    where = f"{target.url}: step {step}, file {fname}"
     header = np.empty(rec.header_size, dtype=np.uint8)
     regions: list[_Region] = [(0, header)]
     pos = rec.header_size
@@ -93,14 +93,7 @@ def _read_file(target: Source, step: int, manifest: Manifest, fname: str,
         pos += end - begin
     if pos != rec.size:
         raise CheckpointCorruptError(f"{where}: the tensors do not fill the file ({pos} of {rec.size} bytes)")
-
-    def message(m: Mismatch) -> str:
-        return f"{where}: checksum mismatch in bytes [{m.begin}, {m.end})"
-
-    plan = plan_check(manifest, where, files=[fname], dests={fname: _Scatter(regions)}, message=message)
-    run(plan, PreadTransport(target, step, pool=target.io_pool, request_bytes=0))  # (one read per chunk)
-    if int.from_bytes(header[:8].tobytes(), "little") + 8 != rec.header_size:
-        raise CheckpointCorruptError(f"{where}: the safetensors header length does not match the manifest")
+    return regions
 
 
 def _build_views(manifest: Manifest, out: dict[str, torch.Tensor], where: str) -> None:
@@ -140,10 +133,14 @@ def read_tensors(target: Source, step: int, manifest: Manifest, *,
     """Read, verify and assemble every tensor of a committed step; a tensor of ``dests`` in
     host memory with the stored dtype and shape is read into directly.
 
-    The files have passed the preflight checks (regular, sized, headers matching).
+    Every file's chunks are one plan, run once (an object store's ranges span the step, not
+    one file at a time). The files have passed the preflight checks (regular, sized, and,
+    unless ``preflight(headers=False)`` left it to this read, headers matching); each file's
+    safetensors header is checked again here, as read with its first chunk and verified.
 
     Raises:
-        CheckpointCorruptError: a chunk fails its checksum.
+        CheckpointCorruptError: a chunk fails its checksum, or a header does not match the
+            manifest.
     """
     where = f"{target.url}: step {step}"
     by_file: dict[str, list[tuple[str, dict[str, Any]]]] = {name: [] for name in manifest.files}
@@ -151,8 +148,19 @@ def read_tensors(target: Source, step: int, manifest: Manifest, *,
         if "file" in e:
             by_file[e["file"]].append((name, e))
     out: dict[str, torch.Tensor] = {}
-    for fname, entries in by_file.items():
-        _read_file(target, step, manifest, fname, entries, out, dests=dests)
+    regions = {fname: _regions(manifest, fname, entries, out, dests, f"{where}, file {fname}")
+               for fname, entries in by_file.items()}
+
+    def message(m: Mismatch) -> str:
+        return f"{where}, file {m.file}: checksum mismatch in bytes [{m.begin}, {m.end})"
+
+    scatter: dict[str, Any] = {fname: _Scatter(r) for fname, r in regions.items()}
+    plan = plan_check(manifest, where, files=list(by_file), dests=scatter, message=message)
+    run(plan, PreadTransport(target, step, pool=target.io_pool, request_bytes=0))  # (one read per chunk)
+    for fname, r in regions.items():
+        problems = header_problems(r[0][1].tobytes(), fname, manifest)
+        if problems:
+            raise CheckpointCorruptError(f"{where}, file {fname}: {problems[0]}")
     if device is not None and device.type != "cpu":
         out = {k: v.to(device) for k, v in out.items()}
     _build_views(manifest, out, where)
