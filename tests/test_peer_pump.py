@@ -231,7 +231,7 @@ def test_a_write_after_close_is_refused_rather_than_written_to_a_reused_descript
         area.close()
 
 
-def test_closing_a_file_while_a_write_runs_does_not_wait_for_it_and_the_write_closes_it_as_it_ends(tmp_path, monkeypatch):
+def test_closing_a_file_while_a_write_runs_does_not_wait_and_the_write_closes_it_as_it_ends(tmp_path, monkeypatch):
     from ckptmgr.storage import peer_tier
 
     (tmp_path / "node").mkdir()

@@ -8,6 +8,7 @@ with the writer."""
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 import os
 
@@ -361,3 +362,43 @@ def test_a_header_that_disagrees_with_the_manifest_fails_a_restore_from_the_stor
         assert not target["w"].any() and not target["b"].any()
         with pytest.raises(CheckpointCorruptError, match=r"its header entry .* differs"):
             mgr.restore(1)
+
+
+def _spans(gets: list[tuple[str, str | None]]) -> list[tuple[int, int]]:
+    """The byte ranges [begin, end) of the data GETs (``bytes=a-b``)."""
+    out = []
+    for path, r in gets:
+        if path.endswith(".safetensors") and r is not None and r.startswith("bytes="):
+            a, b = r.removeprefix("bytes=").split("-")
+            out.append((int(a), int(b) + 1))
+    return sorted(out)
+
+
+def test_a_device_restore_from_the_store_reads_by_ranges_each_byte_once_and_refuses_a_bad_chunk(server, bucket):
+    """The loader a GPU restore takes (``loader="ring"``, here onto the CPU): the store's
+    ranges, sized by its answers, cover the data file once (beside the header read before
+    them), each chunk verified as it lands; a corrupted chunk fails the restore by name."""
+    s = saved(server, bucket, "device")
+    proxy = FaultyProxy(server.endpoint)
+    try:
+        so = dict(server.options(), endpoint_url=proxy.endpoint)
+        with manager(f"s3://{bucket}/device", server, so, read_only=True) as mgr:
+            assert mgr.steps() == [1]
+            m = Manifest.from_bytes(mgr._target.read_manifest(1), where="test")
+            [rec] = m.files.values()
+            proxy.reset_counts()
+            assert_tree_equal(mgr.restore(1, device="cpu", loader="ring"), s)
+            spans = [sp for sp in _spans(proxy.gets) if sp != (0, rec.header_size)]  # (the preflight's header)
+            assert sum(e - b for b, e in spans) == rec.size and spans[0][0] == 0, spans
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), spans  # no byte twice
+            assert len(spans) < len(rec.crc32c), spans  # ranges span chunks: fewer requests than chunks
+        fs = s3fs.S3FileSystem(**server.options(), skip_instance_cache=True)
+        [key] = [k for k in fs.find(f"{bucket}/device") if k.endswith(".safetensors")]
+        data = bytearray(fs.cat_file(key))
+        data[-10] ^= 0xFF
+        fs.pipe_file(key, bytes(data))
+        with manager(f"s3://{bucket}/device", server, read_only=True) as mgr, \
+                pytest.raises(CheckpointCorruptError, match=r"checksum mismatch"):
+            mgr.restore(1, device="cpu", loader="ring")
+    finally:
+        proxy.close()

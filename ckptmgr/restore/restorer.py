@@ -13,8 +13,11 @@ check, the preflight of every file (regular, sized, header equal to the index), 
 data. When tensors land in a target's own memory, no byte reaches it before every checksum
 of the step has verified, so a step that fails leaves the target as it was: on a GPU with
 room for the step, it lands in spare device memory (verified as it arrives) and then moves
-into the target; from an object store, it lands in fresh host memory the same way (each byte
-fetched once); otherwise every checksum is verified first and the step lands in place. Any problem with a step
+into the target; from an object store, it is read by ranges sized by the store's answers
+(each byte fetched once) into that spare device memory, else into fresh host memory the same
+way; otherwise every checksum is verified first and the step lands in place. An object
+store's headers are checked as they come with each file's first range when the step is read
+into host memory, and read beforehand otherwise. Any problem with a step
 is a :class:`CheckpointCorruptError` naming the step and the file; a step deleted while it
 is read (by another process's retention) is a :class:`StepNotFoundError`. ``restore()``
 without a step skips either kind, with one warning each, and reads the next older step.
@@ -44,6 +47,7 @@ from .loaders import PinnedRing, read_tensors, read_tensors_inplace, read_tensor
 from .loaders.gds import read_tensors_gds
 from .loaders.landing import lands_in_target
 from .loaders.ring import NoDeviceRoom, entries_by_file
+from .loaders.store import read_tensors_store
 from .preflight import check_regular, local_path, preflight, submit_image_checks, verify_images, wait_all
 from .target import match_target
 from .verify import verify_files
@@ -321,6 +325,15 @@ class Restorer:
             if direct:
                 verify_files(source, step, manifest, self.ring.pool, self.ring.threads, where)
             return read_tensors_gds(paths, manifest, device, where, dests, pool=self.ring.pool)
+        if loader == "ring" and store:
+            # an object store onto a device: ranges sized and counted by the store's answers, each
+            # byte fetched once, landed as the ring's; straight into a target only through spare
+            # device memory, else into fresh host memory first (finish copies it in)
+            if through or not direct:
+                with contextlib.suppress(NoDeviceRoom):
+                    return read_tensors_store(source, step, manifest, device, dests, through_device=through,
+                                              entries=by_file)
+            return read_tensors(source, step, manifest, device=device)
         if loader == "ring":
             if through:
                 with contextlib.suppress(NoDeviceRoom):
