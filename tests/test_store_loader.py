@@ -7,14 +7,19 @@ themselves (moto, SeaweedFS) are in tests/test_s3_reads.py."""
 
 from __future__ import annotations
 
+import json
 import os
 
+import crc32c
 import numpy as np
 import pytest
 import torch
+from manifest_tools import rewrite
 
 from ckptmgr import CheckpointCorruptError, CheckpointManager, StagingOptions, WriteOptions
 from ckptmgr.format.manifest import Manifest
+from ckptmgr.restore.loaders import store
+from ckptmgr.restore.loaders.ring import NoDeviceRoom
 from ckptmgr.restore.loaders.store import read_tensors_store
 from ckptmgr.storage.throttle import AdaptiveWindow, ReadTuner
 
@@ -94,5 +99,101 @@ def test_through_device_memory_the_target_changes_only_once_every_chunk_verified
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
             read_tensors_store(src, 1, m, torch.device(device), fresh, through_device=True)
         assert not any(t.any() for t in fresh.values())
+    finally:
+        mgr.close()
+
+
+def _data_path(root: str, m: Manifest) -> str:
+    [f] = m.files
+    return os.path.join(root, "step_000000000001", f)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_header_that_disagrees_with_the_manifest_is_refused_before_the_target_changes(tmp_path, device):
+    """The header says I32 where the manifest says F32 (sizes alike, the chunk's checksum in the
+    manifest re-signed): the header, read with the first range, fails the read by name before
+    the spare memory moves into the target."""
+    root = str(tmp_path / "r")
+    s, src, m, mgr = _saved(root, device)
+    try:
+        path = _data_path(root, m)
+        with open(path, "rb") as fh:
+            raw = bytearray(fh.read())
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        header["b"]["dtype"] = "I32"
+        text = json.dumps(header, separators=(",", ":")).encode()
+        raw[8:8 + n] = text + b" " * (n - len(text))
+        with open(path, "wb") as fh:
+            fh.write(raw)
+        [f] = m.files
+        size = m.files[f].chunk_size
+
+        def resign(obj):
+            obj["files"][f]["crc32c"] = [f"{crc32c.crc32c(bytes(raw[b:b + size])):08x}"
+                                         for b in range(0, len(raw), size)]
+
+        rewrite(root, 1, resign)
+        m = Manifest.from_bytes(mgr._target.read_manifest(1), where="test")
+        target = {k: torch.zeros_like(v) for k, v in s.items()}
+        with pytest.raises(CheckpointCorruptError, match=r"its header entry .* differs"):
+            read_tensors_store(src, 1, m, torch.device(device), target, through_device=True)
+        assert not any(t.any() for t in target.values())
+    finally:
+        mgr.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_into_a_target_without_room_beside_it_the_step_is_checked_first_then_lands_in_place(tmp_path, device,
+                                                                                        monkeypatch):
+    """The restorer's path for an object store when the step cannot land beside the target
+    (on the CPU: always; on a GPU: no room, here injected): headers and checksums first, then
+    the bytes straight into the target's tensors; a damaged chunk leaves the target as it was."""
+    root = str(tmp_path / "r")
+    s, src, m, mgr = _saved(root, device)
+    real = store._plan_all
+
+    def no_room(manifest, dev, where, dests, through_device, entries):
+        if through_device:
+            raise NoDeviceRoom("injected: no room beside the target")
+        return real(manifest, dev, where, dests, through_device, entries)
+
+    monkeypatch.setattr(store, "_plan_all", no_room)
+    try:
+        target = {k: torch.zeros_like(v) for k, v in s.items()}
+        w = target["w"]
+        out = mgr._restorer.read(src, 1, m, torch.device(device), "ring", None, dict(target))
+        assert out["w"] is w and _equal(target, s)
+        [rec] = m.files.values()
+        assert sum(n for _, n in src.reads) == 2 * rec.size + rec.header_size  # checked, then landed
+        path = _data_path(root, m)
+        with open(path, "r+b") as fh:
+            fh.seek(-3, 2)
+            b = fh.read(1)
+            fh.seek(-3, 2)
+            fh.write(bytes([b[0] ^ 0x10]))
+        fresh = {k: torch.zeros_like(v) for k, v in s.items()}
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+            mgr._restorer.read(src, 1, m, torch.device(device), "ring", None, dict(fresh))
+        assert not any(t.any() for t in fresh.values())
+    finally:
+        mgr.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_verified_step_lands_in_place_after_the_work_queued_on_the_callers_stream(tmp_path):
+    """A caller on a side stream with a write to the target still queued behind a long kernel:
+    the landing (from the transport's threads) comes after that write, not before it."""
+    s, src, m, mgr = _saved(str(tmp_path / "r"), "cuda")
+    try:
+        target = {k: torch.zeros_like(v) for k, v in s.items()}
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # (hundreds of milliseconds of GPU time)
+            target["w"].fill_(7.0)
+            read_tensors_store(src, 1, m, torch.device("cuda"), target)  # (the caller verified: in place)
+        torch.cuda.synchronize()
+        assert _equal(target, s)
     finally:
         mgr.close()

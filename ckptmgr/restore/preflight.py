@@ -153,9 +153,10 @@ def preflight(source: Source, step: int, manifest: Manifest, where: str,
     """Check every data file of ``step`` before anything is allocated: regular, of the
     recorded size, with a header that matches the index. With ``images`` (file images
     already in this process's memory), those are checked instead of the files.
-    ``headers=False`` leaves the headers to a read that lands in fresh memory and checks each
-    header there, as it comes with the file's first chunk, before anything reaches a target
-    (an object store's restore: one request fewer before the data).
+    ``headers=False`` leaves the headers to a read that lands in fresh or spare memory: each
+    header comes with its file's first chunks and is checked once the step has been read,
+    before anything reaches a target (an object store's restore: one request fewer per file
+    before the data).
 
     Raises:
         CheckpointCorruptError: naming the file and what is wrong.

@@ -16,8 +16,9 @@ room for the step, it lands in spare device memory (verified as it arrives) and 
 into the target; from an object store, it is read by ranges sized by the store's answers
 (each byte fetched once) into that spare device memory, else into fresh host memory the same
 way; otherwise every checksum is verified first and the step lands in place. An object
-store's headers are checked as they come with each file's first range when the step is read
-into host memory, and read beforehand otherwise. Any problem with a step
+store's headers come with each file's first range and are checked once the step has been
+read into fresh or spare memory, before anything reaches a target; they are read beforehand
+only where the step lands in place. Any problem with a step
 is a :class:`CheckpointCorruptError` naming the step and the file; a step deleted while it
 is read (by another process's retention) is a :class:`StepNotFoundError`. ``restore()``
 without a step skips either kind, with one warning each, and reads the next older step.
@@ -290,10 +291,11 @@ class Restorer:
         by_file = entries_by_file(manifest, where)  # (built once: the ring's loaders plan from them too)
         entries = [e for file in by_file.values() for e in file]
         store = getattr(source, "read_tuner", None) is not None  # an object store
-        # read by the host loader (unless verified beforehand, into fresh memory), each header is
-        # checked as it comes with its file's first chunk: no request for the headers beforehand
-        preflight(source, step, manifest, where, images if use_images else None,
-                  headers=not (store and loader == "host" and not verified))
+        # from an object store into fresh or spare memory, the headers come with the files' first
+        # ranges and are checked once the step is read, before anything reaches a target: no
+        # request for them first (landing in place, they are read first below)
+        later = store and loader in ("host", "ring") and not verified
+        preflight(source, step, manifest, where, images if use_images else None, headers=not later)
         adopted: list[Future[None]] | None = None  # an adopted slot's checks, still running
         if use_images and isinstance(source, LocalTier) and not verified:
             adopted = self._adopted_checks(step, manifest)
@@ -327,13 +329,15 @@ class Restorer:
             return read_tensors_gds(paths, manifest, device, where, dests, pool=self.ring.pool)
         if loader == "ring" and store:
             # an object store onto a device: ranges sized and counted by the store's answers, each
-            # byte fetched once, landed as the ring's; straight into a target only through spare
-            # device memory, else into fresh host memory first (finish copies it in)
-            if through or not direct:
+            # byte fetched once, landed as the ring's
+            if through:
                 with contextlib.suppress(NoDeviceRoom):
-                    return read_tensors_store(source, step, manifest, device, dests, through_device=through,
+                    return read_tensors_store(source, step, manifest, device, dests, through_device=True,
                                               entries=by_file)
-            return read_tensors(source, step, manifest, device=device)
+            if direct:  # no room beside the target: headers and checksums first, then in place (fetched twice)
+                preflight(source, step, manifest, where)
+                verify_files(source, step, manifest, self.ring.pool, self.ring.threads, where)
+            return read_tensors_store(source, step, manifest, device, dests, entries=by_file)
         if loader == "ring":
             if through:
                 with contextlib.suppress(NoDeviceRoom):

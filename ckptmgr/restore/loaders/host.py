@@ -136,7 +136,8 @@ def read_tensors(target: Source, step: int, manifest: Manifest, *,
     Every file's chunks are one plan, run once (an object store's ranges span the step, not
     one file at a time). The files have passed the preflight checks (regular, sized, and,
     unless ``preflight(headers=False)`` left it to this read, headers matching); each file's
-    safetensors header is checked again here, as read with its first chunk and verified.
+    safetensors header, read and verified with its first chunks, is checked against the
+    manifest here too, once the step has been read and before it is returned.
 
     Raises:
         CheckpointCorruptError: a chunk fails its checksum, or a header does not match the
@@ -160,7 +161,7 @@ def read_tensors(target: Source, step: int, manifest: Manifest, *,
     for fname, r in regions.items():
         problems = header_problems(r[0][1].tobytes(), fname, manifest)
         if problems:
-            raise CheckpointCorruptError(f"{where}, file {fname}: {problems[0]}")
+            raise CheckpointCorruptError(f"{where}: {fname}: {problems[0]}")
     if device is not None and device.type != "cpu":
         out = {k: v.to(device) for k, v in out.items()}
     _build_views(manifest, out, where)
