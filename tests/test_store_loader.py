@@ -63,6 +63,20 @@ def _saved(root: str, device: str) -> tuple[dict[str, torch.Tensor], RangedLocal
     return s, src, Manifest.from_bytes(mgr._target.read_manifest(1), where="test"), mgr
 
 
+def _data_path(root: str, m: Manifest) -> str:
+    [f] = m.files
+    return os.path.join(root, "step_000000000001", f)
+
+
+def _damage_last_chunk(path: str) -> None:
+    """Flip a bit near the file's end: every other chunk lands before this one fails."""
+    with open(path, "r+b") as fh:
+        fh.seek(-3, 2)
+        b = fh.read(1)
+        fh.seek(-3, 2)
+        fh.write(bytes([b[0] ^ 0x10]))
+
+
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
 
@@ -88,13 +102,7 @@ def test_through_device_memory_the_target_changes_only_once_every_chunk_verified
         w = target["w"]
         out = read_tensors_store(src, 1, m, torch.device(device), target, through_device=True)
         assert out["w"] is w and _equal(target, s)
-        [f] = m.files
-        path = os.path.join(str(tmp_path / "r"), "step_000000000001", f)
-        with open(path, "r+b") as fh:  # the last chunk: every other lands first
-            fh.seek(-3, 2)
-            b = fh.read(1)
-            fh.seek(-3, 2)
-            fh.write(bytes([b[0] ^ 0x10]))
+        _damage_last_chunk(_data_path(str(tmp_path / "r"), m))
         fresh = {k: torch.zeros_like(v) for k, v in s.items()}
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
             read_tensors_store(src, 1, m, torch.device(device), fresh, through_device=True)
@@ -103,9 +111,6 @@ def test_through_device_memory_the_target_changes_only_once_every_chunk_verified
         mgr.close()
 
 
-def _data_path(root: str, m: Manifest) -> str:
-    [f] = m.files
-    return os.path.join(root, "step_000000000001", f)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -166,12 +171,7 @@ def test_into_a_target_without_room_beside_it_the_step_is_checked_first_then_lan
         assert out["w"] is w and _equal(target, s)
         [rec] = m.files.values()
         assert sum(n for _, n in src.reads) == 2 * rec.size + rec.header_size  # checked, then landed
-        path = _data_path(root, m)
-        with open(path, "r+b") as fh:
-            fh.seek(-3, 2)
-            b = fh.read(1)
-            fh.seek(-3, 2)
-            fh.write(bytes([b[0] ^ 0x10]))
+        _damage_last_chunk(_data_path(root, m))
         fresh = {k: torch.zeros_like(v) for k, v in s.items()}
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
             mgr._restorer.read(src, 1, m, torch.device(device), "ring", None, dict(fresh))
