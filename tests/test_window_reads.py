@@ -151,8 +151,8 @@ def test_a_file_cut_short_after_the_checks_stops_the_reads(tmp_path, monkeypatch
     root = str(tmp_path / "ckpt")
     real = restorer_mod.preflight
 
-    def then_truncate(source, step, manifest, where, images=None):
-        real(source, step, manifest, where, images)
+    def then_truncate(source, step, manifest, where, images=None, **kw):
+        real(source, step, manifest, where, images, **kw)
         path = sorted(glob.glob(os.path.join(root, "step_*", "data-*")))[-1]
         os.truncate(path, os.path.getsize(path) - CHUNK - 5000)
     monkeypatch.setattr(restorer_mod, "preflight", then_truncate)
