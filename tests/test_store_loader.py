@@ -197,3 +197,26 @@ def test_a_verified_step_lands_in_place_after_the_work_queued_on_the_callers_str
         assert _equal(target, s)
     finally:
         mgr.close()
+
+
+def test_chunks_larger_than_the_rings_buffers_are_still_read_by_ranges(tmp_path, monkeypatch):
+    """A step written with chunks larger than the reader's ring buffers: an object store's
+    reads do not go through the ring, so they stay ranged (memory bounded by the transport's
+    scratch), where the ring falls back to whole files in host memory."""
+    from ckptmgr.restore import restorer as restorer_mod
+
+    root = str(tmp_path / "r")
+    s = _state("cpu")
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False),
+                           write_options=WriteOptions(chunk_size=32 << 20)) as w:
+        w.save(1, s).result(timeout=120)
+    used: list[str] = []
+    real = restorer_mod.read_tensors_store
+    monkeypatch.setattr(restorer_mod, "read_tensors_store", lambda *a, **k: used.append("store") or real(*a, **k))
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False),
+                           write_options=WriteOptions(chunk_size=1 << 20)) as mgr:
+        assert mgr._ring.slot_bytes < 32 << 20
+        src = RangedLocal(mgr._target)
+        m = Manifest.from_bytes(mgr._target.read_manifest(1), where="test")
+        out = mgr._restorer.read(src, 1, m, torch.device("cpu"), "ring", None, None)
+    assert used == ["store"] and _equal(out, s)

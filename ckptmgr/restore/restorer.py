@@ -285,12 +285,12 @@ class Restorer:
             loader = self._gds_or_ring(source)
         if loader == "inplace" and images is None and getattr(source, "path_of", None) is None:
             raise ConfigError(f"loader='inplace' needs files on a local filesystem; {source.url} is not")
-        if loader == "ring" and any(r.chunk_size > self.ring.slot_bytes for r in manifest.files.values()):
+        store = getattr(source, "read_tuner", None) is not None  # an object store (read by ranges, not the ring)
+        if loader == "ring" and not store and any(r.chunk_size > self.ring.slot_bytes for r in manifest.files.values()):
             loader = "host"  # chunks larger than the ring's buffers: read them whole
         use_images = loader == "inplace" and images is not None
         by_file = entries_by_file(manifest, where)  # (built once: the ring's loaders plan from them too)
         entries = [e for file in by_file.values() for e in file]
-        store = getattr(source, "read_tuner", None) is not None  # an object store
         # from an object store into fresh or spare memory, the headers come with the files' first
         # ranges and are checked once the step is read, before anything reaches a target: no
         # request for them first (landing in place, they are read first below)

@@ -368,8 +368,9 @@ class IncomingFile:
     for its checks (:meth:`mapped`). Written by one thread (the mover's writer); mapped and
     closed by the receiving thread once it has joined the writes. ``_mu`` makes a write and
     closing the descriptor exclusive, so that a write that outlived its join never reaches a
-    descriptor number the process has since reused; :meth:`close` never waits for it (a write
-    still running closes the descriptor itself when it ends)."""
+    descriptor number the process has since reused; :meth:`close` waits for a running write at
+    most ``_CLOSE_WAIT_S``, then leaves the close to that write, which closes the descriptor as
+    it ends."""
 
     def __init__(self, fd: int, size: int, name: str) -> None:
         self.fd: int | None = fd  # (_mu; read without it by the receiving thread, once the writes are joined)
@@ -407,8 +408,8 @@ class IncomingFile:
         return np.frombuffer(mmap.mmap(self.fd, self.size, prot=prot), dtype=np.uint8)
 
     def close(self) -> None:
-        """Close the descriptor (idempotent), at once, or, while a write runs, as that write
-        ends: never waits."""
+        """Close the descriptor (idempotent): at once, or, while a write runs, as that write
+        ends (waiting for it at most ``_CLOSE_WAIT_S``)."""
         if not self._mu.acquire(blocking=False):
             # a write holds _mu: either it sees this in its finally and closes the descriptor, or
             # it had looked already and releases _mu within moments
