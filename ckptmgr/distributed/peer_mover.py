@@ -244,7 +244,7 @@ class ShardMover:
                 if late and not stuck:
                     _, still = wait_futures(late, timeout=wait_s)
                     stuck = bool(still)
-                if stuck:  # (the files close as it ends: IncomingFile.close never waits)
+                if stuck:  # (the files close as it ends: IncomingFile.close waits for it at most 1 s)
                     log.warning("peer tier: a write into the peer area still runs after %g s; its copy is dropped",
                                 wait_s)
                 writer.shutdown(wait=False, cancel_futures=True)
