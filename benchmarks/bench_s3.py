@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -114,10 +115,10 @@ def _rotate(tools: dict[str, Callable[[int], None]], repeat: int) -> dict[str, l
 
 
 def _table(title: str, times: dict[str, list[float]], size: int, base: str) -> list[str]:
-    ref = sorted(times[base])[len(times[base]) // 2]
+    ref = statistics.median(times[base])
     lines = [title, "", f"| tool | s, median (min-max) | MB/s | vs {base} |", "|---|---|---|---|"]
     for name, ts in times.items():
-        m = sorted(ts)[len(ts) // 2]
+        m = statistics.median(ts)
         lines.append(f"| {name} | {m:.2f} ({min(ts):.2f}-{max(ts):.2f}) | {size / m / 1e6:.0f} | {ref / m:.2f}x |")
     return lines
 
