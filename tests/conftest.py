@@ -101,6 +101,16 @@ def train_steps(model, opt, sched, n: int) -> list[float]:
     return losses
 
 
+def damage_last_chunk(path: str) -> None:
+    """Flip a bit near the file's end, in its last checksum chunk: every earlier chunk still
+    verifies (and lands first)."""
+    with open(path, "r+b") as f:
+        f.seek(-3, 2)
+        b = f.read(1)
+        f.seek(-3, 2)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
 def evict(path: str) -> None:
     """Drop file ``path``, or every file under directory ``path``, from the page cache
     (written back first), so that the next read goes to the disk."""

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from conftest import damage_last_chunk
 
 from ckptmgr import CheckpointCorruptError, CheckpointManager, StagingOptions, WriteOptions
 
@@ -26,20 +27,12 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
             "b": torch.randn(8192, device="cuda", generator=g).bfloat16()}
 
 
-def _damage_last_chunk(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(-3, 2)
-        b = f.read(1)
-        f.seek(-3, 2)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 @pytest.mark.parametrize("loader", ["ring", "inplace", "host"])
 def test_a_corrupt_step_leaves_the_gpu_target_as_it_was(root, loader):
     with CheckpointManager(root, staging=NO_TIER, write_options=WriteOptions(chunk_size=1 << 20)) as mgr:
         mgr.save(1, _state(1)).result()
         mgr.save(2, _state(2)).result()
-        _damage_last_chunk(os.path.join(root, "step_000000000002", "data-00000.safetensors"))
+        damage_last_chunk(os.path.join(root, "step_000000000002", "data-00000.safetensors"))
         target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
             mgr.restore(2, target=target, loader=loader)
@@ -57,8 +50,8 @@ def test_a_corrupt_pinned_slot_leaves_the_gpu_target_as_it_was(root):
             pytest.skip("no local tier here")
         mgr.save(1, _state(1)).result()
         mgr.wait()
-        _damage_last_chunk(mgr._tier.path_of(1, "data-00000.safetensors"))
-        _damage_last_chunk(os.path.join(root, "step_000000000001", "data-00000.safetensors"))
+        damage_last_chunk(mgr._tier.path_of(1, "data-00000.safetensors"))
+        damage_last_chunk(os.path.join(root, "step_000000000001", "data-00000.safetensors"))
         target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
             mgr.restore(1, target=target)
@@ -100,7 +93,7 @@ def test_gds_reads_are_verified_on_the_gpu(root):
     with CheckpointManager(root, staging=NO_TIER, write_options=WriteOptions(chunk_size=1 << 20)) as mgr:
         mgr.save(1, _state(1)).result()
         assert torch.equal(mgr.restore(1, device="cuda", loader="gds")["w"], _state(1)["w"])
-        _damage_last_chunk(os.path.join(root, "step_000000000001", "data-00000.safetensors"))
+        damage_last_chunk(os.path.join(root, "step_000000000001", "data-00000.safetensors"))
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
             mgr.restore(1, device="cuda", loader="gds")
         target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
@@ -131,7 +124,7 @@ def test_a_target_on_the_gpu_lands_through_spare_memory_or_verifies_first(root, 
     with CheckpointManager(root, staging=NO_TIER, write_options=WriteOptions(chunk_size=1 << 20)) as mgr:
         mgr.save(1, _state(1)).result()
         mgr.save(2, _state(2)).result()
-        _damage_last_chunk(os.path.join(root, "step_000000000002", "data-00000.safetensors"))
+        damage_last_chunk(os.path.join(root, "step_000000000002", "data-00000.safetensors"))
         target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
             mgr.restore(2, target=target, loader="ring")

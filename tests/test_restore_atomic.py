@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import damage_last_chunk
 
 import ckptmgr._cuda as cuda_shim
 import ckptmgr.storage.cufile as gds
@@ -28,15 +29,6 @@ def _state(seed: int) -> dict:
 def _target() -> dict:
     return {"a": torch.zeros(20_000), "b": torch.zeros(3_000, dtype=torch.bfloat16),
             "c": torch.zeros(5_000, dtype=torch.int64), "n": 0}
-
-
-def _damage_last_chunk(path: str) -> None:
-    """Flip a byte in the file's last checksum chunk: every earlier chunk still verifies."""
-    with open(path, "r+b") as f:
-        f.seek(-3, 2)
-        b = f.read(1)
-        f.seek(-3, 2)
-        f.write(bytes([b[0] ^ 0x10]))
 
 
 def _untouched(target: dict) -> bool:
@@ -62,7 +54,7 @@ def test_a_corrupt_step_leaves_the_target_as_it_was(root, loader, request):
     with CheckpointManager(root, staging=NO_TIER, write_options=SMALL_CHUNKS) as mgr:
         mgr.save(1, _state(1)).result()
         mgr.save(2, _state(2)).result()
-        _damage_last_chunk(os.path.join(root, "step_000000000002", "data-00000.safetensors"))
+        damage_last_chunk(os.path.join(root, "step_000000000002", "data-00000.safetensors"))
         target = _target()
         a = target["a"]
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
@@ -97,7 +89,7 @@ def test_the_pinned_slot_path_verifies_before_it_lands(root, tmp_path, monkeypat
         assert images and mgr._tier.steps() == {1: 0}
         for path in (mgr._tier.path_of(1, "data-00000.safetensors"),
                      os.path.join(root, "step_000000000001", "data-00000.safetensors")):
-            _damage_last_chunk(path)
+            damage_last_chunk(path)
         target = _target()
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
             mgr.restore(1, target=target, loader="inplace")

@@ -14,6 +14,7 @@ import crc32c
 import numpy as np
 import pytest
 import torch
+from conftest import damage_last_chunk
 from manifest_tools import rewrite
 
 from ckptmgr import CheckpointCorruptError, CheckpointManager, StagingOptions, WriteOptions
@@ -68,15 +69,6 @@ def _data_path(root: str, m: Manifest) -> str:
     return os.path.join(root, "step_000000000001", f)
 
 
-def _damage_last_chunk(path: str) -> None:
-    """Flip a bit near the file's end: every other chunk lands before this one fails."""
-    with open(path, "r+b") as fh:
-        fh.seek(-3, 2)
-        b = fh.read(1)
-        fh.seek(-3, 2)
-        fh.write(bytes([b[0] ^ 0x10]))
-
-
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
 
@@ -102,15 +94,13 @@ def test_through_device_memory_the_target_changes_only_once_every_chunk_verified
         w = target["w"]
         out = read_tensors_store(src, 1, m, torch.device(device), target, through_device=True)
         assert out["w"] is w and _equal(target, s)
-        _damage_last_chunk(_data_path(str(tmp_path / "r"), m))
+        damage_last_chunk(_data_path(str(tmp_path / "r"), m))
         fresh = {k: torch.zeros_like(v) for k, v in s.items()}
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
             read_tensors_store(src, 1, m, torch.device(device), fresh, through_device=True)
         assert not any(t.any() for t in fresh.values())
     finally:
         mgr.close()
-
-
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -156,14 +146,14 @@ def test_into_a_target_without_room_beside_it_the_step_is_checked_first_then_lan
     the bytes straight into the target's tensors; a damaged chunk leaves the target as it was."""
     root = str(tmp_path / "r")
     s, src, m, mgr = _saved(root, device)
-    real = store._plan_all
+    real = store.plan_landings
 
     def no_room(manifest, dev, where, dests, through_device, entries):
         if through_device:
             raise NoDeviceRoom("injected: no room beside the target")
         return real(manifest, dev, where, dests, through_device, entries)
 
-    monkeypatch.setattr(store, "_plan_all", no_room)
+    monkeypatch.setattr(store, "plan_landings", no_room)
     try:
         target = {k: torch.zeros_like(v) for k, v in s.items()}
         w = target["w"]
@@ -171,7 +161,7 @@ def test_into_a_target_without_room_beside_it_the_step_is_checked_first_then_lan
         assert out["w"] is w and _equal(target, s)
         [rec] = m.files.values()
         assert sum(n for _, n in src.reads) == 2 * rec.size + rec.header_size  # checked, then landed
-        _damage_last_chunk(_data_path(root, m))
+        damage_last_chunk(_data_path(root, m))
         fresh = {k: torch.zeros_like(v) for k, v in s.items()}
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
             mgr._restorer.read(src, 1, m, torch.device(device), "ring", None, dict(fresh))

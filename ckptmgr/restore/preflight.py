@@ -31,7 +31,7 @@ from ..errors import CheckpointCorruptError, CkptTimeoutError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import FileRecord, Manifest
 
-__all__ = ["Source", "check_regular", "drain", "header_problems", "local_path", "preflight", "run_all",
+__all__ = ["Source", "check_header", "check_regular", "drain", "header_problems", "local_path", "preflight", "run_all",
            "submit_image_checks", "verify_images", "wait_all"]
 
 
@@ -69,6 +69,17 @@ def check_regular(path: str, what: str) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointCorruptError(f"{what} is not a regular file (mode {stat.filemode(st.st_mode)}); "
                                      "it is not read")
+
+
+def check_header(raw: bytes, fname: str, manifest: Manifest, where: str) -> None:
+    """Raise the first of :func:`header_problems`, naming ``where`` and the file.
+
+    Raises:
+        CheckpointCorruptError: the header does not match the manifest.
+    """
+    problems = header_problems(raw, fname, manifest)
+    if problems:
+        raise CheckpointCorruptError(f"{where}: {fname}: {problems[0]}")
 
 
 def header_problems(raw: bytes, fname: str, manifest: Manifest) -> list[str]:
@@ -182,9 +193,7 @@ def preflight(source: Source, step: int, manifest: Manifest, where: str,
             buf = np.empty(rec.header_size, dtype=np.uint8)
             source.read_into(step, fname, 0, [buf])
             head = buf.tobytes()
-        problems = header_problems(head, fname, manifest)
-        if problems:
-            raise CheckpointCorruptError(f"{what}: {problems[0]}")
+        check_header(head, fname, manifest, where)
 
     items = sorted(manifest.files.items())
     if len(items) == 1 or images is not None:

@@ -21,7 +21,7 @@ import torch
 from ...errors import CheckpointCorruptError
 from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import Manifest
-from ..preflight import Source, header_problems
+from ..preflight import Source, check_header
 from ..read import Mismatch, plan_check, run
 from ..transports.pread import PreadTransport
 from .landing import Entry, checked_dests, usable_dest
@@ -159,9 +159,7 @@ def read_tensors(target: Source, step: int, manifest: Manifest, *,
     plan = plan_check(manifest, where, files=list(by_file), dests=scatter, message=message)
     run(plan, PreadTransport(target, step, pool=target.io_pool, request_bytes=0))  # (one read per chunk)
     for fname, r in regions.items():
-        problems = header_problems(r[0][1].tobytes(), fname, manifest)
-        if problems:
-            raise CheckpointCorruptError(f"{where}: {fname}: {problems[0]}")
+        check_header(r[0][1].tobytes(), fname, manifest, where)
     if device is not None and device.type != "cpu":
         out = {k: v.to(device) for k, v in out.items()}
     _build_views(manifest, out, where)

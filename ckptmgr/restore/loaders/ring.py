@@ -49,7 +49,8 @@ from ..transports.pread import Fetch, RingTransport
 from .host import _build_views
 from .landing import Entry, Landing, plan_landing
 
-__all__ = ["NoDeviceRoom", "PinnedRing", "entries_by_file", "read_tensors_pinned", "read_tensors_ring"]
+__all__ = ["NoDeviceRoom", "PinnedRing", "entries_by_file", "finish_landings", "plan_landings", "read_tensors_pinned",
+           "read_tensors_ring"]
 
 _LEASE_TIMEOUT = 600.0  # seconds; only a caller outside the ring's threads could ever wait
 VERIFIERS = 2  # threads that checksum and copy the blocks of direct reads (one keeps up with the disk)
@@ -255,7 +256,7 @@ def _windowed(chunks: list[_Chunk], cold: Cold, device: torch.device, ring: Pinn
                     ring.buffer, copy, ring.verifiers.submit, cold.aio, where)
 
 
-def _plan_all(manifest: Manifest, device: torch.device, where: str, dests: dict[str, torch.Tensor] | None,
+def plan_landings(manifest: Manifest, device: torch.device, where: str, dests: dict[str, torch.Tensor] | None,
               through_device: bool, entries: dict[str, list[Entry]] | None) -> dict[str, Landing]:
     """A landing plan for every file of the step (see :mod:`.landing`); ``entries``: the
     step's :func:`entries_by_file`, where the caller has them."""
@@ -271,7 +272,7 @@ def _plan_all(manifest: Manifest, device: torch.device, where: str, dests: dict[
         raise NoDeviceRoom(f"{where}: no room on {device} to land the step before it moves into the target") from None
 
 
-def _finish(manifest: Manifest, device: torch.device, landings: dict[str, Landing], where: str,
+def finish_landings(manifest: Manifest, device: torch.device, landings: dict[str, Landing], where: str,
             through_device: bool) -> dict[str, torch.Tensor]:
     """Every chunk has landed and verified: move what landed in spare memory into the target
     (only now does the target change) and build the step's tensors."""
@@ -292,14 +293,14 @@ def _read_all(manifest: Manifest, device: torch.device, ring: PinnedRing, where:
               through_device: bool = False, cold: Cold | None = None,
               entries: dict[str, list[Entry]] | None = None) -> dict[str, torch.Tensor]:
     fetches = {fname: fetch_for(fname, rec) for fname, rec in manifest.files.items()}  # checked before allocating
-    landings = _plan_all(manifest, device, where, dests, through_device, entries)
+    landings = plan_landings(manifest, device, where, dests, through_device, entries)
     chunks = [_Chunk(fname, rec, landings[fname], fetches[fname], i, b, e)
               for fname, rec in manifest.files.items()
               for i, (b, e) in enumerate(chunk_ranges(rec.size, rec.chunk_size))]
     if cold is not None:
         _windowed([c for c in chunks if c.fname in cold.files], cold, device, ring, where)
     _pipeline([c for c in chunks if cold is None or c.fname not in cold.files], device, ring, where)
-    return _finish(manifest, device, landings, where, through_device)
+    return finish_landings(manifest, device, landings, where, through_device)
 
 
 def read_tensors_ring(source: Source, step: int, manifest: Manifest, device: torch.device,
@@ -405,7 +406,7 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
         image = images.get(fname)
         if image is None or image.numel() != rec.size:
             raise CheckpointCorruptError(f"{where}: the staged image of {fname} does not match the manifest")
-    landings = _plan_all(manifest, device, where, dests, through_device, entries)
+    landings = plan_landings(manifest, device, where, dests, through_device, entries)
     in_place = not through_device and any(landing.into_target for landing in landings.values())
     pinning: TierImages | None = None  # (a slot its adoption still pins: copied under a copy lease)
     lease: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -440,4 +441,4 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
             if stream is not None:  # memory the copies write may go
                 stream.synchronize()
             drain(checks)
-    return _finish(manifest, device, landings, where, through_device)
+    return finish_landings(manifest, device, landings, where, through_device)

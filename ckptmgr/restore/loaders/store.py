@@ -23,13 +23,12 @@ import contextlib
 import numpy as np
 import torch
 
-from ...errors import CheckpointCorruptError
 from ...format.manifest import Manifest
-from ..preflight import Source, header_problems
+from ..preflight import Source, check_header
 from ..read import plan_check, run
 from ..transports.ranged import RangedTransport
 from .landing import Entry, Landing
-from .ring import _finish, _plan_all
+from .ring import finish_landings, plan_landings
 
 __all__ = ["read_tensors_store"]
 
@@ -68,7 +67,7 @@ def read_tensors_store(source: Source, step: int, manifest: Manifest, device: to
             before anything is read).
     """
     where = f"{source.url}: step {step}"
-    landings = _plan_all(manifest, device, where, dests, through_device, entries)
+    landings = plan_landings(manifest, device, where, dests, through_device, entries)
     headed = {fname: _Headed(landing, manifest.files[fname].header_size) for fname, landing in landings.items()}
     if device.type == "cuda":  # the copies run on the transport's threads: after what the caller queued
         torch.cuda.current_stream(device).synchronize()
@@ -82,7 +81,5 @@ def read_tensors_store(source: Source, step: int, manifest: Manifest, device: to
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     for fname, h in headed.items():
-        problems = header_problems(h.header.tobytes(), fname, manifest)
-        if problems:
-            raise CheckpointCorruptError(f"{where}: {fname}: {problems[0]}")
-    return _finish(manifest, device, landings, where, through_device)
+        check_header(h.header.tobytes(), fname, manifest, where)
+    return finish_landings(manifest, device, landings, where, through_device)
