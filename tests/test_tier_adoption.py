@@ -12,8 +12,8 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from conftest import assert_tree_equal, hold_durable_write
-from test_restore_atomic import _damage_last_chunk, _state, _target, _untouched
+from conftest import assert_tree_equal, damage_last_chunk, hold_durable_write
+from test_restore_atomic import _state, _target, _untouched
 
 import ckptmgr._cuda as cuda_shim
 import ckptmgr.restore.loaders.ring as ring_mod
@@ -92,7 +92,7 @@ def test_an_adopted_slot_is_verified_at_start_up_and_its_restore_only_copies(roo
 
 def test_a_slot_damaged_before_the_restart_never_reaches_the_target(root, ram_dir, pinned, monkeypatch):
     path = _leave_step_3_in_the_tier(root, ram_dir)
-    _damage_last_chunk(path)  # while no process held the tier
+    damage_last_chunk(path)  # while no process held the tier
     restored = hold_durable_write(monkeypatch, 3)  # (that write removes the damaged step from the tier)
     with _open(root, ram_dir) as mgr:
         target = _target()

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from test_restore_atomic import _damage_last_chunk, _state, _target
+from conftest import damage_last_chunk
+from test_restore_atomic import _state, _target
 
 import ckptmgr._cuda as cuda_shim
 import ckptmgr.restore.restorer as restorer_mod
@@ -183,7 +184,7 @@ def test_a_tier_copy_damaged_before_the_restart_falls_back_to_the_durable_copy(r
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=60)
     path = os.path.join(tier_dir(ram_dir, os.path.abspath(root)), "slot-00", "data-00000.safetensors")
-    _damage_last_chunk(path)  # while no process held the tier
+    damage_last_chunk(path)  # while no process held the tier
     with _open(root, ram_dir) as mgr:
         assert mgr.latest_step() == 3 and 3 in mgr._tier.steps()
         target = _target()

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import hold_durable_write
-from test_restore_atomic import _damage_last_chunk, _state, _target, _untouched
+from conftest import damage_last_chunk, hold_durable_write
+from test_restore_atomic import _state, _target, _untouched
 from test_tier_fast_open import _adoption_ended
 
 import ckptmgr._cuda as cuda_shim
@@ -174,7 +174,7 @@ def test_a_restore_of_a_slot_whose_adoption_ended_copies_it_whole(root, ram_dir,
 def test_a_checksum_failure_in_a_piece_not_pinned_yet_fails_the_restore_and_leaves_the_target(root, ram_dir, gate,
                                                                                                monkeypatch):
     path = _leave_step_3_in_the_tier(root, ram_dir)
-    _damage_last_chunk(path)  # in piece 7, while no process held the tier
+    damage_last_chunk(path)  # in piece 7, while no process held the tier
     written = hold_durable_write(monkeypatch, 3)  # (that write removes the damaged step from the tier)
     gate.armed = True
     with _open(root, ram_dir) as mgr:
