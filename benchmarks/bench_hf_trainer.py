@@ -174,6 +174,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny model (smoke test)")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="modes to run, comma-separated (default all; 'none' is the baseline every overhead needs)")
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -182,12 +184,15 @@ def main() -> None:
         with open(a.result, "w") as f:
             json.dump(res, f)
         return
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if "none" not in modes or not set(modes) <= set(MODES):
+        p.error(f"--modes: some of {', '.join(MODES)}, with none (the baseline)")
     os.makedirs(a.out, exist_ok=True)
     runs = []
     with tempfile.TemporaryDirectory(dir=a.workdir) as work:
         for r in range(a.rounds):
-            for i in range(len(MODES)):
-                mode = MODES[(i + r) % len(MODES)]
+            for i in range(len(modes)):
+                mode = modes[(i + r) % len(modes)]
                 result = os.path.join(work, f"{mode}-{r}.json")
                 cmd = [sys.executable, __file__, "--mode", mode, "--result", result, "--workdir", work,
                        "--steps", str(a.steps), "--save-steps", str(a.save_steps), "--batch", str(a.batch),

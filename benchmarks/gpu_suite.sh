@@ -25,7 +25,8 @@
 #   lightning  per-save cost of the Lightning plugin (30 steps, a save every 10; the peers with
 #              CKPTMGR_LIGHTNING_PLUGINS="TorchCheckpointIO (Lightning default),AsyncCheckpointIO(TorchCheckpointIO),CkptmgrCheckpointIO")
 #   hf         per-save cost of the Hugging Face Trainer integration against the stock Trainer
-#              (extra arguments: $CKPTMGR_HF_ARGS, e.g. "--steps 100 --save-steps 25" for a shorter run)
+#              (extra arguments: $CKPTMGR_HF_ARGS, e.g. "--steps 100 --save-steps 25" for a shorter run;
+#              hf@old: the baseline and ckptmgr, the stock Trainer runs once a call, beside this tree)
 #   dist       FSDP2 save and restore against torch.distributed.checkpoint (needs 2 GPUs or more;
 #              rounds stop starting after $CKPTMGR_DIST_WALL_S seconds, default 200; dist@old runs
 #              ckptmgr alone: DCP runs once a call, beside this tree)
@@ -147,9 +148,10 @@ mode() {
         --plugins "${CKPTMGR_LIGHTNING_PLUGINS:-CkptmgrCheckpointIO}" --out "$o.json" 2>&1 | tee "$o.txt" ;;
     hf)
       local q=(); [ -n "$small" ] && q=(--tiny --cpu --steps 12 --save-steps 4)
+      local hm=none,stock,ckptmgr; [ "$is_old" = 1 ] && hm=none,ckptmgr  # (the stock Trainer runs once a call)
       # shellcheck disable=SC2086  # the extra arguments are words
-      python3 benchmarks/bench_hf_trainer.py --rounds "$r" "${q[@]}" ${CKPTMGR_HF_ARGS:-} --workdir "$scratch" \
-        --out "$o" 2>&1 | tee "$o.txt" ;;
+      python3 benchmarks/bench_hf_trainer.py --rounds "$r" --modes "$hm" "${q[@]}" ${CKPTMGR_HF_ARGS:-} \
+        --workdir "$scratch" --out "$o" 2>&1 | tee "$o.txt" ;;
     dist|reshard)
       local n="$gpus" dev=cuda q=()
       [ -n "$small" ] && n=2 dev=cpu q=(--width 256 --layers 2)
