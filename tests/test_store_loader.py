@@ -69,6 +69,12 @@ def _data_path(root: str, m: Manifest) -> str:
     return os.path.join(root, "step_000000000001", f)
 
 
+def _dev(device: str) -> torch.device:
+    """The device as the restorer passes it: with its index (a target's tensors are on
+    ``cuda:0``, and a bare ``cuda`` compares unequal to it, so nothing would land in them)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+
+
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
 
@@ -77,7 +83,7 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def test_a_step_lands_in_fresh_device_memory_each_byte_read_once(tmp_path, device):
     s, src, m, mgr = _saved(str(tmp_path / "r"), device)
     try:
-        out = read_tensors_store(src, 1, m, torch.device(device))
+        out = read_tensors_store(src, 1, m, _dev(device))
         assert _equal(out, s) and all(t.device.type == device for t in out.values())
         [rec] = m.files.values()
         assert sum(n for _, n in src.reads) == rec.size  # each byte once
@@ -92,12 +98,12 @@ def test_through_device_memory_the_target_changes_only_once_every_chunk_verified
     try:
         target = {k: torch.zeros_like(v) for k, v in s.items()}
         w = target["w"]
-        out = read_tensors_store(src, 1, m, torch.device(device), target, through_device=True)
+        out = read_tensors_store(src, 1, m, _dev(device), target, through_device=True)
         assert out["w"] is w and _equal(target, s)
         damage_last_chunk(_data_path(str(tmp_path / "r"), m))
         fresh = {k: torch.zeros_like(v) for k, v in s.items()}
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
-            read_tensors_store(src, 1, m, torch.device(device), fresh, through_device=True)
+            read_tensors_store(src, 1, m, _dev(device), fresh, through_device=True)
         assert not any(t.any() for t in fresh.values())
     finally:
         mgr.close()
@@ -132,7 +138,7 @@ def test_a_header_that_disagrees_with_the_manifest_is_refused_before_the_target_
         m = Manifest.from_bytes(mgr._target.read_manifest(1), where="test")
         target = {k: torch.zeros_like(v) for k, v in s.items()}
         with pytest.raises(CheckpointCorruptError, match=r"its header entry .* differs"):
-            read_tensors_store(src, 1, m, torch.device(device), target, through_device=True)
+            read_tensors_store(src, 1, m, _dev(device), target, through_device=True)
         assert not any(t.any() for t in target.values())
     finally:
         mgr.close()
@@ -157,14 +163,14 @@ def test_into_a_target_without_room_beside_it_the_step_is_checked_first_then_lan
     try:
         target = {k: torch.zeros_like(v) for k, v in s.items()}
         w = target["w"]
-        out = mgr._restorer.read(src, 1, m, torch.device(device), "ring", None, dict(target))
+        out = mgr._restorer.read(src, 1, m, _dev(device), "ring", None, dict(target))
         assert out["w"] is w and _equal(target, s)
         [rec] = m.files.values()
         assert sum(n for _, n in src.reads) == 2 * rec.size + rec.header_size  # checked, then landed
         damage_last_chunk(_data_path(root, m))
         fresh = {k: torch.zeros_like(v) for k, v in s.items()}
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
-            mgr._restorer.read(src, 1, m, torch.device(device), "ring", None, dict(fresh))
+            mgr._restorer.read(src, 1, m, _dev(device), "ring", None, dict(fresh))
         assert not any(t.any() for t in fresh.values())
     finally:
         mgr.close()
@@ -182,7 +188,7 @@ def test_a_verified_step_lands_in_place_after_the_work_queued_on_the_callers_str
         with torch.cuda.stream(side):
             torch.cuda._sleep(200_000_000)  # (hundreds of milliseconds of GPU time)
             target["w"].fill_(7.0)
-            read_tensors_store(src, 1, m, torch.device("cuda"), target)  # (the caller verified: in place)
+            read_tensors_store(src, 1, m, _dev("cuda"), target)  # (the caller verified: in place)
         torch.cuda.synchronize()
         assert _equal(target, s)
     finally:
