@@ -29,8 +29,10 @@ from ckptmgr.restore.loaders.ring import PinnedRing, entries_by_file
 from ckptmgr.restore.read import Chunk, ReadCancelledError, ReadPlan, plan_check, run
 from ckptmgr.restore.transports import DirectTransport, GdsTransport, PreadTransport, RingTransport
 from ckptmgr.restore.transports.direct import landing_buffers
+from ckptmgr.restore.transports.ranged import RangedTransport
 from ckptmgr.storage import open_target
 from ckptmgr.storage.aio import open_context
+from ckptmgr.storage.throttle import AdaptiveWindow, ReadTuner
 
 CHUNK = 4096
 
@@ -81,6 +83,7 @@ class _Counting:
         self.io_pool = inner.io_pool
         self.active = 0
         self.reads = 0
+        self.bytes = 0
         self._mu = threading.Lock()
 
     def file_size(self, step: int, name: str) -> int:
@@ -90,6 +93,7 @@ class _Counting:
         with self._mu:
             self.active += 1
             self.reads += 1
+            self.bytes += sum(len(memoryview(a).cast("B")) for a in out)
         try:
             self.inner.read_into(step, name, offset, out)
         finally:
@@ -125,6 +129,7 @@ class TransportSuite:
     """The tests every transport passes; a subclass says how to make one (:meth:`make`)."""
 
     lands_before_verified = False  # True: a chunk's bytes reach its destination before they verify
+    read_per_chunk = True  # False: a request may span several chunks, or a part of one
 
     def make(self, source, m: Manifest, workers: int = 4):
         """The transport under test, reading ``source`` (each subclass below says how)."""
@@ -163,7 +168,11 @@ class TransportSuite:
         plan = plan_check(m, root)
         assert all(c.dest is None for c in plan.chunks)
         run(plan, self.make(source, m))
-        assert source.reads == len(plan.chunks) and source.active == 0
+        if self.read_per_chunk:
+            assert source.reads == len(plan.chunks)
+        else:  # (requests of several chunks: every byte once)
+            assert source.bytes == sum(rec.size for rec in m.files.values())
+        assert source.active == 0
 
     def test_a_checksum_failure_names_the_file_and_range_and_never_lands(self, step):
         root, target, m = step
@@ -273,6 +282,50 @@ class TransportSuite:
 class TestPread(TransportSuite):
     def make(self, source, m, workers=4):
         return PreadTransport(source, 1, workers=workers)
+
+
+class _Ranged:
+    """A local root read as an object store is read: each ``read_into`` one ranged request,
+    cut and counted by a tuner over a request window of ``workers`` (the stores themselves,
+    moto and SeaweedFS, are in tests/test_s3_reads.py)."""
+
+    def __init__(self, inner, workers: int) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.workers = workers
+        self.ranges: list[tuple[str, int, int]] = []  # (file, offset, length) of every request
+        self._mu = threading.Lock()
+
+    def read_into(self, step: int, name: str, offset: int, out) -> None:
+        with self._mu:
+            self.ranges.append((name, offset, sum(a.size for a in out)))
+        self.inner.read_into(step, name, offset, out)
+
+    def read_tuner(self) -> ReadTuner:
+        return ReadTuner(AdaptiveWindow(self.workers), start_inflight=self.workers, start_range=2 * CHUNK,
+                         min_range=CHUNK, max_range=4 * CHUNK)
+
+
+class TestRanged(TransportSuite):
+    """The object store's transport: requests spanning several chunks of a file, or a part
+    of one, and each byte asked for once."""
+
+    read_per_chunk = False
+
+    def make(self, source, m, workers=4):
+        return RangedTransport(_Ranged(source, workers), 1)
+
+    def test_each_byte_is_asked_for_once_in_ranges_of_several_chunks(self, step):
+        root, target, m = step
+        transport = self.make(target, m)
+        dests = {f: _Collect(rec.size) for f, rec in m.files.items()}
+        run(plan_check(m, root, dests=dests), transport)
+        ranges = transport.source.ranges
+        for f, rec in m.files.items():
+            mine = sorted((o, n) for g, o, n in ranges if g == f)
+            assert [o for o, _ in mine] == list(itertools.accumulate([0] + [n for _, n in mine[:-1]]))
+            assert sum(n for _, n in mine) == rec.size  # contiguous, no byte twice
+        assert max(n for _, _, n in ranges) > CHUNK  # (requests longer than a chunk)
 
 
 class TestRing(TransportSuite):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ...errors import CkptTimeoutError
+from ...errors import CheckpointCorruptError, CkptTimeoutError
 from ..preflight import drain
 from ..read import Chunk, Land
 
@@ -135,6 +135,10 @@ class RangedTransport:
                 try:
                     self.source.read_into(self.step, first.file, first.begin + segs[0][1], out)
                 except Exception as exc:  # (raised again by land, unless the run lists faults)
+                    if isinstance(exc, CheckpointCorruptError) and len(segs) > 1:
+                        for seg in segs:  # the object ends early: asked again chunk by chunk, only
+                            request([seg])  # the chunks it cuts short fail (a run listing faults)
+                        return
                     with st.mu:
                         fresh = [i for i, _, _ in segs if i not in st.failed]
                         st.failed.update(fresh)
