@@ -157,7 +157,8 @@ def _closes_watched(monkeypatch) -> tuple[list[bool], Any, threading.Event]:
 def test_a_failed_write_fails_the_transfer_after_every_write_has_ended_and_gives_the_slot_back(tmp_path, monkeypatch,
                                                                                              fails):
     """A write that fails (the second piece's, or the last one's: never taken for a bad copy
-    from the sender) fails the transfer with its error; no file is closed while a write runs."""
+    from the sender) fails the transfer with its error and gives the slot back. (No write is
+    still running when these files close; a close while one runs is the next test's case.)"""
     data = np.random.default_rng(6).integers(0, 256, 4 * CHUNK, dtype=np.uint8)
     calls = []
     closes, write, _ = _closes_watched(monkeypatch)
@@ -231,9 +232,13 @@ def test_a_write_after_close_is_refused_rather_than_written_to_a_reused_descript
         area.close()
 
 
-def test_closing_a_file_while_a_write_runs_does_not_wait_and_the_write_closes_it_as_it_ends(tmp_path, monkeypatch):
+def test_closing_a_file_while_a_write_runs_waits_at_most_its_bound_and_the_write_closes_it_as_it_ends(
+        tmp_path, monkeypatch):
+    """close() waits for a running write at most ``_CLOSE_WAIT_S`` (here 0.05 s; the join
+    allows 200 times that), then leaves the descriptor to the write, which closes it as it ends."""
     from ckptmgr.storage import peer_tier
 
+    monkeypatch.setattr(peer_tier, "_CLOSE_WAIT_S", 0.05)
     (tmp_path / "node").mkdir()
     area = PeerArea(str(tmp_path / "node"), str(tmp_path / "root"))
     inside, release = threading.Event(), threading.Event()
@@ -255,13 +260,78 @@ def test_closing_a_file_while_a_write_runs_does_not_wait_and_the_write_closes_it
         assert inside.wait(WAIT)
         closer = threading.Thread(target=f.close)
         closer.start()
-        closer.join(WAIT)
-        assert not closer.is_alive()  # it did not wait for the write
+        closer.join(10.0)
+        assert not closer.is_alive()  # it did not wait for the write (still held at the gate)
         assert f.fd is not None  # (the write still uses it: not closed under it)
         release.set()
         w.join(WAIT)
         assert not w.is_alive() and f.fd is None  # the write closed it as it ended
         area.abort(0, slot)
+    finally:
+        release.set()
+        area.close()
+
+
+def test_a_write_that_outlasts_the_transfers_timeout_fails_it_and_the_write_closes_its_file_as_it_ends(
+        tmp_path, monkeypatch):
+    """The second piece's write is held past the transport's timeout (0.3 s here): the transfer
+    fails with CkptTimeoutError naming the write and gives its slot back; the held write keeps
+    its descriptor (never closed under it) and closes it as it ends."""
+    from ckptmgr.errors import CkptTimeoutError
+    from ckptmgr.storage import peer_tier
+
+    monkeypatch.setattr(peer_tier, "_CLOSE_WAIT_S", 0.05)
+    data = np.random.default_rng(8).integers(0, 256, 6 * CHUNK, dtype=np.uint8)
+    rec, files = _shard(data)
+    (tmp_path / "node").mkdir()
+    area = PeerArea(str(tmp_path / "node"), str(tmp_path / "root"))
+    real = peer_tier.pwrite_all
+    held, release, ended = threading.Event(), threading.Event(), threading.Event()
+    opened: list[IncomingFile] = []
+    calls: list[int] = []
+    real_receive = PeerArea.receive
+
+    def receive(self, *a, **k):
+        out = real_receive(self, *a, **k)
+        opened.extend(out.values())
+        return out
+
+    def slow(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 2:
+            held.set()
+            assert release.wait(WAIT)
+        real(fd, data, offset)
+        if len(calls) == 2:
+            ended.set()
+
+    closed = threading.Event()
+    real_close_fd = IncomingFile._close_fd
+
+    def close_fd(self):
+        real_close_fd(self)
+        closed.set()
+
+    monkeypatch.setattr(PeerArea, "receive", receive)
+    monkeypatch.setattr(peer_tier, "pwrite_all", slow)
+    monkeypatch.setattr(IncomingFile, "_close_fd", close_fd)
+    loop = Loopback(lambda i, bufs: None)
+    loop.timeout_s = 0.3
+    try:
+        with ThreadPoolExecutor(2) as io:
+            mover = ShardMover(loop, area, "B", CHUNK, None, io)
+            with pytest.raises(CkptTimeoutError, match="writing a received piece"):
+                mover.transfer([(0, rec, files)], [0], own_node_ok=True)
+        assert held.is_set() and not ended.is_set() and not closed.is_set()
+        [f] = opened
+        assert f.fd is not None  # (the held write still uses it)
+        assert area.copies() == []
+        slot = area.take_slot(0)  # (the slot taken for the failed copy was given back)
+        assert slot is not None
+        area.abort(0, slot)
+        release.set()
+        assert ended.wait(WAIT) and closed.wait(WAIT)  # (the write closes it as it ends)
+        assert f.fd is None
     finally:
         release.set()
         area.close()

@@ -109,6 +109,47 @@ def test_through_device_memory_the_target_changes_only_once_every_chunk_verified
         mgr.close()
 
 
+def _forge_header(root: str, m: Manifest, mgr: CheckpointManager) -> Manifest:
+    """Make the header of the step's data file say I32 where the manifest says F32 (sizes
+    alike) and re-sign the file's checksum chunks in the manifest; the manifest now."""
+    path = _data_path(root, m)
+    with open(path, "rb") as fh:
+        raw = bytearray(fh.read())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["b"]["dtype"] = "I32"
+    text = json.dumps(header, separators=(",", ":")).encode()
+    raw[8:8 + n] = text + b" " * (n - len(text))
+    with open(path, "wb") as fh:
+        fh.write(raw)
+    [f] = m.files
+    size = m.files[f].chunk_size
+
+    def resign(obj):
+        obj["files"][f]["crc32c"] = [f"{crc32c.crc32c(bytes(raw[b:b + size])):08x}"
+                                     for b in range(0, len(raw), size)]
+
+    rewrite(root, 1, resign)
+    return Manifest.from_bytes(mgr._target.read_manifest(1), where="test")
+
+
+@pytest.mark.parametrize("loader", ["ring", "host"])
+def test_a_step_the_caller_verified_still_has_its_headers_checked_before_it_lands_in_place(tmp_path, loader):
+    """A caller that verified the step's checksums (a multi-rank restore at the saved layout)
+    has the bytes land straight in its target: the headers are read and checked first, so a
+    header that disagrees with the manifest leaves the target unchanged."""
+    root = str(tmp_path / "r")
+    s, src, m, mgr = _saved(root, "cpu")
+    try:
+        m = _forge_header(root, m, mgr)
+        target = {k: torch.zeros_like(v) for k, v in s.items()}
+        with pytest.raises(CheckpointCorruptError, match=r"its header entry .* differs"):
+            mgr._restorer.read(src, 1, m, torch.device("cpu"), loader, None, dict(target), verified=True)
+        assert not any(t.any() for t in target.values())
+    finally:
+        mgr.close()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_header_that_disagrees_with_the_manifest_is_refused_before_the_target_changes(tmp_path, device):
     """The header says I32 where the manifest says F32 (sizes alike, the chunk's checksum in the
@@ -117,25 +158,7 @@ def test_a_header_that_disagrees_with_the_manifest_is_refused_before_the_target_
     root = str(tmp_path / "r")
     s, src, m, mgr = _saved(root, device)
     try:
-        path = _data_path(root, m)
-        with open(path, "rb") as fh:
-            raw = bytearray(fh.read())
-        n = int.from_bytes(raw[:8], "little")
-        header = json.loads(raw[8:8 + n])
-        header["b"]["dtype"] = "I32"
-        text = json.dumps(header, separators=(",", ":")).encode()
-        raw[8:8 + n] = text + b" " * (n - len(text))
-        with open(path, "wb") as fh:
-            fh.write(raw)
-        [f] = m.files
-        size = m.files[f].chunk_size
-
-        def resign(obj):
-            obj["files"][f]["crc32c"] = [f"{crc32c.crc32c(bytes(raw[b:b + size])):08x}"
-                                         for b in range(0, len(raw), size)]
-
-        rewrite(root, 1, resign)
-        m = Manifest.from_bytes(mgr._target.read_manifest(1), where="test")
+        m = _forge_header(root, m, mgr)
         target = {k: torch.zeros_like(v) for k, v in s.items()}
         with pytest.raises(CheckpointCorruptError, match=r"its header entry .* differs"):
             read_tensors_store(src, 1, m, _dev(device), target, through_device=True)

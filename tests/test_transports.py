@@ -27,7 +27,7 @@ from ckptmgr.format.manifest import Manifest
 from ckptmgr.restore.loaders.landing import plan_landing
 from ckptmgr.restore.loaders.ring import PinnedRing, entries_by_file
 from ckptmgr.restore.read import Chunk, ReadCancelledError, ReadPlan, plan_check, run
-from ckptmgr.restore.transports import DirectTransport, GdsTransport, PreadTransport, RingTransport
+from ckptmgr.restore.transports import DirectTransport, GdsTransport, PreadTransport, RingTransport, ranged
 from ckptmgr.restore.transports.direct import landing_buffers
 from ckptmgr.restore.transports.ranged import RangedTransport
 from ckptmgr.storage import open_target
@@ -326,6 +326,29 @@ class TestRanged(TransportSuite):
             assert [o for o, _ in mine] == list(itertools.accumulate([0] + [n for _, n in mine[:-1]]))
             assert sum(n for _, n in mine) == rec.size  # contiguous, no byte twice
         assert max(n for _, _, n in ranges) > CHUNK  # (requests longer than a chunk)
+
+
+    @pytest.mark.parametrize("scratch_chunks", [3, 0])
+    def test_scratch_stays_within_its_bound_or_one_chunk(self, step, monkeypatch, scratch_chunks):
+        """Many requests in flight, each able to span several chunks: the scratch held at once
+        never passes the transport's bound (one chunk where the bound is smaller)."""
+        root, target, m = step
+        peak = [0]
+        real = ranged._State.memory_of
+
+        def memory_of(st, i):
+            mem = real(st, i)
+            with st.mu:
+                peak[0] = max(peak[0], st.scratch_used)
+            return mem
+
+        monkeypatch.setattr(ranged._State, "memory_of", memory_of)
+        dests = {f: _Collect(rec.size) for f, rec in m.files.items()}
+        transport = RangedTransport(_Ranged(target, 16), 1, scratch_bytes=scratch_chunks * CHUNK)
+        run(plan_check(m, root, dests=dests), transport)
+        assert 0 < peak[0] <= max(scratch_chunks, 1) * CHUNK
+        if scratch_chunks > 1:
+            assert max(n for _, _, n in transport.source.ranges) > CHUNK  # (requests of several chunks)
 
 
 class TestRing(TransportSuite):

@@ -9,7 +9,8 @@ ranges by the store's answers and fetches each byte once, into scratch memory it
 into the target's tensors only once the whole step has verified, or, for a caller that has
 verified the step already, the target's own tensors), copied from the scratch by the
 transport's thread that fetched it; the work already queued on the caller's stream is waited
-for first. Host memory stays at the scratch's bound, whatever the step's size.
+for first. Host memory stays at the scratch's bound (one chunk where a chunk is larger),
+whatever the step's size.
 
 The headers come with the files' first ranges: each file's header bytes are kept as they land
 and checked against the manifest once the step has been read, before anything moves into a

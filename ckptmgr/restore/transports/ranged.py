@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["RangedSource", "RangedTransport"]
 
 SCRATCH_BYTES = 256 << 20  # scratch memory of chunks without memory of their own, in flight at once
+# (or the one chunk in flight, where a chunk is larger: its ranges then share that chunk's scratch)
 _ANSWER_WAIT = 600.0  # seconds the dispatcher waits for any one answer
 
 
@@ -159,14 +160,19 @@ class RangedTransport:
                 stop.set()
                 raise
 
-        def next_request(size: int) -> list[tuple[int, int, int]]:
-            """The segments of the next ``size`` bytes: adjacent chunks of one file only."""
+        def next_request(size: int, room: int) -> list[tuple[int, int, int]]:
+            """The segments of the next ``size`` bytes: adjacent chunks of one file only, and
+            no chunk beyond the first whose scratch would not fit in ``room`` bytes."""
             segs: list[tuple[int, int, int]] = []
             while size > 0 and pos[0] < len(chunks):
                 i, off = pos
                 c = chunks[i]
                 if segs and (chunks[segs[-1][0]].file, chunks[segs[-1][0]].end) != (c.file, c.begin):
                     break  # another file, or a gap: the next request
+                need = st.needs_scratch(i)
+                if segs and need and need > room:
+                    break  # (its scratch once some lands: the next request)
+                room -= need
                 n = min(c.size - off, size)
                 segs.append((i, off, n))
                 size -= n
@@ -182,10 +188,10 @@ class RangedTransport:
                 while pos[0] < len(chunks) and len(running) < tuner.inflight() and not stop.is_set():
                     need = st.needs_scratch(pos[0])
                     with st.mu:
-                        full = bool(running) and st.scratch_used + need > self.scratch_bytes
-                    if full:
+                        room = self.scratch_bytes - st.scratch_used
+                    if running and need and need > room:
                         break  # (scratch is freed as chunks land)
-                    segs = next_request(tuner.range_size(total - asked))
+                    segs = next_request(tuner.range_size(total - asked), room)
                     asked += sum(n for _, _, n in segs)
                     for i, _, _ in segs:
                         st.memory_of(i)  # (made here, on one thread)
