@@ -366,18 +366,19 @@ class IncomingFile:
     3.1-3.4 GB/s by ``pwrite`` into a preallocated file, 1.2-1.5 GB/s copied into its mapping;
     the peer fetch on 2 x H100 moved 1.2-1.3 GB/s per rank that way). Then mapped read-only
     for its checks (:meth:`mapped`). Written by one thread (the mover's writer); mapped and
-    closed by the receiving thread once it has joined the writes. ``_mu`` makes a write and
-    closing the descriptor exclusive, so that a write that outlived its join never reaches a
-    descriptor number the process has since reused; :meth:`close` waits for a running write at
-    most ``_CLOSE_WAIT_S``, then leaves the close to that write, which closes the descriptor as
-    it ends."""
+    closed by the receiving thread once it has joined the writes. A write and closing the
+    descriptor exclude each other (``_cond``), so that a write that outlived its join never
+    reaches a descriptor number the process has since reused: :meth:`close` waits for a
+    running write at most ``_CLOSE_WAIT_S``, then leaves the close to that write, which closes
+    the descriptor as it ends (each side decides under the lock: neither can miss the other)."""
 
     def __init__(self, fd: int, size: int, name: str) -> None:
-        self.fd: int | None = fd  # (_mu; read without it by the receiving thread, once the writes are joined)
+        self.fd: int | None = fd  # (_cond; read without it by the receiving thread, once the writes are joined)
         self.size = size
         self.name = name
-        self._closing = False  # (_mu; set by close without it while a write holds it) that write closes the fd
-        self._mu = threading.Lock()  # held across one pwrite, and while the descriptor is closed
+        self._cond = threading.Condition()  # guards fd, _writing and _closing
+        self._writing = False  # a write is in its pwrite (the descriptor in use without the lock)
+        self._closing = False  # close came during that write: the write closes the descriptor as it ends
 
     def write(self, offset: int, data: np.ndarray[Any, Any]) -> None:
         """Write ``data`` (contiguous uint8) at ``offset``, inside the file's size.
@@ -387,15 +388,20 @@ class IncomingFile:
             OSError: the write failed (ENOSPC: the tmpfs is full).
         """
         n = data.size
-        with self._mu:
-            try:
-                if self.fd is None or self._closing or not 0 <= offset <= offset + n <= self.size:
-                    raise CkptError(f"peer area file {self.name}: {n} bytes at {offset} do not fit its "
-                                    f"{self.size} bytes, or it is closed")
-                pwrite_all(self.fd, data, offset)
-            finally:
+        with self._cond:
+            fd = self.fd
+            if fd is None or self._closing or not 0 <= offset <= offset + n <= self.size:
+                raise CkptError(f"peer area file {self.name}: {n} bytes at {offset} do not fit its "
+                                f"{self.size} bytes, or it is closed")
+            self._writing = True
+        try:
+            pwrite_all(fd, data, offset)
+        finally:
+            with self._cond:
+                self._writing = False
                 if self._closing:
                     self._close_fd()
+                self._cond.notify_all()
 
     def mapped(self, *, writable: bool = False) -> np.ndarray[Any, Any]:
         """The file's bytes, mapped shared (no second copy in memory): read-only unless
@@ -410,18 +416,15 @@ class IncomingFile:
     def close(self) -> None:
         """Close the descriptor (idempotent): at once, or, while a write runs, as that write
         ends (waiting for it at most ``_CLOSE_WAIT_S``)."""
-        if not self._mu.acquire(blocking=False):
-            # a write holds _mu: either it sees this in its finally and closes the descriptor, or
-            # it had looked already and releases _mu within moments
-            self._closing = True
-            if not self._mu.acquire(timeout=_CLOSE_WAIT_S):
-                return
-        try:
+        with self._cond:
+            if self._writing:
+                self._closing = True  # (seen by the write as it ends, under this lock)
+                self._cond.wait_for(lambda: not self._writing, timeout=_CLOSE_WAIT_S)
+                if self._writing:
+                    return  # (the write closes it)
             self._close_fd()
-        finally:
-            self._mu.release()
 
-    def _close_fd(self) -> None:  # (under _mu)
+    def _close_fd(self) -> None:  # (under _cond)
         self._closing = False
         if self.fd is not None:
             os.close(self.fd)
