@@ -419,8 +419,7 @@ class IncomingFile:
         with self._cond:
             if self._writing:
                 self._closing = True  # (seen by the write as it ends, under this lock)
-                self._cond.wait_for(lambda: not self._writing, timeout=_CLOSE_WAIT_S)
-                if self._writing:
+                if not self._cond.wait_for(lambda: not self._writing, timeout=_CLOSE_WAIT_S):
                     return  # (the write closes it)
             self._close_fd()
 
