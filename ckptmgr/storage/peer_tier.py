@@ -397,11 +397,14 @@ class IncomingFile:
         try:
             pwrite_all(fd, data, offset)
         finally:
-            with self._cond:
-                self._writing = False
-                if self._closing:
-                    self._close_fd()
-                self._cond.notify_all()
+            self._write_ended()
+
+    def _write_ended(self) -> None:
+        with self._cond:
+            self._writing = False
+            if self._closing:  # (close came during the write and left the descriptor to it)
+                self._close_fd()
+            self._cond.notify_all()
 
     def mapped(self, *, writable: bool = False) -> np.ndarray[Any, Any]:
         """The file's bytes, mapped shared (no second copy in memory): read-only unless
