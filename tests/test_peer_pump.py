@@ -335,3 +335,15 @@ def test_a_write_that_outlasts_the_transfers_timeout_fails_it_and_the_write_clos
     finally:
         release.set()
         area.close()
+
+
+def test_a_refused_shards_pieces_are_cut_as_its_bytes_arrive_whatever_size_it_announced():
+    """A refused shard's bytes are dropped piece by piece; its pieces are those of one file of
+    the announced size, made when asked (16 TiB announced allocates nothing up front)."""
+    for n in (0, 1, CHUNK - 1, CHUNK, 5 * CHUNK + 7):
+        assert list(peer_mover._Dropped(n, CHUNK)) == peer_mover._cut([n], CHUNK)
+    big = peer_mover._Dropped(peer_mover.MAX_SHARD_BYTES, CHUNK)
+    assert len(big) == peer_mover.MAX_SHARD_BYTES // CHUNK
+    assert big[len(big) - 1] == [(0, peer_mover.MAX_SHARD_BYTES - CHUNK, CHUNK)]
+    with pytest.raises(IndexError):
+        big[len(big)]

@@ -24,9 +24,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 
@@ -64,6 +65,32 @@ def _cut(sizes: list[int], size: int) -> list[list[tuple[int, int, int]]]:
             at += n
             room -= n
     return [p for p in out if p]
+
+
+class _Dropped(Sequence[list[tuple[int, int, int]]]):
+    """The pieces of a refused shard's ``nbytes`` (as :func:`_cut` of one file of that size
+    would give them), each made when asked: a size a peer announced allocates nothing."""
+
+    def __init__(self, nbytes: int, size: int) -> None:
+        self.nbytes = nbytes
+        self.size = size
+
+    def __len__(self) -> int:
+        return -(-self.nbytes // self.size)
+
+    @overload
+    def __getitem__(self, i: int) -> list[tuple[int, int, int]]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[list[tuple[int, int, int]]]: ...
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        at = i * self.size
+        return [(0, at, min(self.size, self.nbytes - at))]
 
 
 class _Incoming(NamedTuple):
@@ -195,7 +222,9 @@ class ShardMover:
         written. A refused shard's pieces are dropped. Returns once every write has ended."""
         size = self.chunk_bytes
         out_pieces = [(d, _pieces(list(fs.values()), size)) for d, _, fs in sends]
-        in_pieces = {s: _cut([f.size for f in inc.files] or [inc.nbytes], size) for s, inc in incoming.items()}
+        in_pieces: dict[int, Sequence[list[tuple[int, int, int]]]] = {
+            s: _cut([f.size for f in inc.files], size) if inc.files else _Dropped(inc.nbytes, size)
+            for s, inc in incoming.items()}
         scratch = {s: [np.empty(min(size, inc.nbytes), dtype=np.uint8) for _ in range(2 if inc.files else 1)]
                    for s, inc in incoming.items() if inc.nbytes}
         rounds = max([*(len(p) for _, p in out_pieces), *(len(p) for p in in_pieces.values())], default=0)
