@@ -6,6 +6,7 @@ tests/test_peer_tier.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -347,3 +348,61 @@ def test_a_refused_shards_pieces_are_cut_as_its_bytes_arrive_whatever_size_it_an
     assert big[len(big) - 1] == [(0, peer_mover.MAX_SHARD_BYTES - CHUNK, CHUNK)]
     with pytest.raises(IndexError):
         big[len(big)]
+
+
+def test_a_close_that_fails_forgets_the_descriptor_so_its_number_is_never_closed_again(tmp_path, monkeypatch):
+    """close(2) frees the number even when it reports an error (EIO): a write's end that
+    closes the file and fails, then the close() that waited for it, never close the number
+    again (another file opened meanwhile may hold it)."""
+    from ckptmgr.storage import peer_tier
+
+    monkeypatch.setattr(peer_tier, "_CLOSE_WAIT_S", 0.05)
+    fd = os.open(tmp_path / "a", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, 4096)
+    f = IncomingFile(fd, 4096, "a")
+    inside, release = threading.Event(), threading.Event()
+    real_pwrite, real_close = peer_tier.pwrite_all, os.close
+    victim: list[int] = []
+
+    def held(fd_, data, offset):
+        inside.set()
+        assert release.wait(WAIT)
+        real_pwrite(fd_, data, offset)
+
+    class EioOs:  # os.close frees the number, another file takes it at once, then close reports EIO
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def close(self, n):
+            real_close(n)
+            if not victim:
+                victim.append(os.open(tmp_path / "b", os.O_RDWR | os.O_CREAT))
+                raise OSError(5, "EIO")
+
+    monkeypatch.setattr(peer_tier, "pwrite_all", held)
+    monkeypatch.setattr(peer_tier, "os", EioOs())
+    raised: list[BaseException] = []
+
+    def write():
+        try:
+            f.write(0, np.zeros(16, dtype=np.uint8))
+        except OSError as exc:  # (the write's end closed the file: EIO)
+            raised.append(exc)
+
+    w = threading.Thread(target=write)
+    w.start()
+    try:
+        assert inside.wait(WAIT)
+        closer = threading.Thread(target=f.close)
+        closer.start()
+        closer.join(10.0)  # (it waited its 0.05 s and left the close to the write)
+        assert not closer.is_alive()
+        release.set()
+        w.join(WAIT)
+        assert victim and f.fd is None and raised
+        f.close()  # (again: nothing left to close)
+        os.fstat(victim[0])  # the file that took the number is still open
+    finally:
+        release.set()
+        for n in victim:
+            real_close(n)

@@ -351,6 +351,47 @@ class TestRanged(TransportSuite):
             assert max(n for _, _, n in transport.source.ranges) > CHUNK  # (requests of several chunks)
 
 
+    def test_scratch_of_chunks_whose_fetch_failed_is_given_back(self, step, monkeypatch):
+        """A run that lists faults, where every request for one file fails (the store answers
+        500): the failed chunks' scratch is given back, so the rest of the read keeps its
+        bound and its requests in flight."""
+        root, target, m = step
+        bad = sorted(m.files)[0]
+        peak = [0]
+        real = ranged._State.memory_of
+
+        def memory_of(st, i):
+            mem = real(st, i)
+            with st.mu:
+                peak[0] = max(peak[0], st.scratch_used)
+            return mem
+
+        class Failing:
+            url = target.url
+
+            def read_into(self, step_, name, offset, out):
+                if name == bad:
+                    raise OSError("the store answered 500")
+                target.read_into(step_, name, offset, out)
+
+        monkeypatch.setattr(ranged._State, "memory_of", memory_of)
+        faults: list[tuple[str, int]] = []
+        mu = threading.Lock()
+
+        def on_fault(c: Chunk, exc: BaseException) -> None:
+            with mu:
+                faults.append((c.file, c.begin))
+
+        dests = {f: _Collect(rec.size) for f, rec in m.files.items()}
+        plan = plan_check(m, root, dests=dests)
+        run(plan, RangedTransport(_Ranged(Failing(), 16), 1, scratch_bytes=3 * CHUNK), on_fault=on_fault)
+        assert sorted(faults) == sorted((c.file, c.begin) for c in plan.chunks if c.file == bad)
+        for f, d in dests.items():
+            if f != bad:
+                assert sorted(d.landed) == [c.begin for c in plan.chunks if c.file == f]
+        assert peak[0] <= 3 * CHUNK
+
+
 class TestRing(TransportSuite):
     """The pinned ring's transport, on the CPU (plain page-aligned buffers, no streams)."""
 

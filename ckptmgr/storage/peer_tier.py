@@ -402,9 +402,11 @@ class IncomingFile:
     def _write_ended(self) -> None:
         with self._cond:
             self._writing = False
-            if self._closing:  # (close came during the write and left the descriptor to it)
-                self._close_fd()
-            self._cond.notify_all()
+            try:
+                if self._closing:  # (close came during the write and left the descriptor to it)
+                    self._close_fd()
+            finally:
+                self._cond.notify_all()
 
     def mapped(self, *, writable: bool = False) -> np.ndarray[Any, Any]:
         """The file's bytes, mapped shared (no second copy in memory): read-only unless
@@ -428,9 +430,9 @@ class IncomingFile:
 
     def _close_fd(self) -> None:  # (under _cond)
         self._closing = False
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        fd, self.fd = self.fd, None  # (forgotten first: Linux frees the number even when close fails)
+        if fd is not None:
+            os.close(fd)
 
 
 def read_peer(local_dir: str, root_url: str) -> dict[int, dict[int, int]]:

@@ -66,7 +66,9 @@ def _slice(pieces: list[np.ndarray[Any, Any]], offset: int, n: int) -> list[np.n
 
 class _State:
     """The chunks of one read and what of each has landed. Owned by the dispatching thread,
-    except ``left``, ``failed`` and ``scratch_used``, guarded by ``mu`` (the requests' threads count down)."""
+    except ``left``, ``failed`` and ``scratch_used``, guarded by ``mu`` (the requests' threads count
+    down), and a chunk's ``memory`` once made: dropped by the request that accounts for its last
+    byte (:meth:`release`)."""
 
     def __init__(self, chunks: Sequence[Chunk]) -> None:
         self.chunks = chunks
@@ -93,6 +95,14 @@ class _State:
                 mem = [np.empty(c.size, dtype=np.uint8)]
             self.memory[i] = mem
         return mem
+
+    def release(self, i: int) -> None:
+        """Chunk ``i``'s every byte is accounted for (landed, or its fetch failed): its scratch
+        is given back (called once a chunk, by the request that accounts for its last byte)."""
+        if not self.in_place[i]:
+            self.memory[i] = None
+            with self.mu:
+                self.scratch_used -= self.chunks[i].size
 
     def needs_scratch(self, i: int) -> int:
         c = self.chunks[i]
@@ -143,8 +153,17 @@ class RangedTransport:
                     with st.mu:
                         fresh = [i for i, _, _ in segs if i not in st.failed]
                         st.failed.update(fresh)
-                    for i in fresh:
-                        land(chunks[i], exc)
+                        ended = []  # chunks whose every byte is now accounted for: their scratch goes
+                        for i, _, n in segs:
+                            st.left[i] -= n
+                            if st.left[i] == 0:
+                                ended.append(i)
+                    try:
+                        for i in fresh:
+                            land(chunks[i], exc)
+                    finally:
+                        for i in ended:
+                            st.release(i)
                     return
                 now = time.monotonic()
                 tuner.observe(nbytes, now - t0, now)
@@ -235,7 +254,4 @@ class RangedTransport:
 
                 land(c, torch.from_numpy(mem[0]))
         finally:
-            if not st.in_place[i]:
-                st.memory[i] = None
-                with st.mu:
-                    st.scratch_used -= c.size
+            st.release(i)
