@@ -327,12 +327,9 @@ class TestRanged(TransportSuite):
             assert sum(n for _, n in mine) == rec.size  # contiguous, no byte twice
         assert max(n for _, _, n in ranges) > CHUNK  # (requests longer than a chunk)
 
-
-    @pytest.mark.parametrize("scratch_chunks", [3, 0])
-    def test_scratch_stays_within_its_bound_or_one_chunk(self, step, monkeypatch, scratch_chunks):
-        """Many requests in flight, each able to span several chunks: the scratch held at once
-        never passes the transport's bound (one chunk where the bound is smaller)."""
-        root, target, m = step
+    @pytest.fixture
+    def scratch_peak(self, monkeypatch) -> list[int]:
+        """The most scratch any read held at once (as each chunk's scratch is made)."""
         peak = [0]
         real = ranged._State.memory_of
 
@@ -343,29 +340,26 @@ class TestRanged(TransportSuite):
             return mem
 
         monkeypatch.setattr(ranged._State, "memory_of", memory_of)
+        return peak
+
+    @pytest.mark.parametrize("scratch_chunks", [3, 0])
+    def test_scratch_stays_within_its_bound_or_one_chunk(self, step, scratch_peak, scratch_chunks):
+        """Many requests in flight, each able to span several chunks: the scratch held at once
+        never passes the transport's bound (one chunk where the bound is smaller)."""
+        root, target, m = step
         dests = {f: _Collect(rec.size) for f, rec in m.files.items()}
         transport = RangedTransport(_Ranged(target, 16), 1, scratch_bytes=scratch_chunks * CHUNK)
         run(plan_check(m, root, dests=dests), transport)
-        assert 0 < peak[0] <= max(scratch_chunks, 1) * CHUNK
+        assert 0 < scratch_peak[0] <= max(scratch_chunks, 1) * CHUNK
         if scratch_chunks > 1:
             assert max(n for _, _, n in transport.source.ranges) > CHUNK  # (requests of several chunks)
 
-
-    def test_scratch_of_chunks_whose_fetch_failed_is_given_back(self, step, monkeypatch):
+    def test_scratch_of_chunks_whose_fetch_failed_is_given_back(self, step, scratch_peak):
         """A run that lists faults, where every request for one file fails (the store answers
         500): the failed chunks' scratch is given back, so the rest of the read keeps its
         bound and its requests in flight."""
         root, target, m = step
         bad = sorted(m.files)[0]
-        peak = [0]
-        real = ranged._State.memory_of
-
-        def memory_of(st, i):
-            mem = real(st, i)
-            with st.mu:
-                peak[0] = max(peak[0], st.scratch_used)
-            return mem
-
         class Failing:
             url = target.url
 
@@ -374,7 +368,6 @@ class TestRanged(TransportSuite):
                     raise OSError("the store answered 500")
                 target.read_into(step_, name, offset, out)
 
-        monkeypatch.setattr(ranged._State, "memory_of", memory_of)
         faults: list[tuple[str, int]] = []
         mu = threading.Lock()
 
@@ -389,7 +382,7 @@ class TestRanged(TransportSuite):
         for f, d in dests.items():
             if f != bad:
                 assert sorted(d.landed) == [c.begin for c in plan.chunks if c.file == f]
-        assert peak[0] <= 3 * CHUNK
+        assert scratch_peak[0] <= 3 * CHUNK
 
 
 class TestRing(TransportSuite):
