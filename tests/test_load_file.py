@@ -369,3 +369,15 @@ def test_load_file_verifies_a_step_file_against_the_manifest_beside_it(root):
     with open(os.path.join(d, "manifest.json"), "wb") as f:
         f.write(b"{not json")
     assert ckptmgr.load_file(path)["w"].numel() == 30_000
+
+
+def test_an_empty_tensor_at_an_odd_offset_of_a_foreign_file_loads_as_safetensors_loads_it(tmp_path):
+    """A one-byte bool, then an empty bf16 tensor at offset 1 (found by the fuzzer over foreign
+    headers): the empty tensor has no bytes to view, so it loads wherever it lies."""
+    path = str(tmp_path / "odd.safetensors")
+    _raw_file(path, {"t0": ("BOOL", [], [0, 1]), "t1": ("BF16", [0], [1, 1])}, b"\x01")
+    got = ckptmgr.load_file(path)
+    want = st_load_file(path)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape and torch.equal(got[k], want[k])

@@ -291,6 +291,8 @@ def _moves(staged: _Packed, direct: dict[str, torch.Tensor]) -> _Moves:
 
 
 def _view(raw: torch.Tensor, e: Entry) -> torch.Tensor:
+    if not raw.numel():  # (an empty tensor may lie at any offset of a foreign file: nothing to view)
+        return torch.empty(e.shape, dtype=e.dtype, device=raw.device)
     if raw.data_ptr() % e.dtype.itemsize:  # a foreign file with an unaligned tensor: own copy
         raw = raw.clone()
     return raw.view(e.dtype).view(e.shape)
