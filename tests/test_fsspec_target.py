@@ -150,3 +150,42 @@ def test_a_failure_after_the_manifest_landed_never_leaves_it_naming_deleted_data
     with CheckpointManager("lostanswer://run", read_only=True) as mgr:
         for step in mgr.steps():  # every step that looks committed restores with its bytes
             assert_tree_equal(mgr.restore(step), state)
+
+
+class LostOnceFS(MemoryFileSystem):
+    """The real in-memory filesystem whose first lease write after the first manifest landed
+    fails (the manifest went through; the renewal's answer is lost), once."""
+
+    protocol = "lostonce"
+    state = "idle"  # idle -> armed (a manifest landed) -> fired
+
+    def _open(self, path, mode="rb", **kw):
+        if "w" in mode and path.endswith("manifest.json") and LostOnceFS.state == "idle":
+            LostOnceFS.state = "armed"
+        elif "w" in mode and path.endswith("writer.lease") and LostOnceFS.state == "armed":
+            LostOnceFS.state = "fired"
+            raise TimeoutError("the renewal's answer was lost (injected)")
+        return super()._open(path, mode, **kw)
+
+
+fsspec.register_implementation("lostonce", LostOnceFS, clobber=True)
+
+
+def test_a_retry_that_finds_its_own_earlier_commit_in_place_is_durable_and_saving_goes_on(caplog):
+    """The first attempt's manifest landed and the lease renewal after it failed: the retry
+    finds the step committed with exactly its own bytes and settles it as durable. (It gave
+    the step up as "already committed" while the local tier's one slot kept it as never
+    written: the next save waited for that slot for ever.)"""
+    LostOnceFS.store.clear()
+    LostOnceFS.pseudo_dirs.clear()
+    LostOnceFS.pseudo_dirs.append("")
+    LostOnceFS.state = "idle"
+    state = {"w": torch.arange(64, dtype=torch.float32)}
+    with CheckpointManager("lostonce://own", staging=StagingOptions(slots=1, busy_timeout=10)) as mgr:
+        with pytest.raises(SaveError, match="renewal's answer was lost"):  # (attempt 1, told at once)
+            mgr.save(1, state).result(timeout=60)
+        mgr.save(2, {"w": state["w"] + 1}).result(timeout=60)  # (the slot, once the retry settled step 1)
+        assert mgr.steps() == [1, 2] and mgr._saver.is_durable(1)
+    assert LostOnceFS.state == "fired" and "never written" not in caplog.text
+    with CheckpointManager("lostonce://own", read_only=True) as mgr:
+        assert_tree_equal(mgr.restore(1), state)

@@ -36,9 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, StepExistsError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import FileRecord, Manifest
+from ..format.naming import attempt_tag
 from ..storage import StepWriter, Target
 from ..storage.tier import LocalTier
 from .slots import Slot
@@ -192,7 +193,14 @@ def persist(job: PersistJob, *, target: Target, chunk_size: int,
     local = job.local_commit if not m.files else None
     writer: StepWriter | None = None
     try:
-        writer = job.commit.begin(target, m.step)
+        try:
+            writer = job.commit.begin(target, m.step)
+        except StepExistsError:
+            if job.attempts > 1 and m.files and _committed_before(target, m):
+                log.warning("step %d: the commit of an earlier attempt is in place under %s (what failed came after "
+                            "its manifest's write); it is durable", m.step, target.url)
+                return _info(job, target, files, t_staged)
+            raise
         writer.progress = progress
         chunk = next(iter(m.files.values())).chunk_size if m.files else chunk_size
         known_ahead = bool(m.files) or local is not None  # checksums computed once, not twice
@@ -218,16 +226,45 @@ def persist(job: PersistJob, *, target: Target, chunk_size: int,
             if not local.cancelled() and local.exception() is None and not m.files:
                 m.files = local.result()  # a retry writes with these
         raise
-    t_end = time.perf_counter()
-    size = sum(a.size for _, a in files)
-    info = SaveInfo(step=m.step, url=target.url, bytes=size, files=len(files),
-                    staging_s=t_staged - job.t0, persist_s=t_end - t_staged, total_s=t_end - job.t0,
-                    blocked_s=job.blocked_s, busy_wait_s=job.busy_wait_s, local_s=job.local_s,
-                    attempts=job.attempts)
+    info = _info(job, target, files, t_staged)
     log.info("committed step %d: %.1f MB, safe to mutate after %.3f s (caller blocked %.3f s), durable after "
              "%.3f s (%.2f GB/s)", info.step, info.bytes / 1e6, info.staging_s, info.blocked_s, info.total_s,
              info.throughput_gbps)
     return info
+
+
+def _info(job: PersistJob, target: Target, files: list[tuple[str, np.ndarray[Any, Any]]],
+          t_staged: float) -> SaveInfo:
+    t_end = time.perf_counter()
+    return SaveInfo(step=job.step, url=target.url, bytes=sum(a.size for _, a in files), files=len(files),
+                    staging_s=t_staged - job.t0, persist_s=t_end - t_staged, total_s=t_end - job.t0,
+                    blocked_s=job.blocked_s, busy_wait_s=job.busy_wait_s, local_s=job.local_s,
+                    attempts=job.attempts)
+
+
+def _committed_before(target: Target, m: Manifest) -> bool:
+    """True when step ``m.step`` is committed on ``target`` as ``m`` itself (data objects under
+    any claim's names, each in place with its size): an earlier attempt of this job whose
+    manifest landed though what followed it failed (a lease renewal, an answer lost). Anything
+    else there, or that cannot be read, is not ours."""
+    try:
+        there = Manifest.from_bytes(target.read_manifest(m.step), where=f"{target.url}: step {m.step}")
+        plain = {n: _plain(n) for n in there.files}
+        files = {plain[n]: r for n, r in there.files.items()}
+        tensors = {k: {**e, "file": plain.get(e["file"], e["file"])} if "file" in e else e
+                   for k, e in there.tensors.items()}
+        if len(files) != len(there.files) or dataclasses.replace(there, files=files, tensors=tensors) != m:
+            return False
+        return all(target.file_size(m.step, n, fresh=True) == r.size for n, r in there.files.items())
+    except Exception:  # (not readable now: not known to be ours)
+        return False
+
+
+def _plain(name: str) -> str:
+    """A data object's name without the claim token it carries (``data-00000.<tag>.safetensors``
+    -> ``data-00000.safetensors``)."""
+    tag = attempt_tag(name)
+    return name if tag is None else name.replace(f".{tag}.safetensors", ".safetensors")
 
 
 def _check_adopted(m: Manifest, files: list[tuple[str, np.ndarray[Any, Any]]], written: list[tuple[str, ...]],
