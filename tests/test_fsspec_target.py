@@ -189,3 +189,30 @@ def test_a_retry_that_finds_its_own_earlier_commit_in_place_is_durable_and_savin
     assert LostOnceFS.state == "fired" and "never written" not in caplog.text
     with CheckpointManager("lostonce://own", read_only=True) as mgr:
         assert_tree_equal(mgr.restore(1), state)
+
+
+def test_a_retry_counts_only_its_own_bytes_in_place_as_its_earlier_commit():
+    """What a retry that finds its step committed takes for its own earlier commit: the same
+    manifest (object names apart) with every object in place at its size; a manifest that
+    differs in one checksum, or one object gone, is another writer's or incomplete."""
+    import dataclasses
+
+    from ckptmgr.format.manifest import Manifest
+    from ckptmgr.format.naming import plain_name
+    from ckptmgr.save.persist import _committed_before
+
+    with CheckpointManager("memory://own-check", staging=StagingOptions(local_tier=False)) as mgr:
+        mgr.save(1, {"w": torch.arange(64, dtype=torch.float32)}).result(timeout=60)
+        target = mgr._target
+        there = Manifest.from_bytes(target.read_manifest(1), where="test")
+        assert all(plain_name(n) != n for n in there.files)  # (object names carry the claim's token)
+        ours = dataclasses.replace(
+            there, files={plain_name(n): r for n, r in there.files.items()},
+            tensors={k: {**e, "file": plain_name(e["file"])} if "file" in e else e for k, e in there.tensors.items()})
+        assert _committed_before(target, ours)
+        [(name, rec)] = ours.files.items()
+        other = dataclasses.replace(rec, crc32c=("00000000", *rec.crc32c[1:]))
+        assert not _committed_before(target, dataclasses.replace(ours, files={name: other}))
+        [obj] = there.files
+        fsspec.filesystem("memory").rm(f"memory://own-check/step_000000000001/{obj}")
+        assert not _committed_before(target, ours)

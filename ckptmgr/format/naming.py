@@ -47,6 +47,7 @@ __all__ = [
     "new_root_id",
     "parse_root_id",
     "parse_step_name",
+    "plain_name",
     "step_name",
     "temp_lock_name",
     "temp_name",
@@ -136,6 +137,14 @@ def attempt_tag(name: str) -> str | None:
     before tokens existed, or by a local root)."""
     m = _ATTEMPT_RE.fullmatch(name)
     return None if m is None else m.group(2)
+
+
+def plain_name(name: str) -> str:
+    """Data object ``name`` without the claim token it may carry (the inverse of
+    :func:`attempt_name`: ``data-00000.<tag>.safetensors`` -> ``data-00000.safetensors``);
+    any other name as it is."""
+    m = _ATTEMPT_RE.fullmatch(name)
+    return name if m is None or m.group(2) is None else f"{m.group(1)}.safetensors"
 
 
 def is_our_file(name: str) -> bool:

@@ -39,7 +39,7 @@ import numpy as np
 from ..errors import CheckpointCorruptError, StepExistsError
 from ..format.checksum import chunk_ranges, crc32c_hex
 from ..format.manifest import FileRecord, Manifest
-from ..format.naming import attempt_tag
+from ..format.naming import plain_name
 from ..storage import StepWriter, Target
 from ..storage.tier import LocalTier
 from .slots import Slot
@@ -249,7 +249,7 @@ def _committed_before(target: Target, m: Manifest) -> bool:
     else there, or that cannot be read, is not ours."""
     try:
         there = Manifest.from_bytes(target.read_manifest(m.step), where=f"{target.url}: step {m.step}")
-        plain = {n: _plain(n) for n in there.files}
+        plain = {n: plain_name(n) for n in there.files}
         files = {plain[n]: r for n, r in there.files.items()}
         tensors = {k: {**e, "file": plain.get(e["file"], e["file"])} if "file" in e else e
                    for k, e in there.tensors.items()}
@@ -258,13 +258,6 @@ def _committed_before(target: Target, m: Manifest) -> bool:
         return all(target.file_size(m.step, n, fresh=True) == r.size for n, r in there.files.items())
     except Exception:  # (not readable now: not known to be ours)
         return False
-
-
-def _plain(name: str) -> str:
-    """A data object's name without the claim token it carries (``data-00000.<tag>.safetensors``
-    -> ``data-00000.safetensors``)."""
-    tag = attempt_tag(name)
-    return name if tag is None else name.replace(f".{tag}.safetensors", ".safetensors")
 
 
 def _check_adopted(m: Manifest, files: list[tuple[str, np.ndarray[Any, Any]]], written: list[tuple[str, ...]],
