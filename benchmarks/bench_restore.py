@@ -247,6 +247,12 @@ def main() -> None:
         print("  disk read ceiling (GB/s): " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in ceilings.items()),
               flush=True)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {t: [] for t in tools} for s in layout}
+    # One discarded run before the rounds: the first process to read the files after they were
+    # written took up to 1.5x as long, whichever tool it ran (H200, benchmarks/probes/bounce_load.py).
+    first_src, first = next(iter(layout.items()))
+    warm = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", tools[0], first["step_dir"],
+                           first["torch"], args.device, first["shapes"]], capture_output=True, text=True, timeout=600)
+    print(f"  warm-up run ({first_src}, {tools[0]}, discarded): rc {warm.returncode}", flush=True)
     for r in range(args.repeat):
         for src, where in layout.items():
             use = [t for t in tools if not ("inplace" in t and src == "disk")]

@@ -9,17 +9,22 @@ landing, the in-place pieces, the snapshot buffer); docs/ARCHITECTURE.md lists t
 
 from __future__ import annotations
 
+import ctypes
+import os
+import threading
 from typing import Any
 
 import torch
 
 __all__ = [
     "CopyDone",
+    "Runtime",
     "available",
     "host_register",
     "host_unregister",
     "pinned_empty",
     "ready_event",
+    "runtime",
     "staging_stream",
 ]
 
@@ -89,3 +94,92 @@ class CopyDone:
     def synchronize(self) -> None:
         for ev in self._events:
             ev.synchronize()
+
+
+class Runtime:
+    """The CUDA runtime library PyTorch loaded, called through ctypes: the few calls of the
+    bounce readers' copy loop (:mod:`ckptmgr.restore.loaders.bounce`). Each call releases the
+    GIL for its whole length, where ``Tensor.copy_`` and ``Event`` hold it around theirs, so
+    several readers queue their copies while the others read (a 4 GiB load from /dev/shm
+    spent about 0.04 s of 0.21 s in that Python work on an H200,
+    ``benchmarks/probes/bounce_load.py``). Pointers and stream handles are plain integers;
+    every call is checked.
+    """
+
+    _MEMCPY_HOST_TO_DEVICE = 1
+    _EVENT_DISABLE_TIMING = 2
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        lib.cudaMemcpyAsync.argtypes = [vp, vp, sz, ctypes.c_int, vp]
+        lib.cudaEventCreateWithFlags.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+        lib.cudaEventRecord.argtypes = [vp, vp]
+        lib.cudaEventSynchronize.argtypes = [vp]
+        lib.cudaEventDestroy.argtypes = [vp]
+        lib.cudaStreamSynchronize.argtypes = [vp]
+        lib.cudaSetDevice.argtypes = [ctypes.c_int]
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        self._lib = lib
+
+    def _ok(self, code: int, what: str) -> None:
+        if code != 0:
+            name = self._lib.cudaGetErrorString(code) or b"?"
+            raise RuntimeError(f"{what} failed with CUDA error {code} ({name.decode(errors='replace')})")
+
+    def set_device(self, index: int) -> None:
+        """Make ``index`` the calling thread's device (threads start on device 0)."""
+        self._ok(self._lib.cudaSetDevice(index), "cudaSetDevice")
+
+    def copy_to_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue a copy of ``nbytes`` from pinned host memory at ``src`` to ``dst`` on ``stream``."""
+        self._ok(self._lib.cudaMemcpyAsync(dst, src, nbytes, self._MEMCPY_HOST_TO_DEVICE, stream),
+                 "cudaMemcpyAsync")
+
+    def new_event(self) -> int:
+        """A fresh event without timing; give it back with :meth:`free_event`."""
+        ev = ctypes.c_void_p()
+        self._ok(self._lib.cudaEventCreateWithFlags(ctypes.byref(ev), self._EVENT_DISABLE_TIMING),
+                 "cudaEventCreateWithFlags")
+        return int(ev.value or 0)
+
+    def record(self, event: int, stream: int) -> None:
+        """Record ``event`` after the work queued on ``stream`` so far."""
+        self._ok(self._lib.cudaEventRecord(event, stream), "cudaEventRecord")
+
+    def wait_event(self, event: int) -> None:
+        """Block until the work before ``event``'s last record has run."""
+        self._ok(self._lib.cudaEventSynchronize(event), "cudaEventSynchronize")
+
+    def free_event(self, event: int) -> None:
+        self._ok(self._lib.cudaEventDestroy(event), "cudaEventDestroy")
+
+    def sync_stream(self, stream: int) -> None:
+        """Block until the work queued on ``stream`` has run."""
+        self._ok(self._lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+
+_RUNTIME: list[Runtime | None] = []  # [the runtime, or None where it is not found]; written once under _RUNTIME_LOCK
+_RUNTIME_LOCK = threading.Lock()
+
+
+def runtime() -> Runtime | None:
+    """The CUDA runtime library this process loaded for PyTorch, or None: without CUDA, or
+    where PyTorch links the runtime statically (callers then queue copies with ``torch``)."""
+    with _RUNTIME_LOCK:
+        if not _RUNTIME:
+            _RUNTIME.append(_load_runtime())
+        return _RUNTIME[0]
+
+
+def _load_runtime() -> Runtime | None:
+    if not available():
+        return None
+    torch.cuda.init()  # (loads the runtime where PyTorch loads it lazily)
+    try:
+        with open("/proc/self/maps") as f:
+            path = next((name for ln in f if os.path.basename(name := ln.rsplit(None, 1)[-1]).startswith(
+                "libcudart.so")), None)
+        return Runtime(ctypes.CDLL(path)) if path is not None else None
+    except (OSError, AttributeError):  # no /proc, or a library without these symbols
+        return None

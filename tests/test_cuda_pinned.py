@@ -75,3 +75,30 @@ def test_loads_are_ordered_after_work_queued_on_the_target(ram_dir):
         out["w"].fill_(3.0)  # queued behind it: the load must land after this
         weights.load("cuda", out=out)
         assert torch.equal(out["w"].cpu(), want["w"])
+
+
+def test_the_bounce_readers_queue_through_the_runtime_after_work_on_the_target(ram_dir, small_pieces):
+    """On a GPU the readers' copies go through the CUDA runtime library (no GIL held); into a
+    target's own tensor they land after the kernels the caller queued on it, bit-exact."""
+    from ckptmgr import _cuda
+    from ckptmgr.restore.loaders.landing import plan_landing
+    from ckptmgr.restore.loaders.mapped import open_mapped
+
+    assert _cuda.runtime() is not None  # (PyTorch's wheels load libcudart: the fast path runs here)
+    path = os.path.join(ram_dir, "w.safetensors")
+    want = {"w": torch.randn(4_000_000), "b": torch.arange(10), "h": torch.randn(999).half()}
+    st_save_file(want, path)
+    device = torch.device("cuda", torch.cuda.current_device())
+    dests = {"w": torch.zeros(4_000_000, device=device)}
+    mf = open_mapped(path)
+    try:
+        landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, device, dests)
+        assert bounce.runtime_for(landing, device) is not None
+        torch.cuda._sleep(50_000_000)  # the current stream busy for a while
+        dests["w"].fill_(3.0)  # queued behind it: the load must land after this
+        bounce.copy_through_bounce(mf.fd, 0, mf.size, landing, device, path)
+        got = landing.tensors()
+    finally:
+        mf.close()
+    assert got["w"] is dests["w"]
+    assert_same(on_host(got), want)

@@ -2,6 +2,7 @@
 checksums verified beside the copy, read-only pinning of the mapping (pinning faked here; the
 GPU machine runs it for real in test_cuda.py)."""
 
+import ctypes
 import json
 import os
 import threading
@@ -283,6 +284,90 @@ def test_a_ram_file_is_read_through_two_buffers_per_thread_piece_by_piece(ram_di
         buffers += sorted(set(ptrs))
     assert len(buffers) == len(set(buffers))  # no reader shares a buffer with another
     assert_tree_equal(dict(sorted(landing.tensors().items())), dict(sorted(want.items())))
+
+
+class _HostRuntime:
+    """The CUDA runtime calls the bounce readers make, on the host: a copy is a memmove done at
+    once, events and streams are counted (what the loop asks of the runtime, not how fast)."""
+
+    def __init__(self) -> None:
+        self.mu = threading.Lock()
+        self.copies: list[int] = []  # bytes of each copy
+        self.live: set[int] = set()  # events made and not yet freed
+        self.made = 0
+        self.devices: set[int] = set()
+
+    def set_device(self, index):
+        with self.mu:
+            self.devices.add(index)
+
+    def copy_to_device(self, dst, src, nbytes, stream):
+        ctypes.memmove(dst, src, nbytes)
+        with self.mu:
+            self.copies.append(nbytes)
+
+    def new_event(self):
+        with self.mu:
+            self.made += 1
+            self.live.add(self.made)
+            return self.made
+
+    def record(self, event, stream):
+        assert event in self.live
+
+    def wait_event(self, event):
+        assert event in self.live
+
+    def free_event(self, event):
+        with self.mu:
+            self.live.remove(event)
+
+    def sync_stream(self, stream):
+        pass
+
+
+def test_the_readers_queue_raw_copies_through_the_runtime_into_fresh_memory_and_a_target(ram_dir, monkeypatch):
+    """Where the runtime library is found, each piece's copies are the landing's raw spans
+    queued through it (a fresh allocation and a target's own tensors alike): the bytes that land
+    are the file's, each copy within one span, every event given back."""
+    from ckptmgr.restore.loaders import bounce
+    from ckptmgr.restore.loaders.landing import plan_landing
+
+    monkeypatch.setattr(bounce, "PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(bounce, "THREADS", 3)
+    path = os.path.join(ram_dir, "m.safetensors")
+    want = {"a": torch.randn(70_000), "b": torch.randn(3, 1000).bfloat16(), "c": torch.arange(11, dtype=torch.int8),
+            "d": torch.randn(50_000).double()}
+    st_save_file(want, path)
+    for dests in (None, {"a": torch.zeros(70_000), "d": torch.zeros(50_000, dtype=torch.float64)}):
+        rt = _HostRuntime()
+        monkeypatch.setattr(bounce, "runtime_for", lambda landing, device, rt=rt: rt)
+        mf = open_mapped(path)
+        try:
+            landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, torch.device("cpu"), dests)
+            spans = len(landing.spans)
+            bounce.copy_through_bounce(mf.fd, 0, mf.size, landing, torch.device("cpu"), path)
+            got = landing.tensors()
+        finally:
+            mf.close()
+        assert_tree_equal(dict(sorted(got.items())), dict(sorted(want.items())))
+        if dests is not None:
+            assert spans > 1 and got["a"] is dests["a"] and got["d"] is dests["d"]
+        assert sum(rt.copies) == mf.size - mf.data_start and max(rt.copies) <= 64 << 10
+        assert rt.made == 2 * 3 and not rt.live and rt.devices == {0}
+
+
+def test_the_readers_copy_with_torch_where_the_runtime_is_not_found():
+    from ckptmgr.restore.loaders import bounce
+    from ckptmgr.restore.loaders.landing import Entry, plan_landing
+
+    landing = plan_landing([Entry("a", torch.float32, (4,), 0, 16)], 8, 16, torch.device("cpu"))
+    assert bounce.runtime_for(landing, torch.device("cpu")) is None  # (the host: torch's copies)
+    assert landing.raw(8, 16) == [(landing.spans[0][2].data_ptr(), 0, 16)]
+    assert landing.raw(4, 8) == [(landing.spans[0][2].data_ptr(), 4, 4)]  # (the piece starts before the span)
+    assert landing.raw(24, 8) == []
+    if not torch.cuda.is_available():
+        assert cuda_shim.runtime() is None
 
 
 def test_a_file_cut_short_under_a_one_shot_load_fails_naming_it(ram_dir, monkeypatch):

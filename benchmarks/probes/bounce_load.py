@@ -25,7 +25,10 @@ import torch
 
 VARIANTS = ["load_file", "load_file +pin", "load_file +out", "load_file +both", "fastsafetensors",
             "bounce 8x8", "bounce 8x16", "reg 8x8", "reg 8x16", "reg 12x8",
-            "hybrid 8x8", "hybrid 8x16", "ctypes 8x8", "ctypes 16x8", "ctypesreg 16x8", "pageable 8x64"]
+            "hybrid 8x8", "hybrid 8x16", "ctypes 8x8", "ctypes 16x8", "ctypesreg 16x8", "pageable 8x64",
+            "preg 1x64", "preg 4x64", "preg 8x64", "preg 16x64", "preg 8x16", "preg 8x256", "pregpop 8x64",
+            "regonly 1x64", "regonly 4x64", "regonly 8x64", "regonly 16x64",
+            "serial 1x16", "serial 2x16", "serial 4x16", "serial 1x64", "serial 2x8"]
 
 
 def registered(nbytes: int) -> torch.Tensor:
@@ -256,6 +259,107 @@ def gil_free(path: str, threads: int, mib: int, reg: bool) -> tuple[torch.Tensor
     return out, alloc
 
 
+def parallel_register(path: str, threads: int, mib: int, copy: bool, populate: bool) -> tuple[torch.Tensor, float]:
+    """The file mapped where it lies and pinned in place in pieces of ``mib`` MiB by ``threads``
+    threads at once (cudaHostRegister through ctypes, GIL released), each piece copied to the
+    GPU on its thread's stream as soon as it is pinned (with ``copy``); every piece unregistered
+    at the end (those seconds returned). ``populate``: MADV_POPULATE_READ before each register."""
+    import ctypes
+    import mmap
+
+    rt = _cudart()
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    rt.cudaHostRegister.argtypes = [vp, sz, ctypes.c_uint]
+    rt.cudaHostUnregister.argtypes = [vp]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [vp, sz, ctypes.c_int]
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        json.loads(f.read(n))
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    start = 8 + n
+    total = os.path.getsize(path)
+    data = torch.frombuffer(mm, dtype=torch.uint8)
+    base = data.data_ptr()
+    out = torch.empty(total - start, dtype=torch.uint8, device="cuda")
+    size = mib << 20
+    begins = list(range(0, total, size))
+    streams = [torch.cuda.Stream() for _ in range(threads)]
+    regs: list[int] = []
+    dev = torch.cuda.current_device()
+
+    def work(w: int) -> None:
+        assert rt.cudaSetDevice(dev) == 0
+        for i in range(w, len(begins), threads):
+            b = begins[i]
+            e = min(b + size, total)
+            if populate:
+                libc.madvise(base + b, e - b, 22)  # MADV_POPULATE_READ
+            err = rt.cudaHostRegister(base + b, e - b, 1 | 8)  # portable | read-only
+            assert err == 0, err
+            regs.append(base + b)
+            lo = max(b, start)
+            if copy and e > lo:
+                with torch.cuda.stream(streams[w]):
+                    out[lo - start:e - start].copy_(data[lo:e], non_blocking=True)
+        streams[w].synchronize()
+
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(work, range(threads)))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for p in regs:
+        assert rt.cudaHostUnregister(p) == 0
+    return out, time.perf_counter() - t
+
+
+def serial(path: str, threads: int, mib: int) -> tuple[torch.Tensor, float]:
+    """fastsafetensors' nogds loop through ctypes: one cudaHostAlloc of ``threads`` buffers of
+    ``mib`` MiB (timed, returned), the data region split in ``threads`` contiguous ranges, each
+    thread ``pread``-ing a buffer full and copying it with a synchronous cudaMemcpy in turn."""
+    import ctypes
+
+    rt = _cudart()
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    rt.cudaHostAlloc.argtypes = [ctypes.POINTER(vp), sz, ctypes.c_uint]
+    rt.cudaFreeHost.argtypes = [vp]
+    rt.cudaMemcpy.argtypes = [vp, vp, sz, ctypes.c_int]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
+    libc.pread.restype = ctypes.c_ssize_t
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        json.loads(f.read(n))
+    start = 8 + n
+    length = os.path.getsize(path) - start
+    size = mib << 20
+    t = time.perf_counter()
+    host = ctypes.c_void_p()
+    assert rt.cudaHostAlloc(ctypes.byref(host), threads * size, 0) == 0
+    alloc = time.perf_counter() - t
+    out = torch.empty(length, dtype=torch.uint8, device="cuda")
+    base = out.data_ptr()
+    per = -(-length // threads)
+    fd = os.open(path, os.O_RDONLY)
+    dev = torch.cuda.current_device()
+
+    def work(w: int) -> None:
+        assert rt.cudaSetDevice(dev) == 0
+        buf = host.value + w * size
+        b, e = w * per, min((w + 1) * per, length)
+        while b < e:
+            n = min(size, e - b)
+            assert libc.pread(fd, buf, n, start + b) == n
+            assert rt.cudaMemcpy(base + b, buf, n, 1) == 0
+            b += n
+
+    try:
+        _on_threads(work, threads, fd)
+    finally:
+        rt.cudaFreeHost(host)
+    return out, alloc
+
+
 def pageable(path: str, threads: int, mib: int) -> tuple[torch.Tensor, float]:
     """No pinned memory of ours: each thread copies pieces of the mapped file (pageable) to the
     GPU with ``copy_`` on a stream of its own (the driver stages them)."""
@@ -326,6 +430,10 @@ def child(variant: str, path: str) -> dict[str, Any]:
             res, alloc = hybrid(path, threads, mib)
         elif kind in ("ctypes", "ctypesreg"):
             res, alloc = gil_free(path, threads, mib, reg=kind == "ctypesreg")
+        elif kind == "serial":
+            res, alloc = serial(path, threads, mib)
+        elif kind in ("preg", "pregpop", "regonly"):
+            res, alloc = parallel_register(path, threads, mib, copy=kind != "regonly", populate=kind == "pregpop")
         elif kind == "pageable":
             res, alloc = pageable(path, threads, mib)
         else:

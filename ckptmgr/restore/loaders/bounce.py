@@ -17,9 +17,12 @@ with each reader taking its own, 0.24 s with the buffers already in the allocato
 H100, ``benchmarks/probes/bounce_load.py``). Repeated loads
 of one file pin it once instead (:class:`~ckptmgr.restore.pinned.PinnedWeights`).
 
-Each piece's bytes go to the file's :class:`~.landing.Landing` (which copies the parts of
-the piece that tensors want, ``non_blocking``); a buffer is read into again only once the
-copies queued from it have run. Every stream is synchronised before :func:`copy_through_bounce`
+Each piece's bytes go to the file's :class:`~.landing.Landing`: on a GPU its raw spans (the
+parts of the piece that tensors want, as addresses) are queued through the CUDA runtime
+library PyTorch loaded (:class:`ckptmgr._cuda.Runtime`), each call with the GIL released, so
+six readers never wait for each other's Python; elsewhere, or where the library is not
+found, :meth:`~.landing.Landing.land` copies them with ``torch`` (``non_blocking``). A buffer
+is read into again only once the copies queued from it have run. Every stream is synchronised before :func:`copy_through_bounce`
 returns or raises, so no copy outlives the buffers or the call.
 """
 
@@ -37,7 +40,7 @@ from ..preflight import drain
 from .landing import Landing
 from .pieces import WAIT_S, shared_pool
 
-__all__ = ["PIECE_BYTES", "THREADS", "copy_through_bounce", "readers"]
+__all__ = ["PIECE_BYTES", "THREADS", "copy_through_bounce", "readers", "runtime_for"]
 
 THREADS = 6  # threads reading the file, each with two buffers and a stream
 PIECE_BYTES = 8 << 20  # one read and one group of copies (a power of two: the pinned allocator rounds up to one)
@@ -47,6 +50,15 @@ def readers() -> Executor:
     """The threads that read files through the bounce buffers (daemon threads, made at first
     use, shared by the process)."""
     return shared_pool("bounce", THREADS)
+
+
+def runtime_for(landing: Landing, device: torch.device) -> _cuda.Runtime | None:
+    """The CUDA runtime the readers queue their copies through for ``landing`` on ``device``
+    (:class:`ckptmgr._cuda.Runtime`: no GIL held), or None: they copy with ``torch`` (on the
+    CPU, without the runtime library, or where a destination is not plain bytes on ``device``)."""
+    if device.type != "cuda" or landing.raw(0, 0) is None or any(d.device != device for _, _, d in landing.spans):
+        return None
+    return _cuda.runtime()
 
 
 def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device: torch.device, path: str,
@@ -65,6 +77,8 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
         return
     threads = max(1, min(THREADS, len(pieces)))
     gpu = device.type == "cuda"
+    rt = runtime_for(landing, device)
+    index = device.index if device.index is not None else (torch.cuda.current_device() if gpu else 0)
     ready = _cuda.ready_event(device) if gpu else None
     streams = [_cuda.staging_stream(device) for _ in range(threads)] if gpu else []  # (made on this thread)
     # (taken here, before any copy runs: see the module docstring)
@@ -74,31 +88,46 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
 
     def read(w: int) -> None:
         stream = streams[w] if gpu else None
+        handle = stream.cuda_stream if stream is not None else 0
         bufs = held[w]
         done: list[Any] = [None, None]  # the event after each buffer's copies (owned by this thread)
+        events: list[int] = []  # with ``rt``: the two buffers' events (owned by this thread)
         try:
             if stream is not None:
                 stream.wait_event(ready)
+            if rt is not None:
+                rt.set_device(index)
+                events += [rt.new_event() for _ in range(2)]
             for k, i in enumerate(range(w, len(pieces), threads)):
                 if stop.is_set():
                     return
                 b, e = pieces[i]
                 slot = k % 2
-                if done[slot] is not None:
-                    done[slot].synchronize()  # the copies from this buffer have run
+                if done[slot] is not None:  # the copies from this buffer have run
+                    rt.wait_event(events[slot]) if rt is not None else done[slot].synchronize()
                 buf = bufs[slot][:e - b]
                 preadv_fd(fd, b, [buf.numpy()], path)
-                if stream is None:
+                if rt is not None:  # (the GIL is released for each call)
+                    src = buf.data_ptr()
+                    for dst, off, n in landing.raw(b, e - b) or ():
+                        rt.copy_to_device(dst, src + off, n, handle)
+                    rt.record(events[slot], handle)
+                    done[slot] = True
+                elif stream is None:
                     landing.land(b, buf)
-                    continue
-                with torch.cuda.stream(stream):
-                    landing.land(b, buf)
-                    done[slot] = _cuda.CopyDone([stream])
+                else:
+                    with torch.cuda.stream(stream):
+                        landing.land(b, buf)
+                        done[slot] = _cuda.CopyDone([stream])
         except BaseException:
             stop.set()
             raise
         finally:
-            if stream is not None:
+            if rt is not None:
+                rt.sync_stream(handle)  # no copy from the buffers outlives them
+                for ev in events:
+                    rt.free_event(ev)
+            elif stream is not None:
                 stream.synchronize()  # no copy from the buffers outlives them
 
     runs: list[Future[None]] = []
