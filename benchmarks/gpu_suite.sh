@@ -22,6 +22,8 @@
 #              fastsafetensors, with the disk's read ceiling measured in the same run; restore@old:
 #              ckptmgr alone)
 #   tier       restore from the /dev/shm local tier after a SIGKILL, in a fresh process
+#   tiersettled  the same, the restore started once the manager's adoption of the slot has ended
+#              (a job that builds its model between the open and the restore)
 #   lightning  per-save cost of the Lightning plugin (30 steps, a save every 10; the peers with
 #              CKPTMGR_LIGHTNING_PLUGINS="TorchCheckpointIO (Lightning default),AsyncCheckpointIO(TorchCheckpointIO),CkptmgrCheckpointIO")
 #   hf         per-save cost of the Hugging Face Trainer integration against the stock Trainer
@@ -142,6 +144,10 @@ mode() {
       local tg="4.5"; [ -n "$small" ] && tg="$gib"
       python3 benchmarks/bench_tier_restore.py --gib "$tg" --tensors 192 --rounds "$r" --device "$device" \
         --disk-dir "$scratch" --out "$o.json" 2>&1 | tee "$o.txt" ;;
+    tiersettled)
+      local tg="4.5"; [ -n "$small" ] && tg="$gib"
+      python3 benchmarks/bench_tier_restore.py --gib "$tg" --tensors 192 --rounds "$r" --device "$device" \
+        --disk-dir "$scratch" --after-adoption --out "$o.json" 2>&1 | tee "$o.txt" ;;
     lightning)
       local q=(); [ -n "$small" ] && q=(--quick)
       python3 benchmarks/bench_lightning.py --steps 30 --every 10 --repeat "$r" "${q[@]}" --dir "$scratch/lightning" \
