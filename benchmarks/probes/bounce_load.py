@@ -28,7 +28,46 @@ VARIANTS = ["load_file", "load_file +pin", "load_file +out", "load_file +both", 
             "hybrid 8x8", "hybrid 8x16", "ctypes 8x8", "ctypes 16x8", "ctypesreg 16x8", "pageable 8x64",
             "preg 1x64", "preg 4x64", "preg 8x64", "preg 16x64", "preg 8x16", "preg 8x256", "pregpop 8x64",
             "regonly 1x64", "regonly 4x64", "regonly 8x64", "regonly 16x64",
-            "serial 1x16", "serial 2x16", "serial 4x16", "serial 1x64", "serial 2x8"]
+            "serial 1x16", "serial 2x16", "serial 4x16", "serial 1x64", "serial 2x8", "parts"]
+
+
+def parts(path: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """``load_file``'s steps one by one, each timed (the bounce buffers allocated apart from
+    the copies, then served to them from PyTorch's pinned cache)."""
+    import mmap
+
+    from ckptmgr import _cuda
+    from ckptmgr.restore.loaders import bounce as product
+    from ckptmgr.restore.loaders import mapped
+    from ckptmgr.restore.loaders.landing import plan_landing
+
+    phases: dict[str, float] = {}
+    t = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        phases[name] = now - t
+        t = now
+
+    mf = mapped.open_mapped(path)
+    lap("open+header")
+    mapped.sibling_record(mf)
+    lap("manifest lookup")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, dev)
+    torch.cuda.synchronize()
+    lap("device alloc")
+    held = [_cuda.pinned_empty(product.PIECE_BYTES) for _ in range(2 * product.THREADS)]
+    del held
+    lap("pinned alloc")
+    first = mf.data_start - mf.data_start % mmap.PAGESIZE
+    product.copy_through_bounce(mf.fd, first, mf.size, landing, dev, path)
+    lap("copies")
+    out = landing.tensors()
+    mf.close()
+    lap("views+close")
+    return out, phases
 
 
 def registered(nbytes: int) -> torch.Tensor:
@@ -414,8 +453,11 @@ def child(variant: str, path: str) -> dict[str, Any]:
                 for k, v in header.items() if k != "__metadata__"]
         torch.cuda.synchronize()
         del held
+    phases: dict[str, float] = {}
     t = time.perf_counter()
-    if variant.startswith("load_file"):
+    if variant == "parts":
+        res, phases = parts(path)
+    elif variant.startswith("load_file"):
         if " " in variant and not warm:  # "load_file TxM": the product's bounce settings
             product.THREADS, mib = (int(x) for x in variant.split()[1].split("x"))
             product.PIECE_BYTES = mib << 20
@@ -445,7 +487,7 @@ def child(variant: str, path: str) -> dict[str, Any]:
         check = int(sum(v.view(torch.uint8).to(torch.int64).sum().item() for v in res.values()) % (1 << 31))
     else:
         check = int(res.to(torch.int64).sum().item() % (1 << 31))
-    return {"variant": variant, "s": s, "gbps": nbytes / s / 1e9, "alloc_s": alloc, "check": check}
+    return {"variant": variant, "s": s, "gbps": nbytes / s / 1e9, "alloc_s": alloc, "check": check, "phases": phases}
 
 
 def main() -> None:
@@ -482,7 +524,8 @@ def main() -> None:
             res["round"] = r
             runs.append(res)
             print(f"round {r} {v:18s} {res['s']:.3f} s {res['gbps']:.1f} GB/s alloc {res['alloc_s']:.3f} "
-                  f"check {res['check']}", flush=True)
+                  f"check {res['check']}" + "".join(f" {k} {x:.3f}" for k, x in res.get("phases", {}).items()),
+                  flush=True)
     print(f"\n{'variant':18s} {'median s':>9s} {'range':>15s} {'GB/s':>6s}")
     summary = {}
     for v in variants:
