@@ -10,7 +10,8 @@ Each round: a child process builds the state (``--tensors`` fp32 tensors on the 
 step 1 with the local tier in ``--local-dir`` and a durable root on disk, waits until the step
 is durable, reports ready and is SIGKILLed. Then a fresh process (CUDA initialized, the target
 tensors allocated before the clock starts) times, separately, opening the
-``CheckpointManager`` on the same root and tier (which adopts the dead job's slot) and
+``CheckpointManager`` on the same root and tier (which adopts the dead job's slot) with
+``latest_step()``, and
 ``restore(target=...)`` (and both together: the time to resume), and checks every tensor bit
 for bit. The manager verifies the adopted slot while it pins it, so the time of the checks
 shows in the open and in the sum, and the restore waits for whatever of them is left: it copies
@@ -67,6 +68,7 @@ def restorer(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     mgr = CheckpointManager(args.root, staging=StagingOptions(local_dir=args.local_dir, local_tier=True))
+    step = mgr.latest_step()  # (what a restart asks first: in the open's time)
     t1 = time.perf_counter()
     tier_steps = mgr._tier.steps() if getattr(mgr, "_tier", None) is not None else {}
     settle = 0.0
@@ -79,7 +81,9 @@ def restorer(args: argparse.Namespace) -> None:
         settle = time.perf_counter() - t1
         t1 = time.perf_counter()
         t0 += settle
-    mgr.restore(1, target=target)
+    if step != 1:
+        raise SystemExit(f"latest_step() is {step}, not the step saved")
+    mgr.restore(step, target=target)
     if cuda:
         torch.cuda.synchronize()
     t2 = time.perf_counter()
@@ -165,7 +169,7 @@ def main() -> None:
     rest, opened, resumed = summary("restore_s"), summary("open_s"), summary("resume_s")
     ceil = [r["h2d_ceiling_gbps"] for r in runs if r["h2d_ceiling_gbps"]]
     print(f"\n{'what':32} {'median s':>9} {'range s':>15} {'GB/s (median)':>14}")
-    print(f"{'open the manager (adopt tier)':32} {opened['median']:9.3f} {opened['min']:7.3f}-{opened['max']:<7.3f}")
+    print(f"{'open + latest_step() (adopt)':32} {opened['median']:9.3f} {opened['min']:7.3f}-{opened['max']:<7.3f}")
     print(f"{'restore(target) from the tier':32} {rest['median']:9.3f} {rest['min']:7.3f}-{rest['max']:<7.3f} "
           f"{nbytes / rest['median'] / 1e9:14.1f}")
     print(f"{'both (open + restore)':32} {resumed['median']:9.3f} {resumed['min']:7.3f}-{resumed['max']:<7.3f} "
