@@ -100,10 +100,10 @@ class Runtime:
     """The CUDA runtime library PyTorch loaded, called through ctypes: the few calls of the
     bounce readers' copy loop (:mod:`ckptmgr.restore.loaders.bounce`). Each call releases the
     GIL for its whole length, where ``Tensor.copy_`` and ``Event`` hold it around theirs, so
-    several readers queue their copies while the others read (a 4 GiB load from /dev/shm
-    spent about 0.04 s of 0.21 s in that Python work on an H200,
-    ``benchmarks/probes/bounce_load.py``). Pointers and stream handles are plain integers;
-    every call is checked.
+    several readers queue their copies while the others read: ``load_file`` of 4 GiB from
+    /dev/shm took 0.221 s (median of 3 fresh processes) this way against 0.258 s with
+    ``copy_`` on an H200 (``benchmarks/results/h200-2026-11-28-loader/call4/``). Pointers and
+    stream handles are plain integers; every call is checked.
     """
 
     _MEMCPY_HOST_TO_DEVICE = 1

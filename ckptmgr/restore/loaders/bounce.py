@@ -3,7 +3,9 @@
 Pinning a fresh mapping where it lies (cudaHostRegister) runs at 11-17 GB/s on an H100,
 slower than the copy it enables (about 50 GB/s): for a single load of a file the
 registration sets the pace (``load_file`` took 0.47-0.59 s, median, for 4 GiB that way,
-fresh processes on H100s). Here :data:`THREADS` threads each read the file (``pread``: the
+fresh processes on H100s), and it does not scale with threads: the driver serialises it
+(4 GiB in 64 MiB pieces, 0.41-0.43 s on 1, 4, 8 or 16 threads, H200,
+``benchmarks/results/h200-2026-11-28-loader/call1/``). Here :data:`THREADS` threads each read the file (``pread``: the
 kernel copies from the page cache, with no page-table work on a mapping) into one of their
 two pinned buffers of :data:`PIECE_BYTES` and copy it to the GPU on a stream of their own
 while they read the next piece into the other buffer: 0.247 s (0.240-0.262) for the same
@@ -22,8 +24,9 @@ parts of the piece that tensors want, as addresses) are queued through the CUDA 
 library PyTorch loaded (:class:`ckptmgr._cuda.Runtime`), each call with the GIL released, so
 six readers never wait for each other's Python; elsewhere, or where the library is not
 found, :meth:`~.landing.Landing.land` copies them with ``torch`` (``non_blocking``). A buffer
-is read into again only once the copies queued from it have run. Every stream is synchronised before :func:`copy_through_bounce`
-returns or raises, so no copy outlives the buffers or the call.
+is read into again only once the copies queued from it have run. Every stream is
+synchronised before :func:`copy_through_bounce` returns or raises, so no copy outlives the
+buffers or the call.
 """
 
 from __future__ import annotations
