@@ -100,10 +100,11 @@ class Runtime:
     """The CUDA runtime library PyTorch loaded, called through ctypes: the few calls of the
     bounce readers' copy loop (:mod:`ckptmgr.restore.loaders.bounce`). Each call releases the
     GIL for its whole length, where ``Tensor.copy_`` and ``Event`` hold it around theirs, so
-    several readers queue their copies while the others read: ``load_file`` of 4 GiB from
-    /dev/shm took 0.221 s (median of 3 fresh processes) this way against 0.258 s with
-    ``copy_`` on an H200 (``benchmarks/results/h200-2026-11-28-loader/call4/``). Pointers and
-    stream handles are plain integers; every call is checked.
+    several readers queue their copies while the others read. The same loop outside the
+    product, through these calls, took 0.199 s (0.182-0.214) for 4 GiB from /dev/shm where
+    ``load_file`` with ``copy_`` took 0.221-0.258 s (H200,
+    ``benchmarks/results/h200-2026-11-28-loader/call4/``). Pointers and stream handles are
+    plain integers; every call is checked.
     """
 
     _MEMCPY_HOST_TO_DEVICE = 1
@@ -173,13 +174,11 @@ def runtime() -> Runtime | None:
 
 
 def _load_runtime() -> Runtime | None:
-    if not available():
+    if not available() or not torch.version.cuda:
         return None
     torch.cuda.init()  # (loads the runtime where PyTorch loads it lazily)
-    try:
-        with open("/proc/self/maps") as f:
-            path = next((name for ln in f if os.path.basename(name := ln.rsplit(None, 1)[-1]).startswith(
-                "libcudart.so")), None)
-        return Runtime(ctypes.CDLL(path)) if path is not None else None
-    except (OSError, AttributeError):  # no /proc, or a library without these symbols
+    name = f"libcudart.so.{torch.version.cuda.split('.')[0]}"
+    try:  # only the library already loaded under that name: never a search, never a second runtime
+        return Runtime(ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_NOW))
+    except (OSError, AttributeError):  # not loaded under that name (linked statically), or a symbol missing
         return None

@@ -102,3 +102,21 @@ def test_the_bounce_readers_queue_through_the_runtime_after_work_on_the_target(r
         mf.close()
     assert got["w"] is dests["w"]
     assert_same(on_host(got), want)
+
+
+def test_load_file_to_cuda_without_an_index_takes_the_runtime_path(ram_dir, small_pieces, monkeypatch):
+    """``device="cuda"`` is the current device: the readers queue through the runtime there too."""
+    real = bounce.runtime_for
+    seen = []
+
+    def spy(landing, device):
+        seen.append((device, real(landing, device)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(bounce, "runtime_for", spy)
+    path = os.path.join(ram_dir, "w.safetensors")
+    want = every_dtype(4) | {"big": torch.randn(300_000)}
+    st_save_file(want, path)
+    got = ckptmgr.load_file(path, device="cuda")
+    assert seen and all(d.index == torch.cuda.current_device() and rt is not None for d, rt in seen)
+    assert_same(on_host(got), want)

@@ -287,23 +287,35 @@ def test_a_ram_file_is_read_through_two_buffers_per_thread_piece_by_piece(ram_di
 
 
 class _HostRuntime:
-    """The CUDA runtime calls the bounce readers make, on the host: a copy is a memmove done at
-    once, events and streams are counted (what the loop asks of the runtime, not how fast)."""
+    """The CUDA runtime calls the bounce readers make, on the host, as a stream runs them: a
+    queued copy runs only when an event recorded after it is waited for or its stream is
+    synchronised, reading its source then (a buffer read into again too early lands the wrong
+    bytes; an event recorded before the copies waits for nothing)."""
 
     def __init__(self) -> None:
         self.mu = threading.Lock()
-        self.copies: list[int] = []  # bytes of each copy
+        self.queued: dict[int, list[tuple[int, int, int]]] = {}  # stream -> copies not yet run
+        self.marks: dict[int, tuple[int, int]] = {}  # event -> (stream, copies queued there when recorded)
+        self.ran: dict[int, int] = {}  # stream -> copies run
+        self.copies: list[int] = []  # bytes of each copy queued
         self.live: set[int] = set()  # events made and not yet freed
         self.made = 0
         self.devices: set[int] = set()
+
+    def _run(self, stream, upto):
+        q = self.queued.setdefault(stream, [])
+        while self.ran.get(stream, 0) < upto:
+            dst, src, n = q.pop(0)
+            ctypes.memmove(dst, src, n)
+            self.ran[stream] = self.ran.get(stream, 0) + 1
 
     def set_device(self, index):
         with self.mu:
             self.devices.add(index)
 
     def copy_to_device(self, dst, src, nbytes, stream):
-        ctypes.memmove(dst, src, nbytes)
         with self.mu:
+            self.queued.setdefault(stream, []).append((dst, src, nbytes))
             self.copies.append(nbytes)
 
     def new_event(self):
@@ -313,17 +325,23 @@ class _HostRuntime:
             return self.made
 
     def record(self, event, stream):
-        assert event in self.live
+        with self.mu:
+            assert event in self.live
+            self.marks[event] = (stream, self.ran.get(stream, 0) + len(self.queued.get(stream, [])))
 
     def wait_event(self, event):
-        assert event in self.live
+        with self.mu:
+            assert event in self.live
+            stream, upto = self.marks[event]
+            self._run(stream, upto)
 
     def free_event(self, event):
         with self.mu:
             self.live.remove(event)
 
     def sync_stream(self, stream):
-        pass
+        with self.mu:
+            self._run(stream, self.ran.get(stream, 0) + len(self.queued.get(stream, [])))
 
 
 def test_the_readers_queue_raw_copies_through_the_runtime_into_fresh_memory_and_a_target(ram_dir, monkeypatch):
@@ -355,6 +373,42 @@ def test_the_readers_queue_raw_copies_through_the_runtime_into_fresh_memory_and_
             assert spans > 1 and got["a"] is dests["a"] and got["d"] is dests["d"]
         assert sum(rt.copies) == mf.size - mf.data_start and max(rt.copies) <= 64 << 10
         assert rt.made == 2 * 3 and not rt.live and rt.devices == {0}
+
+
+def test_a_failing_runtime_reports_the_first_error_and_frees_every_event(ram_dir, monkeypatch):
+    """A copy that fails with a sticky error (the stream's synchronise then fails too) raises the
+    copy's error, not the synchronise's; an event that cannot be made frees the one made before."""
+    from ckptmgr.restore.loaders import bounce
+    from ckptmgr.restore.loaders.landing import plan_landing
+
+    monkeypatch.setattr(bounce, "PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(bounce, "THREADS", 2)
+    path = os.path.join(ram_dir, "m.safetensors")
+    st_save_file({"a": torch.randn(200_000)}, path)
+
+    class Sticky(_HostRuntime):
+        def copy_to_device(self, dst, src, nbytes, stream):
+            raise RuntimeError("cudaMemcpyAsync failed with CUDA error 700")
+
+        def sync_stream(self, stream):
+            raise RuntimeError("cudaStreamSynchronize failed with CUDA error 700")
+
+    class NoSecondEvent(_HostRuntime):
+        def new_event(self):
+            if self.made:
+                raise RuntimeError("cudaEventCreateWithFlags failed with CUDA error 2")
+            return super().new_event()
+
+    for rt, message in ((Sticky(), "cudaMemcpyAsync failed"), (NoSecondEvent(), "cudaEventCreateWithFlags")):
+        monkeypatch.setattr(bounce, "runtime_for", lambda landing, device, rt=rt: rt)
+        mf = open_mapped(path)
+        try:
+            landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, torch.device("cpu"))
+            with pytest.raises(RuntimeError, match=message):
+                bounce.copy_through_bounce(mf.fd, 0, mf.size, landing, torch.device("cpu"), path)
+        finally:
+            mf.close()
+        assert rt.made and not rt.live
 
 
 def test_the_readers_copy_with_torch_where_the_runtime_is_not_found():

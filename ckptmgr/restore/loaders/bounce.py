@@ -64,6 +64,28 @@ def runtime_for(landing: Landing, device: torch.device) -> _cuda.Runtime | None:
     return _cuda.runtime()
 
 
+def _finish(rt: _cuda.Runtime | None, stream: Any, handle: int, events: list[int], *, quiet: bool) -> None:
+    """Wait for a reader's copies and give back its events, every one whatever happens. A
+    failure here (a sticky CUDA error) is raised unless ``quiet``: some reader failed first,
+    and its error is the one reported."""
+    failed: Exception | None = None
+    try:
+        if rt is not None:
+            rt.sync_stream(handle)
+        elif stream is not None:
+            stream.synchronize()
+    except Exception as exc:
+        failed = exc
+    for ev in events:
+        try:
+            if rt is not None:
+                rt.free_event(ev)
+        except Exception as exc:
+            failed = failed or exc
+    if failed is not None and not quiet:
+        raise failed
+
+
 def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device: torch.device, path: str,
                         pool: Executor | None = None) -> None:
     """Read bytes ``[begin, end)`` of the open file ``fd`` (named ``path`` in errors) and give
@@ -80,8 +102,9 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
         return
     threads = max(1, min(THREADS, len(pieces)))
     gpu = device.type == "cuda"
+    if gpu:  # ("cuda" alone: the current device, where fresh tensors land)
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     rt = runtime_for(landing, device)
-    index = device.index if device.index is not None else (torch.cuda.current_device() if gpu else 0)
     ready = _cuda.ready_event(device) if gpu else None
     streams = [_cuda.staging_stream(device) for _ in range(threads)] if gpu else []  # (made on this thread)
     # (taken here, before any copy runs: see the module docstring)
@@ -93,21 +116,25 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
         stream = streams[w] if gpu else None
         handle = stream.cuda_stream if stream is not None else 0
         bufs = held[w]
-        done: list[Any] = [None, None]  # the event after each buffer's copies (owned by this thread)
-        events: list[int] = []  # with ``rt``: the two buffers' events (owned by this thread)
+        done: list[Any] = [None, None]  # each buffer's copies queued since it was read into (owned by this thread)
+        events: list[int] = []  # with ``rt``: the two buffers' events, each added as it is made (this thread's)
         try:
             if stream is not None:
                 stream.wait_event(ready)
             if rt is not None:
-                rt.set_device(index)
-                events += [rt.new_event() for _ in range(2)]
+                rt.set_device(device.index or 0)  # (a pool thread: its device stays set, as every reader's is)
+                for _ in range(2):
+                    events.append(rt.new_event())
             for k, i in enumerate(range(w, len(pieces), threads)):
                 if stop.is_set():
                     return
                 b, e = pieces[i]
                 slot = k % 2
                 if done[slot] is not None:  # the copies from this buffer have run
-                    rt.wait_event(events[slot]) if rt is not None else done[slot].synchronize()
+                    if rt is not None:
+                        rt.wait_event(events[slot])
+                    else:
+                        done[slot].synchronize()
                 buf = bufs[slot][:e - b]
                 preadv_fd(fd, b, [buf.numpy()], path)
                 if rt is not None:  # (the GIL is released for each call)
@@ -126,12 +153,9 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
             stop.set()
             raise
         finally:
-            if rt is not None:
-                rt.sync_stream(handle)  # no copy from the buffers outlives them
-                for ev in events:
-                    rt.free_event(ev)
-            elif stream is not None:
-                stream.synchronize()  # no copy from the buffers outlives them
+            # No copy from the buffers may outlive them: PyTorch's pinned allocator does not know of
+            # the copies queued through ``rt``, only this wait keeps the buffers from being reused.
+            _finish(rt, stream, handle, events, quiet=stop.is_set())
 
     runs: list[Future[None]] = []
     try:

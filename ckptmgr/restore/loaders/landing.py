@@ -95,8 +95,7 @@ class Landing:
         self._outputs = outputs  # (entry, raw bytes or the target tensor, is the target)
         self._ends = [e for _, e, _ in spans]
         self._moves = moves  # what commit() copies, ready to copy; owned by the restoring thread
-        plain = all(d.dim() == 1 and d.dtype == torch.uint8 and d.stride(0) == 1 for _, _, d in spans)
-        self._ptrs = [d.data_ptr() for _, _, d in spans] if plain else None  # each span's destination address
+        self._plain = all(d.dim() == 1 and d.dtype == torch.uint8 and d.stride(0) == 1 for _, _, d in spans)
 
     @property
     def into_target(self) -> bool:
@@ -137,16 +136,16 @@ class Landing:
         as ``(destination address, offset in the source, bytes)``, for a loader that queues
         them itself; None when some destination is not one run of plain bytes (then it calls
         :meth:`land`)."""
-        if self._ptrs is None:
+        if not self._plain:
             return None
         end = begin + nbytes
         out = []
         i = bisect.bisect_right(self._ends, begin)
         while i < len(self.spans) and self.spans[i][0] < end:
-            sb, se, _ = self.spans[i]
+            sb, se, dst = self.spans[i]
             lo, hi = max(begin, sb), min(end, se)
-            if hi > lo:
-                out.append((self._ptrs[i] + lo - sb, lo - begin, hi - lo))
+            if hi > lo:  # (the address read now, as land() would write to the tensor's storage now)
+                out.append((dst.data_ptr() + lo - sb, lo - begin, hi - lo))
             i += 1
         return out
 
