@@ -231,24 +231,14 @@ def bounce(path: str, threads: int, mib: int, reg: bool = False) -> tuple[torch.
 
 
 def _cudart() -> Any:
-    """The CUDA runtime PyTorch loaded, through ctypes (each call releases the GIL)."""
-    import ctypes
+    """The CUDA runtime PyTorch loaded, through ctypes (each call releases the GIL): the library
+    of :class:`ckptmgr._cuda.Runtime`, whose argument types it has set."""
+    from ckptmgr import _cuda
 
-    with open("/proc/self/maps") as f:
-        path = next((ln.split()[-1] for ln in f if "libcudart.so" in ln), None)
-    if path is None:
+    rt = _cuda.runtime()
+    if rt is None:
         raise SystemExit("libcudart is not a shared library of this process")
-    lib = ctypes.CDLL(path)
-    vp, sz = ctypes.c_void_p, ctypes.c_size_t
-    lib.cudaMemcpyAsync.argtypes = [vp, vp, sz, ctypes.c_int, vp]
-    lib.cudaEventCreateWithFlags.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
-    lib.cudaEventRecord.argtypes = [vp, vp]
-    lib.cudaEventSynchronize.argtypes = [vp]
-    lib.cudaEventDestroy.argtypes = [vp]
-    lib.cudaStreamSynchronize.argtypes = [vp]
-    lib.cudaSetDevice.argtypes = [ctypes.c_int]
-    return lib
-
+    return rt._lib
 
 def gil_free(path: str, threads: int, mib: int, reg: bool) -> tuple[torch.Tensor, float]:
     """The bounce loop with no PyTorch call per piece: ``pread`` and the runtime's
