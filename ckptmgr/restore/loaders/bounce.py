@@ -59,7 +59,7 @@ def runtime_for(landing: Landing, device: torch.device) -> _cuda.Runtime | None:
     """The CUDA runtime the readers queue their copies through for ``landing`` on ``device``
     (:class:`ckptmgr._cuda.Runtime`: no GIL held), or None: they copy with ``torch`` (on the
     CPU, without the runtime library, or where a destination is not plain bytes on ``device``)."""
-    if device.type != "cuda" or landing.raw(0, 0) is None or any(d.device != device for _, _, d in landing.spans):
+    if device.type != "cuda" or not landing.plain or any(d.device != device for _, _, d in landing.spans):
         return None
     return _cuda.runtime()
 

@@ -131,6 +131,12 @@ class Landing:
                 dst[lo - sb:hi - sb].copy_(src[lo - begin:hi - begin], non_blocking=True)
             i += 1
 
+    @property
+    def plain(self) -> bool:
+        """True when every destination is one run of plain bytes (uint8, contiguous): :meth:`raw`
+        can give its copies as addresses."""
+        return self._plain
+
     def raw(self, begin: int, nbytes: int) -> list[tuple[int, int, int]] | None:
         """The copies :meth:`land` would make of the file's bytes ``[begin, begin + nbytes)``,
         as ``(destination address, offset in the source, bytes)``, for a loader that queues
