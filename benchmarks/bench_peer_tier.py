@@ -69,6 +69,9 @@ from common import evict
 from ckptmgr import CheckpointManager, PeerOptions
 
 LIMIT = {"s": 600.0}  # --phase-timeout
+# the phases of a peer restore the manager counts (stats()), each reported for its slowest rank
+PHASES = ("peer_restore_check_s", "peer_restore_fetch_s", "peer_fetch_check_s", "peer_fetch_write_wait_s",
+          "peer_restore_load_s")
 
 
 @contextmanager
@@ -236,7 +239,7 @@ def restore_once(args: argparse.Namespace, dev: torch.device, root: str, shm: st
                                                   if isinstance(v, torch.Tensor))])
     mine = (took, fingerprint(model, opt), stats.get("peer_restore_peer", 0), nbytes,
             stats.get("peer_fetch_bytes_received", 0), stats.get("peer_fetch_s", 0.0),
-            stats.get("peer_fetch_staging_bytes", 0), cached)
+            stats.get("peer_fetch_staging_bytes", 0), cached, {k: stats.get(k, 0.0) for k in PHASES})
     got: list[Any] = [None] * world
     dist.all_gather_object(got, mine)
     dist.barrier()
@@ -248,7 +251,8 @@ def restore_once(args: argparse.Namespace, dev: torch.device, root: str, shm: st
             "read_gbs": sum(g[3] for g in got) / max(g[0] for g in got) / 1e9,
             "fetch_bytes": sum(b for b, _ in fetched), "fetch_s": max((t for _, t in fetched), default=0.0),
             "fetch_gbs": min(b / t for b, t in fetched) / 1e9 if fetched else float("nan"),
-            "staging_bytes": max(g[6] for g in got), "cached_after_drop": got[0][7]}
+            "staging_bytes": max(g[6] for g in got), "cached_after_drop": got[0][7],
+            "phases_s": {k: max(g[8][k] for g in got) for k in PHASES}}  # (each phase: its slowest rank)
 
 
 def recover(args: argparse.Namespace, dev: torch.device, root: str, shm: str, expect: list[str]) -> dict[str, Any]:
@@ -333,6 +337,8 @@ def report(args: argparse.Namespace, world: int, rounds: list[dict[str, Any]]) -
             ("fetched per restore (GB)", f"{med(x['fetch_bytes'] for x in runs['peers']) / 1e9:.3f}"),
             ("of recovery: moving bytes, job group (s)", f"{med(x['fetch_s'] for x in runs['peers']):.3f}"),
             ("of recovery: moving bytes, tier gloo (s)", f"{med(x['fetch_s'] for x in runs['peers-gloo']):.3f}"),
+            *((f"of recovery, job group: {k.removeprefix('peer_').removesuffix('_s')} (s)",
+               f"{med(x['phases_s'][k] for x in runs['peers']):.3f}") for k in PHASES),
             ("fetch GPU staging, per rank (MiB)", f"{max(x['staging_bytes'] for x in runs['peers']) / 2**20:.1f}"),
             ("peer restore, all ranks (GB/s)", f"{med(x['read_gbs'] for x in runs['peers']):.2f}")]
     print(f"peer tier: {world} ranks, {args.ranks_per_node} per node, {args.device}, save every {args.every} of "

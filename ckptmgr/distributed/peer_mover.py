@@ -120,8 +120,10 @@ class ShardMover:
         self.transport, self.area, self.node, self.io = transport, area, node, io
         self.chunk_bytes, self.max_bytes_per_s = chunk_bytes, max_bytes_per_s
         self._mu = threading.Lock()
+        # (_mu) peer_transfer_s: seconds moving bytes, of which peer_write_wait_s waiting for the
+        # writes of received pieces; peer_check_s: seconds checking received copies' checksums
         self.counts: dict[str, float] = {"peer_bytes_sent": 0, "peer_bytes_received": 0, "peer_bad_copies": 0,
-                                         "peer_transfer_s": 0.0}  # (_mu) peer_transfer_s: seconds moving bytes
+                                         "peer_transfer_s": 0.0, "peer_write_wait_s": 0.0, "peer_check_s": 0.0}
 
     def stats(self) -> dict[str, float]:
         with self._mu:
@@ -163,7 +165,10 @@ class ShardMover:
                 if rec is None or slot is None:
                     out[s] = (None, False)
                     continue
+                t0 = time.monotonic()
                 bad = check_files(rec, dict(zip(rec.manifest.files, mapped[s], strict=True)), self.io)
+                with self._mu:
+                    self.counts["peer_check_s"] += time.monotonic() - t0
                 if bad is None:
                     self.area.commit(rec.rank, slot, rec)
                 else:
@@ -233,13 +238,18 @@ class ShardMover:
         writer = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-peer-write") if incoming else None
         stuck = False  # a write outlived its wait: the one below is not made again
 
+        waited = 0.0
+
         def ended(w: Future[None] | None) -> None:
-            nonlocal stuck
+            nonlocal stuck, waited
+            t0 = time.monotonic()
             try:
                 _ended(w, wait_s)
             except CkptTimeoutError:
                 stuck = True
                 raise
+            finally:
+                waited += time.monotonic() - t0
 
         start, sent = time.monotonic(), 0
         try:
@@ -281,6 +291,7 @@ class ShardMover:
             self.counts["peer_bytes_sent"] += sent
             self.counts["peer_bytes_received"] += sum(inc.nbytes for inc in incoming.values())
             self.counts["peer_transfer_s"] += time.monotonic() - start
+            self.counts["peer_write_wait_s"] += waited
 
 
 def _write_piece(jobs: list[tuple[list[IncomingFile], list[tuple[int, int, int]], np.ndarray[Any, Any]]]) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 import warnings
 from collections import defaultdict
 from typing import Any
@@ -159,6 +160,7 @@ def _restore_step(rep: Replicator, restorer: Restorer, coord: Coordinator, s: in
     # 4. fetch this rank's shard
     why = ""
     local: dict[str, str] = {}
+    t0 = time.monotonic()
     for c in [c for c in copies if c.rank == me]:
         bad = rep.area.verify(c, rep.io)
         if bad is None:
@@ -167,8 +169,11 @@ def _restore_step(rep: Replicator, restorer: Restorer, coord: Coordinator, s: in
         why = f"its copy on this node ({rep.node}) fails its check: {bad}"
         log.warning("peer tier: step %d, rank %d: %s", s, me, why)
     sources = [r for r in shards.get(me, []) if rep.nodes[r] != rep.node]
+    t1 = time.monotonic()
     with _Fetching(rep, coord, s) as fetching:
         fetched, failed = _fetch(rep, fetching, coord, s, shards, need=not local, sources=sources)
+    rep.count("peer_restore_check_s", t1 - t0)
+    rep.count("peer_restore_fetch_s", time.monotonic() - t1)
     why = "; ".join(x for x in (why, failed) if x)
     if fetched is not None:
         local = {n: rep.area.path_of(fetched, n) for n in fetched.record.manifest.files}
@@ -185,8 +190,12 @@ def _restore_step(rep: Replicator, restorer: Restorer, coord: Coordinator, s: in
     rep.count(f"peer_restore_{where}")
     log.info("peer tier: step %d, rank %d: shard from %s", s, me, where)
     source = PeerSource(local, restorer.target, f"peer tier {rep.area.path}", rep.io)
-    with restorer.guard.reading(s):
-        return restore_from(restorer, source, s, m, target, device, loader, rank_map, coord)
+    t2 = time.monotonic()
+    try:
+        with restorer.guard.reading(s):
+            return restore_from(restorer, source, s, m, target, device, loader, rank_map, coord)
+    finally:
+        rep.count("peer_restore_load_s", time.monotonic() - t2)
 
 
 def _manifest(restorer: Restorer, coord: Coordinator, s: int, raws: dict[int, bytes], on_durable: bool) -> Manifest:
@@ -240,6 +249,7 @@ class _Fetching:
         got = self._mover.stats()
         for key, name in (("peer_bytes_sent", "peer_fetch_bytes_sent"), ("peer_bytes_received",
                           "peer_fetch_bytes_received"), ("peer_transfer_s", "peer_fetch_s"),
+                          ("peer_check_s", "peer_fetch_check_s"), ("peer_write_wait_s", "peer_fetch_write_wait_s"),
                           ("peer_bad_copies", "peer_bad_copies")):
             self.rep.count(name, got[key])
         self.rep.count("peer_fetch_staging_bytes", staged, peak=True)
