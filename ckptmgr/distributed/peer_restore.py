@@ -33,12 +33,15 @@ import stat
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import CheckpointCorruptError, SaveError, StepNotFoundError
+from ..errors import CheckpointCorruptError, CkptTimeoutError, SaveError, StepNotFoundError
 from ..format.manifest import Manifest
 from ..storage.peer_tier import Copy, ShardRecord
 from ..storage.posix import preadv_into
@@ -157,23 +160,19 @@ def _restore_step(rep: Replicator, restorer: Restorer, coord: Coordinator, s: in
     for part in coord.all_gather(mine, f"the shard records of step {s}"):
         got.update(part)
     m = _manifest(restorer, coord, s, got, on_durable)
-    # 4. fetch this rank's shard
-    why = ""
-    local: dict[str, str] = {}
-    t0 = time.monotonic()
-    for c in [c for c in copies if c.rank == me]:
-        bad = rep.area.verify(c, rep.io)
-        if bad is None:
-            local = {n: rep.area.path_of(c, n) for n in c.record.manifest.files}
-            break
-        why = f"its copy on this node ({rep.node}) fails its check: {bad}"
-        log.warning("peer tier: step %d, rank %d: %s", s, me, why)
+    # 4. fetch this rank's shard; its own copies here are checked beside the first round's transfers
     sources = [r for r in shards.get(me, []) if rep.nodes[r] != rep.node]
+    own = _OwnCheck(rep, s, [c for c in copies if c.rank == me]) if any(c.rank == me for c in copies) else None
     t1 = time.monotonic()
-    with _Fetching(rep, coord, s) as fetching:
-        fetched, failed = _fetch(rep, fetching, coord, s, shards, need=not local, sources=sources)
-    rep.count("peer_restore_check_s", t1 - t0)
+    try:
+        with _Fetching(rep, coord, s) as fetching:
+            fetched, failed = _fetch(rep, fetching, coord, s, shards, own=own, sources=sources)
+    finally:
+        if own is not None:
+            own.close()
     rep.count("peer_restore_fetch_s", time.monotonic() - t1)
+    local = own.local if own is not None and own.local else {}
+    why = own.why if own is not None else ""
     why = "; ".join(x for x in (why, failed) if x)
     if fetched is not None:
         local = {n: rep.area.path_of(fetched, n) for n in fetched.record.manifest.files}
@@ -255,38 +254,58 @@ class _Fetching:
         self.rep.count("peer_fetch_staging_bytes", staged, peak=True)
 
 
+_PENDING = -1  # an ask that says "my own copy is still being checked": the rounds go on
+
+
 def _fetch(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, shards: dict[int, list[int]], *,
-           need: bool, sources: list[int]) -> tuple[Copy | None, str]:
+           own: _OwnCheck | None, sources: list[int]) -> tuple[Copy | None, str]:
     """Rounds in which each rank still needing its shard asks the next holding node for it;
-    every rank serves what it is asked. Returns the copy received and verified (or None),
-    and why the copies tried were not usable."""
+    every rank serves what it is asked. A rank with copies of its own (``own``) asks nothing
+    in the first round while they are checked, then waits for that check and asks only if
+    none passed. Returns the copy received and verified (or None), and why the copies tried
+    were not usable."""
     me = coord.rank
+    need, pending = own is None, own is not None
     tried = 0
     why: list[str] = []
+    rounds = 0
     while True:
-        ask = sources[tried] if need and tried < len(sources) else None
+        if pending and rounds:
+            pending = False
+            need = own is not None and not own.passed()
+        ask = sources[tried] if need and tried < len(sources) else (_PENDING if pending else None)
         asks = coord.all_gather(ask, f"asking for the shards of step {s}")
+        rounds += 1
         if all(a is None for a in asks):
             return None, "; ".join(why)
-        serve = [r for r, a in enumerate(asks) if a == me]
-        sends = []
-        held = {c.rank: c for c in rep.area.copies() if c.record.step == s}
-        with _Mapped(rep, [held.get(r) for r in serve]) as files:
-            for r, (c, fs) in zip(serve, files, strict=True):
-                sends.append((r, c.record if c is not None else None, fs))
-            got = fetching.mover().transfer(sends, [ask] if ask is not None else [], own_node_ok=True)
+        got = _serve(rep, fetching, coord, s, asks, [ask] if ask is not None and ask >= 0 else [])
+        if ask is None or ask < 0:
+            continue
         tried += 1
-        if ask is not None:
-            rec, ok = got.get(ask, (None, False))
-            if ok and rec is not None and rec.rank == me and rec.step == s:
-                need = False
-                found = next((c for c in rep.area.copies() if c.rank == me and c.record.step == s), None)
-                if found is not None:
-                    return _finish(rep, fetching, coord, s, found), ""
-            why.append(f"the copy on node {rep.nodes[ask]} " + ("fails its check" if rec is not None else
-                                                                  "could not be received"))
-            log.warning("peer tier: step %d, rank %d: the copy from rank %d (node %s) is not usable; %s", s, me, ask,
-                        rep.nodes[ask], "trying the next node" if tried < len(sources) else "no other node holds one")
+        rec, ok = got.get(ask, (None, False))
+        if ok and rec is not None and rec.rank == me and rec.step == s:
+            need = False
+            found = next((c for c in rep.area.copies() if c.rank == me and c.record.step == s), None)
+            if found is not None:
+                return _finish(rep, fetching, coord, s, found), ""
+        why.append(f"the copy on node {rep.nodes[ask]} " + ("fails its check" if rec is not None else
+                                                              "could not be received"))
+        log.warning("peer tier: step %d, rank %d: the copy from rank %d (node %s) is not usable; %s", s, me, ask,
+                    rep.nodes[ask], "trying the next node" if tried < len(sources) else "no other node holds one")
+
+
+def _serve(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, asks: Sequence[int | None],
+           recvs: list[int]) -> dict[int, tuple[ShardRecord | None, bool]]:
+    """One round (every rank together, on the same ``asks``): send this node's copy to each
+    rank that asked this rank, receive from ``recvs``. A round in which nobody asks a rank
+    for anything moves nothing and leaves the mover unmade (every rank decides so alike)."""
+    if not any(a is not None and a >= 0 for a in asks):
+        return {}
+    serve = [r for r, a in enumerate(asks) if a == coord.rank]
+    held = {c.rank: c for c in rep.area.copies() if c.record.step == s}
+    with _Mapped(rep, [held.get(r) for r in serve]) as files:
+        sends = [(r, c.record if c is not None else None, fs) for r, (c, fs) in zip(serve, files, strict=True)]
+        return fetching.mover().transfer(sends, recvs, own_node_ok=True)
 
 
 def _finish(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, found: Copy) -> Copy:
@@ -295,11 +314,54 @@ def _finish(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, fo
         asks = coord.all_gather(None, f"asking for the shards of step {s}")
         if all(a is None for a in asks):
             return found
-        serve = [r for r, a in enumerate(asks) if a == coord.rank]
-        held = {c.rank: c for c in rep.area.copies() if c.record.step == s}
-        with _Mapped(rep, [held.get(r) for r in serve]) as files:
-            sends = [(r, c.record if c is not None else None, fs) for r, (c, fs) in zip(serve, files, strict=True)]
-            fetching.mover().transfer(sends, [], own_node_ok=True)
+        _serve(rep, fetching, coord, s, asks, [])
+
+
+class _OwnCheck:
+    """This rank's own copies of its shard, checked against their records in a thread of
+    their own (each checks its chunks on the replicator's I/O threads), while the restore's
+    first round moves other ranks' shards. :meth:`passed` waits for the answer (bounded by
+    the peer tier's timeout); then ``local`` names the files of the first copy that passed
+    (empty: none did) and ``why`` says what failed. The thread is the only writer of both
+    until :meth:`passed` or :meth:`close` has joined it."""
+
+    def __init__(self, rep: Replicator, s: int, copies: list[Copy]) -> None:
+        self.rep, self.s, self.copies = rep, s, copies
+        self.local: dict[str, str] = {}
+        self.why = ""
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-peer-check")
+        self._done = self._pool.submit(self._run)
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        try:
+            for c in self.copies:
+                bad = self.rep.area.verify(c, self.rep.io)
+                if bad is None:
+                    self.local = {n: self.rep.area.path_of(c, n) for n in c.record.manifest.files}
+                    return
+                self.why = f"its copy on this node ({self.rep.node}) fails its check: {bad}"
+                log.warning("peer tier: step %d, rank %d: %s", self.s, c.rank, self.why)
+        finally:
+            self.rep.count("peer_restore_check_s", time.monotonic() - t0)
+
+    def passed(self) -> bool:
+        """Whether a copy passed (waits for the check; its error, if any, is raised here).
+
+        Raises:
+            CkptTimeoutError: the check still runs after the peer tier's timeout.
+        """
+        done, _ = wait_futures([self._done], timeout=self.rep.opts.timeout_s)
+        if not done:
+            raise CkptTimeoutError(f"checking this node's copy of step {self.s} took over "
+                                   f"{self.rep.opts.timeout_s:g} s")
+        self._done.result()
+        return bool(self.local)
+
+    def close(self) -> None:
+        """Wait for the check (bounded: a check still running is left to end on its own)."""
+        wait_futures([self._done], timeout=self.rep.opts.timeout_s)
+        self._pool.shutdown(wait=False)
 
 
 class _Mapped:

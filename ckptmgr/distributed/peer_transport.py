@@ -39,7 +39,7 @@ RESTORE_GPU_BYTES = 256 << 20  # the most GPU memory a restore's NCCL transport 
 SEGMENT_BYTES = 4 << 20  # the most bytes of an array a restore moves per sub-round
 COPY_METHODS = ("pinned", "pageable")  # how a CUDA transport moves a segment between a host array and the GPU
 COPY_METHOD = "pinned"  # a restore's: through pinned staging (see Transport)
-COPY_THREADS = 1  # a restore's threads per host copy of a segment into or out of pinned staging (1: the caller's)
+COPY_THREADS = 4  # a restore's threads per host copy of a segment into or out of pinned staging (1: the caller's)
 COPY_PIECE_BYTES = 512 << 10  # the fewest bytes one thread of a split host copy moves
 
 
