@@ -5,8 +5,6 @@ between real processes (gloo) are in tests/test_peer_tier.py."""
 
 from __future__ import annotations
 
-import errno
-import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +12,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-import pytest
 
 from ckptmgr.distributed import peer_restore
 from ckptmgr.distributed.peer_mover import ShardMover
@@ -154,44 +151,3 @@ def test_a_rank_checks_its_own_copy_while_the_first_round_moves_another_ranks_sh
         for a in areas:
             a.close()
 
-
-def test_a_received_copy_is_not_preallocated_and_a_tmpfs_without_room_refuses_it_before_any_file(tmp_path,
-                                                                                                monkeypatch):
-    """The files a shard is received into are sized sparse: each write allocates the pages it
-    fills, beside the transfer. Before they are made, the filesystem must have room for the
-    whole copy; when it does not, the copy is refused (``ENOSPC``) with nothing created, and
-    the files a mapping writes are still preallocated."""
-    (tmp_path / "node").mkdir()
-    area = PeerArea(str(tmp_path / "node"), str(tmp_path / "root"))
-    rec = _record(0, np.zeros(64 * CHUNK, dtype=np.uint8))
-    try:
-        slot = area.take_slot(0)
-        assert slot is not None
-        files = area.receive(0, slot, rec, reserve=False)
-        try:
-            (f,) = files.values()
-            st = os.fstat(f.fd)
-            assert st.st_size == 64 * CHUNK and st.st_blocks * 512 < 64 * CHUNK
-        finally:
-            for f in files.values():
-                f.close()
-        area.abort(0, slot)
-        slot = area.take_slot(0)
-        assert slot is not None
-        files = area.receive(0, slot, rec)  # (reserve: pages allocated now)
-        try:
-            assert os.fstat(next(iter(files.values())).fd).st_blocks * 512 >= 64 * CHUNK
-        finally:
-            for f in files.values():
-                f.close()
-        area.abort(0, slot)
-        monkeypatch.setattr(os, "fstatvfs", lambda fd: SimpleNamespace(f_bavail=64 * CHUNK - 1, f_frsize=1))
-        slot = area.take_slot(0)
-        assert slot is not None
-        with pytest.raises(OSError, match="bytes for a copy of rank 0") as exc:
-            area.receive(0, slot, rec, reserve=False)
-        assert exc.value.errno == errno.ENOSPC and str(64 * CHUNK) in str(exc.value)
-        assert not os.listdir(os.path.join(area.path, "r00000", f"s{slot}"))
-        area.abort(0, slot)
-    finally:
-        area.close()

@@ -406,32 +406,3 @@ def test_a_close_that_fails_forgets_the_descriptor_so_its_number_is_never_closed
         release.set()
         for n in victim:
             real_close(n)
-
-
-def test_the_files_a_shard_is_received_into_are_not_preallocated_before_its_first_piece(tmp_path):
-    """When the first piece travels, the received copy's file has its size but none of its
-    pages yet (no pass over them on the receiving thread first): each write allocates the
-    pages it fills. The copy still lands whole and is kept."""
-    data = np.random.default_rng(8).integers(0, 256, 64 * CHUNK, dtype=np.uint8)
-    allocated: list[tuple[int, int]] = []
-
-    def seen(i, bufs):
-        if i == 0:
-            (slot,) = (tmp_path / "node").glob("ckptmgr-*/peer/r00000/s*")
-            (f,) = slot.glob("data-*")
-            st = f.stat()
-            allocated.append((st.st_size, st.st_blocks * 512))
-
-    got, held = _transfer(tmp_path, seen, data)
-    assert allocated and allocated[0][0] == data.size and allocated[0][1] < data.size // 2
-    assert got[0][1] and held == data.tobytes()
-
-
-def test_a_shard_the_peer_area_has_no_room_for_is_refused_and_its_bytes_drained(tmp_path, monkeypatch):
-    """The receiving filesystem reports less room than the shard announces: the copy is
-    refused before any file is made (not failed half-way), its bytes are received and
-    dropped, and no copy is kept."""
-    data = np.random.default_rng(9).integers(0, 256, 4 * CHUNK, dtype=np.uint8)
-    monkeypatch.setattr(os, "fstatvfs", lambda fd: SimpleNamespace(f_bavail=data.size - 1, f_frsize=1))
-    got, held = _transfer(tmp_path, lambda i, bufs: None, data)
-    assert got == {0: (None, False)} and held is None

@@ -200,7 +200,7 @@ class ShardMover:
                 slot = self.area.take_slot(rec.rank)
                 if slot is None:
                     raise CkptError(f"every slot of rank {rec.rank}'s shard here is held")
-                files = list(self.area.receive(rec.rank, slot, rec, reserve=False).values())
+                files = list(self.area.receive(rec.rank, slot, rec).values())
             except (CkptError, OSError) as exc:
                 log.warning("peer tier: the shard rank %d sent is not kept: %s", s, exc)
                 if rec is not None and slot is not None:

@@ -36,7 +36,7 @@ __all__ = ["COPY_METHOD", "COPY_METHODS", "COPY_THREADS", "RESTORE_GPU_BYTES", "
 
 log = logging.getLogger("ckptmgr")
 RESTORE_GPU_BYTES = 256 << 20  # the most GPU memory a restore's NCCL transport stages through (and pinned host memory)
-SEGMENT_BYTES = 4 << 20  # the most bytes of an array a restore moves per sub-round
+SEGMENT_BYTES = 16 << 20  # the most bytes of an array a restore moves per sub-round (a whole 16 MiB piece)
 COPY_METHODS = ("pinned", "pageable")  # how a CUDA transport moves a segment between a host array and the GPU
 COPY_METHOD = "pinned"  # a restore's: through pinned staging (see Transport)
 COPY_THREADS = 4  # a restore's threads per host copy of a segment into or out of pinned staging (1: the caller's)

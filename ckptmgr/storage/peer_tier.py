@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import json
 import mmap
 import os
@@ -304,35 +303,18 @@ class PeerArea:
             for f in files.values():
                 f.close()  # (a mapping keeps its own reference to the file)
 
-    def receive(self, rank: int, slot: int, record: ShardRecord, *, reserve: bool = True) -> dict[str, IncomingFile]:
-        """The slot's files for ``record``, created at their sizes, each open to be written
-        through its descriptor (:class:`IncomingFile`); the caller writes them, closes them,
-        then :meth:`commit` or :meth:`abort`.
-
-        ``reserve``: the files' tmpfs pages are allocated now (``posix_fallocate``), as a file
-        written through a mapping needs (a full tmpfs raises SIGBUS there). Without it the
-        files are sized sparse once the filesystem is seen to have room for them
-        (``fstatvfs``; else ``OSError(ENOSPC)`` before anything is created), and each
-        ``pwrite`` allocates the pages it fills, in the writer thread, beside the transfer (a
-        0.8 GB shard's preallocation took 0.2 s on the receiving thread before its first
-        byte could land, on the CPU machine; a tmpfs filled by someone else meanwhile fails that
-        write)."""
+    def receive(self, rank: int, slot: int, record: ShardRecord) -> dict[str, IncomingFile]:
+        """The slot's files for ``record``, created at their sizes (tmpfs pages reserved), each
+        open to be written through its descriptor (:class:`IncomingFile`); the caller writes
+        them, closes them, then :meth:`commit` or :meth:`abort`."""
         d = self._dir(rank, slot)
         out: dict[str, IncomingFile] = {}
         try:
-            if not reserve:
-                need = sum(f.size for f in record.manifest.files.values())
-                st = os.fstatvfs(d)
-                if st.f_bavail * st.f_frsize < need:
-                    raise OSError(errno.ENOSPC, f"{need} bytes for a copy of rank {rank}'s shard, "
-                                  f"{st.f_bavail * st.f_frsize} free", self.path)
             for name, frec in record.manifest.files.items():
                 fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC | NOFOLLOW, 0o600, dir_fd=d)
                 out[name] = IncomingFile(fd, frec.size, name)
-                if frec.size and reserve:
+                if frec.size:
                     os.posix_fallocate(fd, 0, frec.size)
-                elif frec.size:
-                    os.ftruncate(fd, frec.size)
         except BaseException:
             for f in out.values():
                 f.close()
