@@ -258,7 +258,7 @@ def exchange(node_dir: str, root: str) -> dict:
             except CkptError as exc:
                 out["oversized"] = str(exc)
             got = [mover.transfer([], [0], own_node_ok=False)[0] for _ in range(3)]
-            out["kept"] = [(r.node if r is not None else None, ok) for r, ok in got]
+            out["kept"] = [(r.record.node if r.record is not None else None, r.ok) for r in got]
             copies = area.copies()
             out["copies"] = [(c.rank, c.record.step) for c in copies]
             with area.mapped(copies[0]) as held:

@@ -24,14 +24,18 @@ CHUNK = 8192
 STEP = 3
 
 
-class Pair:
-    """Two ranks' collective and transport: ``all_gather`` through a barrier, ``exchange``
-    through one queue per direction (both ranks of an exchange name each other)."""
+class Group:
+    """``n`` ranks' collective and transport: ``all_gather`` through a barrier, ``exchange``
+    through one queue per direction (both ranks of an exchange name each other). ``mover``
+    gives a rank its shard mover the way the restore makes it: as a collective (every rank
+    must make it at the same point, or the barrier times out), counted in ``made``."""
 
-    def __init__(self) -> None:
-        self.barrier = threading.Barrier(2, timeout=WAIT)
-        self.slots: list[Any] = [None, None]
-        self.q = {(a, b): queue.Queue() for a in (0, 1) for b in (0, 1)}
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.barrier = threading.Barrier(n, timeout=WAIT)
+        self.slots: list[Any] = [None] * n
+        self.q = {(a, b): queue.Queue() for a in range(n) for b in range(n)}
+        self.made = [0] * n
 
     def coord(self, rank: int) -> Any:
         def all_gather(value: Any, what: str) -> list[Any]:
@@ -40,10 +44,10 @@ class Pair:
             out = list(self.slots)
             self.barrier.wait()
             return out
-        return SimpleNamespace(rank=rank, world=2, all_gather=all_gather, timeout_s=WAIT)
+        return SimpleNamespace(rank=rank, world=self.n, all_gather=all_gather, timeout_s=WAIT)
 
     def transport(self, rank: int) -> Any:
-        pair = self
+        group = self
 
         class T:
             timeout_s = WAIT
@@ -51,19 +55,29 @@ class Pair:
 
             def exchange(self, sends: list[tuple[int, np.ndarray]], recvs: list[tuple[int, np.ndarray]]) -> None:
                 for r, a in sends:
-                    pair.q[(rank, r)].put(a.copy())
+                    group.q[(rank, r)].put(a.copy())
                 for r, dst in recvs:
-                    dst[:] = pair.q[(r, rank)].get(timeout=WAIT)
+                    dst[:] = group.q[(r, rank)].get(timeout=WAIT)
         return T()
 
+    def fetching(self, rank: int, mover: ShardMover) -> Any:
+        coord = self.coord(rank)
 
-def _record(rank: int, data: np.ndarray) -> ShardRecord:
+        def make() -> ShardMover:
+            if not self.made[rank]:
+                coord.all_gather("mover", "making the restore's transport")
+                self.made[rank] = 1
+            return mover
+        return SimpleNamespace(mover=make)
+
+
+def _record(rank: int, data: np.ndarray, world: int = 2) -> ShardRecord:
     crcs = tuple(crc32c_hex(data[b:e]) for b, e in chunk_ranges(data.size, CHUNK))
     name = f"data-r{rank:05d}-00000.safetensors"
     n = data.size - 4096
     tensors = {f"rank{rank:05d}/x": {"file": name, "dtype": "U8", "shape": [n], "offsets": [0, n]}}
     m = Manifest(step=STEP, state={"x": 1}, tensors=tensors, files={name: FileRecord(data.size, CHUNK, crcs, 4096)})
-    return ShardRecord.make(m, rank, 2, "A")
+    return ShardRecord.make(m, rank, world, "A")
 
 
 def _hold(area: PeerArea, rec: ShardRecord, data: np.ndarray) -> None:
@@ -75,9 +89,62 @@ def _hold(area: PeerArea, rec: ShardRecord, data: np.ndarray) -> None:
     area.commit(rec.rank, slot, rec)
 
 
-def _rep(area: PeerArea, node: str, io: Any) -> Any:
-    return SimpleNamespace(area=area, node=node, nodes=["A", "B"], io=io, opts=SimpleNamespace(timeout_s=WAIT),
+def _rep(area: PeerArea, node: str, nodes: list[str], io: Any) -> Any:
+    return SimpleNamespace(area=area, node=node, nodes=nodes, io=io, opts=SimpleNamespace(timeout_s=WAIT),
                            count=lambda *a, **k: None)
+
+
+def _restore(areas: list[PeerArea], nodes: list[str], shards: dict[int, list[int]], *,
+             wrap: Any = None) -> tuple[Group, list[Any]]:
+    """Every rank's ``_fetch`` of step ``STEP`` at once (rank r on node ``nodes[r]``, its
+    area ``areas[r]``; its sources: the holders of its shard on other nodes), each rank's own
+    copies checked by ``_OwnCheck``. Returns the group and, per rank, ((copy fetched, why),
+    the own check's files, its why)."""
+    n = len(nodes)
+    group = Group(n)
+    out: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def rank(r: int, io: Any) -> None:
+        try:
+            rep = _rep(areas[r], nodes[r], nodes, io)
+            mover = ShardMover(group.transport(r), areas[r], nodes[r], CHUNK, None, io)
+            if wrap is not None:
+                wrap(r, mover)
+            copies = [c for c in areas[r].copies() if c.rank == r]
+            own = peer_restore._OwnCheck(rep, STEP, copies) if copies else None
+            sources = [h for h in shards.get(r, []) if nodes[h] != nodes[r]]
+            try:
+                got = peer_restore._fetch(rep, group.fetching(r, mover), group.coord(r), STEP, shards, own=own,
+                                          sources=sources)
+            finally:
+                if own is not None:
+                    own.close()
+            out[r] = (got, own.local if own is not None else None, own.why if own is not None else None)
+        except BaseException as exc:  # (reported by the main thread)
+            errors.append(exc)
+            group.barrier.abort()
+
+    with ThreadPoolExecutor(4) as io:
+        threads = [threading.Thread(target=rank, args=(r, io), daemon=True) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT * 2)
+    assert not errors, errors
+    assert all(o is not None for o in out), "a rank did not finish its fetch"
+    return group, out
+
+
+def _areas(tmp_path: Any, nodes: list[str]) -> list[PeerArea]:
+    for n in set(nodes):
+        (tmp_path / n).mkdir(exist_ok=True)
+    return [PeerArea(str(tmp_path / n), str(tmp_path / "root")) for n in nodes]
+
+
+def _data(n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(0, 256, 5 * CHUNK, dtype=np.uint8) for _ in range(n)]
 
 
 def test_a_rank_checks_its_own_copy_while_the_first_round_moves_another_ranks_shard(tmp_path, monkeypatch):
@@ -87,30 +154,22 @@ def test_a_rank_checks_its_own_copy_while_the_first_round_moves_another_ranks_sh
     the first round's transfer (a check made before the rounds, or waited for in the first
     one, would hold rank 0 and the transfer with it). Rank 1 receives its shard bit-exact,
     rank 0 keeps its own copy."""
-    rng = np.random.default_rng(3)
-    data = [rng.integers(0, 256, 5 * CHUNK, dtype=np.uint8) for _ in range(2)]
+    data = _data(2)
     recs = [_record(r, data[r]) for r in range(2)]
-    for n in ("A", "B"):
-        (tmp_path / n).mkdir()
-    areas = [PeerArea(str(tmp_path / n), str(tmp_path / "root")) for n in ("A", "B")]
-    _hold(areas[0], recs[0], data[0])
-    _hold(areas[0], recs[1], data[1])
-    received = threading.Event()
-    verify = PeerArea.verify
+    areas = _areas(tmp_path, ["A", "B"])
+    try:
+        _hold(areas[0], recs[0], data[0])
+        _hold(areas[0], recs[1], data[1])
+        received = threading.Event()
+        verify = PeerArea.verify
 
-    def gated(self: PeerArea, copy: Any, pool: Any = None) -> str | None:
-        assert received.wait(WAIT), "rank 0's own check was waited for before rank 1's shard could travel"
-        return verify(self, copy, pool)
+        def gated(self: PeerArea, copy: Any, pool: Any = None) -> str | None:
+            assert received.wait(WAIT), "rank 0's own check was waited for before rank 1's shard could travel"
+            return verify(self, copy, pool)
 
-    monkeypatch.setattr(PeerArea, "verify", gated)
-    pair = Pair()
-    out: list[Any] = [None, None]
-    errors: list[BaseException] = []
+        monkeypatch.setattr(PeerArea, "verify", gated)
 
-    def rank(r: int, io: Any) -> None:
-        try:
-            rep = _rep(areas[r], "AB"[r], io)
-            mover = ShardMover(pair.transport(r), areas[r], "AB"[r], CHUNK, None, io)
+        def wrap(r: int, mover: ShardMover) -> None:
             transfer = mover.transfer
 
             def watched(*a: Any, **k: Any) -> Any:
@@ -119,30 +178,9 @@ def test_a_rank_checks_its_own_copy_while_the_first_round_moves_another_ranks_sh
                     received.set()
                 return got
             mover.transfer = watched  # type: ignore[method-assign]
-            fetching = SimpleNamespace(mover=lambda: mover)
-            copies = [c for c in areas[r].copies() if c.rank == r]
-            own = peer_restore._OwnCheck(rep, STEP, copies) if copies else None
-            try:
-                got = peer_restore._fetch(rep, fetching, pair.coord(r), STEP, {0: [0], 1: [0]}, own=own,
-                                          sources=[0] if r == 1 else [])
-            finally:
-                if own is not None:
-                    own.close()
-            out[r] = (got, own.local if own is not None else None)
-        except BaseException as exc:  # (reported by the main thread)
-            errors.append(exc)
-            pair.barrier.abort()
 
-    with ThreadPoolExecutor(4) as io:
-        threads = [threading.Thread(target=rank, args=(r, io)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(WAIT * 2)
-    try:
-        assert not errors, errors
-        (fetched0, _), local0 = out[0]
-        (fetched1, why1), local1 = out[1]
+        _, out = _restore(areas, ["A", "B"], {0: [0], 1: [0]}, wrap=wrap)
+        ((fetched0, _), local0, _), ((fetched1, why1), local1, _) = out
         assert fetched0 is None and local0 and local1 is None
         assert fetched1 is not None and fetched1.rank == 1 and why1 == ""
         with areas[1].mapped(fetched1) as m:
@@ -151,3 +189,67 @@ def test_a_rank_checks_its_own_copy_while_the_first_round_moves_another_ranks_sh
         for a in areas:
             a.close()
 
+
+def test_ranks_whose_own_copies_pass_move_nothing_and_never_make_the_transport(tmp_path):
+    """Every rank holds a good copy of its own shard: one round says "checking", the next
+    ends the fetch; no rank asked, so the restore's transport (a collective) is never made."""
+    data = _data(2)
+    areas = _areas(tmp_path, ["A", "B"])
+    try:
+        for r in range(2):
+            _hold(areas[r], _record(r, data[r]), data[r])
+        group, out = _restore(areas, ["A", "B"], {0: [0], 1: [1]})
+        assert [o[0] for o in out] == [(None, ""), (None, "")] and all(o[1] for o in out)
+        assert group.made == [0, 0]
+    finally:
+        for a in areas:
+            a.close()
+
+
+def test_a_copy_of_its_own_that_fails_its_check_is_replaced_by_the_peers_good_one(tmp_path):
+    """Rank 0's own copy on node A has one byte changed; node B holds a good replica. Rank 0
+    asks for it once its check has failed (the second round), receives it into another slot
+    beside the bad copy, and the fetch returns that received copy (bit-exact), never the bad
+    one still listed on node A."""
+    data = _data(2)
+    recs = [_record(r, data[r]) for r in range(2)]
+    areas = _areas(tmp_path, ["A", "B"])
+    try:
+        bad = data[0].copy()
+        bad[100] ^= 0xFF
+        _hold(areas[0], recs[0], bad)
+        _hold(areas[1], recs[1], data[1])
+        _hold(areas[1], recs[0], data[0])
+        group, out = _restore(areas, ["A", "B"], {0: [0, 1], 1: [1]})
+        (fetched0, why0), local0, ownwhy0 = out[0]
+        assert "fails its check" in ownwhy0 and not local0
+        assert fetched0 is not None and fetched0.rank == 0 and why0 == ""
+        assert len([c for c in areas[0].copies() if c.rank == 0]) == 2  # (the bad copy is still listed)
+        with areas[0].mapped(fetched0) as m:
+            assert next(iter(m.values())).tobytes() == data[0].tobytes()
+        assert group.made == [1, 1]
+    finally:
+        for a in areas:
+            a.close()
+
+
+def test_a_rank_no_transfer_involves_still_makes_the_transport_with_the_others(tmp_path):
+    """Three ranks: 0 and 1 on node A (their own copies good), 2 back on an empty node B,
+    fetching its shard from node A (rank 0, which speaks for it). Rank 1 neither sends nor
+    receives, yet makes the restore's transport at the same round as the others (it is a
+    collective): otherwise the others would wait for it until the barrier timed out."""
+    data = _data(3)
+    recs = [_record(r, data[r], world=3) for r in range(3)]
+    areas = _areas(tmp_path, ["A", "A", "B"])
+    try:
+        for r in range(3):
+            _hold(areas[0], recs[r], data[r])
+        group, out = _restore(areas, ["A", "A", "B"], {0: [0], 1: [0], 2: [0]})
+        fetched2, why2 = out[2][0]
+        assert fetched2 is not None and fetched2.rank == 2 and why2 == ""
+        with areas[2].mapped(fetched2) as m:
+            assert next(iter(m.values())).tobytes() == data[2].tobytes()
+        assert group.made == [1, 1, 1] and out[1][0] == (None, "") and out[1][1]
+    finally:
+        for a in areas:
+            a.close()

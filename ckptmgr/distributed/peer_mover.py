@@ -25,18 +25,19 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any, NamedTuple, overload
 
 import numpy as np
 
+from .._threads import DaemonPool
 from ..errors import CkptError, CkptTimeoutError
 from ..format.schema import MAX_MANIFEST_BYTES
 from ..storage.peer_tier import IncomingFile, PeerArea, ShardRecord, check_files
 from .peer_transport import Transport
 
-__all__ = ["MAX_SHARD_BYTES", "Sends", "ShardMover"]
+__all__ = ["MAX_SHARD_BYTES", "Received", "Sends", "ShardMover"]
 
 log = logging.getLogger("ckptmgr")
 MAX_SHARD_BYTES = 1 << 44  # the most bytes a peer may announce for one shard (16 TiB)
@@ -93,6 +94,17 @@ class _Dropped(Sequence[list[tuple[int, int, int]]]):
         return [(0, at, min(self.size, self.nbytes - at))]
 
 
+class Received(NamedTuple):
+    """What a transfer received from one rank: the record (None: nothing, or refused),
+    whether the copy passed its checks and was committed, and the slot it was committed in
+    (None unless it was: the area may hold other copies of the same shard and step, such as
+    one that failed its own check)."""
+
+    record: ShardRecord | None
+    ok: bool
+    slot: int | None
+
+
 class _Incoming(NamedTuple):
     """A shard being received from one rank: its record and slot (None: refused, its bytes
     dropped), its files, the data bytes it announced."""
@@ -130,11 +142,10 @@ class ShardMover:
             return dict(self.counts)
 
     def transfer(self, sends: Sends,
-                 recvs: list[int], *, own_node_ok: bool) -> dict[int, tuple[ShardRecord | None, bool]]:
+                 recvs: list[int], *, own_node_ok: bool) -> dict[int, Received]:
         """Send each (rank, record, files) (record None: tell the rank there is nothing);
         receive a shard from each rank of ``recvs`` into this node's peer area. Returns, per
-        source, the record received (None: nothing, or refused) and whether the copy passed
-        its checks and was committed. Every rank named on one side must name this rank on the
+        source, what was received (:class:`Received`). Every rank named on one side must name this rank on the
         other side in the same call."""
         t = self.transport
         heads = {s: np.zeros(3, dtype=np.int64) for s in recvs}
@@ -149,7 +160,7 @@ class ShardMover:
         t.exchange([(d, np.frombuffer(rec.raw, dtype=np.uint8).copy()) for d, rec, _ in sends if rec is not None],
                    list(raws.items()))
         incoming: dict[int, _Incoming] = {}
-        out: dict[int, tuple[ShardRecord | None, bool]] = {}  # (also: the slots committed or aborted)
+        out: dict[int, Received] = {}  # (also: the slots committed or aborted)
         try:
             try:
                 for s in recvs:
@@ -163,7 +174,7 @@ class ShardMover:
             for s, inc in incoming.items():
                 rec, slot = inc.rec, inc.slot
                 if rec is None or slot is None:
-                    out[s] = (None, False)
+                    out[s] = Received(None, False, None)
                     continue
                 t0 = time.monotonic()
                 bad = check_files(rec, dict(zip(rec.manifest.files, mapped[s], strict=True)), self.io)
@@ -177,7 +188,7 @@ class ShardMover:
                         self.counts["peer_bad_copies"] += 1
                     log.warning("peer tier: the copy of step %d of rank %d that rank %d sent fails its check (%s); "
                                 "not kept", rec.step, rec.rank, s, bad)
-                out[s] = (rec, bad is None)
+                out[s] = Received(rec, bad is None, slot if bad is None else None)
         except BaseException:  # a slot taken and not settled is given back, emptied (never committed)
             for s, inc in incoming.items():
                 if s not in out and inc.rec is not None and inc.slot is not None:
@@ -235,7 +246,7 @@ class ShardMover:
         rounds = max([*(len(p) for _, p in out_pieces), *(len(p) for p in in_pieces.values())], default=0)
         wait_s = self.transport.timeout_s if self.transport.timeout_s is not None else self.transport.coord.timeout_s
         writes: list[Future[None] | None] = [None, None]  # the writes of the last two rounds' pieces, by buffer
-        writer = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-peer-write") if incoming else None
+        writer = DaemonPool(1, thread_name_prefix="ckptmgr-peer-write") if incoming else None
         stuck = False  # a write outlived its wait: the one below is not made again
 
         waited = 0.0

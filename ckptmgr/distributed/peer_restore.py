@@ -34,19 +34,19 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
 import torch
 
+from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, CkptTimeoutError, SaveError, StepNotFoundError
 from ..format.manifest import Manifest
 from ..storage.peer_tier import Copy, ShardRecord
 from ..storage.posix import preadv_into
 from .coordinator import Coordinator
-from .peer_mover import ShardMover
+from .peer_mover import Received, ShardMover
 from .peer_transport import Transport, restore_transport
 from .replicate import Replicator
 from .restore import RankMap, Restorer
@@ -282,20 +282,22 @@ def _fetch(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, sha
         if ask is None or ask < 0:
             continue
         tried += 1
-        rec, ok = got.get(ask, (None, False))
-        if ok and rec is not None and rec.rank == me and rec.step == s:
+        rec = got.get(ask, Received(None, False, None))
+        if rec.ok and rec.record is not None and rec.record.rank == me and rec.record.step == s:
             need = False
-            found = next((c for c in rep.area.copies() if c.rank == me and c.record.step == s), None)
+            # (the slot it was committed in: a copy of its own here that failed its check may be listed too)
+            found = next((c for c in rep.area.copies() if c.rank == me and c.slot == rec.slot
+                          and c.record.step == s), None)
             if found is not None:
                 return _finish(rep, fetching, coord, s, found), ""
-        why.append(f"the copy on node {rep.nodes[ask]} " + ("fails its check" if rec is not None else
+        why.append(f"the copy on node {rep.nodes[ask]} " + ("fails its check" if rec.record is not None else
                                                               "could not be received"))
         log.warning("peer tier: step %d, rank %d: the copy from rank %d (node %s) is not usable; %s", s, me, ask,
                     rep.nodes[ask], "trying the next node" if tried < len(sources) else "no other node holds one")
 
 
 def _serve(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, asks: Sequence[int | None],
-           recvs: list[int]) -> dict[int, tuple[ShardRecord | None, bool]]:
+           recvs: list[int]) -> dict[int, Received]:
     """One round (every rank together, on the same ``asks``): send this node's copy to each
     rank that asked this rank, receive from ``recvs``. A round in which nobody asks a rank
     for anything moves nothing and leaves the mover unmade (every rank decides so alike)."""
@@ -322,14 +324,15 @@ class _OwnCheck:
     their own (each checks its chunks on the replicator's I/O threads), while the restore's
     first round moves other ranks' shards. :meth:`passed` waits for the answer (bounded by
     the peer tier's timeout); then ``local`` names the files of the first copy that passed
-    (empty: none did) and ``why`` says what failed. The thread is the only writer of both
-    until :meth:`passed` or :meth:`close` has joined it."""
+    (empty: none did) and ``why`` says what failed. The thread (a daemon: a check stuck in
+    I/O never holds the process at exit) is the only writer of both; they are read only
+    once :meth:`passed` has returned."""
 
     def __init__(self, rep: Replicator, s: int, copies: list[Copy]) -> None:
         self.rep, self.s, self.copies = rep, s, copies
         self.local: dict[str, str] = {}
         self.why = ""
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-peer-check")
+        self._pool = DaemonPool(1, thread_name_prefix="ckptmgr-peer-check")
         self._done = self._pool.submit(self._run)
 
     def _run(self) -> None:
@@ -359,8 +362,9 @@ class _OwnCheck:
         return bool(self.local)
 
     def close(self) -> None:
-        """Wait for the check (bounded: a check still running is left to end on its own)."""
-        wait_futures([self._done], timeout=self.rep.opts.timeout_s)
+        """Let the thread go, without waiting: after a fetch that returned, :meth:`passed` has
+        joined the check already (a rank with a copy of its own always asks in the second
+        round); after one that failed, a check still running ends on its own, unread."""
         self._pool.shutdown(wait=False)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime
 import logging
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .._threads import DaemonPool
 from ..errors import CkptTimeoutError, ConfigError
 from .coordinator import Coordinator
 
@@ -44,7 +45,7 @@ COPY_PIECE_BYTES = 512 << 10  # the fewest bytes one thread of a split host copy
 
 
 def split_copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], threads: int,
-               pool: ThreadPoolExecutor | None, timeout_s: float) -> None:
+               pool: Executor | None, timeout_s: float) -> None:
     """Copy ``src`` into ``dst`` (contiguous 1-D arrays of one size) in up to ``threads``
     contiguous pieces of at least ``COPY_PIECE_BYTES``: the first on the calling thread, the
     others on ``pool`` (numpy lets go of the GIL while it copies a large block, so the pieces
@@ -140,7 +141,7 @@ class Transport:
         self.copy_threads, self.copy_method = copy_threads, copy_method
         self._dev: torch.Tensor | None = None  # the staging buffers (CUDA only), two halves each
         self._pin: torch.Tensor | None = None  # (None with the "pageable" method)
-        self._pool: ThreadPoolExecutor | None = None  # the host copies' threads ("pinned", copy_threads > 1)
+        self._pool: DaemonPool | None = None  # the host copies' threads ("pinned", copy_threads > 1)
 
     def __repr__(self) -> str:
         return f"Transport({dist.get_backend(self.group)}, {self.device})"
@@ -169,7 +170,7 @@ class Transport:
     def _copy(self, dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         """A host copy into or out of pinned staging, split across the copy threads."""
         if self.copy_threads > 1 and self._pool is None:
-            self._pool = ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix="ckptmgr-peer-copy")
+            self._pool = DaemonPool(self.copy_threads - 1, thread_name_prefix="ckptmgr-peer-copy")
         split_copy(dst, src, self.copy_threads, self._pool,
                    self.timeout_s if self.timeout_s is not None else self.coord.timeout_s)
 

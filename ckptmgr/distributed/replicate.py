@@ -320,7 +320,7 @@ class Replicator:
         into the peer area (kept only when they pass their checks)."""
         got = self.mover.transfer([(d, record, files or {}) for d in self.dests[self.coord.rank]], self.sources,
                                   own_node_ok=False)
-        self._received = {s: (rec.step, ok) for s, (rec, ok) in got.items() if rec is not None}
+        self._received = {s: (r.record.step, r.ok) for s, r in got.items() if r.record is not None}
 
     def _receipts_round(self) -> dict[int, dict[int, int]]:
         """Every rank's receipts of this round; returns step -> shard rank -> copies confirmed so far."""
