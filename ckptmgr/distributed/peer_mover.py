@@ -145,8 +145,8 @@ class ShardMover:
                  recvs: list[int], *, own_node_ok: bool) -> dict[int, Received]:
         """Send each (rank, record, files) (record None: tell the rank there is nothing);
         receive a shard from each rank of ``recvs`` into this node's peer area. Returns, per
-        source, what was received (:class:`Received`). Every rank named on one side must name this rank on the
-        other side in the same call."""
+        source, what was received (:class:`Received`). Every rank named on one side must name
+        this rank on the other side in the same call."""
         t = self.transport
         heads = {s: np.zeros(3, dtype=np.int64) for s in recvs}
         t.exchange([(d, np.array([rec.step, len(rec.raw), sum(a.size for a in fs.values())] if rec is not None

@@ -170,7 +170,7 @@ class Transport:
     def _copy(self, dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         """A host copy into or out of pinned staging, split across the copy threads."""
         if self.copy_threads > 1 and self._pool is None:
-            self._pool = DaemonPool(self.copy_threads - 1, thread_name_prefix="ckptmgr-peer-copy")
+            self._pool = DaemonPool(self.copy_threads - 1, thread_name_prefix="ckptmgr-peer-stage")
         split_copy(dst, src, self.copy_threads, self._pool,
                    self.timeout_s if self.timeout_s is not None else self.coord.timeout_s)
 
