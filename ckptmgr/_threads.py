@@ -10,7 +10,10 @@ pending work up to a deadline, says in the log what did not finish, and lets the
 The background work that may block on storage (persist, storage I/O, retention) runs on
 these pools. Restore-time readers and checksum pools (the restore ring, the read driver's
 threads, a save engine's I/O pool, the CLI's) are ordinary thread pools: their work is waited
-for by the call that started it, with a timeout. docs/ARCHITECTURE.md lists every thread.
+for by the call that started it, with a timeout. The peer tier's restore threads are daemons
+(its own copy's check, the writer of received pieces, the fetch's host copies): after a fetch
+that failed or timed out they may still be in I/O, and are let go unjoined.
+docs/ARCHITECTURE.md lists every thread.
 
 :func:`collector_paused` holds Python's cyclic garbage collector off while a restore runs.
 A restore builds tens of objects per stored tensor (the manifest, the headers, the landing

@@ -147,3 +147,25 @@ def test_a_slot_whose_directory_is_refused_is_not_held_for_good(tmp_path):
         area.take_slot(3)
     os.unlink(planted)  # once the directory is sound again, both slots may be taken
     assert {area.take_slot(3), area.take_slot(3)} == {0, 1}
+
+
+def test_a_copy_that_failed_its_check_is_discarded_unless_read_or_replaced(tmp_path):
+    """``discard`` removes a copy (its slot takes the next one), but not while the copy is
+    being read, nor once its slot holds another copy."""
+    area = PeerArea(str(tmp_path), "/root")
+    try:
+        _write(area, _record(1, 0, b"a" * 9000), b"a" * 9000)
+        _write(area, _record(2, 0, b"b" * 9000), b"b" * 9000)
+        older = next(c for c in area.copies() if c.record.step == 1)
+        with area.mapped(older):
+            assert area.discard(older) is False  # (being read)
+        assert sorted(c.record.step for c in area.copies()) == [1, 2]
+        assert area.discard(older) is True
+        assert [c.record.step for c in area.copies()] == [2]
+        assert os.listdir(os.path.join(area.path, "r00000", f"s{older.slot}")) == []
+        assert area.discard(older) is False  # (gone already)
+        _write(area, _record(3, 0, b"c" * 9000), b"c" * 9000)  # into the freed slot
+        assert area.discard(older) is False  # (the slot holds another copy now)
+        assert sorted(c.record.step for c in area.copies()) == [2, 3]
+    finally:
+        area.close()

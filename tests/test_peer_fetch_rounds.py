@@ -1,5 +1,5 @@
 """The rounds of a peer restore's fetch (:func:`~ckptmgr.distributed.peer_restore._fetch`),
-two ranks as two threads of one process: a barrier for the collective, a loopback pair for
+each rank a thread of one process: a barrier for the collective, a queue per direction for
 the transport, real peer areas on disk and the real shard mover. The lost-node restores
 between real processes (gloo) are in tests/test_peer_tier.py."""
 
@@ -34,15 +34,17 @@ class Group:
         self.n = n
         self.barrier = threading.Barrier(n, timeout=WAIT)
         self.slots: list[Any] = [None] * n
+        self.whats: list[str] = [""] * n
         self.q = {(a, b): queue.Queue() for a in range(n) for b in range(n)}
         self.made = [0] * n
 
     def coord(self, rank: int) -> Any:
         def all_gather(value: Any, what: str) -> list[Any]:
-            self.slots[rank] = value
+            self.slots[rank], self.whats[rank] = value, what
             self.barrier.wait()
-            out = list(self.slots)
+            out, whats = list(self.slots), list(self.whats)
             self.barrier.wait()
+            assert len(set(whats)) == 1, f"the ranks are in different collectives: {whats}"
             return out
         return SimpleNamespace(rank=rank, world=self.n, all_gather=all_gather, timeout_s=WAIT)
 
@@ -208,9 +210,9 @@ def test_ranks_whose_own_copies_pass_move_nothing_and_never_make_the_transport(t
 
 def test_a_copy_of_its_own_that_fails_its_check_is_replaced_by_the_peers_good_one(tmp_path):
     """Rank 0's own copy on node A has one byte changed; node B holds a good replica. Rank 0
-    asks for it once its check has failed (the second round), receives it into another slot
-    beside the bad copy, and the fetch returns that received copy (bit-exact), never the bad
-    one still listed on node A."""
+    asks for it once its check has failed (the second round) and the fetch returns the copy
+    received (bit-exact), never the bad one. The bad copy is removed, so node A holds one
+    copy of rank 0's shard and a slot for the next save's."""
     data = _data(2)
     recs = [_record(r, data[r]) for r in range(2)]
     areas = _areas(tmp_path, ["A", "B"])
@@ -224,9 +226,12 @@ def test_a_copy_of_its_own_that_fails_its_check_is_replaced_by_the_peers_good_on
         (fetched0, why0), local0, ownwhy0 = out[0]
         assert "fails its check" in ownwhy0 and not local0
         assert fetched0 is not None and fetched0.rank == 0 and why0 == ""
-        assert len([c for c in areas[0].copies() if c.rank == 0]) == 2  # (the bad copy is still listed)
+        assert [c.slot for c in areas[0].copies() if c.rank == 0] == [fetched0.slot]
         with areas[0].mapped(fetched0) as m:
             assert next(iter(m.values())).tobytes() == data[0].tobytes()
+        slot = areas[0].take_slot(0)
+        assert slot is not None and slot != fetched0.slot
+        areas[0].abort(0, slot)
         assert group.made == [1, 1]
     finally:
         for a in areas:

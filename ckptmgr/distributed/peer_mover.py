@@ -141,12 +141,14 @@ class ShardMover:
         with self._mu:
             return dict(self.counts)
 
-    def transfer(self, sends: Sends,
-                 recvs: list[int], *, own_node_ok: bool) -> dict[int, Received]:
+    def transfer(self, sends: Sends, recvs: list[int], *, own_node_ok: bool,
+                 expect: tuple[int, int] | None = None) -> dict[int, Received]:
         """Send each (rank, record, files) (record None: tell the rank there is nothing);
-        receive a shard from each rank of ``recvs`` into this node's peer area. Returns, per
-        source, what was received (:class:`Received`). Every rank named on one side must name
-        this rank on the other side in the same call."""
+        receive a shard from each rank of ``recvs`` into this node's peer area. ``expect``
+        (saved rank, step): the only shard taken (a restore's fetch asks for one); any other
+        a source sends is refused before a slot is taken. Returns, per source, what was
+        received (:class:`Received`). Every rank named on one side must name this rank on the
+        other side in the same call."""
         t = self.transport
         heads = {s: np.zeros(3, dtype=np.int64) for s in recvs}
         t.exchange([(d, np.array([rec.step, len(rec.raw), sum(a.size for a in fs.values())] if rec is not None
@@ -164,7 +166,7 @@ class ShardMover:
         try:
             try:
                 for s in recvs:
-                    incoming[s] = self._open(s, raws.get(s), int(heads[s][2]), own_node_ok)
+                    incoming[s] = self._open(s, raws.get(s), int(heads[s][2]), own_node_ok, expect)
                 self._pump(sends, incoming)
                 mapped = {s: [f.mapped() for f in inc.files] for s, inc in incoming.items() if inc.rec is not None}
             finally:
@@ -196,7 +198,8 @@ class ShardMover:
             raise
         return out
 
-    def _open(self, s: int, raw: np.ndarray[Any, Any] | None, nbytes: int, own_node_ok: bool) -> _Incoming:
+    def _open(self, s: int, raw: np.ndarray[Any, Any] | None, nbytes: int, own_node_ok: bool,
+              expect: tuple[int, int] | None = None) -> _Incoming:
         """Where the shard rank ``s`` announced (its record ``raw``, ``nbytes`` of data) lands:
         the files of a slot taken for it, or nowhere (refused: its bytes are received and
         dropped)."""
@@ -208,6 +211,9 @@ class ShardMover:
                 rec = ShardRecord.parse(raw.tobytes(), f"the shard record rank {s} sent")
                 if not own_node_ok and rec.node == self.node:
                     raise CkptError(f"rank {s} sent a shard saved on this very node ({rec.node})")
+                if expect is not None and (rec.rank, rec.step) != expect:
+                    raise CkptError(f"rank {s} sent the shard of rank {rec.rank} of step {rec.step}; rank "
+                                    f"{expect[0]}'s of step {expect[1]} was asked for")
                 slot = self.area.take_slot(rec.rank)
                 if slot is None:
                     raise CkptError(f"every slot of rank {rec.rank}'s shard here is held")

@@ -278,7 +278,7 @@ def _fetch(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, sha
         rounds += 1
         if all(a is None for a in asks):
             return None, "; ".join(why)
-        got = _serve(rep, fetching, coord, s, asks, [ask] if ask is not None and ask >= 0 else [])
+        got = _serve(rep, fetching, coord, s, asks, [ask] if ask is not None and ask >= 0 else [], expect=(me, s))
         if ask is None or ask < 0:
             continue
         tried += 1
@@ -297,17 +297,18 @@ def _fetch(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, sha
 
 
 def _serve(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, asks: Sequence[int | None],
-           recvs: list[int]) -> dict[int, Received]:
+           recvs: list[int], expect: tuple[int, int] | None = None) -> dict[int, Received]:
     """One round (every rank together, on the same ``asks``): send this node's copy to each
-    rank that asked this rank, receive from ``recvs``. A round in which nobody asks a rank
-    for anything moves nothing and leaves the mover unmade (every rank decides so alike)."""
+    rank that asked this rank, receive from ``recvs`` the shard ``expect`` (saved rank,
+    step) and no other. A round in which nobody asks a rank for anything moves nothing and
+    leaves the mover unmade (every rank decides so alike)."""
     if not any(a is not None and a >= 0 for a in asks):
         return {}
     serve = [r for r, a in enumerate(asks) if a == coord.rank]
     held = {c.rank: c for c in rep.area.copies() if c.record.step == s}
     with _Mapped(rep, [held.get(r) for r in serve]) as files:
         sends = [(r, c.record if c is not None else None, fs) for r, (c, fs) in zip(serve, files, strict=True)]
-        return fetching.mover().transfer(sends, recvs, own_node_ok=True)
+        return fetching.mover().transfer(sends, recvs, own_node_ok=True, expect=expect)
 
 
 def _finish(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, found: Copy) -> Copy:
@@ -322,11 +323,13 @@ def _finish(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, fo
 class _OwnCheck:
     """This rank's own copies of its shard, checked against their records in a thread of
     their own (each checks its chunks on the replicator's I/O threads), while the restore's
-    first round moves other ranks' shards. :meth:`passed` waits for the answer (bounded by
-    the peer tier's timeout); then ``local`` names the files of the first copy that passed
-    (empty: none did) and ``why`` says what failed. The thread (a daemon: a check stuck in
-    I/O never holds the process at exit) is the only writer of both; they are read only
-    once :meth:`passed` has returned."""
+    first round moves other ranks' shards; a copy that fails is removed from the area (its
+    slot free again: else both slots could end up holding the newest step, the bad copy and
+    the one fetched, and no later save could be copied). :meth:`passed` waits for the answer
+    (bounded by the peer tier's timeout); then ``local`` names the files of the first copy
+    that passed (empty: none did) and ``why`` says what failed. The thread (a daemon: a check
+    stuck in I/O never holds the process at exit) is the only writer of both; they are read
+    only once :meth:`passed` has returned."""
 
     def __init__(self, rep: Replicator, s: int, copies: list[Copy]) -> None:
         self.rep, self.s, self.copies = rep, s, copies
@@ -344,7 +347,8 @@ class _OwnCheck:
                     self.local = {n: self.rep.area.path_of(c, n) for n in c.record.manifest.files}
                     return
                 self.why = f"its copy on this node ({self.rep.node}) fails its check: {bad}"
-                log.warning("peer tier: step %d, rank %d: %s", self.s, c.rank, self.why)
+                log.warning("peer tier: step %d, rank %d: %s; removed", self.s, c.rank, self.why)
+                self.rep.area.discard(c)  # (its slot takes the copy fetched instead, and later saves)
         finally:
             self.rep.count("peer_restore_check_s", time.monotonic() - t0)
 

@@ -346,6 +346,34 @@ class PeerArea:
             self._writing.discard((rank, slot))
             self._mu.notify_all()
 
+    def discard(self, copy: Copy) -> bool:
+        """Remove ``copy``, one that failed its check (record first), so that its slot takes
+        the next copy; not while its slot is being read or written, nor once it holds another
+        copy. Returns whether it was removed."""
+        key = (copy.rank, copy.slot)
+        with self._mu:
+            if self._leases.get(key, 0) or key in self._writing:
+                return False
+            self._writing.add(key)  # (until abort, below, or the release when it holds another copy)
+        same = False
+        try:
+            d = self._dir(copy.rank, copy.slot)
+            try:
+                with contextlib.suppress(OSError, CkptError):
+                    same = read_small(RECORD, d, MAX_MANIFEST_BYTES) == copy.record.raw
+                if same:
+                    os.unlink(RECORD, dir_fd=d)
+            finally:
+                os.close(d)
+        finally:
+            if same:
+                self.abort(copy.rank, copy.slot)  # (empties the slot and releases it)
+            else:
+                with self._mu:
+                    self._writing.discard(key)
+                    self._mu.notify_all()
+        return same
+
     def drop(self, rank: int) -> None:
         """Remove every copy of shard ``rank`` here (records first)."""
         for c in [c for c in self.copies() if c.rank == rank]:
