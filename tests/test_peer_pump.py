@@ -408,11 +408,12 @@ def test_a_close_that_fails_forgets_the_descriptor_so_its_number_is_never_closed
             real_close(n)
 
 
-@pytest.mark.parametrize("expect", [(1, 3), (0, 2)])
-def test_a_fetch_takes_only_the_shard_it_asked_for(tmp_path, expect):
-    """A restore's fetch asks for one shard (saved rank, step); a source that sends another
-    (another rank's, or another step's) is refused before a slot is taken: its bytes are
-    drained and nothing lands in the area. The shard asked for is kept."""
+@pytest.mark.parametrize("expect", [{0: (1, 3)}, {0: (0, 2)}, {}])
+def test_a_transfer_takes_only_the_shard_it_expects_from_each_source(tmp_path, expect):
+    """A restore's fetch asks a source for one shard, a replication round expects each
+    source's own shard of the round's step (saved rank, step); a shard of another rank or
+    step, or one from a source nothing is expected from, is refused before a slot is taken:
+    its bytes are drained and nothing lands in the area. The shard expected is kept."""
     data = np.random.default_rng(10).integers(0, 256, 3 * CHUNK, dtype=np.uint8)
     (tmp_path / "node").mkdir()
     area = PeerArea(str(tmp_path / "node"), str(tmp_path / "root"))
@@ -424,7 +425,7 @@ def test_a_fetch_takes_only_the_shard_it_asked_for(tmp_path, expect):
             assert got == {0: (None, False, None)} and area.copies() == []
             assert mover.stats()["peer_bytes_received"] == data.size  # (drained)
             mover = ShardMover(Loopback(lambda i, bufs: None), area, "B", CHUNK, None, io)
-            got = mover.transfer([(0, rec, files)], [0], own_node_ok=True, expect=(0, 3))
+            got = mover.transfer([(0, rec, files)], [0], own_node_ok=True, expect={0: (0, 3)})
         assert got[0].ok and [c.slot for c in area.copies()] == [got[0].slot]
     finally:
         area.close()

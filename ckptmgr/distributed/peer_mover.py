@@ -142,13 +142,13 @@ class ShardMover:
             return dict(self.counts)
 
     def transfer(self, sends: Sends, recvs: list[int], *, own_node_ok: bool,
-                 expect: tuple[int, int] | None = None) -> dict[int, Received]:
+                 expect: dict[int, tuple[int, int]] | None = None) -> dict[int, Received]:
         """Send each (rank, record, files) (record None: tell the rank there is nothing);
-        receive a shard from each rank of ``recvs`` into this node's peer area. ``expect``
-        (saved rank, step): the only shard taken (a restore's fetch asks for one); any other
-        a source sends is refused before a slot is taken. Returns, per source, what was
-        received (:class:`Received`). Every rank named on one side must name this rank on the
-        other side in the same call."""
+        receive a shard from each rank of ``recvs`` into this node's peer area. ``expect``:
+        per source, the only shard taken from it (saved rank, step); any other it sends (or
+        any from a source not in ``expect``) is refused before a slot is taken. None: any
+        shard is taken. Returns, per source, what was received (:class:`Received`). Every
+        rank named on one side must name this rank on the other side in the same call."""
         t = self.transport
         heads = {s: np.zeros(3, dtype=np.int64) for s in recvs}
         t.exchange([(d, np.array([rec.step, len(rec.raw), sum(a.size for a in fs.values())] if rec is not None
@@ -166,7 +166,8 @@ class ShardMover:
         try:
             try:
                 for s in recvs:
-                    incoming[s] = self._open(s, raws.get(s), int(heads[s][2]), own_node_ok, expect)
+                    want = None if expect is None else expect.get(s, (-1, -1))
+                    incoming[s] = self._open(s, raws.get(s), int(heads[s][2]), own_node_ok, want)
                 self._pump(sends, incoming)
                 mapped = {s: [f.mapped() for f in inc.files] for s, inc in incoming.items() if inc.rec is not None}
             finally:
@@ -212,8 +213,9 @@ class ShardMover:
                 if not own_node_ok and rec.node == self.node:
                     raise CkptError(f"rank {s} sent a shard saved on this very node ({rec.node})")
                 if expect is not None and (rec.rank, rec.step) != expect:
-                    raise CkptError(f"rank {s} sent the shard of rank {rec.rank} of step {rec.step}; rank "
-                                    f"{expect[0]}'s of step {expect[1]} was asked for")
+                    raise CkptError(f"rank {s} sent the shard of rank {rec.rank} of step {rec.step}; " + (
+                        f"rank {expect[0]}'s of step {expect[1]} was asked for" if expect[0] >= 0 else
+                        "none was asked for"))
                 slot = self.area.take_slot(rec.rank)
                 if slot is None:
                     raise CkptError(f"every slot of rank {rec.rank}'s shard here is held")

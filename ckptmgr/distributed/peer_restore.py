@@ -278,7 +278,7 @@ def _fetch(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, sha
         rounds += 1
         if all(a is None for a in asks):
             return None, "; ".join(why)
-        got = _serve(rep, fetching, coord, s, asks, [ask] if ask is not None and ask >= 0 else [], expect=(me, s))
+        got = _serve(rep, fetching, coord, s, asks, [ask] if ask is not None and ask >= 0 else [])
         if ask is None or ask < 0:
             continue
         tried += 1
@@ -297,18 +297,19 @@ def _fetch(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, sha
 
 
 def _serve(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, asks: Sequence[int | None],
-           recvs: list[int], expect: tuple[int, int] | None = None) -> dict[int, Received]:
+           recvs: list[int]) -> dict[int, Received]:
     """One round (every rank together, on the same ``asks``): send this node's copy to each
-    rank that asked this rank, receive from ``recvs`` the shard ``expect`` (saved rank,
-    step) and no other. A round in which nobody asks a rank for anything moves nothing and
-    leaves the mover unmade (every rank decides so alike)."""
+    rank that asked this rank, receive from ``recvs`` this rank's shard of step ``s`` and
+    no other. A round in which nobody asks a rank for anything moves nothing and leaves the
+    mover unmade (every rank decides so alike)."""
     if not any(a is not None and a >= 0 for a in asks):
         return {}
     serve = [r for r, a in enumerate(asks) if a == coord.rank]
     held = {c.rank: c for c in rep.area.copies() if c.record.step == s}
     with _Mapped(rep, [held.get(r) for r in serve]) as files:
         sends = [(r, c.record if c is not None else None, fs) for r, (c, fs) in zip(serve, files, strict=True)]
-        return fetching.mover().transfer(sends, recvs, own_node_ok=True, expect=expect)
+        return fetching.mover().transfer(sends, recvs, own_node_ok=True,
+                                         expect=dict.fromkeys(recvs, (coord.rank, s)))
 
 
 def _finish(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, found: Copy) -> Copy:

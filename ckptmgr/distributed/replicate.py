@@ -299,10 +299,10 @@ class Replicator:
             self.coord._run("the peer tier's round", lambda: dist.all_gather_object(box, sorted(held), group=self.meta))
             common = set.intersection(*(set(b) for b in box))  # every rank sends the same step: the newest all have
             if not common:
-                self._exchange(None, None)
+                self._exchange(None, None, None)
             else:
                 copy, files = held[max(common)]
-                self._exchange(copy.record, files)
+                self._exchange(copy.record, files, max(common))
                 with self._mu:
                     self._sent = copy.record.step
                     self._own = {s: slot for s, slot in self._own.items() if s >= self._sent}
@@ -315,11 +315,14 @@ class Replicator:
                     self._replicated.setdefault(shard_step, now - self._saved_at.get(shard_step, now))
             self._saved_at = {s: t for s, t in self._saved_at.items() if s >= step - 1000}
 
-    def _exchange(self, record: ShardRecord | None, files: dict[str, np.ndarray[Any, Any]] | None) -> None:
+    def _exchange(self, record: ShardRecord | None, files: dict[str, np.ndarray[Any, Any]] | None,
+                  step: int | None) -> None:
         """Send ``record`` and its files to this rank's peers; receive its sources' shards
-        into the peer area (kept only when they pass their checks)."""
+        into the peer area (kept only when they pass their checks): from each source its own
+        shard of ``step`` (the round's), none when the round sends nothing."""
+        expect = {s: (s, step) for s in self.sources} if step is not None else {}
         got = self.mover.transfer([(d, record, files or {}) for d in self.dests[self.coord.rank]], self.sources,
-                                  own_node_ok=False)
+                                  own_node_ok=False, expect=expect)
         self._received = {s: (r.record.step, r.ok) for s, r in got.items() if r.record is not None}
 
     def _receipts_round(self) -> dict[int, dict[int, int]]:
