@@ -9,7 +9,8 @@ fast a replaced node's ranks get their shards back from peers against the durabl
 Ranks are grouped into simulated nodes of ``--ranks-per-node`` (node identity and RAM directory
 per group). A DDP model (``--layers`` x Linear(``--width``)) + AdamW trains ``--steps`` steps
 with a save every ``--every`` steps, twice: without the peer tier and with it
-(``PeerOptions(replicas=1)``, gloo), the order of the two rotated per ``--rounds``. At the
+(``PeerOptions(replicas=1)``, gloo), the order of the two rotated per ``--rounds``, after
+``--warmup`` (20) untimed steps with no manager. At the
 defaults (width 8192 x 8 layers + AdamW: 6.4 GB of state per rank) one round moves about
 17 x 6.4 GB per rank (4 durable writes and 4 RAM copies per run, 4 replications, 9 restores)
 and takes minutes; ``--quick`` (2048 x 4, 0.2 GB per rank, one round, 3 restores per source)
@@ -274,10 +275,28 @@ def recover(args: argparse.Namespace, dev: torch.device, root: str, shm: str, ex
     return out
 
 
+def warm_up(args: argparse.Namespace, dev: torch.device) -> None:
+    """``--warmup`` training steps with no manager before any timed run, so that the first run
+    (without the peer tier in odd rounds) does not also pay the process's warm-up (kernels,
+    library handles, the allocator's growth)."""
+    with phase(f"warm-up: {args.warmup} steps"):
+        model, opt = build(args.width, args.layers, dev)
+        g = torch.Generator(device=dev).manual_seed(dist.get_rank())
+        for _ in range(args.warmup):
+            model(torch.randn(args.batch, args.width, device=dev, generator=g)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        sync(dev)
+        del model, opt
+        dist.barrier()
+
+
 def worker(rank: int, world: int, port: int | None, args: argparse.Namespace) -> None:
     LIMIT["s"] = args.phase_timeout  # (set here: a spawned process imports this module afresh)
     dev = init(rank, world, port, args.device)
     base = args.dir or tempfile.gettempdir()
+    if args.warmup:
+        warm_up(args, dev)
     rounds = []
     for i in range(args.rounds):
         order = [False, True] if i % 2 == 0 else [True, False]
@@ -366,6 +385,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=25)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--restores", type=int, default=3, help="restores per source per round")
+    p.add_argument("--warmup", type=int, default=20, help="untimed training steps before the first run")
     p.add_argument("--quick", action="store_true",
                    help="width 2048 x 4 layers, batch 512, 20 steps, a save every 5, one round")
     p.add_argument("--phase-timeout", type=float, default=600.0,

@@ -33,6 +33,9 @@
 #              rounds stop starting after $CKPTMGR_DIST_WALL_S seconds, default 200; dist@old runs
 #              ckptmgr alone: DCP runs once a call, beside this tree)
 #   reshard    FSDP2 saved at one world size, restored at others, against DCP (needs 2 GPUs or more)
+#   peer       the peer tier (bench_peer_tier.py, needs 2 GPUs or more; one rank per simulated node):
+#              replication overhead at a save every 25 of 100 steps, time until replicated, the lost
+#              node's recovery from peers (NCCL, gloo) against the cold durable target, with its phases
 #
 # MODE@old runs the mode against another source tree, $CKPTMGR_OLD (default .old in the working
 # directory; make it with `mkdir .old && git archive 6960b87 | tar -x -C .old`): the same
@@ -175,6 +178,19 @@ mode() {
           "${q[@]}" --dir "$scratch/dist" --commit "$CKPTMGR_COMMIT" --out "$o.json" 2>&1 | tee "$o.txt"
       fi
       rm -rf "$scratch/dist" ;;
+    peer)
+      local n="$gpus" q=(--device cuda --width 4096 --layers 8 --steps 100 --every 25)
+      [ -n "$small" ] && n=2 q=(--device cpu --nproc 2 --width 256 --layers 2 --batch 16 --steps 20 --every 5)
+      if [ "$n" -lt 2 ]; then
+        echo "$m: needs 2 GPUs or more, this machine has $n: skipped" | tee "$o.txt"
+      elif [ -n "$small" ]; then
+        timeout 300 python3 benchmarks/bench_peer_tier.py --ranks-per-node 1 "${q[@]}" --rounds "$r" \
+          --dir "$scratch/peer" --out "$o.json" 2>&1 | tee "$o.txt"
+      else
+        NCCL_NVLS_ENABLE=0 timeout 500 torchrun --nproc-per-node "$n" benchmarks/bench_peer_tier.py \
+          --ranks-per-node $((n / 2)) "${q[@]}" --rounds "$r" --dir "$scratch/peer" --out "$o.json" 2>&1 | tee "$o.txt"
+      fi
+      rm -rf "$scratch/peer" ;;
     *) echo "unknown mode $m" >&2; return 2 ;;
   esac
 }
