@@ -33,7 +33,7 @@
 #              rounds stop starting after $CKPTMGR_DIST_WALL_S seconds, default 200; dist@old runs
 #              ckptmgr alone: DCP runs once a call, beside this tree)
 #   reshard    FSDP2 saved at one world size, restored at others, against DCP (needs 2 GPUs or more)
-#   peer       the peer tier (bench_peer_tier.py, needs 2 GPUs or more; one rank per simulated node):
+#   peer       the peer tier (bench_peer_tier.py, needs 2 GPUs or more; the GPUs as two simulated nodes):
 #              replication overhead at a save every 25 of 100 steps, time until replicated, the lost
 #              node's recovery from peers (NCCL, gloo) against the cold durable target, with its phases
 #
