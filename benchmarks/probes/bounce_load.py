@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import statistics
 import subprocess
@@ -34,8 +35,6 @@ VARIANTS = ["load_file", "load_file +pin", "load_file +out", "load_file +both", 
 def parts(path: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """``load_file``'s steps one by one, each timed (the bounce buffers allocated apart from
     the copies, then served to them from PyTorch's pinned cache)."""
-    import mmap
-
     from ckptmgr import _cuda
     from ckptmgr.restore.loaders import bounce as product
     from ckptmgr.restore.loaders import mapped
@@ -72,8 +71,6 @@ def parts(path: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
 
 def registered(nbytes: int) -> torch.Tensor:
     """Anonymous memory, populated, pinned in place (cudaHostRegister), as a uint8 tensor."""
-    import mmap
-
     from ckptmgr import _cuda
 
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
@@ -82,19 +79,23 @@ def registered(nbytes: int) -> torch.Tensor:
     return t
 
 
+def _mapped(path: str) -> tuple[mmap.mmap, int]:
+    """The safetensors file mapped shared and read-only, and where its data region starts
+    (its header read and parsed first)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        json.loads(f.read(n))
+        return mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ), 8 + n
+
+
 def hybrid(path: str, threads: int, mib: int) -> tuple[torch.Tensor, float]:
     """The front of the file pinned in place piece by piece and copied by this thread, the back
     read through registered bounce buffers by ``threads`` threads: they meet in the middle."""
-    import mmap
     import threading
 
     from ckptmgr import _cuda
 
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        json.loads(f.read(n))
-        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    start = 8 + n
+    mm, start = _mapped(path)
     size_all = os.path.getsize(path)
     length = size_all - start
     data = torch.frombuffer(mm, dtype=torch.uint8)
@@ -294,7 +295,6 @@ def parallel_register(path: str, threads: int, mib: int, copy: bool, populate: b
     GPU on its thread's stream as soon as it is pinned (with ``copy``); every piece unregistered
     at the end (those seconds returned). ``populate``: MADV_POPULATE_READ before each register."""
     import ctypes
-    import mmap
 
     rt = _cudart()
     vp, sz = ctypes.c_void_p, ctypes.c_size_t
@@ -302,11 +302,7 @@ def parallel_register(path: str, threads: int, mib: int, copy: bool, populate: b
     rt.cudaHostUnregister.argtypes = [vp]
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [vp, sz, ctypes.c_int]
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        json.loads(f.read(n))
-        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    start = 8 + n
+    mm, start = _mapped(path)
     total = os.path.getsize(path)
     data = torch.frombuffer(mm, dtype=torch.uint8)
     base = data.data_ptr()
@@ -392,13 +388,7 @@ def serial(path: str, threads: int, mib: int) -> tuple[torch.Tensor, float]:
 def pageable(path: str, threads: int, mib: int) -> tuple[torch.Tensor, float]:
     """No pinned memory of ours: each thread copies pieces of the mapped file (pageable) to the
     GPU with ``copy_`` on a stream of its own (the driver stages them)."""
-    import mmap
-
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        json.loads(f.read(n))
-        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    start = 8 + n
+    mm, start = _mapped(path)
     data = torch.frombuffer(mm, dtype=torch.uint8)[start:]
     length = data.numel()
     out = torch.empty(length, dtype=torch.uint8, device="cuda")
