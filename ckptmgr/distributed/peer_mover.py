@@ -256,8 +256,7 @@ class ShardMover:
         writes: list[Future[None] | None] = [None, None]  # the writes of the last two rounds' pieces, by buffer
         writer = DaemonPool(1, thread_name_prefix="ckptmgr-peer-write") if incoming else None
         stuck = False  # a write outlived its wait: the one below is not made again
-
-        waited = 0.0
+        waited = 0.0  # seconds spent waiting for writes (peer_write_wait_s)
 
         def ended(w: Future[None] | None) -> None:
             nonlocal stuck, waited
