@@ -424,10 +424,13 @@ def test_the_readers_copy_with_torch_where_the_runtime_is_not_found():
         assert cuda_shim.runtime() is None
 
 
-def test_a_file_cut_short_under_a_one_shot_load_fails_naming_it(ram_dir, monkeypatch):
+@pytest.mark.parametrize("through", ["torch", "runtime"])
+def test_a_file_cut_short_under_a_one_shot_load_fails_naming_it(ram_dir, monkeypatch, through):
     from ckptmgr.restore.loaders import bounce
 
     monkeypatch.setattr(bounce, "PIECE_BYTES", 64 << 10)
+    rt = _HostRuntime() if through == "runtime" else None
+    monkeypatch.setattr(bounce, "runtime_for", lambda landing, device: rt)
     path = os.path.join(ram_dir, "m.safetensors")
     st_save_file({"a": torch.randn(200_000)}, path)
     mf, landing = _bounce_landing(path)
@@ -440,6 +443,26 @@ def test_a_file_cut_short_under_a_one_shot_load_fails_naming_it(ram_dir, monkeyp
         assert ckptmgr.load_file(path + "2")["a"].numel() == 1000
     finally:
         mf.close()
+    assert rt is None or (rt.made and not rt.live)
+
+
+def test_pread_address_reads_whole_pieces_and_names_the_file_where_it_fails(tmp_path):
+    from ckptmgr.storage.posix import pread_address
+
+    path = tmp_path / "f.bin"
+    data = bytes(range(256)) * 64
+    path.write_bytes(data)
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pread_address(fd, buf.data_ptr() + 10, 4000, 100, str(path))
+        assert bytes(buf[10:4010].numpy()) == data[100:4100] and not buf[:10].any() and not buf[4010:].any()
+        with pytest.raises(CheckpointCorruptError, match=r"f.bin ended early, at byte 16384"):
+            pread_address(fd, buf.data_ptr(), 100, len(data) - 50, str(path))
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError, match=r"reading .*f.bin at byte 0"):
+        pread_address(fd, buf.data_ptr(), 10, 0, str(path))  # (closed: EBADF)
 
 
 def test_a_failed_piece_stops_the_readers_and_raises_once(ram_dir, monkeypatch):

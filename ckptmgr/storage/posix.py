@@ -27,8 +27,8 @@ import numpy as np
 from ..errors import CheckpointCorruptError
 
 __all__ = ["DIRECT_ALIGN", "NOT_REGULAR", "DirectFile", "fsync_dir", "makedirs_durable", "open_dir", "open_direct",
-           "open_regular", "pread_chunk", "preadv_fd", "preadv_into", "pwrite_all", "remove_ours", "sibling",
-           "stat_regular"]
+           "open_regular", "pread_address", "pread_chunk", "preadv_fd", "preadv_into", "pwrite_all", "remove_ours",
+           "sibling", "stat_regular"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -226,6 +226,37 @@ def preadv_fd(fd: int, offset: int, out: list[np.ndarray[Any, Any]], where: str)
             n -= len(views.pop(0))
         if n:
             views[0] = views[0][n:]
+
+
+_PREAD: list[Any] = []  # [libc's pread through ctypes], made once (a race makes it twice, alike)
+
+
+def pread_address(fd: int, address: int, nbytes: int, offset: int, where: str) -> None:
+    """Read ``nbytes`` of the open file ``fd`` from ``offset`` into host memory at ``address``
+    (``where`` names the file in errors). libc's ``pread`` through ctypes: the GIL is released
+    for each call and no Python object is made for the buffer, for loops that read many pieces
+    on several threads (:mod:`ckptmgr.restore.loaders.bounce`).
+
+    Raises:
+        CheckpointCorruptError: the file ended early.
+        OSError: the read failed.
+    """
+    if not _PREAD:
+        fn = ctypes.CDLL(None, use_errno=True).pread
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
+        fn.restype = ctypes.c_ssize_t
+        _PREAD.append(fn)
+    pread = _PREAD[0]
+    while nbytes > 0:
+        n = pread(fd, address, nbytes, offset)
+        if n < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            raise OSError(err, f"reading {where} at byte {offset}: {os.strerror(err)}")
+        if n == 0:
+            raise CheckpointCorruptError(f"{where} ended early, at byte {offset}")
+        address, offset, nbytes = address + n, offset + n, nbytes - n
 
 
 def pread_chunk(path: str, offset: int, buf: np.ndarray[Any, Any], length: int, *, dir_fd: int | None = None) -> str:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ... import _cuda
-from ...storage.posix import preadv_fd
+from ...storage.posix import pread_address, preadv_fd
 from ..preflight import drain
 from .landing import Landing
 from .pieces import WAIT_S, shared_pool
@@ -62,6 +62,18 @@ def runtime_for(landing: Landing, device: torch.device) -> _cuda.Runtime | None:
     if device.type != "cuda" or not landing.plain or any(d.device != device for _, _, d in landing.spans):
         return None
     return _cuda.runtime()
+
+
+def _buffers(threads: int, gpu: bool) -> list[list[torch.Tensor]]:
+    """Two buffers of :data:`PIECE_BYTES` for each of ``threads`` readers, all slices of one
+    block: pinned (from PyTorch's pinned host allocator, which keeps it for the next load once
+    the views are dropped) for a GPU, plain memory otherwise. One allocation, where one per
+    buffer paid the allocator's cost per call twelve times (0.036-0.057 s of a 0.25 s load,
+    H200, ``benchmarks/results/h200-2026-11-28-loader/call4/parts.json``)."""
+    total = threads * 2 * PIECE_BYTES
+    block = _cuda.pinned_empty(total) if gpu else torch.empty(total, dtype=torch.uint8)
+    return [[block[(2 * w + k) * PIECE_BYTES:(2 * w + k + 1) * PIECE_BYTES] for k in range(2)]
+            for w in range(threads)]
 
 
 def _finish(rt: _cuda.Runtime | None, stream: Any, handle: int, events: list[int], *, quiet: bool) -> None:
@@ -108,14 +120,17 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
     ready = _cuda.ready_event(device) if gpu else None
     streams = [_cuda.staging_stream(device) for _ in range(threads)] if gpu else []  # (made on this thread)
     # (taken here, before any copy runs: see the module docstring)
-    held = [[_cuda.pinned_empty(PIECE_BYTES) if gpu else torch.empty(PIECE_BYTES, dtype=torch.uint8)
-             for _ in range(2)] for _ in range(threads)]
+    held = _buffers(threads, gpu)
+    # With the runtime: each piece's copies (destination address, offset in the piece, bytes),
+    # worked out here once, so the readers run no Python between their calls but the loop's own.
+    plan = [landing.raw(b, e - b) or [] for b, e in pieces] if rt is not None else []
     stop = threading.Event()  # set by the first failure: the other readers leave at their next piece
 
     def read(w: int) -> None:
         stream = streams[w] if gpu else None
         handle = stream.cuda_stream if stream is not None else 0
         bufs = held[w]
+        ptrs = [buf.data_ptr() for buf in bufs]
         done: list[Any] = [None, None]  # each buffer's copies queued since it was read into (owned by this thread)
         events: list[int] = []  # with ``rt``: the two buffers' events, each added as it is made (this thread's)
         try:
@@ -135,15 +150,17 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
                         rt.wait_event(events[slot])
                     else:
                         done[slot].synchronize()
-                buf = bufs[slot][:e - b]
-                preadv_fd(fd, b, [buf.numpy()], path)
                 if rt is not None:  # (the GIL is released for each call)
-                    src = buf.data_ptr()
-                    for dst, off, n in landing.raw(b, e - b) or ():
+                    src = ptrs[slot]
+                    pread_address(fd, src, e - b, b, path)
+                    for dst, off, n in plan[i]:
                         rt.copy_to_device(dst, src + off, n, handle)
                     rt.record(events[slot], handle)
                     done[slot] = True
-                elif stream is None:
+                    continue
+                buf = bufs[slot][:e - b]
+                preadv_fd(fd, b, [buf.numpy()], path)
+                if stream is None:
                     landing.land(b, buf)
                 else:
                     with torch.cuda.stream(stream):
