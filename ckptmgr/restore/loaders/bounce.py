@@ -5,28 +5,32 @@ slower than the copy it enables (about 50 GB/s): for a single load of a file the
 registration sets the pace (``load_file`` took 0.47-0.59 s, median, for 4 GiB that way,
 fresh processes on H100s), and it does not scale with threads: the driver serialises it
 (4 GiB in 64 MiB pieces, 0.41-0.43 s on 1, 4, 8 or 16 threads, H200,
-``benchmarks/results/h200-2026-11-28-loader/call1/``). Here :data:`THREADS` threads each read the file (``pread``: the
-kernel copies from the page cache, with no page-table work on a mapping) into one of their
-two pinned buffers of :data:`PIECE_BYTES` and copy it to the GPU on a stream of their own
-while they read the next piece into the other buffer: 0.247 s (0.240-0.262) for the same
-4 GiB (``benchmarks/probes/bounce_load.py``; in that call 4 MiB pieces took 0.37 s, 16 MiB
-0.30 s, 4 or 8 threads about as long as 6, and fastsafetensors 0.174 s). Host memory
-grows by the buffers only (``THREADS x 2 x PIECE_BYTES``: 96 MiB), which come from
-PyTorch's pinned host allocator and serve later loads in the process again. They are all
-taken on the calling thread before any reader starts: a pinned allocation made while other
-threads' copies run waits for the driver behind them (a fresh process's load took 0.36 s
-with each reader taking its own, 0.24 s with the buffers already in the allocator's cache,
-H100, ``benchmarks/probes/bounce_load.py``). Repeated loads
-of one file pin it once instead (:class:`~ckptmgr.restore.pinned.PinnedWeights`).
+``benchmarks/results/h200-2026-11-28-loader/call1/``). Here :data:`THREADS` threads each read
+the file (``pread``: the kernel copies from the page cache, with no page-table work on a
+mapping) into one of their two pinned buffers of :data:`PIECE_BYTES` and copy it to the GPU on
+a stream of their own while they read the next piece into the other buffer.
+
+Measured for 4 GiB from /dev/shm in fresh processes (H200, 3 rounds,
+``benchmarks/results/h200x2-2026-11-28-loader/call1/bounce.json``): 8 threads with 4 MiB
+buffers 0.144 s (0.134-0.173), 4 threads with 8 MiB 0.215 s, fastsafetensors 0.192 s in the
+same call. The buffers are slices of one block of ``THREADS x 2 x PIECE_BYTES`` (64 MiB, a
+power of two: PyTorch's pinned allocator rounds each allocation up to one), taken from
+PyTorch's pinned host allocator on the calling thread before any reader starts, and kept by it
+for later loads in the process. Pinned allocation costs about 0.4 ms per MiB whoever makes it
+(``cudaHostAlloc``, or anonymous memory registered in place: ``probes/pinned_alloc.py``, same
+call), so the block is small, and made once: twelve 8 MiB buffers took 0.035 s, one block of
+128 MiB 0.065 s, of 64 MiB 0.024 s. Host memory grows by the block only. Repeated loads of one
+file pin it once instead (:class:`~ckptmgr.restore.pinned.PinnedWeights`).
 
 Each piece's bytes go to the file's :class:`~.landing.Landing`: on a GPU its raw spans (the
-parts of the piece that tensors want, as addresses) are queued through the CUDA runtime
-library PyTorch loaded (:class:`ckptmgr._cuda.Runtime`), each call with the GIL released, so
-six readers never wait for each other's Python; elsewhere, or where the library is not
-found, :meth:`~.landing.Landing.land` copies them with ``torch`` (``non_blocking``). A buffer
-is read into again only once the copies queued from it have run. Every stream is
-synchronised before :func:`copy_through_bounce` returns or raises, so no copy outlives the
-buffers or the call.
+parts of the piece that tensors want, as addresses, worked out for every piece before the
+readers start) are queued through the CUDA runtime library PyTorch loaded
+(:class:`ckptmgr._cuda.Runtime`), and the piece is read by address
+(:func:`~ckptmgr.storage.posix.pread_address`), each call with the GIL released, so the
+readers never wait for each other's Python; elsewhere, or where the library is not found,
+:meth:`~.landing.Landing.land` copies them with ``torch`` (``non_blocking``). A buffer is read
+into again only once the copies queued from it have run. Every stream is synchronised before
+:func:`copy_through_bounce` returns or raises, so no copy outlives the buffers or the call.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ from .pieces import WAIT_S, shared_pool
 
 __all__ = ["PIECE_BYTES", "THREADS", "copy_through_bounce", "readers", "runtime_for"]
 
-THREADS = 6  # threads reading the file, each with two buffers and a stream
-PIECE_BYTES = 8 << 20  # one read and one group of copies (a power of two: the pinned allocator rounds up to one)
+THREADS = 8  # threads reading the file, each with two buffers and a stream
+PIECE_BYTES = 4 << 20  # one read and one group of copies (THREADS x 2 x PIECE_BYTES: a power of two, see above)
 
 
 def readers() -> Executor:
@@ -67,9 +71,7 @@ def runtime_for(landing: Landing, device: torch.device) -> _cuda.Runtime | None:
 def _buffers(threads: int, gpu: bool) -> list[list[torch.Tensor]]:
     """Two buffers of :data:`PIECE_BYTES` for each of ``threads`` readers, all slices of one
     block: pinned (from PyTorch's pinned host allocator, which keeps it for the next load once
-    the views are dropped) for a GPU, plain memory otherwise. One allocation, where one per
-    buffer paid the allocator's cost per call twelve times (0.036-0.057 s of a 0.25 s load,
-    H200, ``benchmarks/results/h200-2026-11-28-loader/call4/parts.json``)."""
+    the views are dropped) for a GPU, plain memory otherwise."""
     total = threads * 2 * PIECE_BYTES
     block = _cuda.pinned_empty(total) if gpu else torch.empty(total, dtype=torch.uint8)
     return [[block[(2 * w + k) * PIECE_BYTES:(2 * w + k + 1) * PIECE_BYTES] for k in range(2)]

@@ -10,7 +10,7 @@ buffers on several threads and streams (:mod:`.bounce`: pinning a fresh mapping 
 costs more than the copy it enables; a file loaded again and again is pinned once by
 :class:`~ckptmgr.restore.pinned.PinnedWeights`); a file on disk is pinned whole and copied in
 one transfer, unregistered before the mapping is dropped. Host memory grows by the mapping of
-pages that already exist and the bounce buffers (96 MiB).
+pages that already exist and the bounce buffers (one 64 MiB pinned block).
 
 Without CUDA, or for ``device="cpu"``, the data region is copied once into memory the
 result owns (a read-only mapping must never leak out as a writable tensor).
