@@ -543,3 +543,115 @@ def test_an_empty_tensor_at_an_odd_offset_of_a_foreign_file_loads_as_safetensors
     assert got.keys() == want.keys()
     for k in want:
         assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape and torch.equal(got[k], want[k])
+
+
+def test_pread_address_resumes_short_reads_and_interrupted_calls(tmp_path, monkeypatch):
+    """Short reads continue where they stopped (address and offset both advance); EINTR is
+    retried; any other errno is raised as itself."""
+    import ctypes
+    import errno
+
+    from ckptmgr.storage import posix
+
+    path = tmp_path / "f.bin"
+    data = os.urandom(5000)
+    path.write_bytes(data)
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    closed = os.open(path, os.O_RDONLY)
+    os.close(closed)
+    with pytest.raises(OSError, match=r"reading .*f.bin at byte 0") as failed:  # (the real pread first)
+        posix.pread_address(closed, buf.data_ptr(), 10, 0, str(path))
+    assert failed.value.errno == errno.EBADF
+    calls = []
+
+    def choppy(fd, address, nbytes, offset):  # at most 7 bytes a call, every other call interrupted
+        calls.append(offset)
+        if len(calls) % 2:
+            ctypes.set_errno(errno.EINTR)
+            return -1
+        got = os.pread(fd, min(nbytes, 7), offset)
+        ctypes.memmove(address, got, len(got))
+        return len(got)
+
+    monkeypatch.setattr(posix, "_PREAD", [choppy])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        posix.pread_address(fd, buf.data_ptr() + 3, 4000, 900, str(path))
+        assert bytes(buf[3:4003].numpy()) == data[900:4900] and not buf[:3].any() and not buf[4003:].any()
+        assert len(calls) == 2 * -(-4000 // 7)
+        with pytest.raises(CheckpointCorruptError, match=r"ended early, at byte 5000"):
+            posix.pread_address(fd, buf.data_ptr(), 100, 4950, str(path))
+        for offset in (-1, 1 << 63, 1 << 64):  # (never wrapped into a read elsewhere in the file)
+            with pytest.raises(ValueError, match=r"f.bin: 10 bytes at byte -?\d+ is outside any file"):
+                posix.pread_address(fd, buf.data_ptr(), 10, offset, str(path))
+    finally:
+        os.close(fd)
+
+
+def test_the_bounce_buffers_are_disjoint_slices_of_one_block(monkeypatch):
+    from ckptmgr.restore.loaders import bounce
+
+    monkeypatch.setattr(bounce, "PIECE_BYTES", 4096)
+    monkeypatch.setattr(bounce, "THREADS", 5)
+    for threads in (3, 5):  # (a small file's load takes the block of THREADS readers all the same)
+        held = bounce._buffers(threads, gpu=False)
+        flat = [b for pair in held for b in pair]
+        base = flat[0].untyped_storage().data_ptr()
+        assert all(b.numel() == 4096 and b.untyped_storage().data_ptr() == base for b in flat)
+        assert sorted(b.data_ptr() - base for b in flat) == [k * 4096 for k in range(2 * threads)]
+        assert flat[0].untyped_storage().nbytes() == 5 * 2 * 4096
+
+
+def test_a_reader_submit_that_fails_still_waits_for_the_readers_started(ram_dir, monkeypatch):
+    """A submit that raises (Ctrl-C on the calling thread) after a reader started: the call
+    raises only once that reader has ended, so the caller never closes a descriptor in use."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptmgr.restore.loaders import bounce
+
+    monkeypatch.setattr(bounce, "PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(bounce, "THREADS", 2)
+    path = os.path.join(ram_dir, "m.safetensors")
+    st_save_file({"a": torch.randn(200_000)}, path)
+    real = bounce.preadv_fd
+    log: list[str] = []
+    entered, gate, raised = threading.Event(), threading.Event(), threading.Event()
+
+    def held_read(fd, offset, out, where):
+        entered.set()
+        assert gate.wait(30)
+        log.append("read")
+        return real(fd, offset, out, where)
+
+    monkeypatch.setattr(bounce, "preadv_fd", held_read)
+
+    class SecondSubmitInterrupted:
+        def __init__(self):
+            self.ex, self.n = ThreadPoolExecutor(2), 0
+
+        def submit(self, *a):
+            self.n += 1
+            if self.n == 2:
+                assert entered.wait(30)  # (the first reader is inside its read)
+                raise KeyboardInterrupt
+            return self.ex.submit(*a)
+
+    def opener():  # lets the read go once the call has raised, or after 1 s where it waits as it must
+        assert entered.wait(30)
+        raised.wait(1.0)
+        gate.set()
+
+    side = threading.Thread(target=opener)
+    side.start()
+    mf, landing = _bounce_landing(path)
+    pool = SecondSubmitInterrupted()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bounce.copy_through_bounce(mf.fd, 0, mf.size, landing, torch.device("cpu"), path, pool)
+        log.append("raised")
+        raised.set()
+    finally:
+        side.join(30)
+        mf.close()
+        pool.ex.shutdown(wait=True)
+    assert log[:2] == ["read", "raised"]

@@ -240,13 +240,16 @@ def pread_address(fd: int, address: int, nbytes: int, offset: int, where: str) -
     Raises:
         CheckpointCorruptError: the file ended early.
         OSError: the read failed.
+        ValueError: the range is negative or past what a file offset can name.
     """
     if not _PREAD:
         fn = ctypes.CDLL(None, use_errno=True).pread
-        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]  # (off_t: 64 bits)
         fn.restype = ctypes.c_ssize_t
         _PREAD.append(fn)
     pread = _PREAD[0]
+    if offset < 0 or nbytes < 0 or offset + nbytes >= 1 << 63:  # (ctypes would wrap it silently)
+        raise ValueError(f"reading {where}: {nbytes} bytes at byte {offset} is outside any file")
     while nbytes > 0:
         n = pread(fd, address, nbytes, offset)
         if n < 0:

@@ -70,12 +70,26 @@ def runtime_for(landing: Landing, device: torch.device) -> _cuda.Runtime | None:
 
 def _buffers(threads: int, gpu: bool) -> list[list[torch.Tensor]]:
     """Two buffers of :data:`PIECE_BYTES` for each of ``threads`` readers, all slices of one
-    block: pinned (from PyTorch's pinned host allocator, which keeps it for the next load once
-    the views are dropped) for a GPU, plain memory otherwise."""
-    total = threads * 2 * PIECE_BYTES
+    block of ``THREADS x 2 x PIECE_BYTES`` whatever ``threads`` is (a small file's load takes
+    the block of the same size as a large one's, so every load reuses the one cached block):
+    pinned (from PyTorch's pinned host allocator, which keeps it for the next load once the
+    views are dropped) for a GPU, plain memory otherwise."""
+    total = max(threads, THREADS) * 2 * PIECE_BYTES
     block = _cuda.pinned_empty(total) if gpu else torch.empty(total, dtype=torch.uint8)
     return [[block[(2 * w + k) * PIECE_BYTES:(2 * w + k + 1) * PIECE_BYTES] for k in range(2)]
             for w in range(threads)]
+
+
+def _plan(landing: Landing, pieces: list[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Each piece's copies (destination address, offset in the piece, bytes), for a landing
+    of plain bytes (the runtime path's)."""
+    plan = []
+    for b, e in pieces:
+        spans = landing.raw(b, e - b)
+        if spans is None:  # (runtime_for gives the runtime only to a plain landing)
+            raise AssertionError("a landing without raw spans on the runtime path")
+        plan.append(spans)
+    return plan
 
 
 def _finish(rt: _cuda.Runtime | None, stream: Any, handle: int, events: list[int], *, quiet: bool) -> None:
@@ -125,7 +139,7 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
     held = _buffers(threads, gpu)
     # With the runtime: each piece's copies (destination address, offset in the piece, bytes),
     # worked out here once, so the readers run no Python between their calls but the loop's own.
-    plan = [landing.raw(b, e - b) or [] for b, e in pieces] if rt is not None else []
+    plan = _plan(landing, pieces) if rt is not None else []
     stop = threading.Event()  # set by the first failure: the other readers leave at their next piece
 
     def read(w: int) -> None:
@@ -178,7 +192,8 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
 
     runs: list[Future[None]] = []
     try:
-        runs = [(pool or readers()).submit(read, w) for w in range(threads)]
+        for w in range(threads):  # (appended one by one: a failed submit still drains those started)
+            runs.append((pool or readers()).submit(read, w))
         for f in runs:
             f.result(timeout=WAIT_S)
     except BaseException:
