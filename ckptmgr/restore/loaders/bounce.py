@@ -10,10 +10,12 @@ the file (``pread``: the kernel copies from the page cache, with no page-table w
 mapping) into one of their two pinned buffers of :data:`PIECE_BYTES` and copy it to the GPU on
 a stream of their own while they read the next piece into the other buffer.
 
-Measured for 4 GiB from /dev/shm in fresh processes (H200, 3 rounds,
-``benchmarks/results/h200x2-2026-11-28-loader/call1/bounce.json``): 8 threads with 4 MiB
-buffers 0.144 s (0.134-0.173), 4 threads with 8 MiB 0.215 s, fastsafetensors 0.192 s in the
-same call. The buffers are slices of one block of ``THREADS x 2 x PIECE_BYTES`` (64 MiB, a
+Measured for 4 GiB from /dev/shm in fresh processes (H200, 3 rounds each): 8 threads with
+4 MiB buffers 0.144 s (0.134-0.173), 4 threads with 8 MiB 0.215 s, fastsafetensors 0.192 s in
+the same call (``benchmarks/results/h200x2-2026-11-28-loader/call1/bounce.json``); as shipped,
+``load_file`` 0.170 s (0.145-0.179) against fastsafetensors' 0.175 s (``call2/loadfile.json``).
+
+The buffers are slices of one block of ``THREADS x 2 x PIECE_BYTES`` (64 MiB, a
 power of two: PyTorch's pinned allocator rounds each allocation up to one), taken from
 PyTorch's pinned host allocator on the calling thread before any reader starts, and kept by it
 for later loads in the process. Pinned allocation costs about 0.4 ms per MiB whoever makes it
