@@ -19,8 +19,8 @@ The buffers are slices of one block of ``THREADS x 2 x PIECE_BYTES`` (64 MiB, a
 power of two: PyTorch's pinned allocator rounds each allocation up to one), taken from
 PyTorch's pinned host allocator on the calling thread before any reader starts, and kept by it
 for later loads in the process. Pinned allocation costs about 0.4 ms per MiB whoever makes it
-(``cudaHostAlloc``, or anonymous memory registered in place: ``probes/pinned_alloc.py``, same
-call), so the block is small, and made once: twelve 8 MiB buffers took 0.035 s, one block of
+(``cudaHostAlloc``, or anonymous memory registered in place: ``probes/pinned_alloc.py``,
+``call1/alloc.json``), so the block is small, and made once: twelve 8 MiB buffers took 0.035 s, one block of
 128 MiB 0.065 s, of 64 MiB 0.024 s. Host memory grows by the block only. Repeated loads of one
 file pin it once instead (:class:`~ckptmgr.restore.pinned.PinnedWeights`).
 
