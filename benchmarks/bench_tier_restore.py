@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -71,6 +72,22 @@ def restorer(args: argparse.Namespace) -> None:
     step = mgr.latest_step()  # (what a restart asks first: in the open's time)
     t1 = time.perf_counter()
     tier_steps = mgr._tier.steps() if getattr(mgr, "_tier", None) is not None else {}
+    # When the adoption's checks end and when its pinning ends, counted from the open's end (a
+    # thread waits on their futures meanwhile): which of the two a restore at once waits for.
+    with mgr._restorer._mu:
+        checks = [f for _, fs in mgr._restorer._adopted.values() for f in fs]
+    with mgr._saver.pool._cond:
+        pinning = list(mgr._saver.pool._adopting.values())
+    ends: dict[str, float] = {}
+
+    def watch() -> None:
+        for name, futs in (("checks_end_s", checks), ("adoption_end_s", pinning)):
+            for f in futs:
+                f.exception(timeout=600)
+            ends[name] = time.perf_counter() - t1
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     settle = 0.0
     if args.after_adoption:  # (the adoptions in progress: the pool's own futures)
         pool = mgr._saver.pool
@@ -88,6 +105,7 @@ def restorer(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
     t2 = time.perf_counter()
     identical = all(torch.equal(target[k], v) for k, v in ref.items())
+    watcher.join(600)
     mgr.close()
     ceiling = None
     if cuda:  # one pinned buffer of the step's size, copied to the device
@@ -102,7 +120,7 @@ def restorer(args: argparse.Namespace) -> None:
             best = min(best, time.perf_counter() - t)
         ceiling = nbytes / best / 1e9
     print(json.dumps({"open_s": t1 - t0, "restore_s": t2 - t1, "resume_s": t2 - t0, "settle_s": settle,
-                      "bytes": nbytes,
+                      "bytes": nbytes, **ends,
                       "identical": identical,
                       "from_tier": 1 in tier_steps, "h2d_ceiling_gbps": ceiling}), flush=True)
 
@@ -156,7 +174,9 @@ def main() -> None:
             runs.append(run)
             print(f"round {r}: open {run['open_s']:.3f} s, restore {run['restore_s']:.3f} s "
                   f"({run['bytes'] / run['restore_s'] / 1e9:.1f} GB/s), from tier {run['from_tier']}, "
-                  f"identical {run['identical']}", flush=True)
+                  f"identical {run['identical']}" + "".join(f", {k} {run[k]:.3f}" for k in
+                                                            ("checks_end_s", "adoption_end_s") if k in run),
+                  flush=True)
         finally:
             shutil.rmtree(base, ignore_errors=True)
             shutil.rmtree(local, ignore_errors=True)
@@ -176,7 +196,12 @@ def main() -> None:
           f"{nbytes / resumed['median'] / 1e9:14.1f}")
     if ceil:
         print(f"{'pinned H2D ceiling':32} {'':9} {'':15} {statistics.median(ceil):14.1f}")
-    result = {"bench": "tier_restore", "device": args.device, "after_adoption": args.after_adoption,
+    ends = {k: summary(k) for k in ("checks_end_s", "adoption_end_s") if all(k in r for r in runs)}
+    for k, label in (("checks_end_s", "checks end, after the open"),
+                     ("adoption_end_s", "pinning ends, after the open")):
+        if k in ends:
+            print(f"{label:32} {ends[k]['median']:9.3f} {ends[k]['min']:7.3f}-{ends[k]['max']:<7.3f}")
+    result = {**ends, "bench": "tier_restore", "device": args.device, "after_adoption": args.after_adoption,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
               "gib": args.gib, "tensors": args.tensors, "bytes": nbytes, "runs": runs, "restore_s": rest,
               "open_s": opened, "resume_s": resumed, "restore_gbps_median": nbytes / rest["median"] / 1e9,
