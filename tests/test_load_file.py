@@ -462,7 +462,7 @@ def test_pread_address_reads_whole_pieces_and_names_the_file_where_it_fails(tmp_
     finally:
         os.close(fd)
     with pytest.raises(OSError, match=r"reading .*f.bin at byte 0"):
-        pread_address(fd, buf.data_ptr(), 10, 0, str(path))  # (closed: EBADF)
+        pread_address(-1, buf.data_ptr(), 10, 0, str(path))  # (never a descriptor: EBADF)
 
 
 def test_a_failed_piece_stops_the_readers_and_raises_once(ram_dir, monkeypatch):
@@ -557,10 +557,8 @@ def test_pread_address_resumes_short_reads_and_interrupted_calls(tmp_path, monke
     data = os.urandom(5000)
     path.write_bytes(data)
     buf = torch.zeros(4096, dtype=torch.uint8)
-    closed = os.open(path, os.O_RDONLY)
-    os.close(closed)
     with pytest.raises(OSError, match=r"reading .*f.bin at byte 0") as failed:  # (the real pread first)
-        posix.pread_address(closed, buf.data_ptr(), 10, 0, str(path))
+        posix.pread_address(-1, buf.data_ptr(), 10, 0, str(path))  # (never a descriptor: EBADF)
     assert failed.value.errno == errno.EBADF
     calls = []
 
