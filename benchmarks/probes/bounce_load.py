@@ -36,7 +36,6 @@ VARIANTS = ["load_file", "load_file many", "load_file reg", "load_file 4x8", "lo
 def parts(path: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """``load_file``'s steps one by one, each timed (the bounce buffers allocated apart from
     the copies, then served to them from PyTorch's pinned cache)."""
-    from ckptmgr import _cuda
     from ckptmgr.restore.loaders import bounce as product
     from ckptmgr.restore.loaders import mapped
     from ckptmgr.restore.loaders.landing import plan_landing
@@ -58,7 +57,7 @@ def parts(path: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, dev)
     torch.cuda.synchronize()
     lap("device alloc")
-    held = [_cuda.pinned_empty(product.PIECE_BYTES) for _ in range(2 * product.THREADS)]
+    held = product._buffers(product.THREADS, True)  # (the loader's own block, left in the allocator's cache)
     del held
     lap("pinned alloc")
     first = mf.data_start - mf.data_start % mmap.PAGESIZE
@@ -423,10 +422,9 @@ def child(variant: str, path: str) -> dict[str, Any]:
     warm = variant.split()[1] if variant.startswith("load_file +") else ""
     if warm in ("+pin", "+both"):  # the bounce buffers allocated and freed before the clock (kept by torch's cache)
         t = time.perf_counter()
-        held = [torch.empty(product.PIECE_BYTES, dtype=torch.uint8, pin_memory=True)
-                for _ in range(2 * product.THREADS)]
+        warmed = product._buffers(product.THREADS, True)
         alloc = time.perf_counter() - t
-        del held
+        del warmed
     if warm in ("+out", "+both"):  # the output tensors' device memory, allocated and freed before the clock
         with open(path, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))

@@ -162,7 +162,8 @@ def _restore_step(rep: Replicator, restorer: Restorer, coord: Coordinator, s: in
     m = _manifest(restorer, coord, s, got, on_durable)
     # 4. fetch this rank's shard; its own copies here are checked beside the first round's transfers
     sources = [r for r in shards.get(me, []) if rep.nodes[r] != rep.node]
-    own = _OwnCheck(rep, s, [c for c in copies if c.rank == me]) if any(c.rank == me for c in copies) else None
+    mine_here = [c for c in copies if c.rank == me]
+    own = _OwnCheck(rep, s, mine_here) if mine_here else None
     t1 = time.monotonic()
     try:
         with _Fetching(rep, coord, s) as fetching:
