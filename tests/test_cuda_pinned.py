@@ -43,6 +43,36 @@ def test_load_file_from_disk_onto_the_gpu(tmp_path):
     assert_same(on_host(ckptmgr.load_file(path, device="cuda")), want)
 
 
+def test_load_file_of_a_cold_file_on_disk_reads_it_directly_into_pinned_buffers(tmp_path, small_pieces, monkeypatch):
+    """Out of the page cache, the pieces are read with O_DIRECT into the pinned bounce block
+    (page-aligned: no read falls back) and land bit-exact; the file stays out of the cache."""
+    from conftest import evict
+
+    from ckptmgr.storage.posix import DirectFile, _mostly_cached
+
+    reads = []
+    real = DirectFile.read
+
+    def read(self, offset, view, length, *, plain=False):
+        real(self, offset, view, length, plain=plain)
+        reads.append(self._fallback)
+    monkeypatch.setattr(DirectFile, "read", read)
+    path = str(tmp_path / "w.safetensors")  # (larger than the readahead of the header's read)
+    want = every_dtype(4) | {"big": torch.randn(12_000_001)}
+    st_save_file(want, path)
+    evict(path)
+    got = ckptmgr.load_file(path, device="cuda")
+    assert_same(on_host(got), want)
+    if not reads:
+        pytest.skip("no O_DIRECT on this filesystem")
+    assert len(reads) > 100 and not any(reads)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert not _mostly_cached(fd, 0, os.path.getsize(path))
+    finally:
+        os.close(fd)
+
+
 def test_pinned_weights_unlinked_rewritten_and_into_existing_tensors(ram_dir, small_pieces):
     path = os.path.join(ram_dir, "w.safetensors")
     want = every_dtype(3) | {"big": torch.randn(300_000)}

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from conftest import assert_tree_equal
+from conftest import assert_tree_equal, evict
 from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file as st_save_file
 from test_fsspec_target import faulty  # noqa: F401  (fixture)
@@ -594,10 +594,12 @@ def test_the_bounce_buffers_are_disjoint_slices_of_one_block(monkeypatch):
     for threads in (3, 5):  # (a small file's load takes the block of THREADS readers all the same)
         held = bounce._buffers(threads, gpu=False)
         flat = [b for pair in held for b in pair]
-        base = flat[0].untyped_storage().data_ptr()
-        assert all(b.numel() == 4096 and b.untyped_storage().data_ptr() == base for b in flat)
+        storage = flat[0].untyped_storage().data_ptr()
+        assert all(b.numel() == 4096 and b.untyped_storage().data_ptr() == storage for b in flat)
+        base = min(b.data_ptr() for b in flat)
+        assert base % 4096 == 0  # (page-aligned, for direct reads)
         assert sorted(b.data_ptr() - base for b in flat) == [k * 4096 for k in range(2 * threads)]
-        assert flat[0].untyped_storage().nbytes() == 5 * 2 * 4096
+        assert flat[0].untyped_storage().nbytes() - (base - storage) >= 5 * 2 * 4096
 
 
 def test_a_reader_submit_that_fails_still_waits_for_the_readers_started(ram_dir, monkeypatch):
@@ -653,3 +655,101 @@ def test_a_reader_submit_that_fails_still_waits_for_the_readers_started(ram_dir,
         mf.close()
         pool.ex.shutdown(wait=True)
     assert log[:2] == ["read", "raised"]
+
+
+def _spy_direct_reads(monkeypatch):
+    """Every direct read a :class:`DirectFile` makes: (offset, length, whether it fell back)."""
+    from ckptmgr.storage.posix import DirectFile
+
+    reads = []
+    real = DirectFile.read
+
+    def read(self, offset, view, length, *, plain=False):
+        real(self, offset, view, length, plain=plain)
+        reads.append((offset, length, self._fallback))
+    monkeypatch.setattr(DirectFile, "read", read)
+    return reads
+
+
+@pytest.mark.parametrize("through", ["torch", "runtime"])
+def test_a_cold_file_on_disk_is_read_by_the_bounce_readers_with_direct_reads(tmp_path, monkeypatch, through):
+    """A file on disk out of the page cache: every piece of its data region read once with
+    O_DIRECT into the (page-aligned) bounce buffers, the last piece ending mid-block, and the
+    bytes that land are the file's."""
+    from ckptmgr.restore.loaders import bounce
+    from ckptmgr.storage.posix import direct_of
+
+    monkeypatch.setattr(bounce, "PIECE_BYTES", 1 << 20)
+    monkeypatch.setattr(bounce, "THREADS", 3)
+    if through == "runtime":
+        monkeypatch.setattr(bounce, "runtime_for", lambda landing, device: _HostRuntime())
+    reads = _spy_direct_reads(monkeypatch)
+    path = str(tmp_path / "m.safetensors")  # (larger than the readahead of the header's read: 8 MiB seen)
+    want = {"a": torch.randn(10_000_001), "b": torch.randn(3, 1000).bfloat16(), "c": torch.arange(13, dtype=torch.int8)}
+    st_save_file(want, path)
+    evict(path)
+    mf, landing = _bounce_landing(path)
+    assert not mf.in_ram and mf.size % 4096
+    direct = direct_of(mf.fd, path)
+    if direct is None:
+        mf.close()
+        pytest.skip("no O_DIRECT here")
+    first = mf.data_start - mf.data_start % 4096
+    try:
+        bounce.copy_through_bounce(mf.fd, first, mf.size, landing, torch.device("cpu"), path, direct=direct)
+    finally:
+        direct.close()
+        mf.close()
+    assert sorted((b, b + n) for b, n, _ in reads) == [(b, min(b + (1 << 20), mf.size))
+                                                       for b in range(first, mf.size, 1 << 20)]
+    assert not any(fell for _, _, fell in reads)  # (every read went through O_DIRECT)
+    assert_tree_equal(dict(sorted(landing.tensors().items())), dict(sorted(want.items())))
+
+
+def test_load_file_reads_a_cold_file_on_disk_directly_and_any_other_through_the_cache(root, tmp_path, monkeypatch):
+    """On a GPU (faked: the landing is planned on the host), ``load_file`` of a foreign file on
+    disk that is not in the page cache reads it with O_DIRECT; the same file in the cache, and a
+    ckptmgr step's file (its checksums read the mapping), go through the page cache. Each load
+    is bit-exact."""
+    from ckptmgr.restore.loaders import bounce
+    from ckptmgr.restore.loaders import mapped as mapped_mod
+
+    monkeypatch.setattr(bounce, "PIECE_BYTES", 64 << 10)
+    plan = mapped_mod.plan_landing
+    monkeypatch.setattr(mapped_mod, "plan_landing", lambda e, s, n, device, dests: plan(e, s, n, torch.device("cpu"),
+                                                                                        dests))
+    used = []
+    real = bounce.copy_through_bounce
+
+    def spy(fd, begin, end, landing, device, path, pool=None, direct=None):
+        assert device.type == "cuda"
+        used.append(direct is not None)
+        real(fd, begin, end, landing, torch.device("cpu"), path, pool, direct=direct)
+    monkeypatch.setattr(mapped_mod, "copy_through_bounce", spy)
+    reads = _spy_direct_reads(monkeypatch)
+    path = str(tmp_path / "m.safetensors")  # (larger than the readahead of the header's read: 8 MiB seen)
+    want = {"a": torch.randn(10_000_000), "b": torch.arange(7, dtype=torch.int16)}
+    st_save_file(want, path)
+    evict(path)
+    assert_tree_equal(dict(sorted(ckptmgr.load_file(path).items())), dict(sorted(want.items())))
+    assert used == []  # (for the host, the mapping is copied once)
+    evict(path)
+    got = ckptmgr.load_file(path, device="cuda")
+    if not reads:
+        pytest.skip("no O_DIRECT here")
+    assert used == [True] and not any(fell for _, _, fell in reads)
+    assert_tree_equal(dict(sorted(got.items())), dict(sorted(want.items())))
+    with open(path, "rb") as f:  # in the page cache now
+        f.read()
+    got = ckptmgr.load_file(path, device="cuda")
+    assert used == [True, False]
+    assert_tree_equal(dict(sorted(got.items())), dict(sorted(want.items())))
+    state = {"w": torch.randn(200_000)}
+    with CheckpointManager(root, staging=StagingOptions(local_tier=False)) as m:
+        m.save(1, state).result()
+    step_file = next(str(p) for p in (tmp_path / "ckpt").glob("step_*/*.safetensors"))
+    evict(step_file)
+    n = len(reads)
+    got = ckptmgr.load_file(step_file, device="cuda")
+    assert used == [True, False, False] and len(reads) == n
+    assert any(torch.equal(v, state["w"]) for v in got.values())

@@ -18,6 +18,7 @@ from conftest import evict
 import ckptmgr.restore.restorer as restorer_mod
 from ckptmgr import CheckpointCorruptError, CheckpointManager, CkptTimeoutError, StagingOptions, WriteOptions
 from ckptmgr.restore.loaders import PinnedRing
+from ckptmgr.restore.loaders import pieces as pieces_mod
 from ckptmgr.restore.loaders import ring as ring_mod
 from ckptmgr.restore.transports.direct import BLOCK, _check_read
 from ckptmgr.storage.posix import DIRECT_ALIGN, open_direct
@@ -524,7 +525,7 @@ def test_a_reap_asks_the_kernel_for_at_least_as_many_reads_as_asked(tmp_path):
         return real(number, *args)
     aio._syscall = recorded  # type: ignore[method-assign]
     try:
-        memory = ring_mod._page_aligned(4 * DIRECT_ALIGN)
+        memory = pieces_mod.page_aligned(4 * DIRECT_ALIGN)
         for tag in range(4):
             aio.submit_one(tag, f.direct_fd, 2 * tag * DIRECT_ALIGN, DIRECT_ALIGN,
                            memory.data_ptr() + tag * DIRECT_ALIGN)

@@ -4,9 +4,14 @@ Each variant runs in a fresh process (the first load in a process is what ``load
 users get): ``load_file`` (pins the mapping in pieces), fastsafetensors (nogds) and a bounce
 loader with T threads, each preading the file into two pinned buffers of B MiB in turn and
 copying each to the GPU on a stream of its own. Prints a table, writes JSON. Not a product
-benchmark: it picks the bounce loader's settings.
+benchmark: it picks the bounce loader's settings. With ``--cold`` and a ``--dir`` on disk, the
+file is dropped from the page cache before each run: ``load_file`` (direct reads), ``load_file
+buffered`` (the same readers through the page cache) and ``load_file pinwhole`` (the mapping
+pinned whole, as files on disk were loaded before).
 
     python benchmarks/probes/bounce_load.py --gib 4 --rounds 3 --out bounce.json
+    python benchmarks/probes/bounce_load.py --dir /var/tmp/bounce --cold \
+        --variants "load_file,load_file buffered,load_file pinwhole,fastsafetensors"
 """
 
 from __future__ import annotations
@@ -24,13 +29,17 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import commit, drop_cache
+
 VARIANTS = ["load_file", "load_file many", "load_file reg", "load_file 4x8", "load_file 8x4",
             "load_file +pin", "load_file +out", "load_file +both", "fastsafetensors",
             "bounce 8x8", "bounce 8x16", "reg 8x8", "reg 8x16", "reg 12x8",
             "hybrid 8x8", "hybrid 8x16", "ctypes 8x8", "ctypes 16x8", "ctypesreg 16x8", "pageable 8x64",
             "preg 1x64", "preg 4x64", "preg 8x64", "preg 16x64", "preg 8x16", "preg 8x256", "pregpop 8x64",
             "regonly 1x64", "regonly 4x64", "regonly 8x64", "regonly 16x64",
-            "serial 1x16", "serial 2x16", "serial 4x16", "serial 1x64", "serial 2x8", "parts"]
+            "serial 1x16", "serial 2x16", "serial 4x16", "serial 1x64", "serial 2x8", "parts",
+            "load_file buffered", "load_file pinwhole"]
 
 
 def parts(path: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -67,6 +76,26 @@ def parts(path: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     mf.close()
     lap("views+close")
     return out, phases
+
+
+def pin_whole(path: str) -> dict[str, torch.Tensor]:
+    """A file's mapping pinned in place whole and copied in one transfer (the disk path of
+    ``load_file`` before the bounce readers took it)."""
+    from ckptmgr.restore.loaders import mapped
+    from ckptmgr.restore.loaders.landing import plan_landing
+
+    mf = mapped.open_mapped(path)
+    try:
+        landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, torch.device("cuda"), None)
+        mf.pin()
+        try:
+            landing.land(0, mf.bytes)
+            torch.cuda.synchronize()
+        finally:
+            mf.unpin()
+        return landing.tensors()
+    finally:
+        mf.close()
 
 
 def registered(nbytes: int) -> torch.Tensor:
@@ -453,7 +482,14 @@ def child(variant: str, path: str) -> dict[str, Any]:
         elif " " in variant and not warm and "x" in variant:  # "load_file TxM": the product's bounce settings
             product.THREADS, mib = (int(x) for x in variant.split()[1].split("x"))
             product.PIECE_BYTES = mib << 20
-        res: Any = ckptmgr.load_file(path, device="cuda")
+        elif variant == "load_file buffered":  # a cold file on disk read through the page cache
+            from ckptmgr.restore.loaders import mapped
+
+            mapped.direct_of = lambda fd, where: None
+        elif variant == "load_file pinwhole":  # a file on disk as it was loaded before: pinned whole, one copy
+            res = pin_whole(path)
+        if variant != "load_file pinwhole":
+            res = ckptmgr.load_file(path, device="cuda")
     elif variant == "fastsafetensors":
         with fastsafe_open(path, nogds=True, device="cuda:0") as f:
             res = {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118 (a handle, not a dict)
@@ -490,6 +526,8 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default="")
     p.add_argument("--child", nargs=2)
+    p.add_argument("--cold", action="store_true", help="drop the file from the page cache before each run "
+                   "(a --dir on disk)")
     a = p.parse_args()
     if a.child:
         print(json.dumps(child(a.child[0], a.child[1])))
@@ -509,6 +547,8 @@ def main() -> None:
     subprocess.run([sys.executable, __file__, "--child", variants[0], path], capture_output=True, timeout=300)
     for r in range(a.rounds):
         for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+            if a.cold:
+                drop_cache([path])
             cp = subprocess.run([sys.executable, __file__, "--child", v, path], capture_output=True, text=True,
                                 timeout=300)
             if cp.returncode:
@@ -530,8 +570,8 @@ def main() -> None:
             print(f"{v:18s} {med:9.3f} {min(ss):7.3f}-{max(ss):.3f} {os.path.getsize(path) / med / 1e9:6.1f}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "gib": a.gib, "runs": runs, "summary": summary}, f,
-                      indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "gib": a.gib, "dir": a.dir, "cold": a.cold,
+                       "commit": commit(), "runs": runs, "summary": summary}, f, indent=1)
     os.unlink(path)
 
 

@@ -26,9 +26,9 @@ import numpy as np
 
 from ..errors import CheckpointCorruptError
 
-__all__ = ["DIRECT_ALIGN", "NOT_REGULAR", "DirectFile", "fsync_dir", "makedirs_durable", "open_dir", "open_direct",
-           "open_regular", "pread_address", "pread_chunk", "preadv_fd", "preadv_into", "pwrite_all", "remove_ours",
-           "sibling", "stat_regular"]
+__all__ = ["DIRECT_ALIGN", "NOT_REGULAR", "DirectFile", "direct_of", "fsync_dir", "makedirs_durable", "open_dir",
+           "open_direct", "open_regular", "pread_address", "pread_chunk", "preadv_fd", "preadv_into", "pwrite_all",
+           "remove_ours", "sibling", "stat_regular"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -363,17 +363,42 @@ def open_direct(path: str, *, dir_fd: int | None = None, where: str | None = Non
         return None
     fd = open_regular(path, dir_fd=dir_fd, where=where)
     try:
-        size = os.fstat(fd).st_size
-        if size == 0 or _mostly_cached(fd, 0, size):
-            os.close(fd)
-            return None
-        direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | _DIRECT | _CLOEXEC)  # the file just checked
-    except OSError:  # O_DIRECT refused (or no /proc): the caller reads through the page cache
-        os.close(fd)
-        return None
+        f = _direct_of(fd, where)
     except BaseException:
         os.close(fd)
         raise
+    if f is None:
+        os.close(fd)
+    return f
+
+
+def direct_of(fd: int, where: str) -> DirectFile | None:
+    """The regular file open as ``fd`` (which stays the caller's) open again for direct reads,
+    as :func:`open_direct` decides: ``None`` where most of it is in the page cache or the
+    filesystem refuses ``O_DIRECT``. The result's :meth:`DirectFile.close` closes its own
+    descriptors only."""
+    if not _DIRECT:
+        return None
+    own = os.dup(fd)
+    try:
+        f = _direct_of(own, where)
+    except BaseException:
+        os.close(own)
+        raise
+    if f is None:
+        os.close(own)
+    return f
+
+
+def _direct_of(fd: int, where: str) -> DirectFile | None:
+    """:class:`DirectFile` of ``fd`` (which it then owns), or ``None`` (``fd`` still the caller's)."""
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0 or _mostly_cached(fd, 0, size):
+            return None
+        direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | _DIRECT | _CLOEXEC)  # the file just checked
+    except OSError:  # O_DIRECT refused (or no /proc): the caller reads through the page cache
+        return None
     return DirectFile(fd, direct, where)
 
 

@@ -44,10 +44,10 @@ from typing import Any
 import torch
 
 from ... import _cuda
-from ...storage.posix import pread_address, preadv_fd
+from ...storage.posix import DirectFile, pread_address, preadv_fd
 from ..preflight import drain
 from .landing import Landing
-from .pieces import WAIT_S, shared_pool
+from .pieces import WAIT_S, page_aligned, shared_pool
 
 __all__ = ["PIECE_BYTES", "THREADS", "copy_through_bounce", "readers", "runtime_for"]
 
@@ -75,9 +75,9 @@ def _buffers(threads: int, gpu: bool) -> list[list[torch.Tensor]]:
     block of ``THREADS x 2 x PIECE_BYTES`` whatever ``threads`` is (a small file's load takes
     the block of the same size as a large one's, so every load reuses the one cached block):
     pinned (from PyTorch's pinned host allocator, which keeps it for the next load once the
-    views are dropped) for a GPU, plain memory otherwise."""
+    views are dropped) for a GPU, plain page-aligned memory otherwise (direct reads fill both)."""
     total = max(threads, THREADS) * 2 * PIECE_BYTES
-    block = _cuda.pinned_empty(total) if gpu else torch.empty(total, dtype=torch.uint8)
+    block = _cuda.pinned_empty(total) if gpu else page_aligned(total)
     return [[block[(2 * w + k) * PIECE_BYTES:(2 * w + k + 1) * PIECE_BYTES] for k in range(2)]
             for w in range(threads)]
 
@@ -117,11 +117,13 @@ def _finish(rt: _cuda.Runtime | None, stream: Any, handle: int, events: list[int
 
 
 def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device: torch.device, path: str,
-                        pool: Executor | None = None) -> None:
+                        pool: Executor | None = None, direct: DirectFile | None = None) -> None:
     """Read bytes ``[begin, end)`` of the open file ``fd`` (named ``path`` in errors) and give
     each piece to ``landing`` (file offsets), through pinned buffers, copies on ``device``'s
     side streams ordered after the work already queued on its current stream. Returns once
-    every copy has run.
+    every copy has run. ``direct``: the same file open for direct reads (a cold file on
+    disk, ``begin`` a multiple of :data:`~ckptmgr.storage.posix.DIRECT_ALIGN`), read through
+    it instead.
 
     Raises:
         CheckpointCorruptError: the file ended before ``end`` (cut short under the load).
@@ -149,6 +151,7 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
         handle = stream.cuda_stream if stream is not None else 0
         bufs = held[w]
         ptrs = [buf.data_ptr() for buf in bufs]
+        views = [buf.numpy().data for buf in bufs] if direct is not None else []
         done: list[Any] = [None, None]  # each buffer's copies queued since it was read into (owned by this thread)
         events: list[int] = []  # with ``rt``: the two buffers' events, each added as it is made (this thread's)
         try:
@@ -168,16 +171,20 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
                         rt.wait_event(events[slot])
                     else:
                         done[slot].synchronize()
+                if direct is not None:  # (a whole buffer of room: the read may run past ``e`` to a block's end)
+                    direct.read(b, views[slot], e - b)
                 if rt is not None:  # (the GIL is released for each call)
                     src = ptrs[slot]
-                    pread_address(fd, src, e - b, b, path)
+                    if direct is None:
+                        pread_address(fd, src, e - b, b, path)
                     for dst, off, n in plan[i]:
                         rt.copy_to_device(dst, src + off, n, handle)
                     rt.record(events[slot], handle)
                     done[slot] = True
                     continue
                 buf = bufs[slot][:e - b]
-                preadv_fd(fd, b, [buf.numpy()], path)
+                if direct is None:
+                    preadv_fd(fd, b, [buf.numpy()], path)
                 if stream is None:
                     landing.land(b, buf)
                 else:

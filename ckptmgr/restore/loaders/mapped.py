@@ -5,12 +5,14 @@ A file in /dev/shm (the local tier, or any tmpfs) is already laid out for the GP
 mapped read-only and MAP_SHARED (never a private mapping, which would double host memory):
 the header is parsed and validated there, and the checksums of a ckptmgr step's file are
 verified there. Its bytes go to one allocation per file on the device, of which the tensors
-are views (or into a target's own tensors): from a RAM filesystem read through small pinned
-buffers on several threads and streams (:mod:`.bounce`: pinning a fresh mapping in place
-costs more than the copy it enables; a file loaded again and again is pinned once by
-:class:`~ckptmgr.restore.pinned.PinnedWeights`); a file on disk is pinned whole and copied in
-one transfer, unregistered before the mapping is dropped. Host memory grows by the mapping of
-pages that already exist and the bounce buffers (one 64 MiB pinned block).
+are views (or into a target's own tensors), read through small pinned buffers on several
+threads and streams (:mod:`.bounce`: pinning a fresh mapping in place costs more than the copy
+it enables; a file loaded again and again is pinned once by
+:class:`~ckptmgr.restore.pinned.PinnedWeights`). A file on disk that is not in the page cache
+is read by the same threads with ``O_DIRECT``, as the cold restore reads (no page-cache copy,
+no page-cache pollution), unless its checksums are checked where it is mapped (those reads
+share the page cache with the bounce readers'). Host memory grows by the mapping of pages
+that already exist and the bounce buffers (one 64 MiB pinned block).
 
 Without CUDA, or for ``device="cpu"``, the data region is copied once into memory the
 result owns (a read-only mapping must never leak out as a writable tensor).
@@ -42,6 +44,7 @@ from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import MANIFEST_NAME, FileRecord, Manifest, read_manifest_bytes
 from ...format.schema import MAX_HEADER_BYTES
 from ...format.tree import MAX_DIMS, MAX_FILE_BYTES
+from ...storage.posix import direct_of
 from ...storage.tier import ram_filesystem
 from ..preflight import drain, verify_images
 from .bounce import copy_through_bounce
@@ -194,18 +197,25 @@ def open_mapped(path: str, *, reads: bool = True) -> MappedFile:
     return MappedFile(path, reads=reads)
 
 
-def to_device(mf: MappedFile, device: torch.device,
-              dests: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def to_device(mf: MappedFile, device: torch.device, dests: dict[str, torch.Tensor] | None = None, *,
+              cold_reads: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of ``mf`` on ``device`` (or in the matching tensors of ``dests``): one
-    fresh allocation per file at most: from a RAM filesystem through pinned bounce buffers
-    (:mod:`.bounce`), else straight from the mapping, pinned whole."""
+    fresh allocation per file at most, through pinned bounce buffers (:mod:`.bounce`) where
+    ``mf`` has a descriptor to read, else straight from the mapping, pinned whole.
+    ``cold_reads``: a file on disk that is not in the page cache is read with ``O_DIRECT``
+    (only where nothing else reads it: checks of its mapping would read the disk again)."""
     landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, device, dests)
     if device.type != "cuda":
         landing.land(0, mf.bytes)
         return landing.tensors()
-    if mf.in_ram and mf.fd is not None:
+    if mf.fd is not None:
         first = mf.data_start - mf.data_start % mmap.PAGESIZE  # (the header is not read again)
-        copy_through_bounce(mf.fd, first, mf.size, landing, device, mf.path)
+        direct = direct_of(mf.fd, mf.path) if cold_reads and not mf.in_ram else None
+        try:
+            copy_through_bounce(mf.fd, first, mf.size, landing, device, mf.path, direct=direct)
+        finally:
+            if direct is not None:
+                direct.close()
         return landing.tensors()
     mf.pin()
     try:
@@ -287,10 +297,10 @@ def load_file(path: str | os.PathLike[str], device: str | torch.device | None = 
     """Load every tensor of a safetensors file (written by ckptmgr or by anyone).
 
     The file is mapped and its header validated before anything is allocated. On a CUDA
-    device the bytes go to one allocation on the GPU, of which the tensors are views: from
-    /dev/shm (any RAM filesystem) read on several threads through small reusable pinned
-    buffers, each copied on a stream of its own while the next is read (no second copy of
-    the file in host memory); from disk pinned whole, in one transfer. To load one file
+    device the bytes go to one allocation on the GPU, of which the tensors are views, read on
+    several threads through small reusable pinned buffers, each copied on a stream of its own
+    while the next is read (no second copy of the file in host memory); a file on disk that
+    is not in the page cache is read with ``O_DIRECT``. To load one file
     many times, pin it once with :func:`ckptmgr.pin_file`. Without CUDA or for the CPU the
     data is copied once. A data file of a ckptmgr step (listed in the ``manifest.json``
     beside it) is verified against its checksums while the copies run; any other
@@ -317,7 +327,8 @@ def load_file(path: str | os.PathLike[str], device: str | torch.device | None = 
             rec = sibling_record(mf)
             if rec is not None:
                 checks = submit_checks(mf, rec, checkers())
-            out = to_device(mf, torch.device(device) if device is not None else torch.device("cpu"))
+            out = to_device(mf, torch.device(device) if device is not None else torch.device("cpu"),
+                            cold_reads=rec is None)
             wait_checks(checks)
             return out
         finally:

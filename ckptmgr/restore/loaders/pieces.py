@@ -42,8 +42,8 @@ from ..._threads import DaemonPool
 from ..preflight import drain
 from .landing import Landing
 
-__all__ = ["COPY_STREAMS", "PIECE_BYTES", "POPULATE", "WAIT_S", "Pins", "checkers", "copy_in_pieces", "piece_ranges",
-           "pin_pieces", "populate", "shared_pool", "workers"]
+__all__ = ["COPY_STREAMS", "PIECE_BYTES", "POPULATE", "WAIT_S", "Pins", "checkers", "copy_in_pieces",
+           "page_aligned", "piece_ranges", "pin_pieces", "populate", "shared_pool", "workers"]
 
 # One registration and one group of copies. Registering populated pages took ~3 ms per 64 MiB on an
 # H200 (save/buffers.py), about twice a 64 MiB copy at the link's speed: the registrations set the
@@ -197,3 +197,11 @@ def copy_in_pieces(data: torch.Tensor, landing: Landing, device: torch.device,
     finally:  # the copies end before the pieces may be unpinned or the mapping go
         for s in streams:
             s.synchronize()
+
+
+def page_aligned(nbytes: int) -> torch.Tensor:
+    """Host memory starting on a page boundary (as pinned buffers do), so that direct reads
+    can fill it."""
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 4096
+    return raw[skip:skip + nbytes]

@@ -48,6 +48,7 @@ from ..transports.direct import DEPTH, Copy, Span, landing_buffers, read_window
 from ..transports.pread import Fetch, RingTransport
 from .host import _build_views
 from .landing import Entry, Landing, plan_landing
+from .pieces import page_aligned
 
 __all__ = ["NoDeviceRoom", "PinnedRing", "entries_by_file", "finish_landings", "plan_landings", "read_tensors_pinned",
            "read_tensors_ring"]
@@ -122,7 +123,7 @@ class PinnedRing:
         H200, half the time of a 4 GiB restore from /dev/shm)."""
         buf = self._buffers[index]
         if buf is None:
-            make = _cuda.pinned_empty if _cuda.available() else _page_aligned
+            make = _cuda.pinned_empty if _cuda.available() else page_aligned
             buf = self._buffers[index] = make(self.slot_bytes)
         return buf
 
@@ -172,14 +173,6 @@ class PinnedRing:
             with self._mu:
                 self._free.append(index)
                 self._returned.notify_all()
-
-
-def _page_aligned(nbytes: int) -> torch.Tensor:
-    """Host memory starting on a page boundary (as pinned buffers do), so that direct reads
-    can fill it."""
-    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
-    skip = -raw.data_ptr() % 4096
-    return raw[skip:skip + nbytes]
 
 
 def entries_by_file(manifest: Manifest, where: str) -> dict[str, list[Entry]]:
