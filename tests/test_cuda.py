@@ -251,18 +251,30 @@ def test_slots_pinned_in_pieces_take_copies_split_at_the_boundaries(root, monkey
             assert slot.piece == 1 << 20 and all(len(b.registered) > 1 for b in slot.buffers if b.nbytes > 1 << 20)
 
 
-def test_a_restore_during_the_adoption_copies_the_pinned_pieces_to_the_gpu_as_they_come(root, ram_dir, monkeypatch):
+@pytest.mark.parametrize("back", [False, True], ids=["front", "both-ends"])
+def test_a_restore_during_the_adoption_copies_the_pinned_pieces_to_the_gpu_as_they_come(root, ram_dir, monkeypatch,
+                                                                                        back):
     """A restore that reaches an adopted slot while its adoption is held after two of its
     pieces (real registrations) copies those to the GPU target, then the rest once the
-    adoption goes on: bit-exact, in place."""
+    adoption goes on: bit-exact, in place. ``both-ends``: the bounce readers also read the
+    slot's files from the far end (real pinned buffers and copies), meeting the front."""
     import threading
 
     import ckptmgr._cuda as cuda_shim
+    import ckptmgr.restore.loaders.bounce as bounce_mod
+    import ckptmgr.restore.loaders.images as images_mod
     import ckptmgr.save.buffers as buffers_mod
     import ckptmgr.storage.tier_pinning as pinning_mod
     from ckptmgr import Schedule, WriteOptions
 
     monkeypatch.setattr(buffers_mod, "PIN_PIECE_BYTES", 2 << 20)  # two 1 MiB chunks a piece
+    taken: list[int] = []
+    if back:
+        monkeypatch.setattr(images_mod, "BACK_FROM_BYTES", 0)
+        monkeypatch.setattr(bounce_mod, "PIECE_BYTES", 256 << 10)
+        real_back = bounce_mod.Ends.back
+        monkeypatch.setattr(bounce_mod.Ends, "back", lambda self, w, k: (i := real_back(self, w, k)) is None
+                            or taken.append(i) or i)
     opts = {"staging": StagingOptions(slots=1, local_dir=ram_dir), "write_options": WriteOptions(chunk_size=1 << 20),
             "schedule": Schedule(durable_every=2)}
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -305,6 +317,7 @@ def test_a_restore_during_the_adoption_copies_the_pinned_pieces_to_the_gpu_as_th
             torch.cuda.synchronize()
             for k, v in state.items():
                 assert torch.equal(target[k], v), k
+            assert bool(taken) == back
             mgr.wait(timeout=60)
     finally:
         go.set()

@@ -753,3 +753,48 @@ def test_load_file_reads_a_cold_file_on_disk_directly_and_any_other_through_the_
     got = ckptmgr.load_file(step_file, device="cuda")
     assert used == [True, False, False] and len(reads) == n
     assert any(torch.equal(v, state["w"]) for v in got.values())
+
+
+def _take_front(ends, start, front, rng):
+    start.wait(10)
+    at = 0
+    while True:
+        got = ends.front(at + rng.randint(1, 7))
+        if not got:
+            return
+        assert got.start == at
+        front.extend(got)
+        at = got.stop
+
+
+def _take_back(ends, start, out):
+    start.wait(10)
+    k = 0
+    while (i := ends.back(0, k)) is not None:
+        out.append(i)
+        k += 1
+
+
+def test_ends_give_each_piece_to_one_side_the_front_a_prefix_the_back_a_suffix():
+    """One thread takes runs from the front while three take pieces from the back, all started
+    together: every piece is taken once, the front's pieces come before all of the back's."""
+    import random
+
+    from ckptmgr.restore.loaders.bounce import Ends
+
+    for seed in range(20):
+        n = 500
+        ends = Ends(n)
+        start = threading.Barrier(4)
+        front: list[int] = []
+        backs: list[list[int]] = [[], [], []]
+        threads = [threading.Thread(target=_take_front, args=(ends, start, front, random.Random(seed)))]
+        threads += [threading.Thread(target=_take_back, args=(ends, start, b)) for b in backs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        back = sorted(i for b in backs for i in b)
+        assert sorted(front + back) == list(range(n))
+        assert not front or not back or max(front) < min(back)
+        assert all(b == sorted(b, reverse=True) for b in backs)  # (each reader from the far end down)

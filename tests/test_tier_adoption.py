@@ -16,7 +16,7 @@ from conftest import assert_tree_equal, damage_last_chunk, hold_durable_write
 from test_restore_atomic import _state, _target, _untouched
 
 import ckptmgr._cuda as cuda_shim
-import ckptmgr.restore.loaders.ring as ring_mod
+import ckptmgr.restore.loaders.images as images_mod
 import ckptmgr.restore.restorer as restorer_mod
 from ckptmgr import CheckpointCorruptError, CheckpointManager, SaveError, Schedule, StagingOptions, WriteOptions
 
@@ -46,10 +46,10 @@ def pinned(monkeypatch):
         started.append(("beside the copies", where))
         return real_beside(images, manifest, pool, where)
 
-    real_beside = ring_mod.submit_image_checks
+    real_beside = images_mod.submit_image_checks
     monkeypatch.setattr(restorer_mod, "submit_image_checks", submit)
     monkeypatch.setattr(restorer_mod, "verify_images", verify)
-    monkeypatch.setattr(ring_mod, "submit_image_checks", beside)
+    monkeypatch.setattr(images_mod, "submit_image_checks", beside)
     return started
 
 

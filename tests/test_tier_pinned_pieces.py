@@ -5,6 +5,7 @@ events); the real registrations and copies run on a GPU in test_cuda.py."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from dataclasses import dataclass, field
@@ -156,6 +157,86 @@ def test_a_restore_copies_the_pieces_pinned_so_far_while_the_adoption_is_held(ro
         assert gate.checks == ["at adoption"]  # verified once, by the checks the adoption started
         _adoption_ended(mgr)
         assert mgr._saver.pool.adopting() == [] and gate.adoption_pieces == 8
+        mgr.wait(timeout=60)
+
+
+def _landed_except(target: dict, mgr: CheckpointManager, lo: int, hi: int) -> None:
+    """Every byte of the target's tensors holds step 3's value, but those at file offsets
+    ``[lo, hi)``, which are still zero."""
+    m = mgr._restorer.manifest(3)
+    rec = m.files["data-00000.safetensors"]
+    state = _state(3)
+    for name in ("a", "b", "c"):
+        b, e = m.tensors[name]["offsets"]
+        got, want = target[name].view(torch.uint8), state[name].view(torch.uint8)
+        at = rec.header_size + b  # the tensor's first byte's file offset
+        hole_b, hole_e = max(0, min(lo - at, e - b)), max(0, min(hi - at, e - b))
+        assert torch.equal(got[:hole_b], want[:hole_b]), name
+        assert not got[hole_b:hole_e].any(), name
+        assert torch.equal(got[hole_e:], want[hole_e:]), name
+
+
+def test_a_restore_reads_what_the_held_adoption_has_not_pinned_from_the_far_end(root, ram_dir, gate, monkeypatch):
+    """With much left to pin, the bounce readers read the slot's files from the last piece
+    back while the front copies the pinned pieces: held before piece 2, the front copies
+    chunks 0-7 and waits for chunk 8, the readers take chunks 30 down to 9, and chunk 8 is all
+    that waits for the adoption. Each byte lands once, verified by the adoption's checks."""
+    import ckptmgr.restore.loaders.bounce as bounce_mod
+    import ckptmgr.restore.loaders.images as images_mod
+
+    monkeypatch.setattr(images_mod, "BACK_FROM_BYTES", 0)
+    monkeypatch.setattr(bounce_mod, "PIECE_BYTES", CHUNK)  # (a piece per checksum chunk)
+    monkeypatch.setattr(bounce_mod, "THREADS", 2)
+    taken: list[int] = []
+    ended = threading.Event()
+    mu = threading.Lock()
+    real_back = bounce_mod.Ends.back
+
+    def back(self, w, k):
+        assert gate.blocked.wait(60)  # (the readers start once the front waits for chunk 8)
+        i = real_back(self, w, k)
+        with mu:
+            if i is None:
+                taken.append(-1)
+                if taken.count(-1) == 2:
+                    ended.set()
+            else:
+                taken.append(i)
+        return i
+
+    monkeypatch.setattr(bounce_mod.Ends, "back", back)
+    from ckptmgr.restore.loaders.landing import Landing
+
+    landed: list[tuple[int, int]] = []  # [begin, end) of the file given to a landing, each time
+    real_land = Landing.land
+
+    def land(self, begin, src):
+        with mu:
+            landed.append((begin, begin + src.numel()))
+        return real_land(self, begin, src)
+
+    monkeypatch.setattr(Landing, "land", land)
+    _leave_step_3_in_the_tier(root, ram_dir)
+    gate.armed = True
+    with _open(root, ram_dir) as mgr:
+        assert gate.entered.wait(60)  # pieces 0 and 1 (chunks 0-7) pinned, the adoption held
+        target = _target()
+        restore, out = _restore_in_thread(mgr, target)
+        assert ended.wait(60)  # both readers found nothing left
+        size = mgr._restorer.manifest(3).files["data-00000.safetensors"].size
+        assert sorted(i for i in taken if i >= 0) == list(range(9, -(-size // CHUNK)))
+        assert restore.is_alive() and not out  # chunk 8 waits for the adoption
+        _landed_except(target, mgr, 8 * CHUNK, 9 * CHUNK)
+        gate.go.set()
+        restore.join(60)
+        assert not restore.is_alive() and out and out[0]["n"] == 3
+        for k in ("a", "b", "c"):
+            assert torch.equal(target[k], _state(3)[k]), k
+        assert gate.checks == ["at adoption"]
+        ranges = sorted(landed)  # every byte of the file given once, by one side or the other
+        assert ranges[0][0] == 0 and ranges[-1][1] == size
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+        _adoption_ended(mgr)
         mgr.wait(timeout=60)
 
 

@@ -307,20 +307,21 @@ class Restorer:
         # verified as it arrives, the target changed only after all verified); else verify
         # every chunk first, then land in place.
         through = direct and device.type == "cuda"
-        if use_images and images is not None:  # already pinned where it lies
+        if use_images and images is not None:  # already pinned where it lies (or being pinned by its adoption:
+            slot_files = paths if isinstance(source, LocalTier) else None  # the readers read what it has not reached)
             if through:
                 # (a slot adopted at start-up whose checks still run: the copies go beside them
                 # into spare device memory, moved into the target once they all passed)
                 with contextlib.suppress(NoDeviceRoom):
                     return read_tensors_pinned(images, manifest, device, self.ring, where, dests, through_device=True,
-                                               entries=by_file, checks=adopted)
+                                               entries=by_file, checks=adopted, files=slot_files)
             if adopted is not None:  # no room beside the target: the checks first, then in place
                 verified = self._passed(adopted, where)
                 direct = direct and not verified
             if direct:
                 verify_images(images, manifest, self.ring.pool, where)
             return read_tensors_pinned(images, manifest, device, self.ring, where, dests, verified=direct or verified,
-                                       entries=by_file)
+                                       entries=by_file, files=slot_files)
         if loader == "inplace":
             return read_tensors_inplace(paths, manifest, device, source.io_pool, where, dests)
         if loader == "gds":

@@ -88,6 +88,13 @@ class Pinning:
 
     # ------------------------------------------------------- a restore's side
 
+    def unpinned(self) -> int:
+        """Bytes of the images not pinned yet (0 once revoked or ended: nothing more will be)."""
+        with self._cond:
+            if self._revoked or self._ended:
+                return 0
+            return sum(int(img.numel()) - self._upto.get(name, 0) for name, img in self.images.items())
+
     @contextlib.contextmanager
     def copying(self) -> Iterator[None]:
         """Hold a copy lease: no registration is undone until it is released. Release it only

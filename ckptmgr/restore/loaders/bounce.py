@@ -38,8 +38,9 @@ into again only once the copies queued from it have run. Every stream is synchro
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -49,7 +50,8 @@ from ..preflight import drain
 from .landing import Landing
 from .pieces import WAIT_S, page_aligned, shared_pool
 
-__all__ = ["PIECE_BYTES", "THREADS", "copy_through_bounce", "readers", "runtime_for"]
+__all__ = ["PIECE_BYTES", "THREADS", "Ends", "Piece", "Readers", "Source", "copy_through_bounce", "readers",
+           "runtime_for", "start_readers"]
 
 THREADS = 8  # threads reading the file, each with two buffers and a stream
 PIECE_BYTES = 4 << 20  # one read and one group of copies (THREADS x 2 x PIECE_BYTES: a power of two, see above)
@@ -82,12 +84,12 @@ def _buffers(threads: int, gpu: bool) -> list[list[torch.Tensor]]:
             for w in range(threads)]
 
 
-def _plan(landing: Landing, pieces: list[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
-    """Each piece's copies (destination address, offset in the piece, bytes), for a landing
+def _plan(sources: list[Source], pieces: list[Piece]) -> list[list[tuple[int, int, int]]]:
+    """Each piece's copies (destination address, offset in the piece, bytes), for landings
     of plain bytes (the runtime path's)."""
     plan = []
-    for b, e in pieces:
-        spans = landing.raw(b, e - b)
+    for src, b, e in pieces:
+        spans = sources[src].landing.raw(b, e - b)
         if spans is None:  # (runtime_for gives the runtime only to a plain landing)
             raise AssertionError("a landing without raw spans on the runtime path")
         plan.append(spans)
@@ -116,6 +118,30 @@ def _finish(rt: _cuda.Runtime | None, stream: Any, handle: int, events: list[int
         raise failed
 
 
+class Source(NamedTuple):
+    """A file the readers read: its descriptor (``path`` names it in errors), where its bytes
+    land (file offsets), and ``direct``: the same file open for direct reads, read through
+    instead (a cold file on disk; then every piece begins on a multiple of
+    :data:`~ckptmgr.storage.posix.DIRECT_ALIGN`)."""
+
+    fd: int
+    path: str
+    landing: Landing
+    direct: DirectFile | None = None
+
+
+class Piece(NamedTuple):
+    """Bytes ``[begin, end)`` (at most :data:`PIECE_BYTES`) of source ``source``."""
+
+    source: int
+    begin: int
+    end: int
+
+
+# take(w, k): the index of the piece reader ``w`` reads ``k``-th (k = 0, 1, ...), or None: it is done.
+Take = Callable[[int, int], "int | None"]
+
+
 def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device: torch.device, path: str,
                         pool: Executor | None = None, direct: DirectFile | None = None) -> None:
     """Read bytes ``[begin, end)`` of the open file ``fd`` (named ``path`` in errors) and give
@@ -123,35 +149,85 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
     side streams ordered after the work already queued on its current stream. Returns once
     every copy has run. ``direct``: the same file open for direct reads (a cold file on
     disk, ``begin`` a multiple of :data:`~ckptmgr.storage.posix.DIRECT_ALIGN`), read through
-    it instead.
+    it instead. Reader ``w`` of ``T`` reads pieces ``w``, ``w + T``, ... in file order.
 
     Raises:
         CheckpointCorruptError: the file ended before ``end`` (cut short under the load).
         TimeoutError: a reader still busy after :data:`.pieces.WAIT_S` seconds.
     """
-    pieces = [(b, min(b + PIECE_BYTES, end)) for b in range(begin, end, PIECE_BYTES)]
+    pieces = [Piece(0, b, min(b + PIECE_BYTES, end)) for b in range(begin, end, PIECE_BYTES)]
+    start_readers([Source(fd, path, landing, direct)], pieces, device, pool).wait()
+
+
+class Readers:
+    """Readers started by :func:`start_readers`: :meth:`wait` for them (always, also after
+    :meth:`stop`) before the sources' descriptors, landings or buffers go."""
+
+    def __init__(self, runs: list[Future[None]], stop: threading.Event) -> None:
+        self._runs = runs  # (the caller's thread's)
+        self._stop = stop
+
+    def stop(self) -> None:
+        """Ask every reader to leave at its next piece (what it queued still runs)."""
+        self._stop.set()
+
+    def drain(self) -> None:
+        """Stop the readers and wait for every one started, raising none of their failures
+        (see :func:`~ckptmgr.restore.preflight.drain`)."""
+        self._stop.set()
+        drain(self._runs)
+
+    def wait(self) -> None:
+        """Wait for every reader; raise the first failure. Once this returns or raises, no
+        reader runs and no copy it queued is pending.
+
+        Raises:
+            CheckpointCorruptError: a file ended early.
+            TimeoutError: a reader still busy after :data:`.pieces.WAIT_S` seconds.
+        """
+        try:
+            for f in self._runs:
+                f.result(timeout=WAIT_S)
+        except BaseException:
+            self._stop.set()
+            drain(self._runs)
+            raise
+
+
+def start_readers(sources: list[Source], pieces: list[Piece], device: torch.device, pool: Executor | None = None,
+                  take: Take | None = None) -> Readers:
+    """Start the readers on ``pieces`` of ``sources`` (see the module docstring): each piece
+    read into a pinned buffer and given to its source's landing, copies on ``device``'s side
+    streams ordered after the work already queued on its current stream. ``take``: which
+    piece each reader reads next (default: reader ``w`` of ``T`` reads ``w``, ``w + T``, ...);
+    a piece is read once whoever asks. Returns at once; :meth:`Readers.wait` ends them."""
+    stop = threading.Event()  # set by the first failure: the other readers leave at their next piece
     if not pieces:
-        return
+        return Readers([], stop)
     threads = max(1, min(THREADS, len(pieces)))
+    if take is None:
+        def take(w: int, k: int) -> int | None:
+            i = w + k * threads
+            return i if i < len(pieces) else None
     gpu = device.type == "cuda"
     if gpu:  # ("cuda" alone: the current device, where fresh tensors land)
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    rt = runtime_for(landing, device)
+    rts = {runtime_for(src.landing, device) for src in sources}
+    rt = rts.pop() if len(rts) == 1 else None  # (the runtime path for every source, or none)
     ready = _cuda.ready_event(device) if gpu else None
     streams = [_cuda.staging_stream(device) for _ in range(threads)] if gpu else []  # (made on this thread)
     # (taken here, before any copy runs: see the module docstring)
     held = _buffers(threads, gpu)
     # With the runtime: each piece's copies (destination address, offset in the piece, bytes),
     # worked out here once, so the readers run no Python between their calls but the loop's own.
-    plan = _plan(landing, pieces) if rt is not None else []
-    stop = threading.Event()  # set by the first failure: the other readers leave at their next piece
+    plan = _plan(sources, pieces) if rt is not None else []
 
     def read(w: int) -> None:
         stream = streams[w] if gpu else None
         handle = stream.cuda_stream if stream is not None else 0
         bufs = held[w]
         ptrs = [buf.data_ptr() for buf in bufs]
-        views = [buf.numpy().data for buf in bufs] if direct is not None else []
+        views = [buf.numpy().data for buf in bufs] if any(src.direct is not None for src in sources) else []
         done: list[Any] = [None, None]  # each buffer's copies queued since it was read into (owned by this thread)
         events: list[int] = []  # with ``rt``: the two buffers' events, each added as it is made (this thread's)
         try:
@@ -161,35 +237,39 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
                 rt.set_device(device.index or 0)  # (a pool thread: its device stays set, as every reader's is)
                 for _ in range(2):
                     events.append(rt.new_event())
-            for k, i in enumerate(range(w, len(pieces), threads)):
-                if stop.is_set():
+            k = 0
+            while not stop.is_set():
+                i = take(w, k)
+                if i is None:
                     return
-                b, e = pieces[i]
+                src_i, b, e = pieces[i]
+                src = sources[src_i]
                 slot = k % 2
+                k += 1
                 if done[slot] is not None:  # the copies from this buffer have run
                     if rt is not None:
                         rt.wait_event(events[slot])
                     else:
                         done[slot].synchronize()
-                if direct is not None:  # (a whole buffer of room: the read may run past ``e`` to a block's end)
-                    direct.read(b, views[slot], e - b)
+                if src.direct is not None:  # (a whole buffer of room: the read may run past ``e`` to a block's end)
+                    src.direct.read(b, views[slot], e - b)
                 if rt is not None:  # (the GIL is released for each call)
-                    src = ptrs[slot]
-                    if direct is None:
-                        pread_address(fd, src, e - b, b, path)
+                    at = ptrs[slot]
+                    if src.direct is None:
+                        pread_address(src.fd, at, e - b, b, src.path)
                     for dst, off, n in plan[i]:
-                        rt.copy_to_device(dst, src + off, n, handle)
+                        rt.copy_to_device(dst, at + off, n, handle)
                     rt.record(events[slot], handle)
                     done[slot] = True
                     continue
                 buf = bufs[slot][:e - b]
-                if direct is None:
-                    preadv_fd(fd, b, [buf.numpy()], path)
+                if src.direct is None:
+                    preadv_fd(src.fd, b, [buf.numpy()], src.path)
                 if stream is None:
-                    landing.land(b, buf)
+                    src.landing.land(b, buf)
                 else:
                     with torch.cuda.stream(stream):
-                        landing.land(b, buf)
+                        src.landing.land(b, buf)
                         done[slot] = _cuda.CopyDone([stream])
         except BaseException:
             stop.set()
@@ -203,9 +283,36 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
     try:
         for w in range(threads):  # (appended one by one: a failed submit still drains those started)
             runs.append((pool or readers()).submit(read, w))
-        for f in runs:
-            f.result(timeout=WAIT_S)
     except BaseException:
         stop.set()
         drain(runs)
         raise
+    return Readers(runs, stop)
+
+
+class Ends:
+    """Pieces shared out from both ends: the caller takes runs from the front
+    (:meth:`front`), readers take single pieces from the back (:meth:`back`, a ``take`` for
+    :func:`start_readers`); each piece goes to one side. Guarded by ``_mu`` (held for no
+    more than the arithmetic)."""
+
+    def __init__(self, count: int) -> None:
+        self._mu = threading.Lock()
+        self._lo = 0  # the front's next piece    (_mu)
+        self._hi = count  # the back's last piece taken, or ``count``    (_mu)
+
+    def front(self, upto: int) -> range:
+        """The next pieces from the front, up to (not including) index ``upto``, that the back
+        has not taken; empty when none is left."""
+        with self._mu:
+            got = range(self._lo, max(self._lo, min(upto, self._hi)))
+            self._lo = got.stop
+            return got
+
+    def back(self, w: int, k: int) -> int | None:
+        """The last piece the front has not taken, or None."""
+        with self._mu:
+            if self._hi <= self._lo:
+                return None
+            self._hi -= 1
+            return self._hi

@@ -17,11 +17,8 @@ moved into a target after the whole step verified). Where the bytes land is a
 :mod:`~ckptmgr.restore.loaders.landing` plan: one fresh device allocation per file, or the target's
 own tensors.
 
-A step whose images are already pinned in this process (its staging slot, or a local-tier
-slot it adopted) is copied straight from there at the link's speed, its chunks verified
-where they lie by the ring's threads while the copies run (:func:`read_tensors_pinned`); a
-slot still being pinned by its adoption is copied piece by piece, each as soon as it is
-pinned, while the adoption registers the next.
+A step whose images are already pinned in this process is copied from there instead
+(:mod:`.images`), its chunks verified by the ring's threads.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
@@ -41,8 +38,7 @@ from ...format.layout import ST_TO_DTYPE
 from ...format.manifest import FileRecord, Manifest
 from ...storage.aio import AioContext, open_context
 from ...storage.posix import DIRECT_ALIGN, DirectFile
-from ...storage.tier_pinning import TierImages
-from ..preflight import Source, drain, submit_image_checks, wait_all
+from ..preflight import Source
 from ..read import Chunk, ReadPlan, run
 from ..transports.direct import DEPTH, Copy, Span, landing_buffers, read_window
 from ..transports.pread import Fetch, RingTransport
@@ -50,8 +46,7 @@ from .host import _build_views
 from .landing import Entry, Landing, plan_landing
 from .pieces import page_aligned
 
-__all__ = ["NoDeviceRoom", "PinnedRing", "entries_by_file", "finish_landings", "plan_landings", "read_tensors_pinned",
-           "read_tensors_ring"]
+__all__ = ["NoDeviceRoom", "PinnedRing", "entries_by_file", "finish_landings", "plan_landings", "read_tensors_ring"]
 
 _LEASE_TIMEOUT = 600.0  # seconds; only a caller outside the ring's threads could ever wait
 VERIFIERS = 2  # threads that checksum and copy the blocks of direct reads (one keeps up with the disk)
@@ -359,79 +354,3 @@ def _open_cold(source: Source, step: int, manifest: Manifest, opened: contextlib
         return None
     opened.callback(aio.close)  # also where the queue never starts (closed first: the files after it)
     return Cold(files, aio)
-
-
-def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, device: torch.device,
-                        ring: PinnedRing, where: str, dests: dict[str, torch.Tensor] | None = None, *,
-                        verified: bool = False, through_device: bool = False,
-                        entries: dict[str, list[Entry]] | None = None,
-                        checks: list[Future[None]] | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of a step whose file images are already in pinned host memory (this
-    process's staging slot, or a local-tier slot it adopted): copied straight from there.
-
-    The copies are queued from the calling thread on a stream of their own, chunk by chunk
-    (an image is pinned in pieces of whole chunks, so no copy crosses two), while the ring's
-    threads verify every chunk where it lies; both only read the images, which the caller
-    holds against reuse. The step thus moves at the link's speed with the checksums beside
-    it rather than in front of it. Where the bytes land is decided as for
-    :func:`read_tensors_ring`: fresh memory, which a failed step simply drops; or, with
-    ``through_device``, spare device memory that moves into ``dests`` only once every chunk
-    has verified. Straight into ``dests`` (neither), every chunk is verified before the first
-    copy, unless ``verified``: the caller did, where they lie, before this call.
-
-    ``checks``: checks of these images already started (an adopted slot's, see
-    :meth:`~ckptmgr.restore.restorer.Restorer.check_adopted`), waited for instead of checking
-    again.
-
-    Images of a local-tier slot still being pinned by its adoption (a
-    :class:`~ckptmgr.storage.tier_pinning.TierImages` with its ``pinning``) are copied under a
-    copy lease, each chunk once the adoption has pinned its piece (the copies of piece k run
-    while piece k+1 is registered); the rules above about where bytes land are the same.
-
-    Raises:
-        CheckpointCorruptError: an image does not match the manifest, or a chunk fails its
-            checksum (``dests`` untouched).
-        NoDeviceRoom: ``through_device`` and the step does not fit on the device.
-        PinningLost: the adoption will not pin the images in time (its copies have ended;
-            what landed in ``dests``, if anything, is verified bytes of this step).
-    """
-    for fname, rec in manifest.files.items():
-        image = images.get(fname)
-        if image is None or image.numel() != rec.size:
-            raise CheckpointCorruptError(f"{where}: the staged image of {fname} does not match the manifest")
-    landings = plan_landings(manifest, device, where, dests, through_device, entries)
-    in_place = not through_device and any(landing.into_target for landing in landings.values())
-    pinning: TierImages | None = None  # (a slot its adoption still pins: copied under a copy lease)
-    lease: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    if isinstance(images, TierImages) and images.pinning is not None:
-        pinning, lease = images, images.pinning.copying()
-    started, checks = checks, []
-    stream = None
-    with lease:  # no registration is undone until the copies have ended
-        try:
-            if started is not None:
-                checks = list(started)
-            elif not verified:
-                checks = submit_image_checks(images, manifest, ring.pool, where)
-            if in_place:  # straight into the target: every chunk verified first
-                wait_all(checks)
-            if device.type == "cuda":
-                stream = _cuda.staging_stream(device)
-                stream.wait_stream(torch.cuda.current_stream(device))  # after the work queued on what it writes
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for fname, rec in manifest.files.items():
-                    pinned = rec.size if pinning is None else 0  # bytes of the image known to be pinned
-                    for b, e in chunk_ranges(rec.size, rec.chunk_size):
-                        if e > pinned:
-                            assert pinning is not None
-                            pinned = pinning.wait(fname, e)
-                        landings[fname].land(b, images[fname][b:e])
-            wait_all(checks)
-            if started is not None and any(f.cancelled() for f in checks):  # (not all of them ran)
-                checks = submit_image_checks(images, manifest, ring.pool, where)
-                wait_all(checks)
-        finally:  # whatever happened: the copies and the started checks end before the images or the
-            if stream is not None:  # memory the copies write may go
-                stream.synchronize()
-            drain(checks)
-    return finish_landings(manifest, device, landings, where, through_device)
