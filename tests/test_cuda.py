@@ -257,7 +257,8 @@ def test_a_restore_during_the_adoption_copies_the_pinned_pieces_to_the_gpu_as_th
     """A restore that reaches an adopted slot while its adoption is held after two of its
     pieces (real registrations) copies those to the GPU target, then the rest once the
     adoption goes on: bit-exact, in place. ``both-ends``: the bounce readers also read the
-    slot's files from the far end (real pinned buffers and copies), meeting the front."""
+    slot's files from the far end (real pinned buffers and copies), meeting the front, the
+    adoption held meanwhile."""
     import threading
 
     import ckptmgr._cuda as cuda_shim
@@ -310,10 +311,19 @@ def test_a_restore_during_the_adoption_copies_the_pinned_pieces_to_the_gpu_as_th
             out: list[object] = []
             t = threading.Thread(target=lambda: out.append(mgr.restore(1, target=target)))
             t.start()
-            assert blocked.wait(60)
+            if back:  # (it holds the adoption and reads the rest itself: no wait for piece 2)
+                t.join(60)
+                assert not t.is_alive() and out and not blocked.is_set()
+            else:
+                assert blocked.wait(60)
             go.set()
             t.join(60)
-            assert not t.is_alive() and out and count[0] > 3
+            assert not t.is_alive() and out
+            with mgr._saver.pool._cond:
+                adoption = mgr._saver.pool._adopting.get(0)
+            if adoption is not None:
+                adoption.result(timeout=60)
+            assert count[0] > 3
             torch.cuda.synchronize()
             for k, v in state.items():
                 assert torch.equal(target[k], v), k

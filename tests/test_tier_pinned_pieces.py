@@ -160,83 +160,75 @@ def test_a_restore_copies_the_pieces_pinned_so_far_while_the_adoption_is_held(ro
         mgr.wait(timeout=60)
 
 
-def _landed_except(target: dict, mgr: CheckpointManager, lo: int, hi: int) -> None:
-    """Every byte of the target's tensors holds step 3's value, but those at file offsets
-    ``[lo, hi)``, which are still zero."""
-    m = mgr._restorer.manifest(3)
-    rec = m.files["data-00000.safetensors"]
-    state = _state(3)
-    for name in ("a", "b", "c"):
-        b, e = m.tensors[name]["offsets"]
-        got, want = target[name].view(torch.uint8), state[name].view(torch.uint8)
-        at = rec.header_size + b  # the tensor's first byte's file offset
-        hole_b, hole_e = max(0, min(lo - at, e - b)), max(0, min(hi - at, e - b))
-        assert torch.equal(got[:hole_b], want[:hole_b]), name
-        assert not got[hole_b:hole_e].any(), name
-        assert torch.equal(got[hole_e:], want[hole_e:]), name
-
-
-def test_a_restore_reads_what_the_held_adoption_has_not_pinned_from_the_far_end(root, ram_dir, gate, monkeypatch):
-    """With much left to pin, the bounce readers read the slot's files from the last piece
-    back while the front copies the pinned pieces: held before piece 2, the front copies
-    chunks 0-7 and waits for chunk 8, the readers take chunks 30 down to 9, and chunk 8 is all
-    that waits for the adoption. Each byte lands once, verified by the adoption's checks."""
+def test_a_restore_holds_the_adoption_and_reads_what_is_not_pinned_from_the_far_end(root, ram_dir, gate, monkeypatch):
+    """With much left to pin, a restore holds the adoption after its current piece, copies
+    the chunks pinned so far from the front, and the bounce readers read the rest of the
+    slot's files from the last piece back: the adoption, let go at its gate while the readers
+    are held, parks after that piece and registers nothing while they read. Each byte lands
+    once, verified by the adoption's checks; the adoption then pins on to the end."""
     import ckptmgr.restore.loaders.bounce as bounce_mod
     import ckptmgr.restore.loaders.images as images_mod
+    from ckptmgr.restore.loaders.landing import Landing
 
     monkeypatch.setattr(images_mod, "BACK_FROM_BYTES", 0)
     monkeypatch.setattr(bounce_mod, "PIECE_BYTES", CHUNK)  # (a piece per checksum chunk)
     monkeypatch.setattr(bounce_mod, "THREADS", 2)
-    taken: list[int] = []
-    ended = threading.Event()
     mu = threading.Lock()
-    real_back = bounce_mod.Ends.back
+    reading, proceed, parked = threading.Event(), threading.Event(), threading.Event()
+    taken: list[tuple[int, int]] = []  # (piece, adoption pieces registered or entered then)
+    real_back, real_pinned, real_land = bounce_mod.Ends.back, pinning_mod.Pinning.pinned, Landing.land
 
     def back(self, w, k):
-        assert gate.blocked.wait(60)  # (the readers start once the front waits for chunk 8)
+        reading.set()  # (the hold is taken before the readers start)
+        assert proceed.wait(60)
         i = real_back(self, w, k)
-        with mu:
-            if i is None:
-                taken.append(-1)
-                if taken.count(-1) == 2:
-                    ended.set()
-            else:
-                taken.append(i)
+        if i is not None:
+            with mu:
+                taken.append((i, gate.adoption_pieces))
         return i
 
-    monkeypatch.setattr(bounce_mod.Ends, "back", back)
-    from ckptmgr.restore.loaders.landing import Landing
+    def pinned(self, name, upto):
+        with self._cond:
+            if self._held:
+                parked.set()
+        return real_pinned(self, name, upto)
 
     landed: list[tuple[int, int]] = []  # [begin, end) of the file given to a landing, each time
-    real_land = Landing.land
 
     def land(self, begin, src):
         with mu:
             landed.append((begin, begin + src.numel()))
         return real_land(self, begin, src)
 
+    monkeypatch.setattr(bounce_mod.Ends, "back", back)
+    monkeypatch.setattr(pinning_mod.Pinning, "pinned", pinned)
     monkeypatch.setattr(Landing, "land", land)
     _leave_step_3_in_the_tier(root, ram_dir)
     gate.armed = True
     with _open(root, ram_dir) as mgr:
-        assert gate.entered.wait(60)  # pieces 0 and 1 (chunks 0-7) pinned, the adoption held
+        assert gate.entered.wait(60)  # pieces 0 and 1 (chunks 0-7) pinned, the adoption at its gate
         target = _target()
         restore, out = _restore_in_thread(mgr, target)
-        assert ended.wait(60)  # both readers found nothing left
-        size = mgr._restorer.manifest(3).files["data-00000.safetensors"].size
-        assert sorted(i for i in taken if i >= 0) == list(range(9, -(-size // CHUNK)))
-        assert restore.is_alive() and not out  # chunk 8 waits for the adoption
-        _landed_except(target, mgr, 8 * CHUNK, 9 * CHUNK)
-        gate.go.set()
+        assert reading.wait(60)
+        gate.go.set()  # the adoption registers piece 2 and parks: the restore holds it
+        assert parked.wait(60)
+        proceed.set()
         restore.join(60)
-        assert not restore.is_alive() and out and out[0]["n"] == 3
+        assert not restore.is_alive() and out and out[0]["n"] == 3, out
         for k in ("a", "b", "c"):
             assert torch.equal(target[k], _state(3)[k]), k
-        assert gate.checks == ["at adoption"]
+        assert not gate.blocked.is_set()  # the restore never waited for a piece
+        size = mgr._restorer.manifest(3).files["data-00000.safetensors"].size
+        pieces = -(-size // CHUNK)
+        back_taken = sorted(i for i, _ in taken)
+        assert back_taken == list(range(pieces - len(back_taken), pieces)) and len(back_taken) >= pieces - 12
+        assert {n for _, n in taken} == {HELD + 1}  # nothing registered while the readers read
         ranges = sorted(landed)  # every byte of the file given once, by one side or the other
         assert ranges[0][0] == 0 and ranges[-1][1] == size
         assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+        assert gate.checks == ["at adoption"]
         _adoption_ended(mgr)
+        assert gate.adoption_pieces == 8
         mgr.wait(timeout=60)
 
 
@@ -404,3 +396,29 @@ def test_the_adoption_pauses_between_pieces_unless_a_restore_waits(root, ram_dir
         assert not restore.is_alive() and out and out[0]["n"] == 3
         _adoption_ended(mgr)
     assert gate.adoption_pieces == 8 and pauses == [False, False]  # none once the restore waited
+
+
+def test_a_held_adoption_parks_after_its_piece_until_the_restore_lets_go_or_the_tier_ends_it():
+    """``pinned`` publishes the piece, then parks while a restore holds the adoption; the last
+    hold let go wakes it (and clears the restores' hurry), and so does ``end`` (the tier's
+    close)."""
+    for release in ("let go", "end"):
+        p = pinning_mod.Pinning(0, {"f": torch.zeros(64, dtype=torch.uint8)})
+        p.hurry.set()
+        hold = p.holding()
+        hold.__enter__()
+        adoption = threading.Thread(target=p.pinned, args=("f", 32))
+        adoption.start()
+        with p._cond:
+            assert p._cond.wait_for(lambda p=p: p._upto["f"] == 32, 10)  # (published before it parks)
+        adoption.join(0.2)
+        assert adoption.is_alive()  # parked
+        if release == "end":
+            p.end()
+        else:
+            hold.__exit__(None, None, None)
+        adoption.join(10)
+        assert not adoption.is_alive() and p.upto("f") == 32
+        assert p.hurry.is_set() == (release == "end")
+        if release == "end":
+            hold.__exit__(None, None, None)

@@ -37,6 +37,7 @@ __all__ = ["Pinning", "PinningLost", "TierImages"]
 log = logging.getLogger("ckptmgr")
 
 REVOKE_WAIT_S = 600.0  # at most this long, the adoption waits for restores' copies before it unpins
+HOLD_WAIT_S = 600.0  # at most this long, the adoption stays held by restores that read the rest themselves
 
 
 class PinningLost(Exception):
@@ -57,14 +58,20 @@ class Pinning:
         self._ended = False  # the adoption will pin nothing more                          (_cond)
         self._revoked = False  # registrations are being undone: copy from none of them   (_cond)
         self._copying = 0  # restores holding a copy lease                                 (_cond)
+        self._held = 0  # restores reading what is not pinned yet themselves (see holding) (_cond)
 
     # ------------------------------------------------ the adoption thread's side
 
     def pinned(self, name: str, upto: int) -> None:
-        """Bytes ``[0, upto)`` of image ``name`` are pinned."""
+        """Bytes ``[0, upto)`` of image ``name`` are pinned. While a restore holds the
+        adoption (:meth:`holding`), returns only once none does (at most
+        :data:`HOLD_WAIT_S` seconds later), so that the next registration waits."""
         with self._cond:
             self._upto[name] = max(self._upto.get(name, 0), upto)
             self._cond.notify_all()
+            if self._held and not self._cond.wait_for(lambda: not self._held or self._ended, HOLD_WAIT_S):
+                log.warning("a restore held the adoption of slot %d for over %s s; it pins on", self.index,
+                            HOLD_WAIT_S)
 
     def revoke(self, timeout: float | None = None) -> bool:
         """Registrations are about to be undone: tell every restore, and wait up to
@@ -87,6 +94,28 @@ class Pinning:
             self._cond.notify_all()
 
     # ------------------------------------------------------- a restore's side
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Hold the adoption after the piece it registers now, while a restore reads what is
+        not pinned yet by other means: a registration keeps the driver from running other
+        CUDA calls meanwhile, the restore's copies included. Released, the adoption goes on
+        (with its pauses again, unless another restore still holds it or waits)."""
+        with self._cond:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held -= 1
+                if not self._held:
+                    self.hurry.clear()
+                self._cond.notify_all()
+
+    def upto(self, name: str) -> int:
+        """Bytes of image ``name`` pinned from its start, now."""
+        with self._cond:
+            return self._upto.get(name, 0)
 
     def unpinned(self) -> int:
         """Bytes of the images not pinned yet (0 once revoked or ended: nothing more will be)."""

@@ -3,12 +3,18 @@ slot it adopted at start-up, straight to where they land at the link's speed, ea
 verified where it lies by the ring's threads while the copies run (:func:`read_tensors_pinned`).
 
 A slot its adoption is still pinning is copied chunk by chunk from the front, each once its
-piece is pinned, while the adoption registers the next. Pinning a mapping in place runs at
-about half the link's speed, so a restore that starts while much is left to pin also starts
-the bounce readers (:mod:`.bounce`) on the slot's files from their far end: they read the
-pieces the adoption has not reached into pinned buffers and copy them from there, and the
-two sides meet (:class:`~.bounce.Ends` gives each piece to one side). Whatever reads it,
-every byte lands by the same landing plan and is verified by the same checks.
+piece is pinned, while the adoption registers the next. But a registration keeps the driver
+from running other CUDA calls, the restore's copies among them: after a SIGKILL, a restore
+started at once moved 4.83 GB only as fast as the adoption pinned it, and its copies ran
+after the pinning rather than beside it (H200: pinning ended 0.21 s after the open, the
+restore 0.32 s; ``benchmarks/results/h200-2026-11-28-tierends/``). So a restore that starts
+while much is left to pin holds the adoption after its current piece
+(:meth:`~ckptmgr.storage.tier_pinning.Pinning.holding`), copies the chunks pinned so far from
+the front, and has the bounce readers (:mod:`.bounce`) read the rest from the slot's files,
+from their far end, into pinned buffers and copy it from there; the two sides meet
+(:class:`~.bounce.Ends` gives each piece to one side), and the adoption goes on afterwards.
+Whatever reads it, every byte lands by the same landing plan and is verified by the same
+checks.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from ... import _cuda
 from ...errors import CheckpointCorruptError
 from ...format.checksum import chunk_ranges
 from ...format.manifest import Manifest
-from ...storage.tier_pinning import TierImages
+from ...storage.tier_pinning import Pinning, TierImages
 from ..preflight import drain, submit_image_checks, wait_all
 from . import bounce
 from .bounce import Ends, Piece, Readers, Source
@@ -35,10 +41,10 @@ __all__ = ["BACK_FROM_BYTES", "read_tensors_pinned"]
 
 log = logging.getLogger("ckptmgr")
 
-# A restore starts the bounce readers from the far end only while more than this is left to pin:
-# their pinned block costs about 0.024 s to allocate in a fresh process
-# (benchmarks/probes/pinned_alloc.py), the time the adoption pins about 0.7 GB in.
-BACK_FROM_BYTES = 1 << 30
+# A restore holds the adoption and starts the bounce readers only while more than this is left
+# to pin; less is pinned sooner than the readers' pinned block is allocated in a fresh process
+# (about 0.024 s for its 64 MiB: benchmarks/probes/pinned_alloc.py).
+BACK_FROM_BYTES = 256 << 20
 
 
 def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, device: torch.device,
@@ -69,10 +75,10 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
     copy lease, each chunk once the adoption has pinned its piece (the copies of piece k run
     while piece k+1 is registered); the rules above about where bytes land are the same.
     With ``files`` (file name -> the path of the slot's file), while more than
-    :data:`BACK_FROM_BYTES` remain to be pinned, the bounce readers
-    (:func:`~.bounce.start_readers`) meanwhile read the files from their far end, pieces the
-    adoption has not reached, and the two meet: pinning a mapping in place runs at about half
-    the link's speed, and the readers add their own (:data:`BACK_FROM_BYTES`).
+    :data:`BACK_FROM_BYTES` remain to be pinned, the adoption is held after its current
+    piece, the chunks pinned so far are copied from the front, and the bounce readers
+    (:func:`~.bounce.start_readers`) read the rest from the files, from their far end, until
+    the two meet; the adoption goes on once the copies have ended.
 
     Raises:
         CheckpointCorruptError: an image does not match the manifest, or a chunk fails its
@@ -108,7 +114,7 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
                 stream.wait_stream(torch.cuda.current_stream(device))  # after the work queued on what it writes
             if (pinning is not None and pinning.pinning is not None and files is not None
                     and pinning.pinning.unpinned() > BACK_FROM_BYTES):
-                back = _from_the_back(manifest, files, landings, device, opened, where)
+                back = _from_the_back(manifest, files, landings, device, pinning.pinning, opened, where)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 _front(manifest, images, landings, pinning, back)
             if back is not None:
@@ -149,10 +155,11 @@ def _pieces(manifest: Manifest) -> list[Piece]:
 
 
 def _from_the_back(manifest: Manifest, files: dict[str, str], landings: dict[str, Landing], device: torch.device,
-                   opened: contextlib.ExitStack, where: str) -> tuple[Readers, Ends, list[Piece]] | None:
-    """Start the bounce readers on the step's pieces from the last one back (their
-    descriptors closed by ``opened``); None where a file does not open (the front copies
-    it all, as without readers)."""
+                   pinning: Pinning, opened: contextlib.ExitStack,
+                   where: str) -> tuple[Readers, Ends, list[Piece]] | None:
+    """Hold the adoption (``pinning``) and start the bounce readers on the step's pieces from
+    the last one back (their descriptors and the hold released by ``opened``); None where a
+    file does not open (nothing held: the front copies it all, as without readers)."""
     sources = []
     for fname in manifest.files:
         try:
@@ -164,13 +171,15 @@ def _from_the_back(manifest: Manifest, files: dict[str, str], landings: dict[str
         sources.append(Source(fd, files[fname], landings[fname]))
     pieces = _pieces(manifest)
     ends = Ends(len(pieces))
+    opened.enter_context(pinning.holding())
     return bounce.start_readers(sources, pieces, device, take=ends.back), ends, pieces
 
 
 def _front(manifest: Manifest, images: dict[str, torch.Tensor], landings: dict[str, Landing],
            pinning: TierImages | None, back: tuple[Readers, Ends, list[Piece]] | None) -> None:
-    """Copy the images chunk by chunk from the front, each once it is pinned; with ``back``,
-    only the pieces its readers have not taken (it stops where they meet)."""
+    """Copy the images chunk by chunk from the front, each once it is pinned; with ``back``
+    (the adoption held), only the chunks pinned already that its readers have not taken (it
+    stops at the first chunk not pinned, or where they meet)."""
     if back is None:
         for fname, rec in manifest.files.items():
             pinned = rec.size if pinning is None else 0  # bytes of the image known to be pinned
@@ -181,15 +190,15 @@ def _front(manifest: Manifest, images: dict[str, torch.Tensor], landings: dict[s
                 landings[fname].land(b, images[fname][b:e])
         return
     assert pinning is not None
+    assert pinning.pinning is not None
     _, ends, pieces = back
-    upto: dict[str, int] = {}  # file -> bytes of its image known to be pinned
     for fname, _, end in _chunk_pieces(manifest):
+        if pinning.pinning.upto(fname) < pieces[end - 1].end:
+            return  # (never waits: the adoption is held, the readers take the rest)
         got = ends.front(end)
         if not got:
             return  # (the readers took the rest)
         b, e = pieces[got.start].begin, pieces[got.stop - 1].end
-        if e > upto.get(fname, 0):
-            upto[fname] = pinning.wait(fname, e)
         landings[fname].land(b, images[fname][b:e])
         if got.stop < end:
             return
