@@ -422,3 +422,38 @@ def test_a_held_adoption_parks_after_its_piece_until_the_restore_lets_go_or_the_
         assert p.hurry.is_set() == (release == "end")
         if release == "end":
             hold.__exit__(None, None, None)
+
+
+def test_the_threads_that_fault_pages_in_ahead_start_no_span_while_paused(monkeypatch):
+    """``PopulateAhead``'s ``pause`` (the adoption's: a restore holds it) is called before each
+    span; no span is faulted in until it returns, then every one is."""
+    monkeypatch.setattr(cuda_shim, "available", lambda: True)
+    monkeypatch.setattr(buffers_mod, "POPULATE_PIECE_BYTES", 4096)  # (spans of 32 KiB)
+    buf = buffers_mod.anonymous_buffer(8 * 32 << 10)
+    mu = threading.Lock()
+    populated: list[int] = []
+    paused, go = threading.Semaphore(0), threading.Event()
+    real = buffers_mod._populate
+
+    def populate(ptr, nbytes, tensor):
+        with mu:
+            populated.append(nbytes)
+        real(ptr, nbytes, tensor)
+
+    def pause():
+        paused.release()
+        assert go.wait(60)
+
+    monkeypatch.setattr(buffers_mod, "_populate", populate)
+    ahead = buffers_mod.PopulateAhead([buf], threads=3, pause=pause)
+    try:
+        for _ in range(3):  # every thread is in its first span's pause
+            assert paused.acquire(timeout=60)
+        with mu:
+            assert populated == []
+        go.set()
+        ahead.wait(buf, buf.nbytes)
+        assert sum(populated) == buf.nbytes
+    finally:
+        go.set()
+        ahead.close()

@@ -253,20 +253,23 @@ class PopulateAhead:
     to ``threads`` threads at once (one thread faults in ~0.1-0.3 s per GiB), in buffer and
     file order, so that the thread that pins them can register each piece as soon as its own
     pages are in (:meth:`wait`) rather than after all of them. ``stop`` set: the spans not
-    begun are skipped and the buffers stay unpopulated (pinning populates them).
+    begun are skipped and the buffers stay unpopulated (pinning populates them). ``pause``:
+    called before each span, which starts once it returns (the adoption's: while a restore
+    holds it, see :meth:`~ckptmgr.storage.tier_pinning.Pinning.unheld`).
 
     Made and used by one thread (the one that pins); :meth:`close` ends it: the spans not
     begun are cancelled, those running waited for, and the buffers fully populated marked so.
     """
 
     def __init__(self, buffers: list[HostBuffer], *, stop: threading.Event | None = None,
-                 threads: int = POPULATE_THREADS) -> None:
+                 threads: int = POPULATE_THREADS, pause: Callable[[], None] | None = None) -> None:
         todo = [b for b in buffers if not b.populated and b.nbytes > 0]
         if not _cuda.available() or PIN_MODE == "whole":
             todo = []
         span = POPULATE_PIECE_BYTES * 8
         spans = [(b, at, min(span, b.nbytes - at)) for b in todo for at in range(0, b.nbytes, span)]
         self._stop = stop
+        self._pause = pause  # called before each span: returns once the spans may go on (bounded)
         self._todo = todo
         self._spans: dict[int, list[tuple[int, Future[None]]]] = {id(b): [] for b in todo}  # buffer -> (begin, task)
         self._pool = DaemonPool(max(1, min(threads, len(spans))), thread_name_prefix="ckptmgr-populate") \
@@ -280,6 +283,8 @@ class PopulateAhead:
             raise
 
     def _run(self, b: HostBuffer, at: int, n: int) -> None:
+        if self._pause is not None and (self._stop is None or not self._stop.is_set()):
+            self._pause()
         if self._stop is None or not self._stop.is_set():
             _populate(b.tensor.data_ptr() + at, n, b.tensor[at:at + n])
 

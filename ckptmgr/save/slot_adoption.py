@@ -147,7 +147,7 @@ class SlotAdoption:
         """(adoption thread) Populate and pin ``slot``'s images, each piece once its pages are
         in (the populate threads run ahead), reporting each piece to ``pinning``."""
         try:
-            with PopulateAhead(slot.buffers, stop=self.stop) as ahead:
+            with PopulateAhead(slot.buffers, stop=self.stop, pause=pinning.unheld) as ahead:
                 if not self.stop.is_set():
                     self._pin(slot, _Either(pinning.hurry, self.hurry), chunk_size, pinning, ahead)
         except Exception as exc:  # its restores read through the files instead, and verify them

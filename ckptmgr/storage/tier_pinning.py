@@ -69,8 +69,14 @@ class Pinning:
         with self._cond:
             self._upto[name] = max(self._upto.get(name, 0), upto)
             self._cond.notify_all()
+        self.unheld()
+
+    def unheld(self) -> None:
+        """(the adoption's threads) Return once no restore holds the adoption
+        (:meth:`holding`), at most :data:`HOLD_WAIT_S` seconds later, or once it has ended."""
+        with self._cond:
             if self._held and not self._cond.wait_for(lambda: not self._held or self._ended, HOLD_WAIT_S):
-                log.warning("a restore held the adoption of slot %d for over %s s; it pins on", self.index,
+                log.warning("a restore held the adoption of slot %d for over %s s; it goes on", self.index,
                             HOLD_WAIT_S)
 
     def revoke(self, timeout: float | None = None) -> bool:
@@ -99,8 +105,10 @@ class Pinning:
     def holding(self) -> Iterator[None]:
         """Hold the adoption after the piece it registers now, while a restore reads what is
         not pinned yet by other means: a registration keeps the driver from running other
-        CUDA calls meanwhile, the restore's copies included. Released, the adoption goes on
-        (with its pauses again, unless another restore still holds it or waits)."""
+        CUDA calls meanwhile, the restore's copies included (its threads that fault pages in
+        ahead of the registrations wait too, see :meth:`unheld`: they would take the CPUs and
+        memory bandwidth the restore reads with). Released, the adoption goes on (with its
+        pauses again, unless another restore still holds it or waits)."""
         with self._cond:
             self._held += 1
         try:
