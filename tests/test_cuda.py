@@ -274,8 +274,13 @@ def test_a_restore_during_the_adoption_copies_the_pinned_pieces_to_the_gpu_as_th
         monkeypatch.setattr(images_mod, "BACK_FROM_BYTES", 0)
         monkeypatch.setattr(bounce_mod, "PIECE_BYTES", 256 << 10)
         real_back = bounce_mod.Ends.back
-        monkeypatch.setattr(bounce_mod.Ends, "back", lambda self, w, k: (i := real_back(self, w, k)) is None
-                            or taken.append(i) or i)
+
+        def back_taken(self, w, k):
+            i = real_back(self, w, k)
+            if i is not None:
+                taken.append(i)
+            return i
+        monkeypatch.setattr(bounce_mod.Ends, "back", back_taken)
     opts = {"staging": StagingOptions(slots=1, local_dir=ram_dir), "write_options": WriteOptions(chunk_size=1 << 20),
             "schedule": Schedule(durable_every=2)}
     g = torch.Generator(device="cuda").manual_seed(5)
