@@ -39,6 +39,7 @@ import time
 from typing import Any
 
 import torch
+from common import commit
 
 
 def _state(gib: float, tensors: int, device: str) -> dict[str, torch.Tensor]:
@@ -201,7 +202,8 @@ def main() -> None:
                      ("adoption_end_s", "pinning ends, after the open")):
         if k in ends:
             print(f"{label:32} {ends[k]['median']:9.3f} {ends[k]['min']:7.3f}-{ends[k]['max']:<7.3f}")
-    result = {**ends, "bench": "tier_restore", "device": args.device, "after_adoption": args.after_adoption,
+    result = {**ends, "bench": "tier_restore", "commit": commit(), "device": args.device,
+              "after_adoption": args.after_adoption,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
               "gib": args.gib, "tensors": args.tensors, "bytes": nbytes, "runs": runs, "restore_s": rest,
               "open_s": opened, "resume_s": resumed, "restore_gbps_median": nbytes / rest["median"] / 1e9,
