@@ -363,13 +363,9 @@ def open_direct(path: str, *, dir_fd: int | None = None, where: str | None = Non
         return None
     fd = open_regular(path, dir_fd=dir_fd, where=where)
     try:
-        f = _direct_of(fd, where)
-    except BaseException:
+        return direct_of(fd, where)
+    finally:
         os.close(fd)
-        raise
-    if f is None:
-        os.close(fd)
-    return f
 
 
 def direct_of(fd: int, where: str) -> DirectFile | None:
@@ -381,25 +377,17 @@ def direct_of(fd: int, where: str) -> DirectFile | None:
         return None
     own = os.dup(fd)
     try:
-        f = _direct_of(own, where)
+        size = os.fstat(own).st_size
+        if size > 0 and not _mostly_cached(own, 0, size):
+            direct = os.open(f"/proc/self/fd/{own}", os.O_RDONLY | _DIRECT | _CLOEXEC)  # the file just checked
+            return DirectFile(own, direct, where)
+    except OSError:  # O_DIRECT refused (or no /proc): the caller reads through the page cache
+        pass
     except BaseException:
         os.close(own)
         raise
-    if f is None:
-        os.close(own)
-    return f
-
-
-def _direct_of(fd: int, where: str) -> DirectFile | None:
-    """:class:`DirectFile` of ``fd`` (which it then owns), or ``None`` (``fd`` still the caller's)."""
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0 or _mostly_cached(fd, 0, size):
-            return None
-        direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | _DIRECT | _CLOEXEC)  # the file just checked
-    except OSError:  # O_DIRECT refused (or no /proc): the caller reads through the page cache
-        return None
-    return DirectFile(fd, direct, where)
+    os.close(own)
+    return None
 
 
 def _libc_mincore() -> Any:
