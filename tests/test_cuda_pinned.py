@@ -47,6 +47,7 @@ def test_load_file_of_a_cold_file_on_disk_reads_it_directly_into_pinned_buffers(
     """Out of the page cache, the pieces are read with O_DIRECT into the pinned bounce block
     (page-aligned: no read falls back) and land bit-exact; the file stays out of the cache."""
     from conftest import evict
+    from test_load_file import _skip_without_direct_reads
 
     from ckptmgr.storage.posix import DirectFile, _mostly_cached
 
@@ -61,10 +62,9 @@ def test_load_file_of_a_cold_file_on_disk_reads_it_directly_into_pinned_buffers(
     want = every_dtype(4) | {"big": torch.randn(12_000_001)}
     st_save_file(want, path)
     evict(path)
+    _skip_without_direct_reads(path)
     got = ckptmgr.load_file(path, device="cuda")
     assert_same(on_host(got), want)
-    if not reads:
-        pytest.skip("no O_DIRECT on this filesystem")
     assert len(reads) > 100 and not any(reads)
     fd = os.open(path, os.O_RDONLY)
     try:

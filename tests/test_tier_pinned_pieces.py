@@ -398,30 +398,226 @@ def test_the_adoption_pauses_between_pieces_unless_a_restore_waits(root, ram_dir
     assert gate.adoption_pieces == 8 and pauses == [False, False]  # none once the restore waited
 
 
-def test_a_held_adoption_parks_after_its_piece_until_the_restore_lets_go_or_the_tier_ends_it():
+def test_a_held_adoption_parks_after_its_piece_until_the_restore_lets_go_the_tier_ends_it_or_close():
     """``pinned`` publishes the piece, then parks while a restore holds the adoption; the last
-    hold let go wakes it (and clears the restores' hurry), and so does ``end`` (the tier's
-    close)."""
-    for release in ("let go", "end"):
+    hold let go wakes it (and clears the restores' hurry), and so do ``end`` (the tier's
+    close) and ``stopping`` (the manager's close)."""
+    for release in ("let go", "end", "stopping"):
         p = pinning_mod.Pinning(0, {"f": torch.zeros(64, dtype=torch.uint8)})
         p.hurry.set()
+        parked = threading.Event()
+        real_wait_for = p._cond.wait_for
+
+        def wait_for(predicate, timeout=None, parked=parked, real_wait_for=real_wait_for):
+            parked.set()  # (under the lock, as the adoption parks)
+            return real_wait_for(predicate, timeout)
+
+        p._cond.wait_for = wait_for
         hold = p.holding()
         hold.__enter__()
         adoption = threading.Thread(target=p.pinned, args=("f", 32))
         adoption.start()
-        with p._cond:
-            assert p._cond.wait_for(lambda p=p: p._upto["f"] == 32, 10)  # (published before it parks)
-        adoption.join(0.2)
-        assert adoption.is_alive()  # parked
+        assert parked.wait(10) and p.upto("f") == 32  # (published before it parks)
+        assert adoption.is_alive()
         if release == "end":
             p.end()
+        elif release == "stopping":
+            p.stopping()
         else:
             hold.__exit__(None, None, None)
         adoption.join(10)
-        assert not adoption.is_alive() and p.upto("f") == 32
-        assert p.hurry.is_set() == (release == "end")
-        if release == "end":
+        assert not adoption.is_alive()
+        assert p.hurry.is_set() == (release != "let go")
+        if release != "let go":
             hold.__exit__(None, None, None)
+
+
+def test_a_run_of_holds_parks_the_adoption_for_at_most_its_bound(monkeypatch):
+    """Holds that outlast HOLD_WAIT_S (counted from the first) no longer park the adoption."""
+    monkeypatch.setattr(pinning_mod, "HOLD_WAIT_S", 0.0)
+    p = pinning_mod.Pinning(0, {"f": torch.zeros(64, dtype=torch.uint8)})
+    with p.holding():
+        p.pinned("f", 64)  # returns at once: the bound has passed
+        assert p.upto("f") == 64
+
+
+def test_close_while_a_restore_holds_the_adoption_stops_it_at_once(root, ram_dir, gate, monkeypatch):
+    """The manager's close wakes an adoption parked by a restore's hold: it stops after its
+    piece and revokes its progress while the restore's readers are still held (and, as for
+    any restore, unpins only once the restore's copy lease is given back)."""
+    import ckptmgr.restore.loaders.bounce as bounce_mod
+    import ckptmgr.restore.loaders.images as images_mod
+
+    monkeypatch.setattr(images_mod, "BACK_FROM_BYTES", 0)
+    monkeypatch.setattr(bounce_mod, "PIECE_BYTES", CHUNK)
+    reading, proceed, parked, revoking = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+    real_back, real_pinned, real_revoke = bounce_mod.Ends.back, pinning_mod.Pinning.pinned, pinning_mod.Pinning.revoke
+
+    def back(self, w, k):
+        reading.set()
+        assert proceed.wait(60)
+        return real_back(self, w, k)
+
+    def pinned(self, name, upto):
+        with self._cond:
+            if self._held:
+                parked.set()
+        return real_pinned(self, name, upto)
+
+    def revoke(self, timeout=None):
+        revoking.set()
+        return real_revoke(self, timeout)
+
+    monkeypatch.setattr(bounce_mod.Ends, "back", back)
+    monkeypatch.setattr(pinning_mod.Pinning, "pinned", pinned)
+    monkeypatch.setattr(pinning_mod.Pinning, "revoke", revoke)
+    _leave_step_3_in_the_tier(root, ram_dir)
+    gate.armed = True
+    mgr = _open(root, ram_dir)
+    restore = None
+    try:
+        assert gate.entered.wait(60)
+        restore, out = _restore_in_thread(mgr, _target())
+        assert reading.wait(60)
+        gate.go.set()
+        assert parked.wait(60)  # the adoption parks after piece 2
+        mgr._saver.pool.halt()  # what close() does first
+        assert revoking.wait(60)  # woken: it stopped after that piece, and revokes
+        assert not out and restore.is_alive() and gate.adoption_pieces == HELD + 1
+    finally:
+        proceed.set()
+        if restore is not None:
+            restore.join(60)
+        mgr.close()
+    assert not restore.is_alive() and len(out) == 1 and out[0]["n"] == 3, out
+
+
+def _open_under(directory: str) -> list[str]:
+    """The files under ``directory`` this process has descriptors of, one entry per descriptor."""
+    real = os.path.realpath(directory) + os.sep
+    out = []
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{n}")
+        except OSError:  # (closed meanwhile: the listing's own descriptor)
+            continue
+        if target.startswith(real):
+            out.append(target)
+    return sorted(out)
+
+
+@pytest.mark.parametrize("fails", ["front", "drain"])
+def test_a_restore_that_fails_while_holding_releases_the_hold_and_the_slot_files(root, ram_dir, gate, monkeypatch,
+                                                                                  fails):
+    """Whatever fails in a restore that holds the adoption (its front copies, or the readers'
+    drain in its cleanup), the hold is released and the slot's files it opened are closed by
+    the time the error reaches the caller (the error still alive), and the adoption ends."""
+    import ckptmgr.restore.loaders.bounce as bounce_mod
+    import ckptmgr.restore.loaders.images as images_mod
+
+    monkeypatch.setattr(images_mod, "BACK_FROM_BYTES", 0)
+    monkeypatch.setattr(bounce_mod, "PIECE_BYTES", CHUNK)
+    if fails == "front":
+        def front(*a, **k):
+            raise RuntimeError("a copy failed")
+        monkeypatch.setattr(images_mod, "_front", front)
+    else:
+        real_drain = bounce_mod.Readers.drain
+
+        def drain(self):
+            real_drain(self)
+            raise RuntimeError("the readers' drain failed")
+        monkeypatch.setattr(bounce_mod.Readers, "drain", drain)
+    started: list[bounce_mod.Readers] = []
+    real_start = bounce_mod.start_readers
+    monkeypatch.setattr(bounce_mod, "start_readers", lambda *a, **k: started.append(real_start(*a, **k)) or started[-1])
+    path = _leave_step_3_in_the_tier(root, ram_dir)
+    gate.armed = True
+    with _open(root, ram_dir) as mgr:
+        assert gate.entered.wait(60)
+        with mgr._tier._mu:
+            pinning = mgr._tier._adopting[0]
+        before = _open_under(os.path.dirname(path))  # (the tier's own)
+        restore, out = _restore_in_thread(mgr, _target())
+        restore.join(60)
+        assert not restore.is_alive() and len(out) == 1 and isinstance(out[0], RuntimeError), out
+        with pinning._cond:
+            assert pinning._held == 0
+        assert _open_under(os.path.dirname(path)) == before
+        assert len(started) == 1 and all(f.done() for f in started[0]._runs)  # no reader outlived it
+        gate.go.set()
+        _adoption_ended(mgr)
+        assert gate.adoption_pieces == 8
+
+
+def test_a_held_adoption_s_page_faulting_threads_start_no_span_until_the_restore_lets_go(root, ram_dir, monkeypatch):
+    """The adoption's populate threads park before their next span while a restore holds the
+    adoption: the span after the one running when the hold began is faulted in only once the
+    restore has let go."""
+    import ckptmgr.restore.loaders.bounce as bounce_mod
+    import ckptmgr.restore.loaders.images as images_mod
+
+    monkeypatch.setattr(cuda_shim, "available", lambda: True)
+    monkeypatch.setattr(cuda_shim, "host_register", lambda ptr, n, read_only=False: None)
+    monkeypatch.setattr(cuda_shim, "host_unregister", lambda ptr: None)
+    monkeypatch.setattr(buffers_mod, "PIN_PIECE_BYTES", PIECE)
+    monkeypatch.setattr(buffers_mod, "POPULATE_PIECE_BYTES", PIECE // 8)  # (spans of one pinned piece)
+    monkeypatch.setattr(buffers_mod, "POPULATE_THREADS", 1)
+    monkeypatch.setattr(images_mod, "BACK_FROM_BYTES", 0)
+    monkeypatch.setattr(bounce_mod, "PIECE_BYTES", CHUNK)
+    mu = threading.Lock()
+    spans: list[tuple[int, bool]] = []  # (span, the adoption held when it began)
+    second_in, second_go = threading.Event(), threading.Event()
+    reading, proceed, pop_parked = threading.Event(), threading.Event(), threading.Event()
+    real_populate, real_back, real_unheld = buffers_mod._populate, bounce_mod.Ends.back, pinning_mod.Pinning.unheld
+    holder: list[pinning_mod.Pinning] = []
+
+    def populate(ptr, nbytes, tensor):
+        with mu:
+            k = len(spans)
+            held = bool(holder) and holder[0]._held > 0
+            spans.append((k, held))
+        if k == 1:  # the second span runs when the restore takes its hold
+            second_in.set()
+            assert second_go.wait(60)
+        real_populate(ptr, nbytes, tensor)
+
+    def unheld(self):
+        if threading.current_thread().name.startswith("ckptmgr-populate"):
+            with self._cond:
+                if self._held:
+                    pop_parked.set()
+        return real_unheld(self)
+
+    def back(self, w, k):
+        reading.set()
+        assert proceed.wait(60)
+        return real_back(self, w, k)
+
+    monkeypatch.setattr(buffers_mod, "_populate", populate)
+    monkeypatch.setattr(pinning_mod.Pinning, "unheld", unheld)
+    monkeypatch.setattr(bounce_mod.Ends, "back", back)
+    _leave_step_3_in_the_tier(root, ram_dir)
+    with _open(root, ram_dir) as mgr:
+        try:
+            assert second_in.wait(60)  # piece 0 populated (and pinned), the second span running
+            with mgr._tier._mu:
+                holder.append(mgr._tier._adopting[0])
+            restore, out = _restore_in_thread(mgr, _target())
+            assert reading.wait(60)  # the restore holds the adoption
+            second_go.set()
+            assert pop_parked.wait(60)  # the populate thread parks before the third span
+            with mu:
+                assert [k for k, _ in spans] == [0, 1]
+            proceed.set()
+            restore.join(60)
+            assert not restore.is_alive() and out and out[0]["n"] == 3, out
+            _adoption_ended(mgr)
+            with mu:  # (every span of the slot's buffers ran, none while the adoption was held)
+                assert len(spans) > 2 and not any(held for k, held in spans if k >= 2)
+        finally:
+            second_go.set()
+            proceed.set()
 
 
 def test_the_threads_that_fault_pages_in_ahead_start_no_span_while_paused(monkeypatch):

@@ -250,7 +250,8 @@ def _populate(ptr: int, nbytes: int, tensor: torch.Tensor) -> None:
 
 class PopulateAhead:
     """:meth:`HostBuffer.populate` of several buffers, in spans of a few populate pieces on up
-    to ``threads`` threads at once (one thread faults in ~0.1-0.3 s per GiB), in buffer and
+    to ``threads`` threads at once (None: :data:`POPULATE_THREADS`; one thread faults in ~0.1-0.3 s
+    per GiB), in buffer and
     file order, so that the thread that pins them can register each piece as soon as its own
     pages are in (:meth:`wait`) rather than after all of them. ``stop`` set: the spans not
     begun are skipped and the buffers stay unpopulated (pinning populates them). ``pause``:
@@ -262,7 +263,7 @@ class PopulateAhead:
     """
 
     def __init__(self, buffers: list[HostBuffer], *, stop: threading.Event | None = None,
-                 threads: int = POPULATE_THREADS, pause: Callable[[], None] | None = None) -> None:
+                 threads: int | None = None, pause: Callable[[], None] | None = None) -> None:
         todo = [b for b in buffers if not b.populated and b.nbytes > 0]
         if not _cuda.available() or PIN_MODE == "whole":
             todo = []
@@ -272,6 +273,7 @@ class PopulateAhead:
         self._pause = pause  # called before each span: returns once the spans may go on (bounded)
         self._todo = todo
         self._spans: dict[int, list[tuple[int, Future[None]]]] = {id(b): [] for b in todo}  # buffer -> (begin, task)
+        threads = POPULATE_THREADS if threads is None else threads
         self._pool = DaemonPool(max(1, min(threads, len(spans))), thread_name_prefix="ckptmgr-populate") \
             if spans else None
         try:

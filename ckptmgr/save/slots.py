@@ -341,6 +341,8 @@ class SlotPool(SlotCapacity, SlotBuffers, SlotAdoption):
         """Set ``stop`` (closing), and wake whoever waits on the pool's lock for it: a spare's
         files waiting for their turn (see :meth:`SlotBuffers._make_gently`) go at once."""
         self.stop.set()
+        if self.tier is not None:  # (an adoption parked by a restore's hold sees the stop at once)
+            self.tier.stop_holds()
         self._wake()  # (the waits check ``stop`` under the lock: none misses it)
 
     def close(self, timeout: float | None = None) -> tuple[list[int], list[int]]:

@@ -256,6 +256,14 @@ class LocalTier(TierScan):
             self._adopting[index] = pinning
         return pinning
 
+    def stop_holds(self) -> None:
+        """The manager closes: no restore's hold parks an adoption any more (see
+        :meth:`~ckptmgr.storage.tier_pinning.Pinning.stopping`)."""
+        with self._mu:
+            adopting = list(self._adopting.values())
+        for pinning in adopting:
+            pinning.stopping()
+
     def adopted(self, index: int) -> None:
         """The background adoption of slot ``index`` ended (pinned and attached, or not)."""
         with self._mu:

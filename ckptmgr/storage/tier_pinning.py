@@ -8,9 +8,15 @@ chunk as soon as the piece that holds it is pinned (:meth:`Pinning.wait`), while
 registers the next piece. A restore that waits asks the adoption to hurry (``hurry``: no
 pauses between pieces).
 
+A restore that would otherwise wait while much is left to pin holds the adoption instead
+(:meth:`Pinning.holding`, see :mod:`ckptmgr.restore.loaders.images`): the adoption thread and
+its page-faulting threads park (:meth:`Pinning.unheld`) until the holds are released, the
+adoption ends, the manager closes (:meth:`Pinning.stopping`) or :data:`HOLD_WAIT_S` has passed.
+
 Ownership: the adoption thread writes the progress (:meth:`Pinning.pinned`,
 :meth:`Pinning.revoke`, :meth:`Pinning.end`; :meth:`Pinning.end` also the tier's close, and
-whoever cancels an adoption not begun); restores read it. Every field but ``index``,
+whoever cancels an adoption not begun); restores read it, and write the holds (and clear
+``hurry`` when the last is released); the manager's close sets the stop. Every field but ``index``,
 ``images`` and ``hurry`` (set once, or an event) is guarded by the pinning's own condition
 ``_cond`` (never held across I/O or a CUDA call, and never while another lock is taken). Before the adoption undoes a
 registration (a failed one, or a stop at close) it revokes the progress and waits, bounded,
@@ -26,7 +32,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (the CLI reads a tier's listing without torch)
@@ -37,7 +43,9 @@ __all__ = ["Pinning", "PinningLost", "TierImages"]
 log = logging.getLogger("ckptmgr")
 
 REVOKE_WAIT_S = 600.0  # at most this long, the adoption waits for restores' copies before it unpins
-HOLD_WAIT_S = 600.0  # at most this long, the adoption stays held by restores that read the rest themselves
+# At most this long from the first hold, restores that read the rest themselves keep the adoption
+# parked (kept under the populate threads' own 600 s wait, past which the adoption would fail).
+HOLD_WAIT_S = 300.0
 
 
 class PinningLost(Exception):
@@ -59,6 +67,9 @@ class Pinning:
         self._revoked = False  # registrations are being undone: copy from none of them   (_cond)
         self._copying = 0  # restores holding a copy lease                                 (_cond)
         self._held = 0  # restores reading what is not pinned yet themselves (see holding) (_cond)
+        self._held_until = 0.0  # (monotonic) when the holds stop parking the adoption      (_cond)
+        self._stopping = False  # the manager closes: holds no longer park the adoption     (_cond)
+        self._overheld = False  # a run of holds outlasted HOLD_WAIT_S (said once)           (_cond)
 
     # ------------------------------------------------ the adoption thread's side
 
@@ -73,11 +84,24 @@ class Pinning:
 
     def unheld(self) -> None:
         """(the adoption's threads) Return once no restore holds the adoption
-        (:meth:`holding`), at most :data:`HOLD_WAIT_S` seconds later, or once it has ended."""
+        (:meth:`holding`), or it has ended, or the manager closes (:meth:`stopping`), or
+        :data:`HOLD_WAIT_S` seconds after the first of the holds began."""
         with self._cond:
-            if self._held and not self._cond.wait_for(lambda: not self._held or self._ended, HOLD_WAIT_S):
-                log.warning("a restore held the adoption of slot %d for over %s s; it goes on", self.index,
+            def free() -> bool:
+                return not self._held or self._ended or self._stopping
+
+            left = self._held_until - time.monotonic()
+            if not free() and (left <= 0 or not self._cond.wait_for(free, left)) and not self._overheld:
+                self._overheld = True
+                log.warning("restores held the adoption of slot %d for over %s s; it goes on", self.index,
                             HOLD_WAIT_S)
+
+    def stopping(self) -> None:
+        """(the manager's close) The adoption is told to stop: holds no longer park it, so it
+        sees the stop at its next piece."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
 
     def revoke(self, timeout: float | None = None) -> bool:
         """Registrations are about to be undone: tell every restore, and wait up to
@@ -108,8 +132,12 @@ class Pinning:
         CUDA calls meanwhile, the restore's copies included (its threads that fault pages in
         ahead of the registrations wait too, see :meth:`unheld`: they would take the CPUs and
         memory bandwidth the restore reads with). Released, the adoption goes on (with its
-        pauses again, unless another restore still holds it or waits)."""
+        pauses again: the last hold released clears ``hurry``, which a restore that then
+        waits sets again). The adoption parks at most :data:`HOLD_WAIT_S` seconds from the
+        first of a run of holds."""
         with self._cond:
+            if not self._held:
+                self._held_until, self._overheld = time.monotonic() + HOLD_WAIT_S, False
             self._held += 1
         try:
             yield
@@ -125,12 +153,12 @@ class Pinning:
         with self._cond:
             return self._upto.get(name, 0)
 
-    def unpinned(self) -> int:
-        """Bytes of the images not pinned yet (0 once revoked or ended: nothing more will be)."""
+    def unpinned(self, names: Iterable[str]) -> int:
+        """Bytes of images ``names`` not pinned yet (0 once revoked or ended: nothing more will be)."""
         with self._cond:
             if self._revoked or self._ended:
                 return 0
-            return sum(int(img.numel()) - self._upto.get(name, 0) for name, img in self.images.items())
+            return sum(int(self.images[n].numel()) - self._upto.get(n, 0) for n in names if n in self.images)
 
     @contextlib.contextmanager
     def copying(self) -> Iterator[None]:

@@ -1,4 +1,10 @@
-"""A file in a RAM filesystem copied to the GPU through small reusable pinned buffers.
+"""Files copied to the GPU through small reusable pinned buffers: the bounce readers.
+
+Used by ``load_file`` and the in-place loader (:func:`copy_through_bounce`: one file, reader
+``w`` of ``T`` reading pieces ``w``, ``w + T``, ...) and by a restore of a local-tier slot its
+adoption still pins (:func:`start_readers` over the slot's files with a ``take`` that hands out
+pieces from the far end, :class:`Ends`; see :mod:`.images`). A cold file on disk is read with
+``O_DIRECT`` into the same buffers (:class:`Source` ``direct``).
 
 Pinning a fresh mapping where it lies (cudaHostRegister) runs at 11-17 GB/s on an H100,
 slower than the copy it enables (about 50 GB/s): for a single load of a file the
@@ -29,7 +35,8 @@ parts of the piece that tensors want, as addresses, worked out for every piece b
 readers start) are queued through the CUDA runtime library PyTorch loaded
 (:class:`ckptmgr._cuda.Runtime`), and the piece is read by address
 (:func:`~ckptmgr.storage.posix.pread_address`), each call with the GIL released, so the
-readers never wait for each other's Python; elsewhere, or where the library is not found,
+readers run little Python between their calls (the loop, and the ``take`` that picks the
+next piece); elsewhere, or where the library is not found,
 :meth:`~.landing.Landing.land` copies them with ``torch`` (``non_blocking``). A buffer is read
 into again only once the copies queued from it have run. Every stream is synchronised before
 :func:`copy_through_bounce` returns or raises, so no copy outlives the buffers or the call.
@@ -160,16 +167,12 @@ def copy_through_bounce(fd: int, begin: int, end: int, landing: Landing, device:
 
 
 class Readers:
-    """Readers started by :func:`start_readers`: :meth:`wait` for them (always, also after
-    :meth:`stop`) before the sources' descriptors, landings or buffers go."""
+    """Readers started by :func:`start_readers`: :meth:`wait` for them, or :meth:`drain` them,
+    before the sources' descriptors, landings or buffers go."""
 
     def __init__(self, runs: list[Future[None]], stop: threading.Event) -> None:
         self._runs = runs  # (the caller's thread's)
         self._stop = stop
-
-    def stop(self) -> None:
-        """Ask every reader to leave at its next piece (what it queued still runs)."""
-        self._stop.set()
 
     def drain(self) -> None:
         """Stop the readers and wait for every one started, raising none of their failures
@@ -242,6 +245,8 @@ def start_readers(sources: list[Source], pieces: list[Piece], device: torch.devi
                 i = take(w, k)
                 if i is None:
                     return
+                if type(i) is not int or not 0 <= i < len(pieces) or k >= len(pieces):
+                    raise ValueError(f"reader {w} was given piece {i!r} as its piece {k}, of {len(pieces)}")
                 src_i, b, e = pieces[i]
                 src = sources[src_i]
                 slot = k % 2

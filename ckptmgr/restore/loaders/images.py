@@ -6,8 +6,9 @@ A slot its adoption is still pinning is copied chunk by chunk from the front, ea
 piece is pinned, while the adoption registers the next. But a registration keeps the driver
 from running other CUDA calls, the restore's copies among them: after a SIGKILL, a restore
 started at once moved 4.83 GB only as fast as the adoption pinned it, and its copies ran
-after the pinning rather than beside it (H200: pinning ended 0.21 s after the open, the
-restore 0.32 s; ``benchmarks/results/h200-2026-11-28-tierends/``). So a restore that starts
+after the pinning rather than beside it (H200: the pinning ended 0.21 s after the open and the
+restore 0.32 s after it, in two calls; 0.28 and 0.40 s in a third;
+``benchmarks/results/h200-2026-11-28-tierends/``). So a restore that starts
 while much is left to pin holds the adoption after its current piece
 (:meth:`~ckptmgr.storage.tier_pinning.Pinning.holding`), copies the chunks pinned so far from
 the front, and has the bounce readers (:mod:`.bounce`) read the rest from the slot's files,
@@ -113,8 +114,8 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
                 stream = _cuda.staging_stream(device)
                 stream.wait_stream(torch.cuda.current_stream(device))  # after the work queued on what it writes
             if (pinning is not None and pinning.pinning is not None and files is not None
-                    and pinning.pinning.unpinned() > BACK_FROM_BYTES):
-                back = _from_the_back(manifest, files, landings, device, pinning.pinning, opened, where)
+                    and pinning.pinning.unpinned(manifest.files) > BACK_FROM_BYTES):
+                back = _from_the_back(manifest, files, images, landings, device, pinning.pinning, opened, where)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 _front(manifest, images, landings, pinning, back)
             if back is not None:
@@ -124,12 +125,15 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
                 checks = submit_image_checks(images, manifest, ring.pool, where)
                 wait_all(checks)
         finally:  # whatever happened: the copies and the started checks end before the images or the
-            if stream is not None:  # memory the copies write may go
-                stream.synchronize()
-            if back is not None:
-                back[0].drain()
-            opened.close()
-            drain(checks)
+            # memory the copies write may go, then the descriptors and the hold go; each step runs
+            # whether or not one before it raised (an ExitStack unwinds them last to first)
+            with contextlib.ExitStack() as cleanup:
+                cleanup.callback(drain, checks)
+                cleanup.push(opened)
+                if back is not None:
+                    cleanup.callback(back[0].drain)
+                if stream is not None:
+                    cleanup.callback(stream.synchronize)
     return finish_landings(manifest, device, landings, where, through_device)
 
 
@@ -154,25 +158,37 @@ def _pieces(manifest: Manifest) -> list[Piece]:
             for pb in range(b, e, bounce.PIECE_BYTES)]
 
 
-def _from_the_back(manifest: Manifest, files: dict[str, str], landings: dict[str, Landing], device: torch.device,
-                   pinning: Pinning, opened: contextlib.ExitStack,
-                   where: str) -> tuple[Readers, Ends, list[Piece]] | None:
+def _from_the_back(manifest: Manifest, files: dict[str, str], images: dict[str, torch.Tensor],
+                   landings: dict[str, Landing], device: torch.device, pinning: Pinning,
+                   opened: contextlib.ExitStack, where: str) -> tuple[Readers, Ends, list[Piece]] | None:
     """Hold the adoption (``pinning``) and start the bounce readers on the step's pieces from
     the last one back (their descriptors and the hold released by ``opened``); None where a
-    file does not open (nothing held: the front copies it all, as without readers)."""
-    sources = []
-    for fname in manifest.files:
-        try:
+    file does not open as the image it should be, or the readers do not start (nothing held
+    then: the front copies it all, as without readers)."""
+    mine = contextlib.ExitStack()
+    try:
+        sources = []
+        for fname in manifest.files:
             fd = os.open(files[fname], os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError as exc:
-            log.warning("%s: %s does not open (%s); the restore waits for its pinning", where, files[fname], exc)
-            return None
-        opened.callback(os.close, fd)
-        sources.append(Source(fd, files[fname], landings[fname]))
-    pieces = _pieces(manifest)
-    ends = Ends(len(pieces))
-    opened.enter_context(pinning.holding())
-    return bounce.start_readers(sources, pieces, device, take=ends.back), ends, pieces
+            mine.callback(os.close, fd)
+            size = os.fstat(fd).st_size
+            if size != images[fname].numel():
+                raise OSError(f"{size} bytes where the mapped image has {images[fname].numel()}")
+            sources.append(Source(fd, files[fname], landings[fname]))
+        pieces = _pieces(manifest)
+        ends = Ends(len(pieces))
+        mine.enter_context(pinning.holding())
+        readers = bounce.start_readers(sources, pieces, device, take=ends.back)
+    except Exception as exc:  # (a file gone or replaced, no pinned memory for the readers: go on without)
+        mine.close()
+        log.warning("%s: the slot's files are not read beside its pinning (%s: %s); the restore waits for "
+                    "the pinning", where, type(exc).__name__, exc)
+        return None
+    except BaseException:
+        mine.close()
+        raise
+    opened.push(mine.pop_all())
+    return readers, ends, pieces
 
 
 def _front(manifest: Manifest, images: dict[str, torch.Tensor], landings: dict[str, Landing],
