@@ -814,3 +814,22 @@ def test_ends_give_each_piece_to_one_side_the_front_a_prefix_the_back_a_suffix()
         assert sorted(front + back) == list(range(n))
         assert not front or not back or max(front) < min(back)
         assert all(b == sorted(b, reverse=True) for b in backs)  # (each reader from the far end down)
+
+
+def test_readers_refuse_a_piece_index_that_is_not_one(ram_dir):
+    """A taker that answers something other than a piece's index (``True`` once it is done,
+    an index out of range) fails the readers at once instead of reading some piece forever."""
+    from ckptmgr.restore.loaders import bounce
+
+    path = os.path.join(ram_dir, "m.safetensors")
+    st_save_file({"a": torch.randn(100_000)}, path)
+    for bad in (True, 5, -1):
+        mf, landing = _bounce_landing(path)
+        try:
+            pieces = [bounce.Piece(0, 0, mf.size)]
+            readers = bounce.start_readers([bounce.Source(mf.fd, path, landing)], pieces, torch.device("cpu"),
+                                           take=lambda w, k, bad=bad: bad if k == 0 else None)
+            with pytest.raises(ValueError, match=r"was given piece .* of 1"):
+                readers.wait()
+        finally:
+            mf.close()
