@@ -550,6 +550,52 @@ def test_a_restore_that_fails_while_holding_releases_the_hold_and_the_slot_files
         assert gate.adoption_pieces == 8
 
 
+@pytest.mark.parametrize("why", ["readers", "replaced"])
+def test_a_restore_whose_readers_cannot_start_waits_for_the_pinning_and_keeps_nothing(root, ram_dir, gate,
+                                                                                   monkeypatch, caplog, why):
+    """Where the readers do not start (no pinned memory for them) or a slot file is not the file
+    the image maps (replaced by one of the same size), the restore takes no hold, keeps no
+    descriptor, says why, and copies it all from the front as the adoption pins it: bit-exact."""
+    import shutil
+
+    import ckptmgr.restore.loaders.bounce as bounce_mod
+    import ckptmgr.restore.loaders.images as images_mod
+
+    monkeypatch.setattr(images_mod, "BACK_FROM_BYTES", 0)
+    monkeypatch.setattr(bounce_mod, "PIECE_BYTES", CHUNK)
+    path = _leave_step_3_in_the_tier(root, ram_dir)
+    if why == "readers":
+        def no_readers(*a, **k):
+            raise RuntimeError("no pinned memory for the readers")
+        monkeypatch.setattr(bounce_mod, "start_readers", no_readers)
+    gate.armed = True
+    with _open(root, ram_dir) as mgr:
+        assert gate.entered.wait(60)
+        if why == "replaced":  # (the same bytes in a new file: the mapping keeps the old one)
+            shutil.copyfile(path, path + ".new")
+            os.replace(path + ".new", path)
+        with mgr._tier._mu:
+            pinning = mgr._tier._adopting[0]
+        before = _open_under(os.path.dirname(path))
+        target = _target()
+        with caplog.at_level("WARNING", logger="ckptmgr"):
+            restore, out = _restore_in_thread(mgr, target)
+            assert gate.blocked.wait(60)  # it waits for piece 2, holding nothing
+            with pinning._cond:
+                assert pinning._held == 0
+            assert _open_under(os.path.dirname(path)) == before
+            gate.go.set()
+            restore.join(60)
+        assert not restore.is_alive() and out and out[0]["n"] == 3, out
+        for k in ("a", "b", "c"):
+            assert torch.equal(target[k], _state(3)[k]), k
+        said = "no pinned memory" if why == "readers" else "is not the file the image maps"
+        assert any("not read beside its pinning" in r.getMessage() and said in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        _adoption_ended(mgr)
+        mgr.wait(timeout=60)
+
+
 def test_a_held_adoption_s_page_faulting_threads_start_no_span_until_the_restore_lets_go(root, ram_dir, monkeypatch):
     """The adoption's populate threads park before their next span while a restore holds the
     adoption: the span after the one running when the hold began is faulted in only once the

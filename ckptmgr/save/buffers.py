@@ -110,6 +110,7 @@ class HostBuffer:
     piece: int = 0  # registered in pieces of this many bytes from the start (0: not pinned)
     registered: list[int] = field(default_factory=list)  # every pointer passed to cudaHostRegister
     populated: bool = False
+    identity: tuple[int, int] | None = None  # the mapped file's (device, inode), for a file's image
 
     @property
     def pinned(self) -> bool:
@@ -225,8 +226,10 @@ def anonymous_buffer(nbytes: int) -> HostBuffer:
 
 def file_buffer(fd: int, nbytes: int, path: str) -> HostBuffer:
     """Map ``nbytes`` of the open tmpfs file ``fd`` (the caller closes ``fd``) MAP_SHARED."""
+    st = os.fstat(fd)
     mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return HostBuffer(torch.frombuffer(mm, dtype=torch.uint8, count=nbytes), nbytes, mm, path=path)
+    return HostBuffer(torch.frombuffer(mm, dtype=torch.uint8, count=nbytes), nbytes, mm, path=path,
+                      identity=(st.st_dev, st.st_ino))
 
 
 def _populate(ptr: int, nbytes: int, tensor: torch.Tensor) -> None:

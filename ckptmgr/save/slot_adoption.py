@@ -128,7 +128,8 @@ class SlotAdoption:
                 self._cond.notify_all()
                 return slot
         # restores of the slot copy from here on, each piece once it is pinned
-        pinning = self.tier.adopting(index, {file_name(i): b.tensor for i, b in enumerate(buffers)})
+        pinning = self.tier.adopting(index, {file_name(i): b.tensor for i, b in enumerate(buffers)},
+                                     {file_name(i): b.identity for i, b in enumerate(buffers) if b.identity})
         try:
             if on_mapped is not None:
                 on_mapped(dict(pinning.images))

@@ -246,12 +246,14 @@ class LocalTier(TierScan):
         with self._mu:
             self._images.pop(index, None)
 
-    def adopting(self, index: int, images: dict[str, torch.Tensor]) -> Pinning:
+    def adopting(self, index: int, images: dict[str, torch.Tensor],
+                 identities: dict[str, tuple[int, int]] | None = None) -> Pinning:
         """Slot ``index``, adopted from an earlier process, has its files mapped as ``images``
-        and is being pinned in the background: the adoption thread reports its progress on
-        the :class:`~ckptmgr.storage.tier_pinning.Pinning` returned, which :meth:`reading`
-        hands to restores until :meth:`adopted`."""
-        pinning = Pinning(index, images)
+        (``identities``: each mapped file's device and inode) and is being pinned in the
+        background: the adoption thread reports its progress on the
+        :class:`~ckptmgr.storage.tier_pinning.Pinning` returned, which :meth:`reading` hands
+        to restores until :meth:`adopted`."""
+        pinning = Pinning(index, images, identities)
         with self._mu:
             self._adopting[index] = pinning
         return pinning

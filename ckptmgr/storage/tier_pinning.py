@@ -57,9 +57,11 @@ class PinningLost(Exception):
 class Pinning:
     """The pinning progress of one slot being adopted (see the module docstring)."""
 
-    def __init__(self, index: int, images: dict[str, torch.Tensor]) -> None:
+    def __init__(self, index: int, images: dict[str, torch.Tensor],
+                 identities: dict[str, tuple[int, int]] | None = None) -> None:
         self.index = index  # the slot's
         self.images = images  # file name -> the mapped image (read only, by anyone)
+        self.identities = identities or {}  # file name -> the mapped file's (device, inode) (set once)
         self.hurry = threading.Event()  # set by a restore that waits: the adoption skips its pauses
         self._cond = threading.Condition()
         self._upto = dict.fromkeys(images, 0)  # file -> bytes pinned from its start    (guarded by _cond)
@@ -75,8 +77,8 @@ class Pinning:
 
     def pinned(self, name: str, upto: int) -> None:
         """Bytes ``[0, upto)`` of image ``name`` are pinned. While a restore holds the
-        adoption (:meth:`holding`), returns only once none does (at most
-        :data:`HOLD_WAIT_S` seconds later), so that the next registration waits."""
+        adoption (:meth:`holding`), returns only once none does, or as :meth:`unheld` says
+        (the holds' bound, :meth:`stopping`, :meth:`end`), so that the next registration waits."""
         with self._cond:
             self._upto[name] = max(self._upto.get(name, 0), upto)
             self._cond.notify_all()

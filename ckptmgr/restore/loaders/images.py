@@ -120,6 +120,9 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
                 _front(manifest, images, landings, pinning, back)
             if back is not None:
                 back[0].wait()
+                if stream is not None:
+                    stream.synchronize()
+                opened.close()  # (the copies have ended: the adoption goes on, the descriptors go)
             wait_all(checks)
             if started is not None and any(f.cancelled() for f in checks):  # (not all of them ran)
                 checks = submit_image_checks(images, manifest, ring.pool, where)
@@ -171,9 +174,11 @@ def _from_the_back(manifest: Manifest, files: dict[str, str], images: dict[str, 
         for fname in manifest.files:
             fd = os.open(files[fname], os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             mine.callback(os.close, fd)
-            size = os.fstat(fd).st_size
-            if size != images[fname].numel():
-                raise OSError(f"{size} bytes where the mapped image has {images[fname].numel()}")
+            st = os.fstat(fd)
+            if st.st_size != images[fname].numel():
+                raise OSError(f"{st.st_size} bytes where the mapped image has {images[fname].numel()}")
+            if pinning.identities.get(fname, (st.st_dev, st.st_ino)) != (st.st_dev, st.st_ino):
+                raise OSError(f"{files[fname]} is not the file the image maps (replaced)")
             sources.append(Source(fd, files[fname], landings[fname]))
         pieces = _pieces(manifest)
         ends = Ends(len(pieces))
