@@ -307,8 +307,9 @@ class Restorer:
         # verified as it arrives, the target changed only after all verified); else verify
         # every chunk first, then land in place.
         through = direct and device.type == "cuda"
-        if use_images and images is not None:  # already pinned where it lies (or being pinned by its adoption:
-            slot_files = paths if isinstance(source, LocalTier) else None  # the readers read what it has not reached)
+        if use_images and images is not None:  # already pinned where it lies, or being pinned by its adoption
+            # (then the bounce readers read what the adoption has not reached from the slot's files)
+            slot_files = paths if isinstance(source, LocalTier) else None
             if through:
                 # (a slot adopted at start-up whose checks still run: the copies go beside them
                 # into spare device memory, moved into the target once they all passed)

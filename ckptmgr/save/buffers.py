@@ -288,9 +288,12 @@ class PopulateAhead:
             raise
 
     def _run(self, b: HostBuffer, at: int, n: int) -> None:
-        if self._pause is not None and (self._stop is None or not self._stop.is_set()):
+        def stopped() -> bool:
+            return self._stop is not None and self._stop.is_set()
+
+        if self._pause is not None and not stopped():
             self._pause()
-        if self._stop is None or not self._stop.is_set():
+        if not stopped():
             _populate(b.tensor.data_ptr() + at, n, b.tensor[at:at + n])
 
     def wait(self, buf: HostBuffer, end: int) -> None:

@@ -192,8 +192,7 @@ class Readers:
             for f in self._runs:
                 f.result(timeout=WAIT_S)
         except BaseException:
-            self._stop.set()
-            drain(self._runs)
+            self.drain()
             raise
 
 
@@ -258,18 +257,17 @@ def start_readers(sources: list[Source], pieces: list[Piece], device: torch.devi
                         done[slot].synchronize()
                 if src.direct is not None:  # (a whole buffer of room: the read may run past ``e`` to a block's end)
                     src.direct.read(b, views[slot], e - b)
-                if rt is not None:  # (the GIL is released for each call)
-                    at = ptrs[slot]
-                    if src.direct is None:
-                        pread_address(src.fd, at, e - b, b, src.path)
+                elif rt is not None:  # (by address, the GIL released: no tensor made per piece)
+                    pread_address(src.fd, ptrs[slot], e - b, b, src.path)
+                else:
+                    preadv_fd(src.fd, b, [bufs[slot][:e - b].numpy()], src.path)
+                if rt is not None:
                     for dst, off, n in plan[i]:
-                        rt.copy_to_device(dst, at + off, n, handle)
+                        rt.copy_to_device(dst, ptrs[slot] + off, n, handle)
                     rt.record(events[slot], handle)
                     done[slot] = True
                     continue
                 buf = bufs[slot][:e - b]
-                if src.direct is None:
-                    preadv_fd(src.fd, b, [buf.numpy()], src.path)
                 if stream is None:
                     src.landing.land(b, buf)
                 else:

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 from concurrent.futures import Future
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +32,7 @@ from ... import _cuda
 from ...errors import CheckpointCorruptError
 from ...format.checksum import chunk_ranges
 from ...format.manifest import Manifest
+from ...storage.posix import open_regular
 from ...storage.tier_pinning import Pinning, TierImages
 from ..preflight import drain, submit_image_checks, wait_all
 from . import bounce
@@ -100,7 +102,7 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
         pinning, lease = images, images.pinning.copying()
     started, checks = checks, []
     stream = None
-    back: tuple[Readers, Ends, list[Piece]] | None = None  # the bounce readers from the far end, if started
+    back: _Back | None = None  # the bounce readers from the far end, if started
     opened = contextlib.ExitStack()  # (their descriptors)
     with lease:  # no registration is undone until the copies have ended
         try:
@@ -119,7 +121,7 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 _front(manifest, images, landings, pinning, back)
             if back is not None:
-                back[0].wait()
+                back.readers.wait()
                 if stream is not None:
                     stream.synchronize()
                 opened.close()  # (the copies have ended: the adoption goes on, the descriptors go)
@@ -134,36 +136,38 @@ def read_tensors_pinned(images: dict[str, torch.Tensor], manifest: Manifest, dev
                 cleanup.callback(drain, checks)
                 cleanup.push(opened)
                 if back is not None:
-                    cleanup.callback(back[0].drain)
+                    cleanup.callback(back.readers.drain)
                 if stream is not None:
                     cleanup.callback(stream.synchronize)
     return finish_landings(manifest, device, landings, where, through_device)
 
 
-def _chunk_pieces(manifest: Manifest) -> list[tuple[str, int, int]]:
-    """Every checksum chunk of the step's files, in order, as (file, first piece, end piece)
-    indices of :func:`_pieces`."""
-    out, at = [], 0
-    for fname, rec in manifest.files.items():
-        for b, e in chunk_ranges(rec.size, rec.chunk_size):
-            n = -(-(e - b) // bounce.PIECE_BYTES)
-            out.append((fname, at, at + n))
-            at += n
-    return out
+class _Back(NamedTuple):
+    """The bounce readers started from the far end, what they share with the front, the step's
+    pieces and its chunks' (see :func:`_pieces`)."""
+
+    readers: Readers
+    ends: Ends
+    pieces: list[Piece]
+    chunks: list[tuple[str, int]]
 
 
-def _pieces(manifest: Manifest) -> list[Piece]:
+def _pieces(manifest: Manifest) -> tuple[list[Piece], list[tuple[str, int]]]:
     """The step's files cut into the bounce readers' pieces, no piece across two checksum
-    chunks (source ``k``: the ``k``-th file)."""
-    return [Piece(k, pb, min(pb + bounce.PIECE_BYTES, e))
-            for k, rec in enumerate(manifest.files.values())
-            for b, e in chunk_ranges(rec.size, rec.chunk_size)
-            for pb in range(b, e, bounce.PIECE_BYTES)]
+    chunks (source ``k``: the ``k``-th file), and each checksum chunk, in order, as (file,
+    the index of the piece after its last)."""
+    pieces: list[Piece] = []
+    chunks: list[tuple[str, int]] = []
+    for k, (fname, rec) in enumerate(manifest.files.items()):
+        for b, e in chunk_ranges(rec.size, rec.chunk_size):
+            pieces += [Piece(k, pb, min(pb + bounce.PIECE_BYTES, e)) for pb in range(b, e, bounce.PIECE_BYTES)]
+            chunks.append((fname, len(pieces)))
+    return pieces, chunks
 
 
 def _from_the_back(manifest: Manifest, files: dict[str, str], images: dict[str, torch.Tensor],
                    landings: dict[str, Landing], device: torch.device, pinning: Pinning,
-                   opened: contextlib.ExitStack, where: str) -> tuple[Readers, Ends, list[Piece]] | None:
+                   opened: contextlib.ExitStack, where: str) -> _Back | None:
     """Hold the adoption (``pinning``) and start the bounce readers on the step's pieces from
     the last one back (their descriptors and the hold released by ``opened``); None where a
     file does not open as the image it should be, or the readers do not start (nothing held
@@ -172,7 +176,7 @@ def _from_the_back(manifest: Manifest, files: dict[str, str], images: dict[str, 
     try:
         sources = []
         for fname in manifest.files:
-            fd = os.open(files[fname], os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = open_regular(files[fname])
             mine.callback(os.close, fd)
             st = os.fstat(fd)
             if st.st_size != images[fname].numel():
@@ -180,7 +184,7 @@ def _from_the_back(manifest: Manifest, files: dict[str, str], images: dict[str, 
             if pinning.identities.get(fname, (st.st_dev, st.st_ino)) != (st.st_dev, st.st_ino):
                 raise OSError(f"{files[fname]} is not the file the image maps (replaced)")
             sources.append(Source(fd, files[fname], landings[fname]))
-        pieces = _pieces(manifest)
+        pieces, chunks = _pieces(manifest)
         ends = Ends(len(pieces))
         mine.enter_context(pinning.holding())
         readers = bounce.start_readers(sources, pieces, device, take=ends.back)
@@ -193,11 +197,11 @@ def _from_the_back(manifest: Manifest, files: dict[str, str], images: dict[str, 
         mine.close()
         raise
     opened.push(mine.pop_all())
-    return readers, ends, pieces
+    return _Back(readers, ends, pieces, chunks)
 
 
 def _front(manifest: Manifest, images: dict[str, torch.Tensor], landings: dict[str, Landing],
-           pinning: TierImages | None, back: tuple[Readers, Ends, list[Piece]] | None) -> None:
+           pinning: TierImages | None, back: _Back | None) -> None:
     """Copy the images chunk by chunk from the front, each once it is pinned; with ``back``
     (the adoption held), only the chunks pinned already that its readers have not taken (it
     stops at the first chunk not pinned, or where they meet)."""
@@ -212,8 +216,8 @@ def _front(manifest: Manifest, images: dict[str, torch.Tensor], landings: dict[s
         return
     assert pinning is not None
     assert pinning.pinning is not None
-    _, ends, pieces = back
-    for fname, _, end in _chunk_pieces(manifest):
+    ends, pieces = back.ends, back.pieces
+    for fname, end in back.chunks:
         if pinning.pinning.upto(fname) < pieces[end - 1].end:
             return  # (never waits: the adoption is held, the readers take the rest)
         got = ends.front(end)
