@@ -80,20 +80,13 @@ def parts(path: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
 
 def pin_whole(path: str) -> dict[str, torch.Tensor]:
     """A file's mapping pinned in place whole and copied in one transfer (the disk path of
-    ``load_file`` before the bounce readers took it)."""
+    ``load_file`` before the bounce readers took it: ``to_device`` of a mapping opened without
+    a descriptor to read)."""
     from ckptmgr.restore.loaders import mapped
-    from ckptmgr.restore.loaders.landing import plan_landing
 
-    mf = mapped.open_mapped(path)
+    mf = mapped.open_mapped(path, reads=False)
     try:
-        landing = plan_landing(mf.entries, mf.data_start, mf.size - mf.data_start, torch.device("cuda"), None)
-        mf.pin()
-        try:
-            landing.land(0, mf.bytes)
-            torch.cuda.synchronize()
-        finally:
-            mf.unpin()
-        return landing.tensors()
+        return mapped.to_device(mf, torch.device("cuda"))
     finally:
         mf.close()
 
