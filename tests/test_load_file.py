@@ -592,7 +592,7 @@ def test_the_bounce_buffers_are_disjoint_slices_of_one_block(monkeypatch):
     monkeypatch.setattr(bounce, "PIECE_BYTES", 4096)
     monkeypatch.setattr(bounce, "THREADS", 5)
     for threads in (3, 5):  # (a small file's load takes the block of THREADS readers all the same)
-        held = bounce._buffers(threads, gpu=False)
+        held = bounce.buffers(threads, gpu=False)
         flat = [b for pair in held for b in pair]
         storage = flat[0].untyped_storage().data_ptr()
         assert all(b.numel() == 4096 and b.untyped_storage().data_ptr() == storage for b in flat)

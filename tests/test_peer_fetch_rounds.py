@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import torch
 
 from ckptmgr.distributed import peer_restore
 from ckptmgr.distributed.peer_mover import ShardMover
@@ -53,6 +54,7 @@ class Group:
 
         class T:
             timeout_s = WAIT
+            device = torch.device("cpu")
             coord = SimpleNamespace(timeout_s=WAIT)
 
             def exchange(self, sends: list[tuple[int, np.ndarray]], recvs: list[tuple[int, np.ndarray]]) -> None:
@@ -96,12 +98,12 @@ def _rep(area: PeerArea, node: str, nodes: list[str], io: Any) -> Any:
                            count=lambda *a, **k: None)
 
 
-def _restore(areas: list[PeerArea], nodes: list[str], shards: dict[int, list[int]], *,
+def _restore(areas: list[PeerArea], nodes: list[str], shards: dict[int, list[int]], recs: list[ShardRecord], *,
              wrap: Any = None) -> tuple[Group, list[Any]]:
     """Every rank's ``_fetch`` of step ``STEP`` at once (rank r on node ``nodes[r]``, its
-    area ``areas[r]``; its sources: the holders of its shard on other nodes), each rank's own
-    copies checked by ``_OwnCheck``. Returns the group and, per rank, ((copy fetched, why),
-    the own check's files, its why)."""
+    area ``areas[r]``; its sources: the holders of its shard on other nodes; its files:
+    those of ``recs[r]``), each rank's own copies checked by ``_OwnCheck``. Returns the
+    group and, per rank, ((shard fetched, why), the own check's files, its why)."""
     n = len(nodes)
     group = Group(n)
     out: list[Any] = [None] * n
@@ -118,7 +120,7 @@ def _restore(areas: list[PeerArea], nodes: list[str], shards: dict[int, list[int
             sources = [h for h in shards.get(r, []) if nodes[h] != nodes[r]]
             try:
                 got = peer_restore._fetch(rep, group.fetching(r, mover), group.coord(r), STEP, shards, own=own,
-                                          sources=sources)
+                                          sources=sources, files=dict(recs[r].manifest.files))
             finally:
                 if own is not None:
                     own.close()
@@ -138,6 +140,12 @@ def _restore(areas: list[PeerArea], nodes: list[str], shards: dict[int, list[int
     return group, out
 
 
+def _bytes(fetched: Any) -> bytes:
+    """The one file of a fetched shard, as it landed in memory."""
+    (image,) = fetched.files.values()
+    return image.numpy().tobytes()
+
+
 def _areas(tmp_path: Any, nodes: list[str]) -> list[PeerArea]:
     for n in set(nodes):
         (tmp_path / n).mkdir(exist_ok=True)
@@ -155,7 +163,7 @@ def test_a_rank_checks_its_own_copy_while_the_first_round_moves_another_ranks_sh
     1 has received its shard: the restore goes through only because that check runs beside
     the first round's transfer (a check made before the rounds, or waited for in the first
     one, would hold rank 0 and the transfer with it). Rank 1 receives its shard bit-exact,
-    rank 0 keeps its own copy."""
+    in memory (node B's peer area stays empty), rank 0 keeps its own copy."""
     data = _data(2)
     recs = [_record(r, data[r]) for r in range(2)]
     areas = _areas(tmp_path, ["A", "B"])
@@ -181,12 +189,11 @@ def test_a_rank_checks_its_own_copy_while_the_first_round_moves_another_ranks_sh
                 return got
             mover.transfer = watched  # type: ignore[method-assign]
 
-        _, out = _restore(areas, ["A", "B"], {0: [0], 1: [0]}, wrap=wrap)
+        _, out = _restore(areas, ["A", "B"], {0: [0], 1: [0]}, recs, wrap=wrap)
         ((fetched0, _), local0, _), ((fetched1, why1), local1, _) = out
         assert fetched0 is None and local0 and local1 is None
-        assert fetched1 is not None and fetched1.rank == 1 and why1 == ""
-        with areas[1].mapped(fetched1) as m:
-            assert next(iter(m.values())).tobytes() == data[1].tobytes()
+        assert fetched1 is not None and fetched1.record.rank == 1 and why1 == ""
+        assert _bytes(fetched1) == data[1].tobytes() and areas[1].copies() == []
     finally:
         for a in areas:
             a.close()
@@ -198,9 +205,10 @@ def test_ranks_whose_own_copies_pass_move_nothing_and_never_make_the_transport(t
     data = _data(2)
     areas = _areas(tmp_path, ["A", "B"])
     try:
+        recs = [_record(r, data[r]) for r in range(2)]
         for r in range(2):
-            _hold(areas[r], _record(r, data[r]), data[r])
-        group, out = _restore(areas, ["A", "B"], {0: [0], 1: [1]})
+            _hold(areas[r], recs[r], data[r])
+        group, out = _restore(areas, ["A", "B"], {0: [0], 1: [1]}, recs)
         assert [o[0] for o in out] == [(None, ""), (None, "")] and all(o[1] for o in out)
         assert group.made == [0, 0]
     finally:
@@ -211,8 +219,8 @@ def test_ranks_whose_own_copies_pass_move_nothing_and_never_make_the_transport(t
 def test_a_copy_of_its_own_that_fails_its_check_is_replaced_by_the_peers_good_one(tmp_path):
     """Rank 0's own copy on node A has one byte changed; node B holds a good replica. Rank 0
     asks for it once its check has failed (the second round) and the fetch returns the copy
-    received (bit-exact), never the bad one. The bad copy is removed, so node A holds one
-    copy of rank 0's shard and a slot for the next save's."""
+    received (bit-exact, in memory), never the bad one. The bad copy is removed, so node A's
+    slots are free for the next saves' copies."""
     data = _data(2)
     recs = [_record(r, data[r]) for r in range(2)]
     areas = _areas(tmp_path, ["A", "B"])
@@ -222,16 +230,16 @@ def test_a_copy_of_its_own_that_fails_its_check_is_replaced_by_the_peers_good_on
         _hold(areas[0], recs[0], bad)
         _hold(areas[1], recs[1], data[1])
         _hold(areas[1], recs[0], data[0])
-        group, out = _restore(areas, ["A", "B"], {0: [0, 1], 1: [1]})
+        group, out = _restore(areas, ["A", "B"], {0: [0, 1], 1: [1]}, recs)
         (fetched0, why0), local0, ownwhy0 = out[0]
         assert "fails its check" in ownwhy0 and not local0
-        assert fetched0 is not None and fetched0.rank == 0 and why0 == ""
-        assert [c.slot for c in areas[0].copies() if c.rank == 0] == [fetched0.slot]
-        with areas[0].mapped(fetched0) as m:
-            assert next(iter(m.values())).tobytes() == data[0].tobytes()
-        slot = areas[0].take_slot(0)
-        assert slot is not None and slot != fetched0.slot
-        areas[0].abort(0, slot)
+        assert fetched0 is not None and fetched0.record.rank == 0 and why0 == ""
+        assert _bytes(fetched0) == data[0].tobytes()
+        assert [c for c in areas[0].copies() if c.rank == 0] == []
+        slots = [areas[0].take_slot(0), areas[0].take_slot(0)]
+        assert None not in slots and len(set(slots)) == 2
+        for slot in slots:
+            areas[0].abort(0, slot)
         assert group.made == [1, 1]
     finally:
         for a in areas:
@@ -249,11 +257,10 @@ def test_a_rank_no_transfer_involves_still_makes_the_transport_with_the_others(t
     try:
         for r in range(3):
             _hold(areas[0], recs[r], data[r])
-        group, out = _restore(areas, ["A", "A", "B"], {0: [0], 1: [0], 2: [0]})
+        group, out = _restore(areas, ["A", "A", "B"], {0: [0], 1: [0], 2: [0]}, recs)
         fetched2, why2 = out[2][0]
-        assert fetched2 is not None and fetched2.rank == 2 and why2 == ""
-        with areas[2].mapped(fetched2) as m:
-            assert next(iter(m.values())).tobytes() == data[2].tobytes()
+        assert fetched2 is not None and fetched2.record.rank == 2 and why2 == ""
+        assert _bytes(fetched2) == data[2].tobytes()
         assert group.made == [1, 1, 1] and out[1][0] == (None, "") and out[1][1]
     finally:
         for a in areas:

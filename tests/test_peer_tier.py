@@ -174,6 +174,10 @@ def test_a_lost_node_of_two_is_restored_from_its_peer_without_the_durable_target
         assert r["stats"]["peer_bytes_sent"] == 0 and r["stats"]["peer_bytes_received"] == 0
     assert reports[0]["stats"]["peer_fetch_bytes_received"] > 0
     assert reports[1]["stats"]["peer_fetch_bytes_sent"] == reports[0]["stats"]["peer_fetch_bytes_received"]
+    # rank 0's shard landed in memory, verified there, and its tensors were moved from it into the
+    # target: not written into node C's RAM tier (which holds only what was saved after), nor read again
+    assert any("fetched onto cpu and verified there" in m for m in reports[0]["said"]), reports[0]["said"]
+    assert {c.record.step for c in _area(tmp_path, "C", root).copies()} == {8}
 
 
 @pytest.mark.slow  # (two launches of 4 processes: over a minute on 2 cores)
@@ -190,9 +194,10 @@ def test_a_lost_node_is_restored_from_peers_bit_exact_without_the_durable_target
     # ranks 0 and 1 (on the new node) got their shards from node A; ranks 2 and 3 found theirs on A already
     assert [r["stats"].get("peer_restore_peer", 0) for r in reports] == [1, 1, 0, 0]
     assert [r["stats"].get("peer_restore_own", 0) for r in reports] == [0, 0, 1, 1]
-    # the new node holds copies again: its own ranks' shards of step 6 (fetched) and 8 (saved)
+    # the shards fetched landed in memory, not in the new node's RAM tier; the next save (step 8)
+    # is held there again, its own ranks' and, as replicas, node A's
     held = {(c.rank, c.record.step) for c in _area(tmp_path, "C", root).copies()}
-    assert {(0, 6), (1, 6), (0, 8), (1, 8)} <= held
+    assert {(0, 8), (1, 8), (2, 8), (3, 8)} <= held and not {(0, 6), (1, 6)} & held
     assert all(r["after"]["peer_replicated_step"] == 8 for r in reports)
 
 

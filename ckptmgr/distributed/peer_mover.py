@@ -30,14 +30,18 @@ from concurrent.futures import wait as wait_futures
 from typing import Any, NamedTuple, overload
 
 import numpy as np
+import torch
 
 from .._threads import DaemonPool
-from ..errors import CkptError, CkptTimeoutError
+from ..errors import CheckpointCorruptError, CkptError, CkptTimeoutError
+from ..format.manifest import FileRecord
 from ..format.schema import MAX_MANIFEST_BYTES
+from ..restore.read import plan_check, run
+from ..restore.transports.memory import MemoryTransport
 from ..storage.peer_tier import IncomingFile, PeerArea, ShardRecord, check_files
-from .peer_transport import Transport
+from .peer_transport import Buffer, Transport
 
-__all__ = ["MAX_SHARD_BYTES", "Received", "Sends", "ShardMover"]
+__all__ = ["MAX_SHARD_BYTES", "Into", "Received", "Sends", "ShardMover"]
 
 log = logging.getLogger("ckptmgr")
 MAX_SHARD_BYTES = 1 << 44  # the most bytes a peer may announce for one shard (16 TiB)
@@ -96,13 +100,26 @@ class _Dropped(Sequence[list[tuple[int, int, int]]]):
 
 class Received(NamedTuple):
     """What a transfer received from one rank: the record (None: nothing, or refused),
-    whether the copy passed its checks and was committed, and the slot it was committed in
-    (None unless it was: the area may hold other copies of the same shard and step, such as
-    one that failed its own check)."""
+    whether the copy passed its checks (and, received into the peer area, was committed),
+    the slot it was committed in (None unless it was: the area may hold other copies of the
+    same shard and step, such as one that failed its own check), and, received into memory
+    (:class:`Into`), its files there (None unless it passed)."""
 
     record: ShardRecord | None
     ok: bool
     slot: int | None
+    files: dict[str, torch.Tensor] | None = None
+
+
+class Into(NamedTuple):
+    """Where a restore's fetch lands a shard: in memory on ``device`` (the GPU the transport
+    runs through: NCCL receives straight into it; else the host), not in the peer area.
+    Only a shard whose files are exactly ``files`` (name -> record: the step's manifest's
+    files of that rank) is taken; its bytes are allocated only then, whole (the host's when
+    the device has no room for them)."""
+
+    device: torch.device
+    files: dict[str, FileRecord]
 
 
 class _Incoming(NamedTuple):
@@ -113,6 +130,7 @@ class _Incoming(NamedTuple):
     slot: int | None
     files: list[IncomingFile]
     nbytes: int
+    image: torch.Tensor | None = None  # (received into memory: the files back to back)
 
 
 class ShardMover:
@@ -142,13 +160,14 @@ class ShardMover:
             return dict(self.counts)
 
     def transfer(self, sends: Sends, recvs: list[int], *, own_node_ok: bool,
-                 expect: dict[int, tuple[int, int]] | None = None) -> dict[int, Received]:
+                 expect: dict[int, tuple[int, int]] | None = None, into: Into | None = None) -> dict[int, Received]:
         """Send each (rank, record, files) (record None: tell the rank there is nothing);
-        receive a shard from each rank of ``recvs`` into this node's peer area. ``expect``:
-        per source, the only shard taken from it (saved rank, step); any other it sends (or
-        any from a source not in ``expect``) is refused before a slot is taken. None: any
-        shard is taken. Returns, per source, what was received (:class:`Received`). Every
-        rank named on one side must name this rank on the other side in the same call."""
+        receive a shard from each rank of ``recvs`` into this node's peer area, or with
+        ``into`` into memory (:class:`Into`). ``expect``: per source, the only shard taken
+        from it (saved rank, step); any other it sends (or any from a source not in
+        ``expect``) is refused before a slot is taken or memory allocated. None: any shard is
+        taken. Returns, per source, what was received (:class:`Received`). Every rank named
+        on one side must name this rank on the other side in the same call."""
         t = self.transport
         heads = {s: np.zeros(3, dtype=np.int64) for s in recvs}
         t.exchange([(d, np.array([rec.step, len(rec.raw), sum(a.size for a in fs.values())] if rec is not None
@@ -167,15 +186,28 @@ class ShardMover:
             try:
                 for s in recvs:
                     want = None if expect is None else expect.get(s, (-1, -1))
-                    incoming[s] = self._open(s, raws.get(s), int(heads[s][2]), own_node_ok, want)
+                    incoming[s] = self._open(s, raws.get(s), int(heads[s][2]), own_node_ok, want, into)
                 self._pump(sends, incoming)
-                mapped = {s: [f.mapped() for f in inc.files] for s, inc in incoming.items() if inc.rec is not None}
+                mapped = {s: [f.mapped() for f in inc.files] for s, inc in incoming.items()
+                          if inc.rec is not None and inc.image is None}
             finally:
                 for inc in incoming.values():
                     for f in inc.files:
                         f.close()
             for s, inc in incoming.items():
                 rec, slot = inc.rec, inc.slot
+                if rec is not None and inc.image is not None:  # (in memory: checked there, nothing to commit)
+                    t0 = time.monotonic()
+                    files = _split(inc.image, rec)
+                    bad = _check_in_memory(rec, files, self.io, f"the copy rank {s} sent")
+                    with self._mu:
+                        self.counts["peer_check_s"] += time.monotonic() - t0
+                        self.counts["peer_bad_copies"] += bad is not None
+                    if bad is not None:
+                        log.warning("peer tier: the copy of step %d of rank %d that rank %d sent fails its check "
+                                    "(%s); not used", rec.step, rec.rank, s, bad)
+                    out[s] = Received(rec, bad is None, None, files if bad is None else None)
+                    continue
                 if rec is None or slot is None:
                     out[s] = Received(None, False, None)
                     continue
@@ -200,13 +232,30 @@ class ShardMover:
         return out
 
     def _open(self, s: int, raw: np.ndarray[Any, Any] | None, nbytes: int, own_node_ok: bool,
-              expect: tuple[int, int] | None = None) -> _Incoming:
+              expect: tuple[int, int] | None = None, into: Into | None = None) -> _Incoming:
         """Where the shard rank ``s`` announced (its record ``raw``, ``nbytes`` of data) lands:
-        the files of a slot taken for it, or nowhere (refused: its bytes are received and
-        dropped)."""
+        the files of a slot taken for it, memory (``into``), or nowhere (refused: its bytes
+        are received and dropped)."""
         rec: ShardRecord | None = None
         slot = None
         files: list[IncomingFile] = []
+        if raw is not None and into is not None:
+            try:
+                rec = ShardRecord.parse(raw.tobytes(), f"the shard record rank {s} sent")
+                if expect is not None and (rec.rank, rec.step) != expect:
+                    raise CkptError(f"rank {s} sent the shard of rank {rec.rank} of step {rec.step}; " + (
+                        f"rank {expect[0]}'s of step {expect[1]} was asked for" if expect[0] >= 0 else
+                        "none was asked for"))
+                if dict(rec.manifest.files) != into.files:
+                    raise CkptError(f"rank {s} sent a shard whose files ({sorted(rec.manifest.files)}) are not the "
+                                    f"step's ({sorted(into.files)})")
+                if sum(f.size for f in into.files.values()) != nbytes:
+                    raise CkptError(f"rank {s} announced {nbytes} data bytes for files of "
+                                    f"{sum(f.size for f in into.files.values())}")
+            except CkptError as exc:
+                log.warning("peer tier: the shard rank %d sent is not taken: %s", s, exc)
+                return _Incoming(None, None, [], nbytes)
+            return _Incoming(rec, None, [], nbytes, _memory(nbytes, into.device))
         if raw is not None:
             try:
                 rec = ShardRecord.parse(raw.tobytes(), f"the shard record rank {s} sent")
@@ -249,8 +298,11 @@ class ShardMover:
         in_pieces: dict[int, Sequence[list[tuple[int, int, int]]]] = {
             s: _cut([f.size for f in inc.files], size) if inc.files else _Dropped(inc.nbytes, size)
             for s, inc in incoming.items()}
+        # (received into memory: each piece straight into its place, in the files back to back)
+        images = {s: inc.image if inc.image.is_cuda else inc.image.numpy() for s, inc in incoming.items()
+                  if inc.image is not None}
         scratch = {s: [np.empty(min(size, inc.nbytes), dtype=np.uint8) for _ in range(2 if inc.files else 1)]
-                   for s, inc in incoming.items() if inc.nbytes}
+                   for s, inc in incoming.items() if inc.nbytes and s not in images}
         rounds = max([*(len(p) for _, p in out_pieces), *(len(p) for p in in_pieces.values())], default=0)
         wait_s = self.transport.timeout_s if self.transport.timeout_s is not None else self.transport.coord.timeout_s
         writes: list[Future[None] | None] = [None, None]  # the writes of the last two rounds' pieces, by buffer
@@ -273,7 +325,7 @@ class ShardMover:
         try:
             for i in range(rounds):
                 tx: list[tuple[int, np.ndarray[Any, Any]]] = []
-                rx: list[tuple[int, np.ndarray[Any, Any]]] = []
+                rx: list[tuple[int, Buffer]] = []
                 for d, pieces in out_pieces:
                     if i < len(pieces):
                         buf = pieces[i][0] if len(pieces[i]) == 1 else np.concatenate(pieces[i])
@@ -281,7 +333,9 @@ class ShardMover:
                         sent += buf.size
                 ended(writes[i % 2])  # (this round's buffers are free again)
                 for s, cuts in in_pieces.items():
-                    if i < len(cuts):
+                    if i < len(cuts) and s in images:
+                        rx.append((s, images[s][i * size:i * size + sum(n for _, _, n in cuts[i])]))
+                    elif i < len(cuts):
                         bufs = scratch[s]
                         rx.append((s, bufs[i % len(bufs)][:sum(n for _, _, n in cuts[i])]))
                 self.transport.exchange(tx, rx)
@@ -330,3 +384,33 @@ def _ended(write: Future[None] | None, timeout_s: float) -> None:
     if not done:
         raise CkptTimeoutError(f"writing a received piece into the peer area took over {timeout_s:g} s")
     write.result()
+
+
+def _memory(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Fresh memory for a shard received into memory: on ``device``, else (no room there) the host's."""
+    if device.type != "cpu":
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError:
+            log.info("peer tier: no room on %s for a shard of %d bytes; it is received into host memory", device,
+                     nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _split(image: torch.Tensor, rec: ShardRecord) -> dict[str, torch.Tensor]:
+    """The record's files as the parts of ``image`` (the files back to back, in record order)."""
+    out, at = {}, 0
+    for name, frec in rec.manifest.files.items():
+        out[name] = image[at:at + frec.size]
+        at += frec.size
+    return out
+
+
+def _check_in_memory(rec: ShardRecord, files: dict[str, torch.Tensor], pool: Any, where: str) -> str | None:
+    """None when ``files`` (in memory) match the record's checksums, else what does not (by
+    the read driver, over :class:`~ckptmgr.restore.transports.memory.MemoryTransport`)."""
+    try:
+        run(plan_check(rec.manifest, where), MemoryTransport(files, pool))
+    except CheckpointCorruptError as exc:
+        return str(exc)
+    return None

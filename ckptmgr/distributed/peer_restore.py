@@ -35,18 +35,21 @@ import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, CkptTimeoutError, SaveError, StepNotFoundError
-from ..format.manifest import Manifest
+from ..format.manifest import FileRecord, Manifest
+from ..restore.loaders.host import _build_views
+from ..restore.loaders.landing import Landing
+from ..restore.loaders.ring import entries_by_file
 from ..storage.peer_tier import Copy, ShardRecord
 from ..storage.posix import preadv_into
-from .coordinator import Coordinator
-from .peer_mover import Received, ShardMover
+from .coordinator import Coordinator, owner_of
+from .peer_mover import Into, Received, ShardMover
 from .peer_transport import Transport, restore_transport
 from .replicate import Replicator
 from .restore import RankMap, Restorer
@@ -61,12 +64,19 @@ log = logging.getLogger("ckptmgr")
 
 
 class PeerSource:
-    """This rank's files of a step from the peer area; any other file from the durable target."""
+    """This rank's files of a step from the peer area (``local``: name -> path) or from memory
+    (``images``: name -> the file's bytes, fetched from a peer and verified); any other file
+    from the durable target."""
 
-    def __init__(self, local: dict[str, str], durable: Any, url: str, io_pool: Any) -> None:
+    def __init__(self, local: dict[str, str], durable: Any, url: str, io_pool: Any,
+                 images: dict[str, torch.Tensor] | None = None) -> None:
         self._local, self._durable, self.url, self.io_pool = local, durable, url, io_pool
+        self._images = images or {}
 
     def file_size(self, step: int, name: str) -> int:
+        image = self._images.get(name)
+        if image is not None:
+            return image.numel()
         path = self._local.get(name)
         if path is None:
             return int(self._durable.file_size(step, name))
@@ -76,6 +86,16 @@ class PeerSource:
         return st.st_size
 
     def read_into(self, step: int, name: str, offset: int, out: list[np.ndarray[Any, Any]]) -> None:
+        image = self._images.get(name)
+        if image is not None:
+            if not 0 <= offset <= offset + sum(a.size for a in out) <= image.numel():
+                raise CheckpointCorruptError(f"{self.url}: {name}: bytes from {offset} beyond its "
+                                             f"{image.numel()}")
+            at = offset
+            for a in out:
+                torch.from_numpy(a).copy_(image[at:at + a.size])
+                at += a.size
+            return
         path = self._local.get(name)
         if path is None:
             self._durable.read_into(step, name, offset, out)
@@ -87,11 +107,33 @@ class PeerSource:
             os.close(d)
 
     def path_of(self, step: int, name: str) -> str | None:
+        if name in self._images:
+            return None
         path = self._local.get(name)
         if path is not None:
             return path
         path_of = getattr(self._durable, "path_of", None)
         return path_of(step, name) if path_of is not None else None
+
+    def staged(self, step: int, own: Manifest, device: torch.device, where: str) -> dict[str, torch.Tensor] | None:
+        """The tensors of ``own`` (this rank's files of the step) as views of the fetched
+        files' memory, when every one of them was fetched onto ``device``: verified as they
+        arrived, nothing is read or copied again (the multi-rank restore then moves them into
+        the target). None otherwise (they are read through :meth:`read_into`)."""
+        images = self._images
+        if not own.files or any(f not in images or images[f].device != device for f in own.files):
+            return None
+        by_file = entries_by_file(own, where)
+        out: dict[str, torch.Tensor] = {}
+        for fname, rec in own.files.items():
+            data = images[fname][rec.header_size:]
+            for e in by_file[fname]:
+                if not 0 <= e.begin <= e.end <= data.numel():
+                    raise CheckpointCorruptError(f"{where}: {fname}: tensor {e.name!r} at [{e.begin}, {e.end}) lies "
+                                                 f"outside the file's {data.numel()} data bytes")
+            out.update(Landing([], [(e, data[e.begin:e.end], False) for e in by_file[fname]]).tensors())
+        _build_views(own, out, where)
+        return out
 
     def steps(self) -> list[int]:
         return list(self._durable.list_steps())
@@ -167,29 +209,30 @@ def _restore_step(rep: Replicator, restorer: Restorer, coord: Coordinator, s: in
     t1 = time.monotonic()
     try:
         with _Fetching(rep, coord, s) as fetching:
-            fetched, failed = _fetch(rep, fetching, coord, s, shards, own=own, sources=sources)
+            fetched, failed = _fetch(rep, fetching, coord, s, shards, own=own, sources=sources,
+                                     files={f: r for f, r in m.files.items() if owner_of(f) == me})
     finally:
         if own is not None:
             own.close()
     rep.count("peer_restore_fetch_s", time.monotonic() - t1)
-    local = own.local if own is not None and own.local else {}
+    local = own.local if own is not None and own.local and fetched is None else {}
+    images = fetched.files if fetched is not None else None
     why = own.why if own is not None else ""
     why = "; ".join(x for x in (why, failed) if x)
-    if fetched is not None:
-        local = {n: rep.area.path_of(fetched, n) for n in fetched.record.manifest.files}
-    elif not local:
+    if not local and images is None:
         why = why or "no node holds a copy of it"
         if on_durable:
             warnings.warn(f"step {s}: rank {me}'s shard is read from the durable target: {why}", RuntimeWarning,
                           stacklevel=4)
-    fails = coord.all_gather(None if local or on_durable else why, f"fetching the shards of step {s}")
+    fails = coord.all_gather(None if local or images is not None or on_durable else why,
+                             f"fetching the shards of step {s}")
     bad_ranks = [r for r, f in enumerate(fails) if f]
     if bad_ranks:
         raise CheckpointCorruptError(f"step {s}: no verified copy of the shards of ranks {bad_ranks} in any tier")
-    where = "own" if local and fetched is None else ("peer" if fetched is not None else "durable")
+    where = "own" if local else ("peer" if images is not None else "durable")
     rep.count(f"peer_restore_{where}")
     log.info("peer tier: step %d, rank %d: shard from %s", s, me, where)
-    source = PeerSource(local, restorer.target, f"peer tier {rep.area.path}", rep.io)
+    source = PeerSource(local, restorer.target, f"peer tier {rep.area.path}", rep.io, images)
     t2 = time.monotonic()
     try:
         with restorer.guard.reading(s):
@@ -258,12 +301,21 @@ class _Fetching:
 _PENDING = -1  # an ask that says "my own copy is still being checked": the rounds go on
 
 
+class Fetched(NamedTuple):
+    """A shard fetched from a peer: its record, and its files in memory (verified)."""
+
+    record: ShardRecord
+    files: dict[str, torch.Tensor]
+
+
 def _fetch(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, shards: dict[int, list[int]], *,
-           own: _OwnCheck | None, sources: list[int]) -> tuple[Copy | None, str]:
+           own: _OwnCheck | None, sources: list[int], files: dict[str, FileRecord]) -> tuple[Fetched | None, str]:
     """Rounds in which each rank still needing its shard asks the next holding node for it;
     every rank serves what it is asked. A rank with copies of its own (``own``) asks nothing
     in the first round while they are checked, then waits for that check and asks only if
-    none passed. Returns the copy received and verified (or None), and why the copies tried
+    none passed. The shard asked for lands in memory on the transport's device (its GPU with
+    NCCL), not in the peer area: it must be the shard whose files are ``files`` (the step's
+    manifest's). Returns the shard received and verified (or None), and why the copies tried
     were not usable."""
     me = coord.rank
     need, pending = own is None, own is not None
@@ -279,18 +331,13 @@ def _fetch(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, sha
         rounds += 1
         if all(a is None for a in asks):
             return None, "; ".join(why)
-        got = _serve(rep, fetching, coord, s, asks, [ask] if ask is not None and ask >= 0 else [])
+        got = _serve(rep, fetching, coord, s, asks, [ask] if ask is not None and ask >= 0 else [], files)
         if ask is None or ask < 0:
             continue
         tried += 1
         rec = got.get(ask, Received(None, False, None))
-        if rec.ok and rec.record is not None and rec.record.rank == me and rec.record.step == s:
-            need = False
-            # (the slot it was committed in: a copy of its own here that failed its check may be listed too)
-            found = next((c for c in rep.area.copies() if c.rank == me and c.slot == rec.slot
-                          and c.record.step == s), None)
-            if found is not None:
-                return _finish(rep, fetching, coord, s, found), ""
+        if rec.ok and rec.record is not None and rec.record.rank == me and rec.record.step == s and rec.files:
+            return _finish(rep, fetching, coord, s, Fetched(rec.record, rec.files)), ""
         why.append(f"the copy on node {rep.nodes[ask]} " + ("fails its check" if rec.record is not None else
                                                               "could not be received"))
         log.warning("peer tier: step %d, rank %d: the copy from rank %d (node %s) is not usable; %s", s, me, ask,
@@ -298,22 +345,24 @@ def _fetch(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, sha
 
 
 def _serve(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, asks: Sequence[int | None],
-           recvs: list[int]) -> dict[int, Received]:
+           recvs: list[int], files: dict[str, FileRecord] | None = None) -> dict[int, Received]:
     """One round (every rank together, on the same ``asks``): send this node's copy to each
     rank that asked this rank, receive from ``recvs`` this rank's shard of step ``s`` and
-    no other. A round in which nobody asks a rank for anything moves nothing and leaves the
-    mover unmade (every rank decides so alike)."""
+    no other (its files ``files``), into memory on the transport's device. A round in which
+    nobody asks a rank for anything moves nothing and leaves the mover unmade (every rank
+    decides so alike)."""
     if not any(a is not None and a >= 0 for a in asks):
         return {}
     serve = [r for r, a in enumerate(asks) if a == coord.rank]
     held = {c.rank: c for c in rep.area.copies() if c.record.step == s}
-    with _Mapped(rep, [held.get(r) for r in serve]) as files:
-        sends = [(r, c.record if c is not None else None, fs) for r, (c, fs) in zip(serve, files, strict=True)]
-        return fetching.mover().transfer(sends, recvs, own_node_ok=True,
-                                         expect=dict.fromkeys(recvs, (coord.rank, s)))
+    with _Mapped(rep, [held.get(r) for r in serve]) as mapped:
+        sends = [(r, c.record if c is not None else None, fs) for r, (c, fs) in zip(serve, mapped, strict=True)]
+        mover = fetching.mover()
+        return mover.transfer(sends, recvs, own_node_ok=True, expect=dict.fromkeys(recvs, (coord.rank, s)),
+                              into=Into(mover.transport.device, files or {}))
 
 
-def _finish(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, found: Copy) -> Copy:
+def _finish(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, found: Fetched) -> Fetched:
     """Serve the remaining rounds (other ranks may still be fetching), then return ``found``."""
     while True:
         asks = coord.all_gather(None, f"asking for the shards of step {s}")

@@ -32,7 +32,7 @@ from .._threads import DaemonPool
 from ..errors import CkptTimeoutError, ConfigError
 from .coordinator import Coordinator
 
-__all__ = ["COPY_METHOD", "COPY_METHODS", "COPY_THREADS", "RESTORE_GPU_BYTES", "SEGMENT_BYTES", "Transport",
+__all__ = ["COPY_METHOD", "COPY_METHODS", "COPY_THREADS", "RESTORE_GPU_BYTES", "SEGMENT_BYTES", "Buffer", "Transport",
            "restore_transport", "split_copy"]
 
 log = logging.getLogger("ckptmgr")
@@ -42,6 +42,7 @@ COPY_METHODS = ("pinned", "pageable")  # how a CUDA transport moves a segment be
 COPY_METHOD = "pinned"  # a restore's: through pinned staging (see Transport)
 COPY_THREADS = 4  # a restore's threads per host copy of a segment into or out of pinned staging (1: the caller's)
 COPY_PIECE_BYTES = 512 << 10  # the fewest bytes one thread of a split host copy moves
+Buffer = np.ndarray[Any, Any] | torch.Tensor  # what bytes are received into (see Transport.exchange)
 
 
 def split_copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], threads: int,
@@ -70,6 +71,10 @@ def split_copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], threads: in
             raise CkptTimeoutError(f"a host copy of {n} bytes in {k} pieces did not end within {timeout_s:g} s")
     for f in futs:
         f.result()
+
+
+def _nbytes(a: Buffer) -> int:
+    return a.size if isinstance(a, np.ndarray) else a.numel()
 
 
 def _host_tensor(a: np.ndarray[Any, Any]) -> torch.Tensor:
@@ -146,26 +151,30 @@ class Transport:
     def __repr__(self) -> str:
         return f"Transport({dist.get_backend(self.group)}, {self.device})"
 
-    def exchange(self, sends: list[tuple[int, np.ndarray[Any, Any]]],
-                 recvs: list[tuple[int, np.ndarray[Any, Any]]]) -> None:
+    def exchange(self, sends: list[tuple[int, np.ndarray[Any, Any]]], recvs: list[tuple[int, Buffer]]) -> None:
         """Send each (rank, bytes) and receive each (rank, buffer), all at once; every array
         is a contiguous uint8 array (received ones writable); empty ones are skipped (both
-        ends agree on the size)."""
+        ends agree on the size). A buffer received into may also be a contiguous uint8 tensor
+        in the memory the group carries (on this transport's GPU, or on the host with
+        ``device`` "cpu"): the bytes land in it with no staging."""
         g = self.coord.global_rank
-        ops = [(True, g(r), a) for r, a in sends if a.size] + [(False, g(r), a) for r, a in recvs if a.size]
-        seg = self.segment_bytes or max((a.size for _, _, a in ops), default=1)
-        subs = max((-(-a.size // seg) for _, _, a in ops), default=0)
-        if self.device.type == "cuda":
-            self._reserve(2 * len(ops) * seg)
+        ops = [(True, g(r), a) for r, a in sends if a.size] + [(False, g(r), a) for r, a in recvs if _nbytes(a)]
+        seg = self.segment_bytes or max((_nbytes(a) for _, _, a in ops), default=1)
+        subs = max((-(-_nbytes(a) // seg) for _, _, a in ops), default=0)
+        staged = sum(1 for _, _, a in ops if isinstance(a, np.ndarray))  # (those that go through staging)
+        if self.device.type == "cuda" and staged:
+            self._reserve(2 * staged * seg)
         pending: tuple[list[Any], list[tuple[np.ndarray[Any, Any], int]]] | None = None
         for j in range(subs):
-            parts = [(send, peer, a[j * seg:(j + 1) * seg]) for send, peer, a in ops if a.size > j * seg]
-            launched = self._launch(parts, (j % 2) * len(ops) * seg, seg)
+            parts = [(send, peer, a[j * seg:(j + 1) * seg]) for send, peer, a in ops if _nbytes(a) > j * seg]
+            launched = self._launch(parts, (j % 2) * staged * seg, seg)
             if pending is not None:
                 self._finish(*pending)
             pending = launched
         if pending is not None:
             self._finish(*pending)
+        if self.device.type == "cuda" and staged < len(ops):  # (bytes landed in GPU memory: there once this returns)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _copy(self, dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         """A host copy into or out of pinned staging, split across the copy threads."""
@@ -174,17 +183,23 @@ class Transport:
         split_copy(dst, src, self.copy_threads, self._pool,
                    self.timeout_s if self.timeout_s is not None else self.coord.timeout_s)
 
-    def _launch(self, parts: list[tuple[bool, int, np.ndarray[Any, Any]]], base: int,
+    def _launch(self, parts: list[tuple[bool, int, Buffer]], base: int,
                 seg: int) -> tuple[list[Any], list[tuple[np.ndarray[Any, Any], int]]]:
         """Start one sub-round: its works, and where its received segments land (CUDA: the
         host array and the staging offset it is copied back from)."""
         p2p: list[Any] = []
         landing: list[tuple[np.ndarray[Any, Any], int]] = []
-        for k, (send, peer, a) in enumerate(parts):
-            if self._dev is None:
+        k = 0  # (the staging slot of the next array that goes through staging)
+        for send, peer, a in parts:
+            if isinstance(a, torch.Tensor):  # (received in place)
+                if a.device != self.device or a.dtype != torch.uint8 or not a.is_contiguous():
+                    raise ValueError(f"a peer tier transfer on {self!r} cannot receive into a tensor on {a.device}")
+                t = a
+            elif self._dev is None:
                 t = _host_tensor(a)
             else:
                 at = base + k * seg
+                k += 1
                 t = self._dev[at:at + a.size]
                 if not send:
                     landing.append((a, at))

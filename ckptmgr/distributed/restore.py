@@ -359,6 +359,11 @@ def _read_own(restorer: Restorer, source: Source, step: int, own: Manifest, plan
     then read a second time, after the ranks agree, straight into the target's tensors.
     """
     size = sum(r.size for r in own.files.values())
+    in_memory = getattr(source, "staged", None)  # (a peer restore's shard, fetched onto dev and verified there)
+    fetched: dict[str, torch.Tensor] | None = in_memory(step, own, dev, where) if in_memory is not None else None
+    if fetched is not None:
+        log.info("%s: this rank's own files, %d bytes, fetched onto %s and verified there", where, size, dev)
+        return fetched
     try:
         staged = restorer.read(source, step, own, dev, loader, None, None)
         log.info("%s: read this rank's own files once, %d bytes, at the saved layout", where, size)

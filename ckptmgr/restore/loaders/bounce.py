@@ -57,7 +57,7 @@ from ..preflight import drain
 from .landing import Landing
 from .pieces import WAIT_S, page_aligned, shared_pool
 
-__all__ = ["PIECE_BYTES", "THREADS", "Ends", "Piece", "Readers", "Source", "copy_through_bounce", "readers",
+__all__ = ["PIECE_BYTES", "THREADS", "Ends", "Piece", "Readers", "Source", "buffers", "copy_through_bounce", "readers",
            "runtime_for", "start_readers"]
 
 THREADS = 8  # threads reading the file, each with two buffers and a stream
@@ -79,7 +79,7 @@ def runtime_for(landing: Landing, device: torch.device) -> _cuda.Runtime | None:
     return _cuda.runtime()
 
 
-def _buffers(threads: int, gpu: bool) -> list[list[torch.Tensor]]:
+def buffers(threads: int, gpu: bool) -> list[list[torch.Tensor]]:
     """Two buffers of :data:`PIECE_BYTES` for each of ``threads`` readers, all slices of one
     block of ``THREADS x 2 x PIECE_BYTES`` whatever ``threads`` is (a small file's load takes
     the block of the same size as a large one's, so every load reuses the one cached block):
@@ -219,7 +219,7 @@ def start_readers(sources: list[Source], pieces: list[Piece], device: torch.devi
     ready = _cuda.ready_event(device) if gpu else None
     streams = [_cuda.staging_stream(device) for _ in range(threads)] if gpu else []  # (made on this thread)
     # (taken here, before any copy runs: see the module docstring)
-    held = _buffers(threads, gpu)
+    held = buffers(threads, gpu)
     # With the runtime: each piece's copies (destination address, offset in the piece, bytes),
     # worked out here once, so the readers run no Python between their calls but the loop's own.
     plan = _plan(sources, pieces) if rt is not None else []

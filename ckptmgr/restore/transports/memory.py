@@ -1,0 +1,114 @@
+"""Files already in memory (:class:`MemoryTransport`): a check plan's chunks read where they lie.
+
+A peer restore's fetch lands a shard's files in memory on the restore's device: GPU memory,
+received there by NCCL with no host copy, or host memory over gloo (see
+:mod:`ckptmgr.distributed.peer_mover`). Those bytes came from another node and are verified
+before anything uses them, by the one read driver (:func:`~ckptmgr.restore.read.run`) over a
+check plan of the files' checksum chunks, with this transport handing it each chunk.
+
+On the host, a chunk is checksummed where it lies. On a GPU, each of :data:`THREADS` threads
+copies its chunks back in pieces of ``PIECE_BYTES`` through two pinned buffers of its own (the
+bounce readers' block, :mod:`~ckptmgr.restore.loaders.bounce`) on a stream of its own, each
+piece's copy queued before the piece before it is checksummed, and hands the chunk to the driver
+as :class:`~ckptmgr.restore.read.Landed` (the CRC32C of its bytes, computed piece by piece).
+The pinned block is the one the bounce readers' loads reuse; nothing of the files' size is
+allocated on the host.
+
+Only checks: a chunk with a destination, or with sub-chunk checksums, is refused.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor, Future
+from typing import Any
+
+import torch
+
+from ... import _cuda
+from ...format.checksum import crc32c_combine, crc32c_value
+from ..loaders.bounce import PIECE_BYTES, THREADS, buffers
+from ..preflight import drain, wait_all
+from ..read import Chunk, Land, Landed
+
+__all__ = ["MemoryTransport"]
+
+
+class MemoryTransport:
+    """Hands a check plan's chunks to the driver from ``files`` (data file name -> the whole
+    file as a contiguous uint8 tensor, on the host or a GPU), on ``pool`` (at most
+    ``threads`` tasks at once).
+
+    Example:
+        >>> run(plan_check(manifest, where), MemoryTransport(images, pool))  # doctest: +SKIP
+    """
+
+    def __init__(self, files: Mapping[str, torch.Tensor], pool: Executor, threads: int = THREADS) -> None:
+        self.files, self.pool, self.threads = files, pool, max(1, threads)
+
+    def read(self, chunks: Sequence[Chunk], land: Land) -> None:
+        """Hand every chunk to ``land`` (see :class:`~ckptmgr.restore.read.Transport`)."""
+        for c in chunks:
+            if c.dest is not None or c.subs:
+                raise ValueError(f"{c.file}: a chunk with a destination or sub-chunk checksums; this transport checks")
+            t = self.files.get(c.file)
+            if t is None or not 0 <= c.begin <= c.end <= t.numel():
+                raise ValueError(f"{c.file}: bytes [{c.begin}, {c.end}) are not in memory here")
+        if not chunks:
+            return
+        gpu = [t.device for t in self.files.values() if t.device.type == "cuda"]
+        workers = min(self.threads, len(chunks))
+        pairs = buffers(workers, True) if gpu else [None] * workers
+        streams = [_cuda.staging_stream(gpu[0]) for _ in range(workers)] if gpu else [None] * workers
+        stop = threading.Event()  # set at the first failure: no worker starts another chunk
+
+        def work(w: int) -> None:
+            try:
+                for c in chunks[w::workers]:
+                    if stop.is_set():
+                        return
+                    src = self.files[c.file][c.begin:c.end]
+                    land(c, _crc(src, pairs[w], streams[w]) if src.is_cuda else
+                         Landed(crc32c_value(src.numpy()), c.size))
+            except BaseException:
+                stop.set()
+                raise
+
+        futures: list[Future[None]] = []
+        try:
+            futures.extend(self.pool.submit(work, w) for w in range(workers))
+            wait_all(futures)
+        except BaseException:  # (an interrupt too) nothing more starts; the started end first
+            stop.set()
+            drain(futures)
+            raise
+
+
+def _crc(src: torch.Tensor, bufs: list[torch.Tensor] | None, stream: Any) -> Landed:
+    """The CRC32C of ``src`` (GPU memory), copied back piece by piece through ``bufs`` (two
+    pinned buffers of ``PIECE_BYTES``) on ``stream``: the next piece's copy runs while a
+    piece is checksummed."""
+    assert bufs is not None
+    n = src.numel()
+    crc = -1
+    events: list[Any] = [None, None]
+    starts = range(0, n, PIECE_BYTES)
+    with torch.cuda.stream(stream):
+        stream.wait_stream(torch.cuda.current_stream(src.device))  # (whatever wrote src is queued before)
+
+        def copy(i: int) -> None:
+            b = i * PIECE_BYTES
+            bufs[i % 2][:min(PIECE_BYTES, n - b)].copy_(src[b:b + PIECE_BYTES], non_blocking=True)
+            events[i % 2] = _cuda.CopyDone([stream])
+
+        if n:
+            copy(0)
+        for i, b in enumerate(starts):
+            if b + PIECE_BYTES < n:
+                copy(i + 1)
+            events[i % 2].synchronize()
+            size = min(PIECE_BYTES, n - b)
+            value = crc32c_value(bufs[i % 2][:size].numpy())
+            crc = value if crc < 0 else crc32c_combine(crc, value, size)
+    return Landed(max(crc, 0), n)
