@@ -39,6 +39,7 @@ from ..format.schema import MAX_MANIFEST_BYTES
 from ..restore.read import plan_check, run
 from ..restore.transports.memory import MemoryTransport
 from ..storage.peer_tier import IncomingFile, PeerArea, ShardRecord, check_files
+from ..storage.posix import populate
 from .peer_transport import Buffer, Transport
 
 __all__ = ["MAX_SHARD_BYTES", "Into", "Received", "Sends", "ShardMover"]
@@ -309,6 +310,11 @@ class ShardMover:
         writer = DaemonPool(1, thread_name_prefix="ckptmgr-peer-write") if incoming else None
         stuck = False  # a write outlived its wait: the one below is not made again
         waited = 0.0  # seconds spent waiting for writes (peer_write_wait_s)
+        # Host memory received into is fresh: the writer (idle for it) faults its pages in ahead
+        # of the pieces, beside the transfers, rather than the receiving thread in each one.
+        fresh = [inc.image for inc in incoming.values() if inc.image is not None and not inc.image.is_cuda]
+        done_ahead = threading.Event()  # (set when the pump ends: the faulting stops at its next piece)
+        faulting = writer.submit(_fault_in, fresh, size, done_ahead) if fresh and writer is not None else None
 
         def ended(w: Future[None] | None) -> None:
             nonlocal stuck, waited
@@ -350,8 +356,9 @@ class ShardMover:
             for w in writes:
                 ended(w)
         finally:  # (no write may be running once the caller closes or reads the files)
+            done_ahead.set()
             if writer is not None:
-                late = [w for w in writes if w is not None and not w.done()]
+                late = [w for w in [*writes, faulting] if w is not None and not w.done()]
                 if late and not stuck:
                     _, still = wait_futures(late, timeout=wait_s)
                     stuck = bool(still)
@@ -364,6 +371,16 @@ class ShardMover:
             self.counts["peer_bytes_received"] += sum(inc.nbytes for inc in incoming.values())
             self.counts["peer_transfer_s"] += time.monotonic() - start
             self.counts["peer_write_wait_s"] += waited
+
+
+def _fault_in(images: list[torch.Tensor], size: int, done: threading.Event) -> None:
+    """Fault in the pages of each of ``images`` (fresh host memory), ``size`` bytes at a time
+    from the start, until ``done`` is set or the kernel cannot (:func:`~ckptmgr.storage.posix.populate`)."""
+    for image in images:
+        base, n = image.data_ptr(), image.numel()
+        for b in range(0, n, size):
+            if done.is_set() or not populate(base + b, min(size, n - b)):
+                return
 
 
 def _write_piece(jobs: list[tuple[list[IncomingFile], list[tuple[int, int, int]], np.ndarray[Any, Any]]]) -> None:

@@ -58,9 +58,10 @@ from .restore import _restore as restore_from  # the multi-rank restore of a ste
 from .save import RankPart
 from .save import _merge as merge_parts  # the commit's merge of every rank's part into the step's manifest
 
-__all__ = ["PeerSource", "restore_newest_peer"]
+__all__ = ["FETCH_PIECE_BYTES", "PeerSource", "restore_newest_peer"]
 
 log = logging.getLogger("ckptmgr")
+FETCH_PIECE_BYTES = 16 << 20  # bytes per exchange of a restore's fetch (each cut into the transport's segments)
 
 
 class PeerSource:
@@ -277,7 +278,7 @@ class _Fetching:
             rep = self.rep
             self._transport, why = restore_transport(self.coord, rep.meta, rep.opts.transport, rep.opts.timeout_s)
             log.info("peer tier: step %d: shards are fetched over %s", self.s, why)
-            self._mover = ShardMover(self._transport, rep.area, rep.node, rep.opts.chunk_bytes, None,
+            self._mover = ShardMover(self._transport, rep.area, rep.node, FETCH_PIECE_BYTES, None,
                                      rep.io)  # (no pacing: no training runs beside a restore)
         return self._mover
 

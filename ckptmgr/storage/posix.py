@@ -27,8 +27,8 @@ import numpy as np
 from ..errors import CheckpointCorruptError
 
 __all__ = ["DIRECT_ALIGN", "NOT_REGULAR", "DirectFile", "direct_of", "fsync_dir", "makedirs_durable", "open_dir",
-           "open_direct", "open_regular", "pread_address", "pread_chunk", "preadv_fd", "preadv_into", "pwrite_all",
-           "remove_ours", "sibling", "stat_regular"]
+           "open_direct", "open_regular", "populate", "pread_address", "pread_chunk", "preadv_fd", "preadv_into",
+           "pwrite_all", "remove_ours", "sibling", "stat_regular"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -229,6 +229,36 @@ def preadv_fd(fd: int, offset: int, out: list[np.ndarray[Any, Any]], where: str)
 
 
 _PREAD: list[Any] = []  # [libc's pread through ctypes], made once (a race makes it twice, alike)
+
+
+_MADVISE: list[Any] = []  # [libc's madvise through ctypes], made once
+_MADV_POPULATE_WRITE = 23  # (Linux 5.14): fault pages in writable, as writes would, in one call
+
+
+def populate(address: int, nbytes: int) -> bool:
+    """Fault in the pages of fresh host memory ``[address, address + nbytes)`` writable in
+    one call (``madvise(MADV_POPULATE_WRITE)``; the whole pages inside the range), the GIL
+    released: a thread ahead of the writes into that memory takes their page faults on
+    itself. Contents are unchanged. False where the kernel cannot (before Linux 5.14, or not
+    Linux): the writes then fault the pages in themselves."""
+    if not _MADVISE:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+        except (OSError, AttributeError):
+            return False
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _MADVISE.append(fn)
+    page = mmap.PAGESIZE
+    begin, end = -(-address // page) * page, (address + nbytes) // page * page
+    if end <= begin:
+        return True
+    for _ in range(3):  # (interrupted: again, a few times; pages already in are not faulted twice)
+        if _MADVISE[0](begin, end - begin, _MADV_POPULATE_WRITE) == 0:
+            return True
+        if ctypes.get_errno() not in (errno.EINTR, errno.EAGAIN):
+            return False
+    return False
 
 
 def pread_address(fd: int, address: int, nbytes: int, offset: int, where: str) -> None:
