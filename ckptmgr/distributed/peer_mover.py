@@ -46,6 +46,7 @@ __all__ = ["MAX_SHARD_BYTES", "Into", "Received", "Sends", "ShardMover"]
 
 log = logging.getLogger("ckptmgr")
 MAX_SHARD_BYTES = 1 << 44  # the most bytes a peer may announce for one shard (16 TiB)
+FAULT_AHEAD = True  # a thread faults in the pages of memory received into and of files sent, ahead of the pieces
 Sends = list[tuple[int, ShardRecord | None, dict[str, np.ndarray[Any, Any]]]]
 
 
@@ -310,11 +311,16 @@ class ShardMover:
         writer = DaemonPool(1, thread_name_prefix="ckptmgr-peer-write") if incoming else None
         stuck = False  # a write outlived its wait: the one below is not made again
         waited = 0.0  # seconds spent waiting for writes (peer_write_wait_s)
-        # Host memory received into is fresh: the writer (idle for it) faults its pages in ahead
-        # of the pieces, beside the transfers, rather than the receiving thread in each one.
-        fresh = [inc.image for inc in incoming.values() if inc.image is not None and not inc.image.is_cuda]
+        # Host memory received into is fresh, and files sent are mapped afresh: a thread faults
+        # their pages in ahead of the pieces, beside the transfers, rather than the thread that
+        # receives or copies each piece (FAULT_AHEAD).
+        regions = [(inc.image.data_ptr(), inc.image.numel(), True) for inc in incoming.values()
+                   if inc.image is not None and not inc.image.is_cuda]
+        regions += [(a.ctypes.data, a.size, False) for _, _, fs in sends for a in fs.values() if a.size]
         done_ahead = threading.Event()  # (set when the pump ends: the faulting stops at its next piece)
-        faulting = writer.submit(_fault_in, fresh, size, done_ahead) if fresh and writer is not None else None
+        faulter = DaemonPool(1, thread_name_prefix="ckptmgr-peer-ahead") if regions and FAULT_AHEAD else None
+        faulting = faulter.submit(_fault_in, regions, size, done_ahead) if faulter is not None else None
+        joined: dict[int, np.ndarray[Any, Any]] = {}  # per rank sent to: where a piece across files is joined
 
         def ended(w: Future[None] | None) -> None:
             nonlocal stuck, waited
@@ -334,7 +340,7 @@ class ShardMover:
                 rx: list[tuple[int, Buffer]] = []
                 for d, pieces in out_pieces:
                     if i < len(pieces):
-                        buf = pieces[i][0] if len(pieces[i]) == 1 else np.concatenate(pieces[i])
+                        buf = pieces[i][0] if len(pieces[i]) == 1 else _join(pieces[i], joined, d, size)
                         tx.append((d, buf))
                         sent += buf.size
                 ended(writes[i % 2])  # (this round's buffers are free again)
@@ -357,8 +363,11 @@ class ShardMover:
                 ended(w)
         finally:  # (no write may be running once the caller closes or reads the files)
             done_ahead.set()
+            if faulter is not None and faulting is not None:  # (one piece's faulting at most, after done_ahead)
+                wait_futures([faulting], timeout=wait_s)
+                faulter.shutdown(wait=False)
             if writer is not None:
-                late = [w for w in [*writes, faulting] if w is not None and not w.done()]
+                late = [w for w in writes if w is not None and not w.done()]
                 if late and not stuck:
                     _, still = wait_futures(late, timeout=wait_s)
                     stuck = bool(still)
@@ -373,13 +382,24 @@ class ShardMover:
             self.counts["peer_write_wait_s"] += waited
 
 
-def _fault_in(images: list[torch.Tensor], size: int, done: threading.Event) -> None:
-    """Fault in the pages of each of ``images`` (fresh host memory), ``size`` bytes at a time
-    from the start, until ``done`` is set or the kernel cannot (:func:`~ckptmgr.storage.posix.populate`)."""
-    for image in images:
-        base, n = image.data_ptr(), image.numel()
+def _join(parts: list[np.ndarray[Any, Any]], joined: dict[int, np.ndarray[Any, Any]], d: int,
+          size: int) -> np.ndarray[Any, Any]:
+    """A piece that spans files, joined into rank ``d``'s reused buffer of ``size`` bytes (made
+    at the first such piece; an exchange has sent it by the time it returns)."""
+    n = sum(p.size for p in parts)
+    buf = joined.get(d)
+    if buf is None:
+        buf = joined[d] = np.empty(size, dtype=np.uint8)
+    return np.concatenate(parts, out=buf[:n])
+
+
+def _fault_in(regions: list[tuple[int, int, bool]], size: int, done: threading.Event) -> None:
+    """Fault in the pages of each (address, bytes, for writing) of ``regions``, ``size``
+    bytes at a time from the start, until ``done`` is set or the kernel cannot
+    (:func:`~ckptmgr.storage.posix.populate`)."""
+    for base, n, write in regions:
         for b in range(0, n, size):
-            if done.is_set() or not populate(base + b, min(size, n - b)):
+            if done.is_set() or not populate(base + b, min(size, n - b), write=write):
                 return
 
 

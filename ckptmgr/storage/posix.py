@@ -232,15 +232,16 @@ _PREAD: list[Any] = []  # [libc's pread through ctypes], made once (a race makes
 
 
 _MADVISE: list[Any] = []  # [libc's madvise through ctypes], made once
-_MADV_POPULATE_WRITE = 23  # (Linux 5.14): fault pages in writable, as writes would, in one call
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # (Linux 5.14): fault pages in, as reads / writes would
 
 
-def populate(address: int, nbytes: int) -> bool:
-    """Fault in the pages of fresh host memory ``[address, address + nbytes)`` writable in
-    one call (``madvise(MADV_POPULATE_WRITE)``; the whole pages inside the range), the GIL
-    released: a thread ahead of the writes into that memory takes their page faults on
-    itself. Contents are unchanged. False where the kernel cannot (before Linux 5.14, or not
-    Linux): the writes then fault the pages in themselves."""
+def populate(address: int, nbytes: int, *, write: bool = True) -> bool:
+    """Fault in the pages of host memory ``[address, address + nbytes)`` in one call
+    (``madvise(MADV_POPULATE_WRITE)``, or ``MADV_POPULATE_READ`` for a mapping only read;
+    the whole pages inside the range), the GIL released: a thread ahead of the writes into
+    fresh memory, or of the reads of a file mapped afresh, takes their page faults on itself.
+    Contents are unchanged. False where the kernel cannot (before Linux 5.14, or not Linux):
+    the accesses then fault the pages in themselves."""
     if not _MADVISE:
         try:
             fn = ctypes.CDLL(None, use_errno=True).madvise
@@ -254,7 +255,7 @@ def populate(address: int, nbytes: int) -> bool:
     if end <= begin:
         return True
     for _ in range(3):  # (interrupted: again, a few times; pages already in are not faulted twice)
-        if _MADVISE[0](begin, end - begin, _MADV_POPULATE_WRITE) == 0:
+        if _MADVISE[0](begin, end - begin, _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ) == 0:
             return True
         if ctypes.get_errno() not in (errno.EINTR, errno.EAGAIN):
             return False
