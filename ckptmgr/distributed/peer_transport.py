@@ -193,7 +193,8 @@ class Transport:
         for send, peer, a in parts:
             if isinstance(a, torch.Tensor):  # (received in place)
                 if a.device != self.device or a.dtype != torch.uint8 or not a.is_contiguous():
-                    raise ValueError(f"a peer tier transfer on {self!r} cannot receive into a tensor on {a.device}")
+                    raise ValueError(f"a peer tier transfer through {self.device} cannot receive into a {a.dtype} "
+                                     f"tensor on {a.device}" + ("" if a.is_contiguous() else " (not contiguous)"))
                 t = a
             elif self._dev is None:
                 t = _host_tensor(a)

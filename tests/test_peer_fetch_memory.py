@@ -1,0 +1,240 @@
+"""A peer restore's fetch lands the shard in memory (:class:`~ckptmgr.distributed.peer_mover.Into`),
+verified there by the read driver over :class:`~ckptmgr.restore.transports.memory.MemoryTransport`,
+and the restore takes its tensors as views of it (:meth:`PeerSource.staged`). In one process,
+on the host: a loopback transport hands each piece sent to the receive of the same round. The
+same path between real processes (gloo; NCCL into GPU memory on 2 GPUs) is in
+tests/test_peer_tier.py."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ckptmgr.distributed import peer_mover
+from ckptmgr.distributed.peer_mover import Into, ShardMover
+from ckptmgr.distributed.peer_restore import PeerSource
+from ckptmgr.distributed.peer_transport import Transport
+from ckptmgr.errors import CheckpointCorruptError
+from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
+from ckptmgr.format.manifest import FileRecord, Manifest
+from ckptmgr.restore.read import ChecksumMismatchError, Chunk, plan_check, run
+from ckptmgr.restore.transports.memory import MemoryTransport
+from ckptmgr.storage.peer_tier import PeerArea, ShardRecord
+from ckptmgr.storage.posix import populate
+
+WAIT = 30.0
+CHUNK = 8192
+HEADER = 4096
+
+
+class Loopback:
+    """Each piece sent to this rank lands in its own receive of the same round; ``spoil``
+    (round, receive buffers) runs after the copy."""
+
+    def __init__(self, spoil: Any = None) -> None:
+        self.timeout_s = WAIT
+        self.coord = SimpleNamespace(timeout_s=WAIT)
+        self.device = torch.device("cpu")
+        self.spoil = spoil
+        self.rounds = -2  # (the header and the record travel in the two exchanges before the pieces)
+
+    def exchange(self, sends: list[tuple[int, np.ndarray]], recvs: list[tuple[int, Any]]) -> None:
+        for (_, src), (_, dst) in zip(sends, recvs, strict=True):
+            dst[:] = src
+        if self.spoil is not None:
+            self.spoil(self.rounds, [a for _, a in recvs])
+        self.rounds += 1
+
+
+def _file(name: str, data: np.ndarray) -> tuple[FileRecord, dict[str, Any]]:
+    crcs = tuple(crc32c_hex(data[b:e]) for b, e in chunk_ranges(data.size, CHUNK))
+    n = (data.size - HEADER) // 4
+    tensor = {"file": name, "dtype": "F32", "shape": [n], "offsets": [0, 4 * n]}
+    return FileRecord(data.size, CHUNK, crcs, HEADER), tensor
+
+
+def _shard(sizes: tuple[int, ...] = (3 * CHUNK + 200, 2 * CHUNK + 72)) -> tuple[ShardRecord, dict[str, np.ndarray]]:
+    """A shard of rank 0 of two files whose sizes are not multiples of the piece size (pieces
+    span both files)."""
+    rng = np.random.default_rng(5)
+    files, tensors, data = {}, {}, {}
+    for i, size in enumerate(sizes):
+        name = f"data-r00000-{i:05d}.safetensors"
+        data[name] = rng.integers(0, 256, size, dtype=np.uint8)
+        files[name], tensors[f"rank00000/t{i}"] = _file(name, data[name])
+    m = Manifest(step=3, state={"x": 1}, tensors=tensors, files=files)
+    return ShardRecord.make(m, 0, 2, "A"), data
+
+
+def _fetch(tmp_path: Any, rec: ShardRecord, data: dict[str, np.ndarray], into: Into,
+           spoil: Any = None) -> tuple[Any, ShardMover, PeerArea]:
+    (tmp_path / "node").mkdir(exist_ok=True)
+    area = PeerArea(str(tmp_path / "node"), str(tmp_path / "root"))
+    with ThreadPoolExecutor(2) as io:
+        mover = ShardMover(Loopback(spoil), area, "B", CHUNK, None, io)
+        got = mover.transfer([(0, rec, data)], [0], own_node_ok=True, expect={0: (0, 3)}, into=into)
+    return got[0], mover, area
+
+
+def test_a_shard_fetched_into_memory_lands_bit_exact_in_one_allocation_and_the_area_stays_empty(tmp_path):
+    rec, data = _shard()
+    got, mover, area = _fetch(tmp_path, rec, data, Into(torch.device("cpu"), dict(rec.manifest.files)))
+    try:
+        assert got.ok and got.slot is None and got.record.raw == rec.raw
+        assert {n: t.numpy().tobytes() for n, t in got.files.items()} == {n: a.tobytes() for n, a in data.items()}
+        storages = {t.untyped_storage().data_ptr() for t in got.files.values()}
+        assert len(storages) == 1  # the files back to back in one allocation
+        assert area.copies() == [] and mover.stats()["peer_bad_copies"] == 0
+    finally:
+        area.close()
+
+
+def test_a_shard_whose_files_are_not_the_steps_is_refused_before_memory_is_taken(tmp_path, monkeypatch):
+    rec, data = _shard()
+    step_files = dict(rec.manifest.files)
+    name = next(iter(step_files))
+    step_files[name] = FileRecord(step_files[name].size, CHUNK, ("00000000",) * len(step_files[name].crc32c), HEADER)
+    taken: list[int] = []
+    monkeypatch.setattr(peer_mover, "_memory", lambda n, device: taken.append(n))
+    got, mover, area = _fetch(tmp_path, rec, data, Into(torch.device("cpu"), step_files))
+    try:
+        assert got == (None, False, None, None) and taken == [] and area.copies() == []
+        assert mover.stats()["peer_bytes_received"] == sum(a.size for a in data.values())  # (drained)
+    finally:
+        area.close()
+
+
+def test_a_byte_changed_in_transit_fails_the_check_in_memory_and_nothing_is_kept(tmp_path, caplog):
+    rec, data = _shard()
+
+    def spoil(i: int, bufs: list[Any]) -> None:
+        if i == 2:  # (a piece inside the first file's fourth chunk)
+            bufs[0][100] ^= 0xFF
+
+    got, mover, area = _fetch(tmp_path, rec, data, Into(torch.device("cpu"), dict(rec.manifest.files)), spoil)
+    try:
+        assert got.record is not None and not got.ok and got.files is None
+        assert mover.stats()["peer_bad_copies"] == 1 and area.copies() == []
+        assert any("data-r00000-00000.safetensors" in r.getMessage() and "fails its check" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        area.close()
+
+
+def test_the_pages_received_into_and_sent_from_are_faulted_in_ahead_by_their_own_thread(tmp_path, monkeypatch):
+    """The host memory the shard lands in is faulted in for writing, the files sent for
+    reading, a piece at a time, on a thread that is not the one moving the pieces; it is done
+    by the time the transfer returns."""
+    rec, data = _shard()
+    calls: list[tuple[int, int, bool, str]] = []
+    monkeypatch.setattr(peer_mover, "populate", lambda address, n, write: calls.append(
+        (address, n, write, threading.current_thread().name)) or True)
+    got, _, area = _fetch(tmp_path, rec, data, Into(torch.device("cpu"), dict(rec.manifest.files)))
+    area.close()
+    image = next(iter(got.files.values()))
+    base = image.data_ptr()
+    total = sum(a.size for a in data.values())
+    written = sorted((a - base, n) for a, n, write, _ in calls if write)
+    assert written and written[0][0] == 0 and sum(n for _, n in written) == total
+    assert max(n for _, n in written) <= CHUNK
+    read = {(a, n) for a, n, write, _ in calls if not write}
+    for arr in data.values():
+        assert sum(n for a, n in read if arr.ctypes.data <= a < arr.ctypes.data + arr.size) == arr.size
+    assert {name for *_, name in calls} != {threading.current_thread().name}
+    assert all(name.startswith("ckptmgr-peer-ahead") for *_, name in calls)
+
+
+def test_faulting_ahead_stops_at_the_next_piece_once_the_transfer_ends():
+    done = threading.Event()
+    done.set()
+    buf = np.zeros(4 * CHUNK, dtype=np.uint8)
+    seen: list[int] = []
+    real = peer_mover.populate
+    try:
+        peer_mover.populate = lambda a, n, write: seen.append(n) or True  # type: ignore[assignment]
+        peer_mover._fault_in([(buf.ctypes.data, buf.size, True)], CHUNK, done)
+    finally:
+        peer_mover.populate = real
+    assert seen == []
+
+
+def test_populate_faults_pages_in_without_changing_them():
+    t = torch.arange(3 * 4096 + 100, dtype=torch.int64).view(torch.uint8)
+    before = t.clone()
+    assert populate(t.data_ptr() + 1, t.numel() - 1) in (True, False)  # (False: a kernel before 5.14)
+    assert populate(t.data_ptr(), t.numel(), write=False) in (True, False)
+    assert torch.equal(t, before)
+    assert populate(t.data_ptr(), 10)  # (no whole page inside: nothing to do)
+
+
+def test_the_memory_transport_checks_files_where_they_lie_and_names_a_mismatch():
+    rec, data = _shard()
+    files = {n: torch.from_numpy(a.copy()) for n, a in data.items()}
+    with ThreadPoolExecutor(3) as pool:
+        run(plan_check(rec.manifest, "here"), MemoryTransport(files, pool))
+        name = sorted(files)[1]
+        files[name][CHUNK + 5] ^= 1
+        with pytest.raises(ChecksumMismatchError) as info:
+            run(plan_check(rec.manifest, "here"), MemoryTransport(files, pool))
+        assert info.value.mismatch.file == name and info.value.mismatch.begin == CHUNK
+
+
+def test_the_memory_transport_refuses_chunks_it_cannot_check():
+    files = {"f": torch.zeros(100, dtype=torch.uint8)}
+    with ThreadPoolExecutor(1) as pool:
+        t = MemoryTransport(files, pool)
+        for chunk in (Chunk("f", 0, 0, 101, "0"), Chunk("g", 0, 0, 10, "0"),
+                      Chunk("f", 0, 0, 10, "0", dest=object()), Chunk("f", 0, 0, 10, "0", subs=((0, 5, "0"),))):
+            with pytest.raises(ValueError, match=r"this transport checks|not in memory here"):
+                t.read([chunk], lambda c, d: None)
+
+
+def test_the_restore_takes_the_fetched_files_tensors_as_views_of_them():
+    rec, data = _shard()
+    own = rec.manifest
+    images = {n: torch.from_numpy(a.copy()) for n, a in data.items()}
+    source = PeerSource({}, SimpleNamespace(), "peer tier", None, images)
+    staged = source.staged(3, own, torch.device("cpu"), "here")
+    assert staged is not None
+    for i, (name, arr) in enumerate(sorted(data.items())):
+        t = staged[f"rank00000/t{i}"]
+        assert t.dtype == torch.float32 and t.untyped_storage().data_ptr() == images[name].untyped_storage().data_ptr()
+        assert t.numpy().tobytes() == arr[HEADER:HEADER + 4 * t.numel()].tobytes()
+    first = sorted(data)[0]
+    assert source.path_of(3, first) is None and source.file_size(3, first) == data[first].size
+    out = [np.empty(10, dtype=np.uint8), np.empty(5, dtype=np.uint8)]
+    source.read_into(3, first, 7, out)
+    assert np.concatenate(out).tobytes() == data[first][7:22].tobytes()
+    with pytest.raises(CheckpointCorruptError):
+        source.read_into(3, first, data[first].size - 3, out)
+    # not every file in memory on that device: read through read_into instead
+    one = PeerSource({}, None, "u", None, dict(list(images.items())[:1]))
+    assert one.staged(3, own, torch.device("cpu"), "h") is None
+    assert source.staged(3, own, torch.device("meta"), "here") is None
+
+
+def test_a_tensor_outside_its_fetched_file_is_refused():
+    rec, data = _shard()
+    m = rec.manifest
+    tensors = dict(m.tensors)
+    name = sorted(data)[0]
+    size = data[name].size
+    tensors["rank00000/t0"] = {**tensors["rank00000/t0"], "offsets": [0, size], "shape": [size // 4]}
+    bad = Manifest(step=3, state=m.state, tensors=tensors, files=m.files)
+    source = PeerSource({}, None, "peer tier", None, {n: torch.from_numpy(a.copy()) for n, a in data.items()})
+    with pytest.raises(CheckpointCorruptError, match="outside"):
+        source.staged(3, bad, torch.device("cpu"), "here")
+
+
+def test_a_transport_receives_only_into_plain_bytes_on_its_own_device():
+    t = Transport(SimpleNamespace(global_rank=lambda r: r, timeout_s=WAIT), None, torch.device("cpu"))
+    for buf in (torch.zeros(8, dtype=torch.float32), torch.zeros(16, dtype=torch.uint8)[::2],
+                torch.zeros(8, dtype=torch.uint8, device="meta")):
+        with pytest.raises(ValueError, match="cannot receive into"):
+            t.exchange([], [(1, buf)])
