@@ -1,22 +1,27 @@
 """How the peer tier moves a shard between two ranks: a record, then the files' bytes in pieces.
 
 :class:`ShardMover` sends shards (a record, then the files' bytes) to ranks and receives shards
-from ranks into this node's peer area (:class:`~ckptmgr.storage.peer_tier.PeerArea`), in one
-call that every rank named on either side makes at the same time (the replication rounds and
+from ranks into this node's peer area (:class:`~ckptmgr.storage.peer_tier.PeerArea`: the
+replication rounds) or into memory (:class:`Into`: a restore's fetches, the files back to back
+in one allocation on the transport's device, each piece received straight into its place), in
+one call that every rank named on either side makes at the same time (the replication rounds and
 the restore's fetches are lock-step), over a
 :class:`~ckptmgr.distributed.peer_transport.Transport`. Each exchange is a header (step, record
 size, data size), the record, then the bytes in pieces of ``chunk_bytes`` cut from the files'
 concatenated stream, paced by ``max_bytes_per_s``. A received piece is written into its files
 by a writer thread while the next piece travels (two buffers per source, each reused only once
 its last write has ended). What a rank receives is untrusted: the header is bounded before
-anything is allocated, the record is validated, and the copy is committed only when every chunk
-matches the record's checksums; a refused shard's bytes are drained through the same reused
-buffers.
+anything is allocated, the record is validated (and, into memory, its files must be the ones
+expected) before a slot is taken or memory allocated, and the copy is committed (or, in memory,
+used) only when every chunk matches the record's checksums; a refused shard's bytes are drained
+through the same reused buffers. A thread faults in the pages of host memory received into and
+of the files sent, ahead of the pieces (:data:`FAULT_AHEAD`).
 
 Thread ownership: a mover is used by one thread at a time (the replication thread, or the
 caller's during a restore after the rounds are drained); ``_mu`` guards only its counters. The
 files being received are written by the mover's writer thread, which the calling thread joins
-(bounded) before it reads or closes them.
+(bounded) before it reads or closes them; the faulting thread only touches pages of memory the
+transfer holds, and is joined (bounded) before the transfer returns.
 """
 
 from __future__ import annotations

@@ -12,14 +12,18 @@ Every rank calls :func:`restore_newest_peer` together (it is collective, like ev
    them as the commit does (no read of the durable target when every shard has a copy);
 4. *fetch*: rank r takes saved rank r's shard: a copy on its own node that passes its
    checksums, else one sent by a holding node (the next one when a copy fails its checks),
-   received into its own node's peer area (so the replaced node holds a copy again), else,
-   saying why, from the durable target. The fetches run on the job's own process group
+   received into memory on the transport's device (NCCL: straight into GPU memory) and
+   verified there (:class:`~ckptmgr.distributed.peer_mover.Into`), else, saying why, from the
+   durable target. The fetches run on the job's own process group
    (:func:`~ckptmgr.distributed.peer_transport.restore_transport`: NCCL through GPU memory
    when the group has it, else gloo), not on the peer tier's gloo group: every rank is here,
    on the caller's thread, with the rounds drained;
-5. the step is then restored by the multi-rank restore (:func:`restore_from`), reading each
-   rank's files from where step 4 put them; a step that fails on any rank is skipped on
-   all of them, and the next older candidate is tried.
+5. the step is then restored by the multi-rank restore (:func:`restore_from`), taking each
+   rank's files from where step 4 found them (a fetched shard's tensors as views of the
+   memory it landed in, :meth:`PeerSource.staged`: nothing read twice, nothing written to
+   this node's RAM; the replaced node holds copies again from the next save's round); a
+   step that fails on any rank is skipped on all of them, and the next older candidate is
+   tried.
 
 Steps older than the newest step no node holds any shard of come from the durable target as
 before (the restorer's ``restore_newest``), with a warning saying why the peer tier could not serve.

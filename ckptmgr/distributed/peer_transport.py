@@ -8,8 +8,9 @@ the training thread runs its own collectives (see :mod:`ckptmgr.distributed.repl
 restore's fetches (:func:`restore_transport`) run on the caller's thread while every rank is
 inside the restore, lock-step, with the rounds drained: they use the job's own group, through
 GPU memory and NCCL when that group runs CUDA tensors on NCCL (at most ``RESTORE_GPU_BYTES``
-of GPU memory and as much pinned host memory; segments of ``SEGMENT_BYTES``, host copies by
-``COPY_METHOD`` on ``COPY_THREADS`` threads), else host memory on gloo.
+of GPU memory and as much pinned host memory for what is sent; segments of ``SEGMENT_BYTES``,
+host copies by ``COPY_METHOD`` on ``COPY_THREADS`` threads; what is received lands straight in
+the GPU memory the fetch gives, with no staging), else host memory on gloo.
 
 Thread ownership: a transport is used by one thread at a time (its mover's: the replication
 thread, or the caller's during a restore after the rounds are drained).
@@ -100,10 +101,12 @@ class Transport:
       ``copy_threads`` do not apply.
     * ``device`` CUDA (a restore's fetch on a job group whose CUDA backend is NCCL): a segment
       goes from the host array to the GPU, NCCL to the peer's GPU, then to the peer's host
-      array. Staging on the GPU is two halves (the sub-round in flight and the next) of one
-      device buffer of at most ``2 x (ranks sent to + ranks received from) x segment_bytes``
-      bytes, made at the first exchange that needs it and reused, given back by
-      :meth:`close`. How a segment crosses between host and GPU (``copy_method``):
+      array, or, received into a CUDA tensor (a fetched shard's memory), straight into it,
+      with no staging and no copy (the stream is synchronized before :meth:`exchange`
+      returns). Staging on the GPU is two halves (the sub-round in flight and the next) of one
+      device buffer of at most ``2 x (host arrays sent and received) x segment_bytes`` bytes,
+      made at the first exchange that needs it and reused, given back by :meth:`close`. How
+      a segment crosses between host and GPU (``copy_method``):
 
       - "pinned": through a pinned host buffer of the device buffer's size: host array ->
         pinned (a host copy) -> GPU (an asynchronous copy), and back the same way. A host
