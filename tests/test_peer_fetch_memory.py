@@ -20,7 +20,7 @@ from ckptmgr.distributed import peer_mover
 from ckptmgr.distributed.peer_mover import Into, ShardMover
 from ckptmgr.distributed.peer_restore import PeerSource
 from ckptmgr.distributed.peer_transport import Transport
-from ckptmgr.errors import CheckpointCorruptError
+from ckptmgr.errors import CheckpointCorruptError, CkptError
 from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
 from ckptmgr.format.manifest import FileRecord, Manifest
 from ckptmgr.restore.read import ChecksumMismatchError, Chunk, plan_check, run
@@ -52,22 +52,27 @@ class Loopback:
         self.rounds += 1
 
 
-def _file(name: str, data: np.ndarray) -> tuple[FileRecord, dict[str, Any]]:
+def _file(i: int, name: str, data: np.ndarray, header: int = HEADER) -> tuple[FileRecord, dict[str, Any]]:
+    """File ``i``'s record and tensors: a float32 tensor ``t<i>``, then the bytes left as ``r<i>``."""
     crcs = tuple(crc32c_hex(data[b:e]) for b, e in chunk_ranges(data.size, CHUNK))
-    n = (data.size - HEADER) // 4
-    tensor = {"file": name, "dtype": "F32", "shape": [n], "offsets": [0, 4 * n]}
-    return FileRecord(data.size, CHUNK, crcs, HEADER), tensor
+    n, rest = divmod(data.size - header, 4)
+    tensors = {f"rank00000/t{i}": {"file": name, "dtype": "F32", "shape": [n], "offsets": [0, 4 * n]}}
+    if rest:
+        tensors[f"rank00000/r{i}"] = {"file": name, "dtype": "U8", "shape": [rest], "offsets": [4 * n, 4 * n + rest]}
+    return FileRecord(data.size, CHUNK, crcs, header), tensors
 
 
-def _shard(sizes: tuple[int, ...] = (3 * CHUNK + 200, 2 * CHUNK + 72)) -> tuple[ShardRecord, dict[str, np.ndarray]]:
+def _shard(sizes: tuple[int, ...] = (3 * CHUNK + 200, 2 * CHUNK + 72),
+           headers: tuple[int, ...] = (HEADER, HEADER)) -> tuple[ShardRecord, dict[str, np.ndarray]]:
     """A shard of rank 0 of two files whose sizes are not multiples of the piece size (pieces
     span both files)."""
     rng = np.random.default_rng(5)
     files, tensors, data = {}, {}, {}
-    for i, size in enumerate(sizes):
+    for i, (size, header) in enumerate(zip(sizes, headers, strict=True)):
         name = f"data-r00000-{i:05d}.safetensors"
         data[name] = rng.integers(0, 256, size, dtype=np.uint8)
-        files[name], tensors[f"rank00000/t{i}"] = _file(name, data[name])
+        files[name], more = _file(i, name, data[name], header)
+        tensors.update(more)
     m = Manifest(step=3, state={"x": 1}, tensors=tensors, files=files)
     return ShardRecord.make(m, 0, 2, "A"), data
 
@@ -139,9 +144,8 @@ def test_the_pages_received_into_and_sent_from_are_faulted_in_ahead_by_their_own
     area.close()
     image = next(iter(got.files.values()))
     base = image.data_ptr()
-    total = sum(a.size for a in data.values())
     written = sorted((a - base, n) for a, n, write, _ in calls if write)
-    assert written and written[0][0] == 0 and sum(n for _, n in written) == total
+    assert written and written[0][0] == 0 and sum(n for _, n in written) == image.untyped_storage().nbytes()
     assert max(n for _, n in written) <= CHUNK
     read = {(a, n) for a, n, write, _ in calls if not write}
     for arr in data.values():
@@ -238,3 +242,81 @@ def test_a_transport_receives_only_into_plain_bytes_on_its_own_device():
                 torch.zeros(8, dtype=torch.uint8, device="meta")):
         with pytest.raises(ValueError, match="cannot receive into"):
             t.exchange([], [(1, buf)])
+
+
+def test_each_fetched_file_starts_aligned_so_the_tensors_after_an_odd_sized_file_are_views_too(tmp_path):
+    """The first file's size is odd and the second's header is twice the usual: the second
+    file's float32 tensor is still a view of the memory fetched (no copy), bit-exact."""
+    rec, data = _shard((3 * CHUNK + 203, 2 * CHUNK + 72 + HEADER), (HEADER, 2 * HEADER))
+    got, _, area = _fetch(tmp_path, rec, data, Into(torch.device("cpu"), dict(rec.manifest.files)))
+    area.close()
+    assert got.ok
+    storage = next(iter(got.files.values())).untyped_storage().data_ptr()
+    staged = PeerSource({}, None, "peer tier", None, got.files).staged(3, rec.manifest, torch.device("cpu"), "here")
+    assert staged is not None
+    for i, (name, arr) in enumerate(sorted(data.items())):
+        t = staged[f"rank00000/t{i}"]
+        header = rec.manifest.files[name].header_size
+        assert t.untyped_storage().data_ptr() == storage, f"file {i}'s tensor was copied"
+        assert t.numpy().tobytes() == arr[header:header + 4 * t.numel()].tobytes()
+
+
+def _mover(tmp_path: Any) -> tuple[ShardMover, PeerArea]:
+    (tmp_path / "node").mkdir(exist_ok=True)
+    area = PeerArea(str(tmp_path / "node"), str(tmp_path / "root"))
+    return ShardMover(Loopback(), area, "B", CHUNK, None, None), area
+
+
+@pytest.mark.parametrize("case", ["size", "rank", "step"])
+def test_a_shard_announced_with_another_size_rank_or_step_is_refused_before_memory_is_taken(tmp_path, monkeypatch,
+                                                                                           case):
+    rec, data = _shard()
+    nbytes = sum(a.size for a in data.values())
+    taken: list[int] = []
+    monkeypatch.setattr(peer_mover, "_memory", lambda n, device: taken.append(n))
+    mover, area = _mover(tmp_path)
+    try:
+        raw = np.frombuffer(rec.raw, dtype=np.uint8)
+        into = Into(torch.device("cpu"), dict(rec.manifest.files))
+        expect = {"size": (0, 3), "rank": (1, 3), "step": (0, 2)}[case]
+        got = mover._open(0, raw, nbytes + (1 if case == "size" else 0), True, expect, into)
+        assert got.rec is None and got.image is None and taken == [] and area.copies() == []
+    finally:
+        area.close()
+
+
+def test_no_memory_for_a_shard_refuses_it_rather_than_failing_the_transfer(tmp_path, monkeypatch):
+    rec, data = _shard()
+    monkeypatch.setattr(peer_mover, "_available", lambda: 1000)  # (less than the shard)
+    got, mover, area = _fetch(tmp_path, rec, data, Into(torch.device("cpu"), dict(rec.manifest.files)))
+    try:
+        assert got == (None, False, None, None) and area.copies() == []
+        assert mover.stats()["peer_bytes_received"] == sum(a.size for a in data.values())  # (drained)
+    finally:
+        area.close()
+    monkeypatch.setattr(peer_mover, "_available", lambda: None)
+    with pytest.raises(CkptError, match="no memory for a shard"):
+        peer_mover._memory(1 << 60, torch.device("cpu"))  # (the allocator's own refusal)
+
+
+def test_a_chunk_that_fails_stops_the_other_workers_at_their_next_chunk():
+    """Worker 0's first chunk fails; worker 1 is inside its first chunk until then, and starts
+    no other afterwards."""
+    rec, data = _shard()
+    files = {n: torch.from_numpy(a.copy()) for n, a in data.items()}
+    chunks = list(plan_check(rec.manifest, "here").chunks)
+    entered, failed = threading.Event(), threading.Event()
+    landed: list[tuple[str, int]] = []
+
+    def land(c: Chunk, got: Any) -> None:
+        if (c.file, c.index) == (chunks[0].file, chunks[0].index):
+            assert entered.wait(WAIT)  # (worker 1 is inside its first chunk)
+            failed.set()
+            raise CheckpointCorruptError("bad")
+        entered.set()
+        assert failed.wait(WAIT)
+        landed.append((c.file, c.index))
+
+    with ThreadPoolExecutor(2) as pool, pytest.raises(CheckpointCorruptError, match="bad"):
+        MemoryTransport(files, pool, threads=2).read(chunks, land)
+    assert landed == [(chunks[1].file, chunks[1].index)]

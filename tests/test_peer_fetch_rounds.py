@@ -72,7 +72,7 @@ class Group:
                 coord.all_gather("mover", "making the restore's transport")
                 self.made[rank] = 1
             return mover
-        return SimpleNamespace(mover=make)
+        return SimpleNamespace(mover=make, host=False)
 
 
 def _record(rank: int, data: np.ndarray, world: int = 2) -> ShardRecord:

@@ -137,7 +137,8 @@ class _Incoming(NamedTuple):
     slot: int | None
     files: list[IncomingFile]
     nbytes: int
-    image: torch.Tensor | None = None  # (received into memory: the files back to back)
+    image: torch.Tensor | None = None  # (received into memory: the files, each at its offset of ``bases``)
+    bases: tuple[int, ...] = ()
 
 
 class ShardMover:
@@ -205,7 +206,7 @@ class ShardMover:
                 rec, slot = inc.rec, inc.slot
                 if rec is not None and inc.image is not None:  # (in memory: checked there, nothing to commit)
                     t0 = time.monotonic()
-                    files = _split(inc.image, rec)
+                    files = _split(inc.image, rec, inc.bases)
                     bad = _check_in_memory(rec, files, self.io, f"the copy rank {s} sent")
                     with self._mu:
                         self.counts["peer_check_s"] += time.monotonic() - t0
@@ -259,10 +260,12 @@ class ShardMover:
                 if sum(f.size for f in into.files.values()) != nbytes:
                     raise CkptError(f"rank {s} announced {nbytes} data bytes for files of "
                                     f"{sum(f.size for f in into.files.values())}")
+                bases, total = _layout([f.size for f in rec.manifest.files.values()])
+                image = _memory(total, into.device)
             except CkptError as exc:
                 log.warning("peer tier: the shard rank %d sent is not taken: %s", s, exc)
                 return _Incoming(None, None, [], nbytes)
-            return _Incoming(rec, None, [], nbytes, _memory(nbytes, into.device))
+            return _Incoming(rec, None, [], nbytes, image, bases)
         if raw is not None:
             try:
                 rec = ShardRecord.parse(raw.tobytes(), f"the shard record rank {s} sent")
@@ -294,20 +297,22 @@ class ShardMover:
         return _Incoming(rec, slot, files, nbytes)
 
     def _pump(self, sends: Sends, incoming: dict[int, _Incoming]) -> None:
-        """Move the files' bytes, piece by piece, paced by ``max_bytes_per_s``. Each source's
-        pieces are received into two buffers of ``chunk_bytes`` taken in turn for all of them
-        (never an allocation of the size a peer announced); a writer thread writes each
-        received piece into the files it belongs to (:meth:`IncomingFile.write`) while the
-        next one travels, and a buffer is received into again only once its last piece is
-        written. A refused shard's pieces are dropped. Returns once every write has ended."""
+        """Move the files' bytes, piece by piece, paced by ``max_bytes_per_s``. Into the peer
+        area, each source's pieces are received into two buffers of ``chunk_bytes`` taken in
+        turn for all of them (never an allocation of the size a peer announced); a writer
+        thread writes each received piece into the files it belongs to
+        (:meth:`IncomingFile.write`) while the next one travels, and a buffer is received into
+        again only once its last piece is written. Into memory (allocated once the record
+        passed, at the files' own sizes), a piece within one file is received straight into
+        its place; one that spans files into one reused buffer, then copied into place. A
+        refused shard's pieces are dropped. Returns once every write has ended."""
         size = self.chunk_bytes
         out_pieces = [(d, _pieces(list(fs.values()), size)) for d, _, fs in sends]
         in_pieces: dict[int, Sequence[list[tuple[int, int, int]]]] = {
-            s: _cut([f.size for f in inc.files], size) if inc.files else _Dropped(inc.nbytes, size)
-            for s, inc in incoming.items()}
-        # (received into memory: each piece straight into its place, in the files back to back)
-        images = {s: inc.image if inc.image.is_cuda else inc.image.numpy() for s, inc in incoming.items()
-                  if inc.image is not None}
+            s: _cut([f.size for f in inc.files], size) if inc.files else
+            _cut([f.size for f in inc.rec.manifest.files.values()], size) if inc.image is not None and inc.rec else
+            _Dropped(inc.nbytes, size) for s, inc in incoming.items()}
+        images = {s: _InMemory(inc.image, inc.bases, size) for s, inc in incoming.items() if inc.image is not None}
         scratch = {s: [np.empty(min(size, inc.nbytes), dtype=np.uint8) for _ in range(2 if inc.files else 1)]
                    for s, inc in incoming.items() if inc.nbytes and s not in images}
         rounds = max([*(len(p) for _, p in out_pieces), *(len(p) for p in in_pieces.values())], default=0)
@@ -351,11 +356,14 @@ class ShardMover:
                 ended(writes[i % 2])  # (this round's buffers are free again)
                 for s, cuts in in_pieces.items():
                     if i < len(cuts) and s in images:
-                        rx.append((s, images[s][i * size:i * size + sum(n for _, _, n in cuts[i])]))
+                        rx.append((s, images[s].into(cuts[i])))
                     elif i < len(cuts):
                         bufs = scratch[s]
                         rx.append((s, bufs[i % len(bufs)][:sum(n for _, _, n in cuts[i])]))
                 self.transport.exchange(tx, rx)
+                for s, cuts in in_pieces.items():
+                    if i < len(cuts) and s in images:
+                        images[s].place(cuts[i])
                 jobs = [(incoming[s].files, cuts[i], scratch[s][i % len(scratch[s])])
                         for s, cuts in in_pieces.items() if i < len(cuts) and incoming[s].files]
                 if jobs and writer is not None:
@@ -366,6 +374,8 @@ class ShardMover:
                         time.sleep(ahead)
             for w in writes:
                 ended(w)
+            for image in images.values():  # (the copies of pieces across files have landed)
+                image.settle()
         finally:  # (no write may be running once the caller closes or reads the files)
             done_ahead.set()
             if faulter is not None and faulting is not None:  # (one piece's faulting at most, after done_ahead)
@@ -428,24 +438,104 @@ def _ended(write: Future[None] | None, timeout_s: float) -> None:
     write.result()
 
 
+FILE_ALIGN = 4096  # where each file of a shard received into memory starts (its tensors as aligned as in the file)
+
+
+def _layout(sizes: list[int]) -> tuple[tuple[int, ...], int]:
+    """Where each file of ``sizes`` starts in one allocation, each on a ``FILE_ALIGN`` boundary,
+    and the allocation's size."""
+    bases, at = [], 0
+    for n in sizes:
+        at = -(-at // FILE_ALIGN) * FILE_ALIGN
+        bases.append(at)
+        at += n
+    return tuple(bases), at
+
+
 def _memory(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Fresh memory for a shard received into memory: on ``device``, else (no room there) the host's."""
+    """Fresh memory for a shard received into memory: on ``device``, else (no room there) the
+    host's, if the host has that much available.
+
+    Raises:
+        CkptError: no memory for it (the shard is refused: its bytes are drained).
+    """
     if device.type != "cpu":
         try:
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
         except torch.OutOfMemoryError:
             log.info("peer tier: no room on %s for a shard of %d bytes; it is received into host memory", device,
                      nbytes)
-    return torch.empty(nbytes, dtype=torch.uint8)
+    free = _available()
+    if free is not None and nbytes > free:
+        raise CkptError(f"no memory for a shard of {nbytes} bytes (the host has {free} available)")
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    except (RuntimeError, MemoryError) as exc:  # (the host allocator's failure is a RuntimeError)
+        raise CkptError(f"no memory for a shard of {nbytes} bytes: {exc}") from None
 
 
-def _split(image: torch.Tensor, rec: ShardRecord) -> dict[str, torch.Tensor]:
-    """The record's files as the parts of ``image`` (the files back to back, in record order)."""
-    out, at = {}, 0
-    for name, frec in rec.manifest.files.items():
-        out[name] = image[at:at + frec.size]
-        at += frec.size
-    return out
+def _available() -> int | None:
+    """The host's available memory in bytes (``MemAvailable``), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class _InMemory:
+    """Where the pieces of a shard received into memory land: ``image``, each file at its base;
+    a piece within one file straight into its place, one across files into ``scratch`` (made
+    when first needed, reused: a piece is placed before the next is received), then copied."""
+
+    def __init__(self, image: torch.Tensor, bases: tuple[int, ...], size: int) -> None:
+        self.image = image
+        self.view: Buffer = image if image.is_cuda else image.numpy()
+        self.bases, self.size = bases, size
+        self.scratch: Buffer | None = None
+        self.queued = False  # (copies queued on the GPU's current stream, not yet synchronized)
+
+    def into(self, cut: list[tuple[int, int, int]]) -> Buffer:
+        """Where the piece ``cut`` (file index, offset in it, bytes; as :func:`_cut` gives) is received."""
+        if len(cut) == 1:
+            k, at, n = cut[0]
+            return self.view[self.bases[k] + at:self.bases[k] + at + n]
+        if self.scratch is None:
+            self.scratch = (torch.empty(self.size, dtype=torch.uint8, device=self.image.device) if self.image.is_cuda
+                            else np.empty(self.size, dtype=np.uint8))
+        return self.scratch[:sum(n for _, _, n in cut)]
+
+    def place(self, cut: list[tuple[int, int, int]]) -> None:
+        """Copy a piece received into the scratch buffer to its places (a GPU's copies run on
+        the current stream, which the next receive into the scratch buffer waits on)."""
+        if len(cut) == 1 or self.scratch is None:
+            return
+        at = 0
+        for k, offset, n in cut:
+            b = self.bases[k] + offset
+            dst, src = self.view, self.scratch
+            if isinstance(dst, torch.Tensor):
+                assert isinstance(src, torch.Tensor)
+                dst[b:b + n].copy_(src[at:at + n], non_blocking=True)
+                self.queued = True
+            else:
+                assert isinstance(src, np.ndarray)
+                dst[b:b + n] = src[at:at + n]
+            at += n
+
+    def settle(self) -> None:
+        """Wait for the copies queued on the GPU (none on the host)."""
+        if self.queued:
+            torch.cuda.current_stream(self.image.device).synchronize()
+            self.queued = False
+
+
+def _split(image: torch.Tensor, rec: ShardRecord, bases: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """The record's files as the parts of ``image`` (each at its base, in record order)."""
+    return {name: image[b:b + frec.size] for (name, frec), b in zip(rec.manifest.files.items(), bases, strict=True)}
 
 
 def _check_in_memory(rec: ShardRecord, files: dict[str, torch.Tensor], pool: Any, where: str) -> str | None:
@@ -455,4 +545,6 @@ def _check_in_memory(rec: ShardRecord, files: dict[str, torch.Tensor], pool: Any
         run(plan_check(rec.manifest, where), MemoryTransport(files, pool))
     except CheckpointCorruptError as exc:
         return str(exc)
+    except Exception as exc:  # (not checked is not usable: the bytes have all arrived, the rounds go on)
+        return f"its check could not run: {exc!r}"
     return None

@@ -213,7 +213,7 @@ def _restore_step(rep: Replicator, restorer: Restorer, coord: Coordinator, s: in
     own = _OwnCheck(rep, s, mine_here) if mine_here else None
     t1 = time.monotonic()
     try:
-        with _Fetching(rep, coord, s) as fetching:
+        with _Fetching(rep, coord, s, host=device is not None and device.type == "cpu") as fetching:
             fetched, failed = _fetch(rep, fetching, coord, s, shards, own=own, sources=sources,
                                      files={f: r for f, r in m.files.items() if owner_of(f) == me})
     finally:
@@ -272,8 +272,9 @@ class _Fetching:
     exit its staging is given back and its counters are added to the replicator's
     (``peer_fetch_*``)."""
 
-    def __init__(self, rep: Replicator, coord: Coordinator, s: int) -> None:
+    def __init__(self, rep: Replicator, coord: Coordinator, s: int, *, host: bool = False) -> None:
         self.rep, self.coord, self.s = rep, coord, s
+        self.host = host  # (a restore onto the host: shards fetched land in host memory whatever the transport)
         self._transport: Transport | None = None
         self._mover: ShardMover | None = None
 
@@ -341,7 +342,8 @@ def _fetch(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, sha
             continue
         tried += 1
         rec = got.get(ask, Received(None, False, None))
-        if rec.ok and rec.record is not None and rec.record.rank == me and rec.record.step == s and rec.files:
+        if rec.ok and rec.record is not None and rec.record.rank == me and rec.record.step == s and \
+                rec.files is not None:
             return _finish(rep, fetching, coord, s, Fetched(rec.record, rec.files)), ""
         why.append(f"the copy on node {rep.nodes[ask]} " + ("fails its check" if rec.record is not None else
                                                               "could not be received"))
@@ -364,7 +366,8 @@ def _serve(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, ask
         sends = [(r, c.record if c is not None else None, fs) for r, (c, fs) in zip(serve, mapped, strict=True)]
         mover = fetching.mover()
         return mover.transfer(sends, recvs, own_node_ok=True, expect=dict.fromkeys(recvs, (coord.rank, s)),
-                              into=Into(mover.transport.device, files or {}))
+                              into=Into(torch.device("cpu") if fetching.host else mover.transport.device,
+                                        files or {}))
 
 
 def _finish(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, found: Fetched) -> Fetched:

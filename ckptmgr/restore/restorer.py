@@ -285,6 +285,8 @@ class Restorer:
             loader = self._gds_or_ring(source)
         if loader == "inplace" and images is None and getattr(source, "path_of", None) is None:
             raise ConfigError(f"loader='inplace' needs files on a local filesystem; {source.url} is not")
+        if loader == "inplace" and images is None and not all(local_path(source, step, n) for n in manifest.files):
+            loader = "host"  # (files of a source partly held in memory, as a peer restore's fetched shard)
         store = getattr(source, "read_tuner", None) is not None  # an object store (read by ranges, not the ring)
         if loader == "ring" and not store and any(r.chunk_size > self.ring.slot_bytes for r in manifest.files.values()):
             loader = "host"  # chunks larger than the ring's buffers: read them whole

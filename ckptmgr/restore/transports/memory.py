@@ -22,13 +22,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
 
 from ... import _cuda
+from ...errors import CkptTimeoutError
 from ...format.checksum import crc32c_combine, crc32c_value
 from ..loaders.bounce import PIECE_BYTES, THREADS, buffers
+from ..loaders.pieces import WAIT_S
 from ..preflight import drain, wait_all
 from ..read import Chunk, Land, Landed
 
@@ -60,7 +63,12 @@ class MemoryTransport:
         gpu = [t.device for t in self.files.values() if t.device.type == "cuda"]
         workers = min(self.threads, len(chunks))
         pairs = buffers(workers, True) if gpu else [None] * workers
-        streams = [_cuda.staging_stream(gpu[0]) for _ in range(workers)] if gpu else [None] * workers
+        streams: list[Any] = [None] * workers
+        if gpu:  # (the copies back come after whatever the caller queued that writes the files)
+            caller = torch.cuda.current_stream(gpu[0])
+            streams = [_cuda.staging_stream(gpu[0]) for _ in range(workers)]
+            for st in streams:
+                st.wait_stream(caller)
         stop = threading.Event()  # set at the first failure: no worker starts another chunk
 
         def work(w: int) -> None:
@@ -78,6 +86,9 @@ class MemoryTransport:
         futures: list[Future[None]] = []
         try:
             futures.extend(self.pool.submit(work, w) for w in range(workers))
+            _, late = wait_futures(futures, timeout=WAIT_S)
+            if late:
+                raise CkptTimeoutError(f"checking {len(chunks)} chunks in memory took over {WAIT_S:g} s")
             wait_all(futures)
         except BaseException:  # (an interrupt too) nothing more starts; the started end first
             stop.set()
@@ -94,8 +105,7 @@ def _crc(src: torch.Tensor, bufs: list[torch.Tensor] | None, stream: Any) -> Lan
     crc = -1
     events: list[Any] = [None, None]
     starts = range(0, n, PIECE_BYTES)
-    with torch.cuda.stream(stream):
-        stream.wait_stream(torch.cuda.current_stream(src.device))  # (whatever wrote src is queued before)
+    with torch.cuda.stream(stream):  # (it waits for the caller's stream: see MemoryTransport.read)
 
         def copy(i: int) -> None:
             b = i * PIECE_BYTES
