@@ -146,7 +146,7 @@ class ShardMover:
 
     Args:
         transport: the groups the bytes travel on.
-        area: this node's peer area, where received shards land.
+        area: this node's peer area, where shards received by replication rounds land.
         node: this rank's node identity.
         chunk_bytes: bytes per piece.
         max_bytes_per_s: the most bytes per second this rank sends (None: no limit).

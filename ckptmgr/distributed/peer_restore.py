@@ -383,10 +383,11 @@ class _OwnCheck:
     """This rank's own copies of its shard, checked against their records in a thread of
     their own (each checks its chunks on the replicator's I/O threads), while the restore's
     first round moves other ranks' shards; a copy that fails is removed from the area (its
-    slot free again: else both slots could end up holding the newest step, the bad copy and
-    the one fetched, and no later save could be copied). :meth:`passed` waits for the answer
-    (bounded by the peer tier's timeout); then ``local`` names the files of the first copy
-    that passed (empty: none did) and ``why`` says what failed. The thread (a daemon: a check
+    slot free again for the next saves' copies: a bad copy of the newest step would otherwise
+    hold its slot as the newest, and with the other slot busy no later save could be copied).
+    :meth:`passed` waits for the answer (bounded by the peer tier's timeout); then ``local``
+    names the files of the first copy that passed (empty: none did) and ``why`` says what
+    failed. The thread (a daemon: a check
     stuck in I/O never holds the process at exit) is the only writer of both; they are read
     only once :meth:`passed` has returned."""
 
@@ -407,7 +408,7 @@ class _OwnCheck:
                     return
                 self.why = f"its copy on this node ({self.rep.node}) fails its check: {bad}"
                 log.warning("peer tier: step %d, rank %d: %s; removed", self.s, c.rank, self.why)
-                self.rep.area.discard(c)  # (its slot takes the copy fetched instead, and later saves)
+                self.rep.area.discard(c)  # (its slot free for later saves' copies)
         finally:
             self.rep.count("peer_restore_check_s", time.monotonic() - t0)
 

@@ -38,6 +38,7 @@ __all__ = ["COPY_METHOD", "COPY_METHODS", "COPY_THREADS", "RESTORE_GPU_BYTES", "
 
 log = logging.getLogger("ckptmgr")
 RESTORE_GPU_BYTES = 256 << 20  # the most GPU memory a restore's NCCL transport stages through (and pinned host memory)
+# (besides the fetched shards themselves, received into GPU memory of their own)
 SEGMENT_BYTES = 16 << 20  # the most bytes of an array a restore moves per sub-round (a whole 16 MiB piece)
 COPY_METHODS = ("pinned", "pageable")  # how a CUDA transport moves a segment between a host array and the GPU
 COPY_METHOD = "pinned"  # a restore's: through pinned staging (see Transport)
@@ -88,7 +89,8 @@ def _host_tensor(a: np.ndarray[Any, Any]) -> torch.Tensor:
 
 
 class Transport:
-    """Point-to-point exchanges of host arrays on one process group, through one device.
+    """Point-to-point exchanges of host arrays (and receives into device memory) on one
+    process group, through one device.
 
     Every array of an exchange is cut into segments of ``segment_bytes`` (None: sent whole);
     segment j of every array travels in sub-round j, one ``dist.batch_isend_irecv`` per
@@ -285,8 +287,10 @@ def restore_transport(coord: Coordinator, tier_group: Any, mode: str, timeout_s:
     and only here: every rank is inside the restore, lock-step, on the caller's thread, with
     the replication rounds drained and no training collective in flight.
 
-    GPU memory (CUDA): at most ``RESTORE_GPU_BYTES``, and ``2 x (ranks sent to + received
-    from) x segment`` in an exchange, the segment being ``min(SEGMENT_BYTES,
+    GPU memory (CUDA) for staging: at most ``RESTORE_GPU_BYTES``, and ``2 x (host arrays sent
+    and received) x segment`` in an exchange (a fetch's shard is received into GPU memory of
+    its own, with no staging: see :class:`~ckptmgr.distributed.peer_mover.Into`), the segment
+    being ``min(SEGMENT_BYTES,
     RESTORE_GPU_BYTES / (4 x (ranks - 1)))`` (rounded down to 4 KiB; every rank computes the
     same one, so the segments of a pair match); the same in pinned host memory with the
     "pinned" ``COPY_METHOD``, none with "pageable". With the 256 MiB cap a 64 MiB segment is

@@ -93,7 +93,8 @@ class PeerOptions:
             None: the ``CKPTMGR_NODE`` environment variable, else the hostname.
         local_dir: the RAM directory of the node's peer area; None: ``StagingOptions.local_dir``.
         slots: copies kept per shard on a node (at least 2: the newest stays while the next lands).
-        chunk_bytes: bytes sent per piece.
+        chunk_bytes: bytes sent per piece by the replication rounds (a restore's fetches move
+            pieces of ``peer_restore.FETCH_PIECE_BYTES``).
         max_bytes_per_s: the most bytes per second a rank sends (None: no limit).
         transport: where a restore fetches shards from peers. "auto": on the job's own
             process group, through GPU memory and NCCL when that group runs CUDA tensors on
