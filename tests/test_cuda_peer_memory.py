@@ -28,17 +28,19 @@ def _on_gpu(data: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 
 
 def test_the_check_reads_back_what_the_callers_stream_wrote_after_a_delay():
-    """The files' bytes are written on the caller's current stream behind a long kernel and
-    not synchronized: the copies back wait for them (else they would read the zeros before)."""
+    """The files' bytes are written on the caller's current stream (a side stream, not the
+    default one the workers' threads would see) behind a long kernel and not synchronized:
+    the copies back wait for them (else they would read the zeros before)."""
     rec, data = _shard()
     good = _on_gpu(data)
     files = {n: torch.zeros_like(t) for n, t in good.items()}
     torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # (about 0.1 s of GPU time on the current stream)
-    for n, t in files.items():
-        t.copy_(good[n], non_blocking=True)
-    with ThreadPoolExecutor(4) as pool:
-        run(plan_check(rec.manifest, "here"), MemoryTransport(files, pool))
+    with torch.cuda.stream(torch.cuda.Stream()):
+        torch.cuda._sleep(200_000_000)  # (about 0.1 s of GPU time on the current stream)
+        for n, t in files.items():
+            t.copy_(good[n], non_blocking=True)
+        with ThreadPoolExecutor(4) as pool:
+            run(plan_check(rec.manifest, "here"), MemoryTransport(files, pool))
 
 
 def test_a_changed_byte_in_gpu_memory_fails_its_chunk_naming_the_file_and_range():
@@ -55,8 +57,8 @@ def test_pieces_across_files_are_placed_by_device_copies_and_the_tensors_are_vie
     rec, data = _shard((3 * CHUNK + 203, 2 * CHUNK + 72))
     sizes = [f.size for f in rec.manifest.files.values()]
     bases, total = peer_mover._layout(sizes)
-    image = torch.zeros(total, dtype=torch.uint8, device="cuda")
-    landing = peer_mover._InMemory(image, bases, CHUNK)
+    image = torch.zeros(total + CHUNK, dtype=torch.uint8, device="cuda")  # (the scratch piece at the end)
+    landing = peer_mover._InMemory(image, bases, CHUNK, total)
     stream = np.concatenate([data[n] for n in rec.manifest.files])
     at = 0
     for cut in peer_mover._cut(sizes, CHUNK):

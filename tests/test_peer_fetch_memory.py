@@ -109,7 +109,7 @@ def test_a_shard_whose_files_are_not_the_steps_is_refused_before_memory_is_taken
     monkeypatch.setattr(peer_mover, "_memory", lambda n, device: taken.append(n))
     got, mover, area = _fetch(tmp_path, rec, data, Into(torch.device("cpu"), step_files))
     try:
-        assert got == (None, False, None, None) and taken == [] and area.copies() == []
+        assert got == (None, False, None, None, "") and taken == [] and area.copies() == []
         assert mover.stats()["peer_bytes_received"] == sum(a.size for a in data.values())  # (drained)
     finally:
         area.close()
@@ -220,7 +220,6 @@ def test_the_restore_takes_the_fetched_files_tensors_as_views_of_them():
     # not every file in memory on that device: read through read_into instead
     one = PeerSource({}, None, "u", None, dict(list(images.items())[:1]))
     assert one.staged(3, own, torch.device("cpu"), "h") is None
-    assert source.staged(3, own, torch.device("meta"), "here") is None
 
 
 def test_a_tensor_outside_its_fetched_file_is_refused():
@@ -290,7 +289,7 @@ def test_no_memory_for_a_shard_refuses_it_rather_than_failing_the_transfer(tmp_p
     monkeypatch.setattr(peer_mover, "_available", lambda: 1000)  # (less than the shard)
     got, mover, area = _fetch(tmp_path, rec, data, Into(torch.device("cpu"), dict(rec.manifest.files)))
     try:
-        assert got == (None, False, None, None) and area.copies() == []
+        assert got.record is None and not got.ok and "no memory for a shard" in got.local and area.copies() == []
         assert mover.stats()["peer_bytes_received"] == sum(a.size for a in data.values())  # (drained)
     finally:
         area.close()
@@ -320,3 +319,83 @@ def test_a_chunk_that_fails_stops_the_other_workers_at_their_next_chunk():
     with ThreadPoolExecutor(2) as pool, pytest.raises(CheckpointCorruptError, match="bad"):
         MemoryTransport(files, pool, threads=2).read(chunks, land)
     assert landed == [(chunks[1].file, chunks[1].index)]
+
+
+def test_the_bytes_between_fetched_files_are_zero_and_a_scratch_piece_comes_with_the_allocation(tmp_path,
+                                                                                              monkeypatch):
+    """The allocation holds the files, each on a 4 KiB boundary, and, when some piece spans two
+    files, one scratch piece at its end: allocated (or refused) with the rest, before any byte
+    travels. What lies between the files is zeroed: a save of the restored tensors never
+    carries stale memory."""
+    rec, data = _shard((3 * CHUNK + 203, 2 * CHUNK + 72))
+    made: list[torch.Tensor] = []
+    real = peer_mover._memory
+
+    def memory(n: int, device: torch.device) -> torch.Tensor:
+        t = real(n, device)
+        t.fill_(0xAB)  # (stale bytes)
+        made.append(t)
+        return t
+
+    monkeypatch.setattr(peer_mover, "_memory", memory)
+    got, _, area = _fetch(tmp_path, rec, data, Into(torch.device("cpu"), dict(rec.manifest.files)))
+    area.close()
+    assert got.ok and len(made) == 1
+    sizes = [f.size for f in rec.manifest.files.values()]
+    bases, total = peer_mover._layout(sizes)
+    assert bases[1] % peer_mover.FILE_ALIGN == 0 and made[0].numel() == total + CHUNK
+    assert not made[0][sizes[0]:bases[1]].any()
+
+
+def test_a_check_that_cannot_run_is_this_nodes_failure_not_a_bad_copy(tmp_path, monkeypatch):
+    rec, data = _shard()
+
+    def broken(self: Any, chunks: Any, land: Any) -> None:
+        raise RuntimeError("no pinned memory")
+
+    monkeypatch.setattr(MemoryTransport, "read", broken)
+    got, mover, area = _fetch(tmp_path, rec, data, Into(torch.device("cpu"), dict(rec.manifest.files)))
+    area.close()
+    assert not got.ok and got.files is None and "no pinned memory" in got.local
+    assert mover.stats()["peer_bad_copies"] == 0
+
+
+def test_a_restore_onto_the_host_fetches_into_host_memory_whatever_the_transport(monkeypatch):
+    """``_serve`` asks the mover for memory on the host when the restore lands there, else on
+    the transport's device."""
+    from ckptmgr.distributed import peer_restore
+
+    seen: list[Any] = []
+    mover = SimpleNamespace(transport=SimpleNamespace(device=torch.device("meta")),
+                            transfer=lambda *a, into, **k: seen.append(into.device) or {})
+    rep = SimpleNamespace(area=SimpleNamespace(copies=list))
+    coord = SimpleNamespace(rank=1)
+    for host in (True, False):
+        fetching = SimpleNamespace(mover=lambda: mover, host=host)
+        peer_restore._serve(rep, fetching, coord, 3, [None, 0], [0], {})
+    assert seen == [torch.device("cpu"), torch.device("meta")]
+
+
+def test_an_in_place_restore_of_files_held_in_memory_reads_them_with_the_host_loader(tmp_path):
+    """The in-place loader maps files by path; files a peer restore holds in memory have none,
+    so their read goes through the host loader (it failed opening "")."""
+    import ckptmgr
+
+    state = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(7, dtype=torch.int64)}
+    mgr = ckptmgr.CheckpointManager(str(tmp_path / "root"))
+    try:
+        mgr.save(4, state)
+        mgr.wait()
+        restorer = mgr._restorer
+        m = restorer.manifest(4)
+        source = restorer.source_of(4)
+        images = {}
+        for name, frec in m.files.items():
+            buf = np.empty(frec.size, dtype=np.uint8)
+            source.read_into(4, name, 0, [buf])
+            images[name] = torch.from_numpy(buf)
+        got = restorer.read(PeerSource({}, source, "peer tier", source.io_pool, images), 4, m, torch.device("cpu"),
+                            "inplace", None, None)
+        assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+    finally:
+        mgr.close()

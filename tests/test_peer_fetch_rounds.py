@@ -265,3 +265,58 @@ def test_a_rank_no_transfer_involves_still_makes_the_transport_with_the_others(t
     finally:
         for a in areas:
             a.close()
+
+
+def test_a_shard_this_node_has_no_memory_for_is_asked_of_no_other_node(tmp_path, monkeypatch):
+    """Rank 1 comes back on an empty node B; nodes A and C each hold a copy of its shard. B
+    has no memory for it: that is B's own failure, which another node's copy would meet
+    too, so rank 1 asks once and then no more (its shard then comes from the durable target)."""
+    from ckptmgr.distributed import peer_mover
+
+    data = _data(3)
+    recs = [_record(r, data[r], world=3) for r in range(3)]
+    areas = _areas(tmp_path, ["A", "B", "C"])
+    try:
+        _hold(areas[0], recs[0], data[0])
+        _hold(areas[0], recs[1], data[1])
+        _hold(areas[2], recs[1], data[1])
+        _hold(areas[2], recs[2], data[2])
+        monkeypatch.setattr(peer_mover, "_available", lambda: 1000)
+        asked: list[int] = []
+
+        def wrap(r: int, mover: ShardMover) -> None:
+            transfer = mover.transfer
+
+            def counted(sends: Any, recvs: list[int], **k: Any) -> Any:
+                if r == 1:
+                    asked.extend(recvs)
+                return transfer(sends, recvs, **k)
+            mover.transfer = counted  # type: ignore[method-assign]
+
+        _, out = _restore(areas, ["A", "B", "C"], {0: [0], 1: [0, 2], 2: [2]}, recs, wrap=wrap)
+        (fetched1, why1), _, _ = out[1]
+        assert fetched1 is None and "this node could not take" in why1 and "no memory" in why1
+        assert asked == [0]
+    finally:
+        for a in areas:
+            a.close()
+
+
+def test_a_shard_of_no_files_fetched_is_a_shard_fetched(tmp_path):
+    """A rank that saved no tensors of its own has a shard of no files: received, it is
+    usable (nothing to check), not a failure to try elsewhere."""
+    data = _data(1)
+    recs = [_record(0, data[0]), ShardRecord.make(Manifest(step=STEP, state={"x": 1}, tensors={}, files={}), 1, 2, "A")]
+    areas = _areas(tmp_path, ["A", "B"])
+    try:
+        _hold(areas[0], recs[0], data[0])
+        slot = areas[0].take_slot(1)
+        assert slot is not None
+        assert areas[0].create(1, slot, recs[1]) == {}
+        areas[0].commit(1, slot, recs[1])
+        _, out = _restore(areas, ["A", "B"], {0: [0], 1: [0]}, recs)
+        (fetched1, why1), _, _ = out[1]
+        assert fetched1 is not None and fetched1.files == {} and why1 == ""
+    finally:
+        for a in areas:
+            a.close()

@@ -422,7 +422,7 @@ def test_a_transfer_takes_only_the_shard_it_expects_from_each_source(tmp_path, e
         with ThreadPoolExecutor(2) as io:
             mover = ShardMover(Loopback(lambda i, bufs: None), area, "B", CHUNK, None, io)
             got = mover.transfer([(0, rec, files)], [0], own_node_ok=True, expect=expect)
-            assert got == {0: (None, False, None, None)} and area.copies() == []
+            assert got == {0: (None, False, None, None, "")} and area.copies() == []
             assert mover.stats()["peer_bytes_received"] == data.size  # (drained)
             mover = ShardMover(Loopback(lambda i, bufs: None), area, "B", CHUNK, None, io)
             got = mover.transfer([(0, rec, files)], [0], own_node_ok=True, expect={0: (0, 3)})

@@ -2,8 +2,9 @@
 
 :class:`ShardMover` sends shards (a record, then the files' bytes) to ranks and receives shards
 from ranks into this node's peer area (:class:`~ckptmgr.storage.peer_tier.PeerArea`: the
-replication rounds) or into memory (:class:`Into`: a restore's fetches, the files back to back
-in one allocation on the transport's device, each piece received straight into its place), in
+replication rounds) or into memory (:class:`Into`: a restore's fetches, the files in one
+allocation on the transport's device, each on a 4 KiB boundary, each piece received straight
+into its place), in
 one call that every rank named on either side makes at the same time (the replication rounds and
 the restore's fetches are lock-step), over a
 :class:`~ckptmgr.distributed.peer_transport.Transport`. Each exchange is a header (step, record
@@ -27,6 +28,7 @@ transfer holds, and is joined (bounded) before the transfer returns.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -110,12 +112,15 @@ class Received(NamedTuple):
     whether the copy passed its checks (and, received into the peer area, was committed),
     the slot it was committed in (None unless it was: the area may hold other copies of the
     same shard and step, such as one that failed its own check), and, received into memory
-    (:class:`Into`), its files there (None unless it passed)."""
+    (:class:`Into`), its files there (None unless it passed); ``local``: why this node could
+    not take it, when the reason is this node's and not the copy's (another node's copy would
+    fare no better)."""
 
     record: ShardRecord | None
     ok: bool
     slot: int | None
     files: dict[str, torch.Tensor] | None = None
+    local: str = ""  # (not taken for a reason of this node's, not the copy's: no memory, a check that could not run)
 
 
 class Into(NamedTuple):
@@ -130,8 +135,9 @@ class Into(NamedTuple):
 
 
 class _Incoming(NamedTuple):
-    """A shard being received from one rank: its record and slot (None: refused, its bytes
-    dropped), its files, the data bytes it announced."""
+    """A shard being received from one rank: its record (None: refused, its bytes dropped),
+    its slot and files (into the peer area), the data bytes it announced, its memory (into
+    memory; slot None then)."""
 
     rec: ShardRecord | None
     slot: int | None
@@ -139,6 +145,7 @@ class _Incoming(NamedTuple):
     nbytes: int
     image: torch.Tensor | None = None  # (received into memory: the files, each at its offset of ``bases``)
     bases: tuple[int, ...] = ()
+    local: str = ""  # (refused for a reason of this node's: see Received)
 
 
 class ShardMover:
@@ -177,6 +184,7 @@ class ShardMover:
         taken. Returns, per source, what was received (:class:`Received`). Every rank named
         on one side must name this rank on the other side in the same call."""
         t = self.transport
+        wait_s = t.timeout_s if t.timeout_s is not None else t.coord.timeout_s
         heads = {s: np.zeros(3, dtype=np.int64) for s in recvs}
         t.exchange([(d, np.array([rec.step, len(rec.raw), sum(a.size for a in fs.values())] if rec is not None
                                  else [-1, 0, 0], dtype=np.int64).view(np.uint8)) for d, rec, fs in sends],
@@ -207,7 +215,15 @@ class ShardMover:
                 if rec is not None and inc.image is not None:  # (in memory: checked there, nothing to commit)
                     t0 = time.monotonic()
                     files = _split(inc.image, rec, inc.bases)
-                    bad = _check_in_memory(rec, files, self.io, f"the copy rank {s} sent")
+                    try:
+                        bad = _check_in_memory(rec, files, self.io, f"the copy rank {s} sent", wait_s)
+                    except CkptTimeoutError:
+                        raise  # (its readers may still run: the memory is not let go under them)
+                    except Exception as exc:  # (not checked is not usable; the bytes have all arrived)
+                        out[s] = Received(rec, False, None, None, local=f"its check could not run: {exc!r}")
+                        log.warning("peer tier: the copy of step %d of rank %d could not be checked (%r); not used",
+                                    rec.step, rec.rank, exc)
+                        continue
                     with self._mu:
                         self.counts["peer_check_s"] += time.monotonic() - t0
                         self.counts["peer_bad_copies"] += bad is not None
@@ -217,7 +233,7 @@ class ShardMover:
                     out[s] = Received(rec, bad is None, None, files if bad is None else None)
                     continue
                 if rec is None or slot is None:
-                    out[s] = Received(None, False, None)
+                    out[s] = Received(None, False, None, local=inc.local)
                     continue
                 t0 = time.monotonic()
                 bad = check_files(rec, dict(zip(rec.manifest.files, mapped[s], strict=True)), self.io)
@@ -260,11 +276,19 @@ class ShardMover:
                 if sum(f.size for f in into.files.values()) != nbytes:
                     raise CkptError(f"rank {s} announced {nbytes} data bytes for files of "
                                     f"{sum(f.size for f in into.files.values())}")
-                bases, total = _layout([f.size for f in rec.manifest.files.values()])
-                image = _memory(total, into.device)
             except CkptError as exc:
                 log.warning("peer tier: the shard rank %d sent is not taken: %s", s, exc)
                 return _Incoming(None, None, [], nbytes)
+            sizes = [f.size for f in rec.manifest.files.values()]
+            bases, total = _layout(sizes)
+            across = any(len(cut) > 1 for cut in _cut(sizes, self.chunk_bytes))  # (then a scratch piece, at the end)
+            try:
+                image = _memory(total + (self.chunk_bytes if across else 0), into.device)
+            except CkptError as exc:
+                log.warning("peer tier: the shard rank %d sent is not taken: %s", s, exc)
+                return _Incoming(None, None, [], nbytes, local=str(exc))
+            for k in range(1, len(bases)):  # (the bytes between files hold nothing stale)
+                image[bases[k - 1] + sizes[k - 1]:bases[k]].zero_()
             return _Incoming(rec, None, [], nbytes, image, bases)
         if raw is not None:
             try:
@@ -312,7 +336,8 @@ class ShardMover:
             s: _cut([f.size for f in inc.files], size) if inc.files else
             _cut([f.size for f in inc.rec.manifest.files.values()], size) if inc.image is not None and inc.rec else
             _Dropped(inc.nbytes, size) for s, inc in incoming.items()}
-        images = {s: _InMemory(inc.image, inc.bases, size) for s, inc in incoming.items() if inc.image is not None}
+        images = {s: _InMemory(inc.image, inc.bases, size, _end(inc)) for s, inc in incoming.items()
+                  if inc.image is not None}
         scratch = {s: [np.empty(min(size, inc.nbytes), dtype=np.uint8) for _ in range(2 if inc.files else 1)]
                    for s, inc in incoming.items() if inc.nbytes and s not in images}
         rounds = max([*(len(p) for _, p in out_pieces), *(len(p) for p in in_pieces.values())], default=0)
@@ -475,27 +500,45 @@ def _memory(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def _available() -> int | None:
-    """The host's available memory in bytes (``MemAvailable``), None where it cannot be read."""
+    """The memory this process may still take, in bytes: the host's ``MemAvailable``, and, in
+    a cgroup (v2) with a memory limit, what the limit leaves (``memory.max`` less
+    ``memory.current``), whichever is less; None where neither can be read. Each rank reads
+    it for itself: ranks that fetch at once on one node may together take more."""
+    found: list[int] = []
     try:
         with open("/proc/meminfo", "rb") as f:
             for line in f:
                 if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    found.append(int(line.split()[1]) * 1024)
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    try:
+        with open("/proc/self/cgroup", "rb") as f:
+            path = next((ln.strip()[3:] for ln in f if ln.startswith(b"0::")), None)
+        if path is not None:
+            d = os.path.join(b"/sys/fs/cgroup", path.lstrip(b"/"))
+            with open(os.path.join(d, b"memory.max"), "rb") as f:
+                limit = f.read().strip()
+            if limit != b"max":
+                with open(os.path.join(d, b"memory.current"), "rb") as f:
+                    found.append(max(0, int(limit) - int(f.read().strip())))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
 
 
 class _InMemory:
     """Where the pieces of a shard received into memory land: ``image``, each file at its base;
-    a piece within one file straight into its place, one across files into ``scratch`` (made
-    when first needed, reused: a piece is placed before the next is received), then copied."""
+    a piece within one file straight into its place, one across files into the scratch piece
+    at the image's end, from ``end`` (allocated with the image, reused: a piece is placed
+    before the next is received), then copied."""
 
-    def __init__(self, image: torch.Tensor, bases: tuple[int, ...], size: int) -> None:
+    def __init__(self, image: torch.Tensor, bases: tuple[int, ...], size: int, end: int) -> None:
         self.image = image
         self.view: Buffer = image if image.is_cuda else image.numpy()
         self.bases, self.size = bases, size
-        self.scratch: Buffer | None = None
+        self.scratch: Buffer | None = self.view[end:end + size] if image.numel() >= end + size else None
         self.queued = False  # (copies queued on the GPU's current stream, not yet synchronized)
 
     def into(self, cut: list[tuple[int, int, int]]) -> Buffer:
@@ -504,8 +547,7 @@ class _InMemory:
             k, at, n = cut[0]
             return self.view[self.bases[k] + at:self.bases[k] + at + n]
         if self.scratch is None:
-            self.scratch = (torch.empty(self.size, dtype=torch.uint8, device=self.image.device) if self.image.is_cuda
-                            else np.empty(self.size, dtype=np.uint8))
+            raise AssertionError("a piece across files with no scratch piece allocated for it")
         return self.scratch[:sum(n for _, _, n in cut)]
 
     def place(self, cut: list[tuple[int, int, int]]) -> None:
@@ -533,18 +575,26 @@ class _InMemory:
             self.queued = False
 
 
+def _end(inc: _Incoming) -> int:
+    """Where the files of a shard received into memory end in its image (the scratch piece follows)."""
+    assert inc.rec is not None
+    return inc.bases[-1] + list(inc.rec.manifest.files.values())[-1].size if inc.bases else 0
+
+
 def _split(image: torch.Tensor, rec: ShardRecord, bases: tuple[int, ...]) -> dict[str, torch.Tensor]:
     """The record's files as the parts of ``image`` (each at its base, in record order)."""
     return {name: image[b:b + frec.size] for (name, frec), b in zip(rec.manifest.files.items(), bases, strict=True)}
 
 
-def _check_in_memory(rec: ShardRecord, files: dict[str, torch.Tensor], pool: Any, where: str) -> str | None:
+def _check_in_memory(rec: ShardRecord, files: dict[str, torch.Tensor], pool: Any, where: str,
+                     timeout_s: float) -> str | None:
     """None when ``files`` (in memory) match the record's checksums, else what does not (by
-    the read driver, over :class:`~ckptmgr.restore.transports.memory.MemoryTransport`)."""
+    the read driver, over :class:`~ckptmgr.restore.transports.memory.MemoryTransport`, its
+    wait bounded by ``timeout_s``). A check that cannot run raises."""
     try:
-        run(plan_check(rec.manifest, where), MemoryTransport(files, pool))
+        run(plan_check(rec.manifest, where), MemoryTransport(files, pool, timeout_s=timeout_s))
+    except CkptTimeoutError:
+        raise
     except CheckpointCorruptError as exc:
         return str(exc)
-    except Exception as exc:  # (not checked is not usable: the bytes have all arrived, the rounds go on)
-        return f"its check could not run: {exc!r}"
     return None

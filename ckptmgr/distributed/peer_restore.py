@@ -122,16 +122,18 @@ class PeerSource:
 
     def staged(self, step: int, own: Manifest, device: torch.device, where: str) -> dict[str, torch.Tensor] | None:
         """The tensors of ``own`` (this rank's files of the step) as views of the fetched
-        files' memory, when every one of them was fetched onto ``device``: verified as they
-        arrived, nothing is read or copied again (the multi-rank restore then moves them into
-        the target). None otherwise (they are read through :meth:`read_into`)."""
+        files' memory, when every one of them was fetched: verified as they arrived, nothing
+        is read or copied again (the multi-rank restore then moves them into the target); a
+        file fetched onto another device than ``device`` is copied there whole first. None
+        when some file was not fetched (they are read through :meth:`read_into`)."""
         images = self._images
-        if not own.files or any(f not in images or images[f].device != device for f in own.files):
+        if not own.files or any(f not in images for f in own.files):
             return None
         by_file = entries_by_file(own, where)
         out: dict[str, torch.Tensor] = {}
         for fname, rec in own.files.items():
-            data = images[fname][rec.header_size:]
+            image = images[fname] if images[fname].device == device else images[fname].to(device)
+            data = image[rec.header_size:]
             for e in by_file[fname]:
                 if not 0 <= e.begin <= e.end <= data.numel():
                     raise CheckpointCorruptError(f"{where}: {fname}: tensor {e.name!r} at [{e.begin}, {e.end}) lies "
@@ -345,6 +347,11 @@ def _fetch(rep: Replicator, fetching: _Fetching, coord: Coordinator, s: int, sha
         if rec.ok and rec.record is not None and rec.record.rank == me and rec.record.step == s and \
                 rec.files is not None:
             return _finish(rep, fetching, coord, s, Fetched(rec.record, rec.files)), ""
+        if rec.local:  # (no other node's copy would fare better here: no more asks)
+            why.append(f"this node could not take the copy from node {rep.nodes[ask]}: {rec.local}")
+            log.warning("peer tier: step %d, rank %d: %s; asking no other node", s, me, why[-1])
+            need = False
+            continue
         why.append(f"the copy on node {rep.nodes[ask]} " + ("fails its check" if rec.record is not None else
                                                               "could not be received"))
         log.warning("peer tier: step %d, rank %d: the copy from rank %d (node %s) is not usable; %s", s, me, ask,

@@ -41,14 +41,16 @@ __all__ = ["MemoryTransport"]
 class MemoryTransport:
     """Hands a check plan's chunks to the driver from ``files`` (data file name -> the whole
     file as a contiguous uint8 tensor, on the host or a GPU), on ``pool`` (at most
-    ``threads`` tasks at once).
+    ``threads`` tasks at once), waiting for them at most ``timeout_s`` (then, for those
+    started, as long again: they read memory the caller may let go).
 
     Example:
         >>> run(plan_check(manifest, where), MemoryTransport(images, pool))  # doctest: +SKIP
     """
 
-    def __init__(self, files: Mapping[str, torch.Tensor], pool: Executor, threads: int = THREADS) -> None:
-        self.files, self.pool, self.threads = files, pool, max(1, threads)
+    def __init__(self, files: Mapping[str, torch.Tensor], pool: Executor, threads: int = THREADS, *,
+                 timeout_s: float = WAIT_S) -> None:
+        self.files, self.pool, self.threads, self.timeout_s = files, pool, max(1, threads), timeout_s
 
     def read(self, chunks: Sequence[Chunk], land: Land) -> None:
         """Hand every chunk to ``land`` (see :class:`~ckptmgr.restore.read.Transport`)."""
@@ -86,13 +88,13 @@ class MemoryTransport:
         futures: list[Future[None]] = []
         try:
             futures.extend(self.pool.submit(work, w) for w in range(workers))
-            _, late = wait_futures(futures, timeout=WAIT_S)
+            _, late = wait_futures(futures, timeout=self.timeout_s)
             if late:
-                raise CkptTimeoutError(f"checking {len(chunks)} chunks in memory took over {WAIT_S:g} s")
+                raise CkptTimeoutError(f"checking {len(chunks)} chunks in memory took over {self.timeout_s:g} s")
             wait_all(futures)
         except BaseException:  # (an interrupt too) nothing more starts; the started end first
             stop.set()
-            drain(futures)
+            drain(futures, self.timeout_s)
             raise
 
 
