@@ -14,6 +14,7 @@ from test_peer_fetch_memory import CHUNK, _shard
 
 from ckptmgr.distributed import peer_mover
 from ckptmgr.distributed.peer_restore import PeerSource
+from ckptmgr.restore.loaders import bounce
 from ckptmgr.restore.read import ChecksumMismatchError, plan_check, run
 from ckptmgr.restore.transports.memory import MemoryTransport
 
@@ -21,6 +22,10 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
+
+
+def _pinned(n: int) -> list[list[torch.Tensor]]:
+    return bounce.buffers(n, True)
 
 
 def _on_gpu(data: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -40,7 +45,7 @@ def test_the_check_reads_back_what_the_callers_stream_wrote_after_a_delay():
         for n, t in files.items():
             t.copy_(good[n], non_blocking=True)
         with ThreadPoolExecutor(4) as pool:
-            run(plan_check(rec.manifest, "here"), MemoryTransport(files, pool))
+            run(plan_check(rec.manifest, "here"), MemoryTransport(files, pool, timeout_s=60.0, pinned=_pinned))
 
 
 def test_a_changed_byte_in_gpu_memory_fails_its_chunk_naming_the_file_and_range():
@@ -49,7 +54,7 @@ def test_a_changed_byte_in_gpu_memory_fails_its_chunk_naming_the_file_and_range(
     name = sorted(files)[0]
     files[name][2 * CHUNK + 7] ^= 1
     with ThreadPoolExecutor(4) as pool, pytest.raises(ChecksumMismatchError) as info:
-        run(plan_check(rec.manifest, "here"), MemoryTransport(files, pool))
+        run(plan_check(rec.manifest, "here"), MemoryTransport(files, pool, timeout_s=60.0, pinned=_pinned))
     assert info.value.mismatch.file == name and info.value.mismatch.begin == 2 * CHUNK
 
 

@@ -181,18 +181,18 @@ def test_the_memory_transport_checks_files_where_they_lie_and_names_a_mismatch()
     rec, data = _shard()
     files = {n: torch.from_numpy(a.copy()) for n, a in data.items()}
     with ThreadPoolExecutor(3) as pool:
-        run(plan_check(rec.manifest, "here"), MemoryTransport(files, pool))
+        run(plan_check(rec.manifest, "here"), MemoryTransport(files, pool, timeout_s=WAIT))
         name = sorted(files)[1]
         files[name][CHUNK + 5] ^= 1
         with pytest.raises(ChecksumMismatchError) as info:
-            run(plan_check(rec.manifest, "here"), MemoryTransport(files, pool))
+            run(plan_check(rec.manifest, "here"), MemoryTransport(files, pool, timeout_s=WAIT))
         assert info.value.mismatch.file == name and info.value.mismatch.begin == CHUNK
 
 
 def test_the_memory_transport_refuses_chunks_it_cannot_check():
     files = {"f": torch.zeros(100, dtype=torch.uint8)}
     with ThreadPoolExecutor(1) as pool:
-        t = MemoryTransport(files, pool)
+        t = MemoryTransport(files, pool, timeout_s=WAIT)
         for chunk in (Chunk("f", 0, 0, 101, "0"), Chunk("g", 0, 0, 10, "0"),
                       Chunk("f", 0, 0, 10, "0", dest=object()), Chunk("f", 0, 0, 10, "0", subs=((0, 5, "0"),))):
             with pytest.raises(ValueError, match=r"this transport checks|not in memory here"):
@@ -317,7 +317,7 @@ def test_a_chunk_that_fails_stops_the_other_workers_at_their_next_chunk():
         landed.append((c.file, c.index))
 
     with ThreadPoolExecutor(2) as pool, pytest.raises(CheckpointCorruptError, match="bad"):
-        MemoryTransport(files, pool, threads=2).read(chunks, land)
+        MemoryTransport(files, pool, threads=2, timeout_s=WAIT).read(chunks, land)
     assert landed == [(chunks[1].file, chunks[1].index)]
 
 

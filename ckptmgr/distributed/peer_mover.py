@@ -43,6 +43,7 @@ from .._threads import DaemonPool
 from ..errors import CheckpointCorruptError, CkptError, CkptTimeoutError
 from ..format.manifest import FileRecord
 from ..format.schema import MAX_MANIFEST_BYTES
+from ..restore.loaders import bounce
 from ..restore.read import plan_check, run
 from ..restore.transports.memory import MemoryTransport
 from ..storage.peer_tier import IncomingFile, PeerArea, ShardRecord, check_files
@@ -592,7 +593,8 @@ def _check_in_memory(rec: ShardRecord, files: dict[str, torch.Tensor], pool: Any
     the read driver, over :class:`~ckptmgr.restore.transports.memory.MemoryTransport`, its
     wait bounded by ``timeout_s``). A check that cannot run raises."""
     try:
-        run(plan_check(rec.manifest, where), MemoryTransport(files, pool, timeout_s=timeout_s))
+        run(plan_check(rec.manifest, where), MemoryTransport(files, pool, bounce.THREADS, timeout_s=timeout_s,
+                                                             pinned=lambda n: bounce.buffers(n, True)))
     except CkptTimeoutError:
         raise
     except CheckpointCorruptError as exc:

@@ -6,13 +6,12 @@ received there by NCCL with no host copy, or host memory over gloo (see
 before anything uses them, by the one read driver (:func:`~ckptmgr.restore.read.run`) over a
 check plan of the files' checksum chunks, with this transport handing it each chunk.
 
-On the host, a chunk is checksummed where it lies. On a GPU, each of :data:`THREADS` threads
-copies its chunks back in pieces of ``PIECE_BYTES`` through two pinned buffers of its own (the
-bounce readers' block, :mod:`~ckptmgr.restore.loaders.bounce`) on a stream of its own, each
-piece's copy queued before the piece before it is checksummed, and hands the chunk to the driver
-as :class:`~ckptmgr.restore.read.Landed` (the CRC32C of its bytes, computed piece by piece).
-The pinned block is the one the bounce readers' loads reuse; nothing of the files' size is
-allocated on the host.
+On the host, a chunk is checksummed where it lies. On a GPU, each of ``threads`` threads
+copies its chunks back in pieces through two pinned buffers of its own (``pinned``: the caller
+gives them; a peer restore gives the bounce readers' block, which their loads reuse) on a
+stream of its own, each piece's copy queued before the piece before it is checksummed, and
+hands the chunk to the driver as :class:`~ckptmgr.restore.read.Landed` (the CRC32C of its
+bytes, computed piece by piece). Nothing of the files' size is allocated on the host.
 
 Only checks: a chunk with a destination, or with sub-chunk checksums, is refused.
 """
@@ -20,7 +19,7 @@ Only checks: a chunk with a destination, or with sub-chunk checksums, is refused
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -30,8 +29,6 @@ import torch
 from ... import _cuda
 from ...errors import CkptTimeoutError
 from ...format.checksum import crc32c_combine, crc32c_value
-from ..loaders.bounce import PIECE_BYTES, THREADS, buffers
-from ..loaders.pieces import WAIT_S
 from ..preflight import drain, wait_all
 from ..read import Chunk, Land, Landed
 
@@ -42,15 +39,18 @@ class MemoryTransport:
     """Hands a check plan's chunks to the driver from ``files`` (data file name -> the whole
     file as a contiguous uint8 tensor, on the host or a GPU), on ``pool`` (at most
     ``threads`` tasks at once), waiting for them at most ``timeout_s`` (then, for those
-    started, as long again: they read memory the caller may let go).
+    started, as long again: they read memory the caller may let go). Files on a GPU need
+    ``pinned``: ``pinned(n)`` gives two pinned host buffers (uint8, of one size) for each of
+    ``n`` threads.
 
     Example:
-        >>> run(plan_check(manifest, where), MemoryTransport(images, pool))  # doctest: +SKIP
+        >>> run(plan_check(manifest, where), MemoryTransport(images, pool, timeout_s=60))  # doctest: +SKIP
     """
 
-    def __init__(self, files: Mapping[str, torch.Tensor], pool: Executor, threads: int = THREADS, *,
-                 timeout_s: float = WAIT_S) -> None:
+    def __init__(self, files: Mapping[str, torch.Tensor], pool: Executor, threads: int = 8, *, timeout_s: float,
+                 pinned: Callable[[int], list[list[torch.Tensor]]] | None = None) -> None:
         self.files, self.pool, self.threads, self.timeout_s = files, pool, max(1, threads), timeout_s
+        self.pinned = pinned
 
     def read(self, chunks: Sequence[Chunk], land: Land) -> None:
         """Hand every chunk to ``land`` (see :class:`~ckptmgr.restore.read.Transport`)."""
@@ -63,8 +63,10 @@ class MemoryTransport:
         if not chunks:
             return
         gpu = [t.device for t in self.files.values() if t.device.type == "cuda"]
+        if gpu and self.pinned is None:
+            raise ValueError("files in GPU memory are read back through pinned buffers; none were given")
         workers = min(self.threads, len(chunks))
-        pairs = buffers(workers, True) if gpu else [None] * workers
+        pairs: list[Any] = self.pinned(workers) if gpu and self.pinned is not None else [None] * workers
         streams: list[Any] = [None] * workers
         if gpu:  # (the copies back come after whatever the caller queued that writes the files)
             caller = torch.cuda.current_stream(gpu[0])
@@ -100,27 +102,28 @@ class MemoryTransport:
 
 def _crc(src: torch.Tensor, bufs: list[torch.Tensor] | None, stream: Any) -> Landed:
     """The CRC32C of ``src`` (GPU memory), copied back piece by piece through ``bufs`` (two
-    pinned buffers of ``PIECE_BYTES``) on ``stream``: the next piece's copy runs while a
-    piece is checksummed."""
+    pinned buffers of one size) on ``stream``: the next piece's copy runs while a piece is
+    checksummed."""
     assert bufs is not None
     n = src.numel()
+    piece = bufs[0].numel()
     crc = -1
     events: list[Any] = [None, None]
-    starts = range(0, n, PIECE_BYTES)
+    starts = range(0, n, piece)
     with torch.cuda.stream(stream):  # (it waits for the caller's stream: see MemoryTransport.read)
 
         def copy(i: int) -> None:
-            b = i * PIECE_BYTES
-            bufs[i % 2][:min(PIECE_BYTES, n - b)].copy_(src[b:b + PIECE_BYTES], non_blocking=True)
+            b = i * piece
+            bufs[i % 2][:min(piece, n - b)].copy_(src[b:b + piece], non_blocking=True)
             events[i % 2] = _cuda.CopyDone([stream])
 
         if n:
             copy(0)
         for i, b in enumerate(starts):
-            if b + PIECE_BYTES < n:
+            if b + piece < n:
                 copy(i + 1)
             events[i % 2].synchronize()
-            size = min(PIECE_BYTES, n - b)
+            size = min(piece, n - b)
             value = crc32c_value(bufs[i % 2][:size].numpy())
             crc = value if crc < 0 else crc32c_combine(crc, value, size)
     return Landed(max(crc, 0), n)
