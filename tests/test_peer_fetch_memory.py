@@ -20,7 +20,7 @@ from ckptmgr.distributed import peer_mover
 from ckptmgr.distributed.peer_mover import Into, ShardMover
 from ckptmgr.distributed.peer_restore import PeerSource
 from ckptmgr.distributed.peer_transport import Transport
-from ckptmgr.errors import CheckpointCorruptError, CkptError
+from ckptmgr.errors import CheckpointCorruptError, CkptError, CkptTimeoutError
 from ckptmgr.format.checksum import chunk_ranges, crc32c_hex
 from ckptmgr.format.manifest import FileRecord, Manifest
 from ckptmgr.restore.read import ChecksumMismatchError, Chunk, plan_check, run
@@ -399,3 +399,65 @@ def test_an_in_place_restore_of_files_held_in_memory_reads_them_with_the_host_lo
         assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
     finally:
         mgr.close()
+
+
+def test_fetched_files_on_another_device_are_moved_there_whole_or_left_to_the_reads_when_it_has_no_room(
+        monkeypatch):
+    """Files fetched onto one device for a restore onto another are copied there whole, one
+    copy per file; where that device has no room, ``staged`` gives None (the restore reads
+    the files through ``read_into`` instead, with its own handling of a full device)."""
+    rec, data = _shard()
+    images = {n: torch.from_numpy(a.copy()) for n, a in data.items()}
+    source = PeerSource({}, None, "peer tier", None, images)
+    moved: list[torch.device] = []
+    real = torch.Tensor.to
+
+    def to(self: torch.Tensor, device: Any, *a: Any, **k: Any) -> torch.Tensor:
+        if isinstance(device, torch.device) and device.type == "meta":  # (stands in for another GPU)
+            moved.append(device)
+            return self.clone()
+        return real(self, device, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    staged = source.staged(3, rec.manifest, torch.device("meta"), "here")
+    assert staged is not None and len(moved) == len(images)
+    for i, (name, arr) in enumerate(sorted(data.items())):
+        t = staged[f"rank00000/t{i}"]
+        assert t.untyped_storage().data_ptr() != images[name].untyped_storage().data_ptr()  # (the copy's)
+        assert t.numpy().tobytes() == arr[HEADER:HEADER + 4 * t.numel()].tobytes()
+
+    def full(self: torch.Tensor, device: Any, *a: Any, **k: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(torch.Tensor, "to", full)
+    assert source.staged(3, rec.manifest, torch.device("meta"), "here") is None
+
+
+def test_the_memory_a_shard_may_take_is_the_least_of_the_hosts_and_the_cgroups_reclaimable_cache_not_taken(
+        tmp_path):
+    (tmp_path / "meminfo").write_text("MemTotal: 100000 kB\nMemAvailable:    50000 kB\n")
+    (tmp_path / "cgroup").write_text("12:memory:/x\n0::/job/rank0\n")
+    d = tmp_path / "fs" / "job" / "rank0"
+    d.mkdir(parents=True)
+    (d / "memory.max").write_text(f"{40_000 * 1024}\n")
+    (d / "memory.current").write_text(f"{30_000 * 1024}\n")
+    (d / "memory.stat").write_text(f"anon 1\ninactive_file {5_000 * 1024}\nactive_file 9\n")
+    args = (str(tmp_path / "meminfo"), str(tmp_path / "cgroup"), str(tmp_path / "fs").encode())
+    assert peer_mover._available(*args) == 15_000 * 1024  # the limit less what is used, less the dropable cache
+    (d / "memory.max").write_text("max\n")
+    assert peer_mover._available(*args) == 50_000 * 1024  # no limit: the host's
+    (tmp_path / "meminfo").write_text("MemTotal: 1 kB\n")
+    assert peer_mover._available(*args) is None
+
+
+def test_a_check_in_memory_that_outlives_its_bound_fails_the_transfer(tmp_path, monkeypatch):
+    """Its readers may still read the shard's memory: the transfer raises (and the restore
+    fails) rather than letting that memory go as a refused copy's."""
+    rec, data = _shard()
+
+    def stuck(self: Any, chunks: Any, land: Any) -> None:
+        raise CkptTimeoutError("checking took too long")
+
+    monkeypatch.setattr(MemoryTransport, "read", stuck)
+    with pytest.raises(CkptTimeoutError, match="took too long"):
+        _fetch(tmp_path, rec, data, Into(torch.device("cpu"), dict(rec.manifest.files)))

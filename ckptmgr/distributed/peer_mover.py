@@ -27,6 +27,7 @@ transfer holds, and is joined (bounded) before the transfer returns.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -500,14 +501,16 @@ def _memory(nbytes: int, device: torch.device) -> torch.Tensor:
         raise CkptError(f"no memory for a shard of {nbytes} bytes: {exc}") from None
 
 
-def _available() -> int | None:
+def _available(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/self/cgroup",
+               cgroups: bytes = b"/sys/fs/cgroup") -> int | None:
     """The memory this process may still take, in bytes: the host's ``MemAvailable``, and, in
     a cgroup (v2) with a memory limit, what the limit leaves (``memory.max`` less
-    ``memory.current``), whichever is less; None where neither can be read. Each rank reads
-    it for itself: ranks that fetch at once on one node may together take more."""
+    ``memory.current``, the page cache it could drop, ``inactive_file``, not counted as
+    taken), whichever is less; None where neither can be read. Each rank reads it for
+    itself: ranks that fetch at once on one node may together take more."""
     found: list[int] = []
     try:
-        with open("/proc/meminfo", "rb") as f:
+        with open(meminfo, "rb") as f:
             for line in f:
                 if line.startswith(b"MemAvailable:"):
                     found.append(int(line.split()[1]) * 1024)
@@ -515,15 +518,18 @@ def _available() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     try:
-        with open("/proc/self/cgroup", "rb") as f:
+        with open(cgroup, "rb") as f:
             path = next((ln.strip()[3:] for ln in f if ln.startswith(b"0::")), None)
         if path is not None:
-            d = os.path.join(b"/sys/fs/cgroup", path.lstrip(b"/"))
+            d = os.path.join(cgroups, path.lstrip(b"/"))
             with open(os.path.join(d, b"memory.max"), "rb") as f:
                 limit = f.read().strip()
             if limit != b"max":
                 with open(os.path.join(d, b"memory.current"), "rb") as f:
-                    found.append(max(0, int(limit) - int(f.read().strip())))
+                    used = int(f.read().strip())
+                with contextlib.suppress(OSError, ValueError), open(os.path.join(d, b"memory.stat"), "rb") as f:
+                    used -= next((int(ln.split()[1]) for ln in f if ln.startswith(b"inactive_file ")), 0)
+                found.append(max(0, int(limit) - max(0, used)))
     except (OSError, ValueError):
         pass
     return min(found) if found else None

@@ -125,14 +125,20 @@ class PeerSource:
         files' memory, when every one of them was fetched: verified as they arrived, nothing
         is read or copied again (the multi-rank restore then moves them into the target); a
         file fetched onto another device than ``device`` is copied there whole first. None
-        when some file was not fetched (they are read through :meth:`read_into`)."""
+        when some file was not fetched, or ``device`` has no room for such a copy (the files
+        are then read through :meth:`read_into`, as the restore decides)."""
         images = self._images
         if not own.files or any(f not in images for f in own.files):
             return None
         by_file = entries_by_file(own, where)
         out: dict[str, torch.Tensor] = {}
         for fname, rec in own.files.items():
-            image = images[fname] if images[fname].device == device else images[fname].to(device)
+            image = images[fname]
+            if image.device != device:
+                try:
+                    image = image.to(device)
+                except torch.OutOfMemoryError:
+                    return None
             data = image[rec.header_size:]
             for e in by_file[fname]:
                 if not 0 <= e.begin <= e.end <= data.numel():
