@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_peer_fetch_memory import CHUNK, _shard
 
-from ckptmgr.distributed import peer_mover
+from ckptmgr.distributed import peer_memory, peer_mover
 from ckptmgr.distributed.peer_restore import PeerSource
 from ckptmgr.restore.loaders import bounce
 from ckptmgr.restore.read import ChecksumMismatchError, plan_check, run
@@ -61,9 +61,9 @@ def test_a_changed_byte_in_gpu_memory_fails_its_chunk_naming_the_file_and_range(
 def test_pieces_across_files_are_placed_by_device_copies_and_the_tensors_are_views_of_the_gpu_memory():
     rec, data = _shard((3 * CHUNK + 203, 2 * CHUNK + 72))
     sizes = [f.size for f in rec.manifest.files.values()]
-    bases, total = peer_mover._layout(sizes)
+    bases, total = peer_memory.layout(sizes)
     image = torch.zeros(total + CHUNK, dtype=torch.uint8, device="cuda")  # (the scratch piece at the end)
-    landing = peer_mover._InMemory(image, bases, CHUNK, total)
+    landing = peer_memory.InMemory(image, bases, CHUNK, total)
     stream = np.concatenate([data[n] for n in rec.manifest.files])
     at = 0
     for cut in peer_mover._cut(sizes, CHUNK):
@@ -74,7 +74,7 @@ def test_pieces_across_files_are_placed_by_device_copies_and_the_tensors_are_vie
         landing.place(cut)
         at += n
     landing.settle()
-    files = peer_mover._split(image, rec, bases)
+    files = peer_memory.split(image, rec, bases)
     assert {n: t.cpu().numpy().tobytes() for n, t in files.items()} == {n: a.tobytes() for n, a in data.items()}
     staged = PeerSource({}, None, "peer tier", None, files).staged(3, rec.manifest, image.device, "here")
     assert staged is not None

@@ -1,4 +1,4 @@
-"""A peer restore's fetch lands the shard in memory (:class:`~ckptmgr.distributed.peer_mover.Into`),
+"""A peer restore's fetch lands the shard in memory (:class:`~ckptmgr.distributed.peer_memory.Into`),
 verified there by the read driver over :class:`~ckptmgr.restore.transports.memory.MemoryTransport`,
 and the restore takes its tensors as views of it (:meth:`PeerSource.staged`). In one process,
 on the host: a loopback transport hands each piece sent to the receive of the same round. The
@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from ckptmgr.distributed import peer_mover
-from ckptmgr.distributed.peer_mover import Into, ShardMover
+from ckptmgr.distributed import peer_memory, peer_mover
+from ckptmgr.distributed.peer_memory import Into
+from ckptmgr.distributed.peer_mover import ShardMover
 from ckptmgr.distributed.peer_restore import PeerSource
 from ckptmgr.distributed.peer_transport import Transport
 from ckptmgr.errors import CheckpointCorruptError, CkptError, CkptTimeoutError
@@ -106,7 +107,7 @@ def test_a_shard_whose_files_are_not_the_steps_is_refused_before_memory_is_taken
     name = next(iter(step_files))
     step_files[name] = FileRecord(step_files[name].size, CHUNK, ("00000000",) * len(step_files[name].crc32c), HEADER)
     taken: list[int] = []
-    monkeypatch.setattr(peer_mover, "_memory", lambda n, device: taken.append(n))
+    monkeypatch.setattr(peer_memory, "allocate", lambda n, device: taken.append(n))
     got, mover, area = _fetch(tmp_path, rec, data, Into(torch.device("cpu"), step_files))
     try:
         assert got == (None, False, None, None, "") and taken == [] and area.copies() == []
@@ -272,7 +273,7 @@ def test_a_shard_announced_with_another_size_rank_or_step_is_refused_before_memo
     rec, data = _shard()
     nbytes = sum(a.size for a in data.values())
     taken: list[int] = []
-    monkeypatch.setattr(peer_mover, "_memory", lambda n, device: taken.append(n))
+    monkeypatch.setattr(peer_memory, "allocate", lambda n, device: taken.append(n))
     mover, area = _mover(tmp_path)
     try:
         raw = np.frombuffer(rec.raw, dtype=np.uint8)
@@ -286,16 +287,16 @@ def test_a_shard_announced_with_another_size_rank_or_step_is_refused_before_memo
 
 def test_no_memory_for_a_shard_refuses_it_rather_than_failing_the_transfer(tmp_path, monkeypatch):
     rec, data = _shard()
-    monkeypatch.setattr(peer_mover, "_available", lambda: 1000)  # (less than the shard)
+    monkeypatch.setattr(peer_memory, "available", lambda: 1000)  # (less than the shard)
     got, mover, area = _fetch(tmp_path, rec, data, Into(torch.device("cpu"), dict(rec.manifest.files)))
     try:
         assert got.record is None and not got.ok and "no memory for a shard" in got.local and area.copies() == []
         assert mover.stats()["peer_bytes_received"] == sum(a.size for a in data.values())  # (drained)
     finally:
         area.close()
-    monkeypatch.setattr(peer_mover, "_available", lambda: None)
+    monkeypatch.setattr(peer_memory, "available", lambda: None)
     with pytest.raises(CkptError, match="no memory for a shard"):
-        peer_mover._memory(1 << 60, torch.device("cpu"))  # (the allocator's own refusal)
+        peer_memory.allocate(1 << 60, torch.device("cpu"))  # (the allocator's own refusal)
 
 
 def test_a_chunk_that_fails_stops_the_other_workers_at_their_next_chunk():
@@ -329,7 +330,7 @@ def test_the_bytes_between_fetched_files_are_zero_and_a_scratch_piece_comes_with
     carries stale memory."""
     rec, data = _shard((3 * CHUNK + 203, 2 * CHUNK + 72))
     made: list[torch.Tensor] = []
-    real = peer_mover._memory
+    real = peer_memory.allocate
 
     def memory(n: int, device: torch.device) -> torch.Tensor:
         t = real(n, device)
@@ -337,13 +338,13 @@ def test_the_bytes_between_fetched_files_are_zero_and_a_scratch_piece_comes_with
         made.append(t)
         return t
 
-    monkeypatch.setattr(peer_mover, "_memory", memory)
+    monkeypatch.setattr(peer_memory, "allocate", memory)
     got, _, area = _fetch(tmp_path, rec, data, Into(torch.device("cpu"), dict(rec.manifest.files)))
     area.close()
     assert got.ok and len(made) == 1
     sizes = [f.size for f in rec.manifest.files.values()]
-    bases, total = peer_mover._layout(sizes)
-    assert bases[1] % peer_mover.FILE_ALIGN == 0 and made[0].numel() == total + CHUNK
+    bases, total = peer_memory.layout(sizes)
+    assert bases[1] % peer_memory.FILE_ALIGN == 0 and made[0].numel() == total + CHUNK
     assert not made[0][sizes[0]:bases[1]].any()
 
 
@@ -443,11 +444,11 @@ def test_the_memory_a_shard_may_take_is_the_least_of_the_hosts_and_the_cgroups_r
     (d / "memory.current").write_text(f"{30_000 * 1024}\n")
     (d / "memory.stat").write_text(f"anon 1\ninactive_file {5_000 * 1024}\nactive_file 9\n")
     args = (str(tmp_path / "meminfo"), str(tmp_path / "cgroup"), str(tmp_path / "fs").encode())
-    assert peer_mover._available(*args) == 15_000 * 1024  # the limit less what is used, less the dropable cache
+    assert peer_memory.available(*args) == 15_000 * 1024  # the limit less what is used, less the dropable cache
     (d / "memory.max").write_text("max\n")
-    assert peer_mover._available(*args) == 50_000 * 1024  # no limit: the host's
+    assert peer_memory.available(*args) == 50_000 * 1024  # no limit: the host's
     (tmp_path / "meminfo").write_text("MemTotal: 1 kB\n")
-    assert peer_mover._available(*args) is None
+    assert peer_memory.available(*args) is None
 
 
 def test_a_check_in_memory_that_outlives_its_bound_fails_the_transfer(tmp_path, monkeypatch):

@@ -271,7 +271,7 @@ def test_a_shard_this_node_has_no_memory_for_is_asked_of_no_other_node(tmp_path,
     """Rank 1 comes back on an empty node B; nodes A and C each hold a copy of its shard. B
     has no memory for it: that is B's own failure, which another node's copy would meet
     too, so rank 1 asks once and then no more (its shard then comes from the durable target)."""
-    from ckptmgr.distributed import peer_mover
+    from ckptmgr.distributed import peer_memory
 
     data = _data(3)
     recs = [_record(r, data[r], world=3) for r in range(3)]
@@ -281,7 +281,7 @@ def test_a_shard_this_node_has_no_memory_for_is_asked_of_no_other_node(tmp_path,
         _hold(areas[0], recs[1], data[1])
         _hold(areas[2], recs[1], data[1])
         _hold(areas[2], recs[2], data[2])
-        monkeypatch.setattr(peer_mover, "_available", lambda: 1000)
+        monkeypatch.setattr(peer_memory, "available", lambda: 1000)
         asked: list[int] = []
 
         def wrap(r: int, mover: ShardMover) -> None:

@@ -27,9 +27,7 @@ transfer holds, and is joined (bounded) before the transfer returns.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -41,17 +39,15 @@ import numpy as np
 import torch
 
 from .._threads import DaemonPool
-from ..errors import CheckpointCorruptError, CkptError, CkptTimeoutError
-from ..format.manifest import FileRecord
+from ..errors import CkptError, CkptTimeoutError
 from ..format.schema import MAX_MANIFEST_BYTES
-from ..restore.loaders import bounce
-from ..restore.read import plan_check, run
-from ..restore.transports.memory import MemoryTransport
 from ..storage.peer_tier import IncomingFile, PeerArea, ShardRecord, check_files
 from ..storage.posix import populate
+from . import peer_memory
+from .peer_memory import Into
 from .peer_transport import Buffer, Transport
 
-__all__ = ["MAX_SHARD_BYTES", "Into", "Received", "Sends", "ShardMover"]
+__all__ = ["MAX_SHARD_BYTES", "Received", "Sends", "ShardMover"]
 
 log = logging.getLogger("ckptmgr")
 MAX_SHARD_BYTES = 1 << 44  # the most bytes a peer may announce for one shard (16 TiB)
@@ -123,17 +119,6 @@ class Received(NamedTuple):
     slot: int | None
     files: dict[str, torch.Tensor] | None = None
     local: str = ""  # (not taken for a reason of this node's, not the copy's: no memory, a check that could not run)
-
-
-class Into(NamedTuple):
-    """Where a restore's fetch lands a shard: in memory on ``device`` (the GPU the transport
-    runs through: NCCL receives straight into it; else the host), not in the peer area.
-    Only a shard whose files are exactly ``files`` (name -> record: the step's manifest's
-    files of that rank) is taken; its bytes are allocated only then, whole (the host's when
-    the device has no room for them)."""
-
-    device: torch.device
-    files: dict[str, FileRecord]
 
 
 class _Incoming(NamedTuple):
@@ -216,9 +201,9 @@ class ShardMover:
                 rec, slot = inc.rec, inc.slot
                 if rec is not None and inc.image is not None:  # (in memory: checked there, nothing to commit)
                     t0 = time.monotonic()
-                    files = _split(inc.image, rec, inc.bases)
+                    files = peer_memory.split(inc.image, rec, inc.bases)
                     try:
-                        bad = _check_in_memory(rec, files, self.io, f"the copy rank {s} sent", wait_s)
+                        bad = peer_memory.check(rec, files, self.io, f"the copy rank {s} sent", wait_s)
                     except CkptTimeoutError:
                         raise  # (its readers may still run: the memory is not let go under them)
                     except Exception as exc:  # (not checked is not usable; the bytes have all arrived)
@@ -267,11 +252,7 @@ class ShardMover:
         files: list[IncomingFile] = []
         if raw is not None and into is not None:
             try:
-                rec = ShardRecord.parse(raw.tobytes(), f"the shard record rank {s} sent")
-                if expect is not None and (rec.rank, rec.step) != expect:
-                    raise CkptError(f"rank {s} sent the shard of rank {rec.rank} of step {rec.step}; " + (
-                        f"rank {expect[0]}'s of step {expect[1]} was asked for" if expect[0] >= 0 else
-                        "none was asked for"))
+                rec = _record(s, raw, expect)
                 if dict(rec.manifest.files) != into.files:
                     raise CkptError(f"rank {s} sent a shard whose files ({sorted(rec.manifest.files)}) are not the "
                                     f"step's ({sorted(into.files)})")
@@ -282,10 +263,10 @@ class ShardMover:
                 log.warning("peer tier: the shard rank %d sent is not taken: %s", s, exc)
                 return _Incoming(None, None, [], nbytes)
             sizes = [f.size for f in rec.manifest.files.values()]
-            bases, total = _layout(sizes)
+            bases, total = peer_memory.layout(sizes)
             across = any(len(cut) > 1 for cut in _cut(sizes, self.chunk_bytes))  # (then a scratch piece, at the end)
             try:
-                image = _memory(total + (self.chunk_bytes if across else 0), into.device)
+                image = peer_memory.allocate(total + (self.chunk_bytes if across else 0), into.device)
             except CkptError as exc:
                 log.warning("peer tier: the shard rank %d sent is not taken: %s", s, exc)
                 return _Incoming(None, None, [], nbytes, local=str(exc))
@@ -294,13 +275,9 @@ class ShardMover:
             return _Incoming(rec, None, [], nbytes, image, bases)
         if raw is not None:
             try:
-                rec = ShardRecord.parse(raw.tobytes(), f"the shard record rank {s} sent")
+                rec = _record(s, raw, expect)
                 if not own_node_ok and rec.node == self.node:
                     raise CkptError(f"rank {s} sent a shard saved on this very node ({rec.node})")
-                if expect is not None and (rec.rank, rec.step) != expect:
-                    raise CkptError(f"rank {s} sent the shard of rank {rec.rank} of step {rec.step}; " + (
-                        f"rank {expect[0]}'s of step {expect[1]} was asked for" if expect[0] >= 0 else
-                        "none was asked for"))
                 slot = self.area.take_slot(rec.rank)
                 if slot is None:
                     raise CkptError(f"every slot of rank {rec.rank}'s shard here is held")
@@ -338,7 +315,7 @@ class ShardMover:
             s: _cut([f.size for f in inc.files], size) if inc.files else
             _cut([f.size for f in inc.rec.manifest.files.values()], size) if inc.image is not None and inc.rec else
             _Dropped(inc.nbytes, size) for s, inc in incoming.items()}
-        images = {s: _InMemory(inc.image, inc.bases, size, _end(inc)) for s, inc in incoming.items()
+        images = {s: peer_memory.InMemory(inc.image, inc.bases, size, _end(inc)) for s, inc in incoming.items()
                   if inc.image is not None}
         scratch = {s: [np.empty(min(size, inc.nbytes), dtype=np.uint8) for _ in range(2 if inc.files else 1)]
                    for s, inc in incoming.items() if inc.nbytes and s not in images}
@@ -424,6 +401,20 @@ class ShardMover:
             self.counts["peer_write_wait_s"] += waited
 
 
+def _record(s: int, raw: np.ndarray[Any, Any], expect: tuple[int, int] | None) -> ShardRecord:
+    """The record rank ``s`` sent, validated, and the shard ``expect`` names (saved rank, step;
+    rank -1: none), if any is expected.
+
+    Raises:
+        CkptError: it is not a valid record, or not of the shard expected.
+    """
+    rec = ShardRecord.parse(raw.tobytes(), f"the shard record rank {s} sent")
+    if expect is not None and (rec.rank, rec.step) != expect:
+        raise CkptError(f"rank {s} sent the shard of rank {rec.rank} of step {rec.step}; " + (
+            f"rank {expect[0]}'s of step {expect[1]} was asked for" if expect[0] >= 0 else "none was asked for"))
+    return rec
+
+
 def _join(parts: list[np.ndarray[Any, Any]], joined: dict[int, np.ndarray[Any, Any]], d: int,
           size: int) -> np.ndarray[Any, Any]:
     """A piece that spans files, joined into rank ``d``'s reused buffer of ``size`` bytes (made
@@ -465,144 +456,7 @@ def _ended(write: Future[None] | None, timeout_s: float) -> None:
     write.result()
 
 
-FILE_ALIGN = 4096  # where each file of a shard received into memory starts (its tensors as aligned as in the file)
-
-
-def _layout(sizes: list[int]) -> tuple[tuple[int, ...], int]:
-    """Where each file of ``sizes`` starts in one allocation, each on a ``FILE_ALIGN`` boundary,
-    and the allocation's size."""
-    bases, at = [], 0
-    for n in sizes:
-        at = -(-at // FILE_ALIGN) * FILE_ALIGN
-        bases.append(at)
-        at += n
-    return tuple(bases), at
-
-
-def _memory(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Fresh memory for a shard received into memory: on ``device``, else (no room there) the
-    host's, if the host has that much available.
-
-    Raises:
-        CkptError: no memory for it (the shard is refused: its bytes are drained).
-    """
-    if device.type != "cpu":
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
-        except torch.OutOfMemoryError:
-            log.info("peer tier: no room on %s for a shard of %d bytes; it is received into host memory", device,
-                     nbytes)
-    free = _available()
-    if free is not None and nbytes > free:
-        raise CkptError(f"no memory for a shard of {nbytes} bytes (the host has {free} available)")
-    try:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    except (RuntimeError, MemoryError) as exc:  # (the host allocator's failure is a RuntimeError)
-        raise CkptError(f"no memory for a shard of {nbytes} bytes: {exc}") from None
-
-
-def _available(meminfo: str = "/proc/meminfo", cgroup: str = "/proc/self/cgroup",
-               cgroups: bytes = b"/sys/fs/cgroup") -> int | None:
-    """The memory this process may still take, in bytes: the host's ``MemAvailable``, and, in
-    a cgroup (v2) with a memory limit, what the limit leaves (``memory.max`` less
-    ``memory.current``, the page cache it could drop, ``inactive_file``, not counted as
-    taken), whichever is less; None where neither can be read. Each rank reads it for
-    itself: ranks that fetch at once on one node may together take more."""
-    found: list[int] = []
-    try:
-        with open(meminfo, "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    found.append(int(line.split()[1]) * 1024)
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        with open(cgroup, "rb") as f:
-            path = next((ln.strip()[3:] for ln in f if ln.startswith(b"0::")), None)
-        if path is not None:
-            d = os.path.join(cgroups, path.lstrip(b"/"))
-            with open(os.path.join(d, b"memory.max"), "rb") as f:
-                limit = f.read().strip()
-            if limit != b"max":
-                with open(os.path.join(d, b"memory.current"), "rb") as f:
-                    used = int(f.read().strip())
-                with contextlib.suppress(OSError, ValueError), open(os.path.join(d, b"memory.stat"), "rb") as f:
-                    used -= next((int(ln.split()[1]) for ln in f if ln.startswith(b"inactive_file ")), 0)
-                found.append(max(0, int(limit) - max(0, used)))
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
-
-
-class _InMemory:
-    """Where the pieces of a shard received into memory land: ``image``, each file at its base;
-    a piece within one file straight into its place, one across files into the scratch piece
-    at the image's end, from ``end`` (allocated with the image, reused: a piece is placed
-    before the next is received), then copied."""
-
-    def __init__(self, image: torch.Tensor, bases: tuple[int, ...], size: int, end: int) -> None:
-        self.image = image
-        self.view: Buffer = image if image.is_cuda else image.numpy()
-        self.bases, self.size = bases, size
-        self.scratch: Buffer | None = self.view[end:end + size] if image.numel() >= end + size else None
-        self.queued = False  # (copies queued on the GPU's current stream, not yet synchronized)
-
-    def into(self, cut: list[tuple[int, int, int]]) -> Buffer:
-        """Where the piece ``cut`` (file index, offset in it, bytes; as :func:`_cut` gives) is received."""
-        if len(cut) == 1:
-            k, at, n = cut[0]
-            return self.view[self.bases[k] + at:self.bases[k] + at + n]
-        if self.scratch is None:
-            raise AssertionError("a piece across files with no scratch piece allocated for it")
-        return self.scratch[:sum(n for _, _, n in cut)]
-
-    def place(self, cut: list[tuple[int, int, int]]) -> None:
-        """Copy a piece received into the scratch buffer to its places (a GPU's copies run on
-        the current stream, which the next receive into the scratch buffer waits on)."""
-        if len(cut) == 1 or self.scratch is None:
-            return
-        at = 0
-        for k, offset, n in cut:
-            b = self.bases[k] + offset
-            dst, src = self.view, self.scratch
-            if isinstance(dst, torch.Tensor):
-                assert isinstance(src, torch.Tensor)
-                dst[b:b + n].copy_(src[at:at + n], non_blocking=True)
-                self.queued = True
-            else:
-                assert isinstance(src, np.ndarray)
-                dst[b:b + n] = src[at:at + n]
-            at += n
-
-    def settle(self) -> None:
-        """Wait for the copies queued on the GPU (none on the host)."""
-        if self.queued:
-            torch.cuda.current_stream(self.image.device).synchronize()
-            self.queued = False
-
-
 def _end(inc: _Incoming) -> int:
     """Where the files of a shard received into memory end in its image (the scratch piece follows)."""
     assert inc.rec is not None
     return inc.bases[-1] + list(inc.rec.manifest.files.values())[-1].size if inc.bases else 0
-
-
-def _split(image: torch.Tensor, rec: ShardRecord, bases: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """The record's files as the parts of ``image`` (each at its base, in record order)."""
-    return {name: image[b:b + frec.size] for (name, frec), b in zip(rec.manifest.files.items(), bases, strict=True)}
-
-
-def _check_in_memory(rec: ShardRecord, files: dict[str, torch.Tensor], pool: Any, where: str,
-                     timeout_s: float) -> str | None:
-    """None when ``files`` (in memory) match the record's checksums, else what does not (by
-    the read driver, over :class:`~ckptmgr.restore.transports.memory.MemoryTransport`, its
-    wait bounded by ``timeout_s``). A check that cannot run raises."""
-    try:
-        run(plan_check(rec.manifest, where), MemoryTransport(files, pool, bounce.THREADS, timeout_s=timeout_s,
-                                                             pinned=lambda n: bounce.buffers(n, True)))
-    except CkptTimeoutError:
-        raise
-    except CheckpointCorruptError as exc:
-        return str(exc)
-    return None

@@ -13,7 +13,7 @@ Every rank calls :func:`restore_newest_peer` together (it is collective, like ev
 4. *fetch*: rank r takes saved rank r's shard: a copy on its own node that passes its
    checksums, else one sent by a holding node (the next one when a copy fails its checks),
    received into memory on the transport's device (NCCL: straight into GPU memory) and
-   verified there (:class:`~ckptmgr.distributed.peer_mover.Into`), else, saying why, from the
+   verified there (:class:`~ckptmgr.distributed.peer_memory.Into`), else, saying why, from the
    durable target. The fetches run on the job's own process group
    (:func:`~ckptmgr.distributed.peer_transport.restore_transport`: NCCL through GPU memory
    when the group has it, else gloo), not on the peer tier's gloo group: every rank is here,
@@ -53,7 +53,8 @@ from ..restore.loaders.ring import entries_by_file
 from ..storage.peer_tier import Copy, ShardRecord
 from ..storage.posix import preadv_into
 from .coordinator import Coordinator, owner_of
-from .peer_mover import Into, Received, ShardMover
+from .peer_memory import Into
+from .peer_mover import Received, ShardMover
 from .peer_transport import Transport, restore_transport
 from .replicate import Replicator
 from .restore import RankMap, Restorer

@@ -289,7 +289,7 @@ def restore_transport(coord: Coordinator, tier_group: Any, mode: str, timeout_s:
 
     GPU memory (CUDA) for staging: at most ``RESTORE_GPU_BYTES``, and ``2 x (host arrays sent
     and received) x segment`` in an exchange (a fetch's shard is received into GPU memory of
-    its own, with no staging: see :class:`~ckptmgr.distributed.peer_mover.Into`), the segment
+    its own, with no staging: see :class:`~ckptmgr.distributed.peer_memory.Into`), the segment
     being ``min(SEGMENT_BYTES,
     RESTORE_GPU_BYTES / (4 x (ranks - 1)))`` (rounded down to 4 KiB; every rank computes the
     same one, so the segments of a pair match); the same in pinned host memory with the
